@@ -1,0 +1,59 @@
+"""Packaging for pykeen-bess."""
+
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+HERE = Path(__file__).parent
+
+setup(
+    name="pykeen-bess",
+    version="0.1.0",
+    description="BESS (Balanced Entity Sampling and Sharing) training and sharded evaluation for PyKEEN",
+    long_description=(HERE / "README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["pykeen_bess", "pykeen_bess.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "pykeen>=1.11,<1.12",
+        "torch>=2.1,<3",
+        "class-resolver>=0.4.2",
+        "numpy>=1.23",
+        "pandas",
+        "tqdm",
+        "torch-max-mem>=0.1.1",
+    ],
+    extras_require={
+        "tests": [
+            "pytest",
+            "nbformat",
+            "nbclient",
+            "ipykernel",
+            "matplotlib",
+        ],
+    },
+    entry_points={
+        # PyKEEN reads only this group; the module installs a post-import hook that registers
+        # the plugin once PyKEEN's resolvers exist (see pykeen_bess/registration.py).
+        "pykeen.datasets": [
+            "pykeen_bess = pykeen_bess.autoload:Nations",
+        ],
+        "pykeen.training_loops": [
+            "bess = pykeen_bess.training:BessTrainingLoop",
+        ],
+        "pykeen.evaluators": [
+            "bess = pykeen_bess.evaluation:BessEvaluator",
+        ],
+        "pykeen.interactions": [
+            "interht = pykeen_bess.interactions:InterHTInteraction",
+            "trans = pykeen_bess.interactions:TranSInteraction",
+        ],
+        "pykeen.models": [
+            "interht = pykeen_bess.models:InterHT",
+            "trans = pykeen_bess.models:TranS",
+        ],
+        "console_scripts": [
+            "pykeen-bess = pykeen_bess.cli:main",
+        ],
+    },
+)
