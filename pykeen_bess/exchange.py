@@ -1,0 +1,214 @@
+"""Stage 4 of the pipeline: collective primitives over the shard axis.
+
+BESS algorithms are written once against :class:`Exchange`. A process holds ``L`` of the
+``n_shard`` shards ("local shards"); every tensor exchanged has a leading local-shard axis of
+size ``L``:
+
+* :meth:`Exchange.all_to_all`: ``[L, n, ...] -> [L, n, ...]``; input ``x[l, s]`` is the message
+  from local shard ``l`` to shard ``s``, output ``y[l, s]`` the message shard ``s`` sent to local
+  shard ``l``;
+* :meth:`Exchange.all_gather`: ``[L, ...] -> [L, n, ...]``; ``y[l, s] = x`` of shard ``s``;
+* :meth:`Exchange.all_reduce`: sums a tensor over processes (not shards) — used for counts,
+  logging and replicated gradients.
+
+Two back ends implement them: :class:`LocalExchange` (one process holding all ``n`` shards,
+``L = n``: the collectives are transposes and broadcasts) and
+:class:`DistributedExchange` (one shard per rank of a ``torch.distributed`` process group,
+``L = 1``). Both are differentiable, so the backward pass of an exchanged embedding reaches the
+shard that owns it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+import torch
+
+__all__ = [
+    "Exchange",
+    "LocalExchange",
+    "DistributedExchange",
+    "ProbeExchange",
+]
+
+
+class Exchange(ABC):
+    """Collective primitives over the shard axis."""
+
+    #: the total number of shards
+    n_shard: int
+    #: the shards held by this process, in the order of the leading local axis
+    local_shards: tuple[int, ...]
+
+    @property
+    def n_local(self) -> int:
+        """The number of shards held by this process (``L``)."""
+        return len(self.local_shards)
+
+    @property
+    def is_distributed(self) -> bool:
+        """Whether more than one process takes part."""
+        return False
+
+    @property
+    def is_main_process(self) -> bool:
+        """Whether this process reports progress, logs and writes shared outputs."""
+        return True
+
+    def local_index(self) -> torch.Tensor:
+        """Return the local shard ids as a long tensor of shape ``[L]``."""
+        return torch.as_tensor(self.local_shards, dtype=torch.long)
+
+    def select_local(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """Select the local shards' entries of a global plan along ``dim``.
+
+        :param x: shape: ``[..., n, ...]`` with the shard axis at ``dim``
+        :returns: shape: ``[..., L, ...]``
+        """
+        if self.n_local == self.n_shard:
+            return x
+        return x.index_select(dim, self.local_index().to(x.device))
+
+    @abstractmethod
+    def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
+        """Exchange messages between all pairs of shards.
+
+        :param x: shape: ``[L, n, ...]``, ``x[l, s]`` goes from local shard ``l`` to shard ``s``
+        :returns: shape: ``[L, n, ...]``, ``y[l, s]`` came from shard ``s`` to local shard ``l``
+        """
+
+    @abstractmethod
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Give every shard the tensors of all shards.
+
+        :param x: shape: ``[L, ...]``
+        :returns: shape: ``[L, n, ...]``, ``y[l, s] = x`` of shard ``s``
+        """
+
+    @abstractmethod
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum a tensor over all processes (not differentiable, not in place).
+
+        :param x: any shape
+        :returns: the sum, same shape
+        """
+
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        """Return the element-wise maximum over all processes."""
+        return x.clone()
+
+    def barrier(self) -> None:
+        """Wait for all processes."""
+
+
+class LocalExchange(Exchange):
+    """All ``n`` shards in one process: collectives are transposes and broadcasts."""
+
+    def __init__(self, n_shard: int):
+        """Create the exchange for ``n_shard`` logical shards."""
+        if n_shard < 1:
+            raise ValueError(f"n_shard must be positive, but is {n_shard}.")
+        self.n_shard = int(n_shard)
+        self.local_shards = tuple(range(self.n_shard))
+
+    def all_to_all(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        _check_leading(x, self.n_shard, self.n_shard)
+        return x.transpose(0, 1)
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        _check_leading(x, self.n_shard)
+        # every local shard sees all shards' tensors; expand keeps this a view and sums gradients
+        return x.unsqueeze(0).expand(self.n_shard, *x.shape)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        return x.clone()
+
+    def __repr__(self) -> str:  # noqa: D105
+        return f"{self.__class__.__name__}(n_shard={self.n_shard})"
+
+
+class DistributedExchange(Exchange):
+    """One shard per rank of a ``torch.distributed`` process group (gloo on CPU, NCCL on GPU)."""
+
+    def __init__(self, group: torch.distributed.ProcessGroup | None = None):
+        """Create the exchange over an initialised process group (default: the world)."""
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("DistributedExchange needs an initialised torch.distributed process group.")
+        self.group = group
+        self.n_shard = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.local_shards = (self.rank,)
+
+    @property
+    def is_distributed(self) -> bool:  # noqa: D102
+        return self.n_shard > 1
+
+    @property
+    def is_main_process(self) -> bool:  # noqa: D102
+        return self.rank == 0
+
+    def all_to_all(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        from torch.distributed.nn.functional import all_to_all_single
+
+        _check_leading(x, 1, self.n_shard)
+        payload = x[0].contiguous()
+        output = torch.empty_like(payload)
+        return all_to_all_single(output, payload, group=self.group).unsqueeze(0)
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        from torch.distributed.nn.functional import all_gather
+
+        _check_leading(x, 1)
+        return torch.stack(all_gather(x[0].contiguous(), group=self.group), dim=0).unsqueeze(0)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        import torch.distributed as dist
+
+        y = x.detach().clone()
+        dist.all_reduce(y, op=dist.ReduceOp.SUM, group=self.group)
+        return y
+
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        import torch.distributed as dist
+
+        y = x.detach().clone()
+        dist.all_reduce(y, op=dist.ReduceOp.MAX, group=self.group)
+        return y
+
+    def barrier(self) -> None:  # noqa: D102
+        import torch.distributed as dist
+
+        dist.barrier(group=self.group)
+
+    def __repr__(self) -> str:  # noqa: D105
+        return f"{self.__class__.__name__}(rank={self.rank}, n_shard={self.n_shard})"
+
+
+def _check_leading(x: torch.Tensor, *sizes: int) -> None:
+    if tuple(x.shape[: len(sizes)]) != tuple(sizes):
+        raise ValueError(f"Expected leading dimensions {list(sizes)}, got shape {list(x.shape)}.")
+
+
+
+class ProbeExchange(Exchange):
+    """The shapes of another exchange without communication, for memory probes.
+
+    A probe must not enter a collective: a rank that runs out of memory would leave the others
+    waiting. This exchange returns tensors of the shapes (and sizes) the real collectives would
+    return, filled with local data.
+    """
+
+    def __init__(self, exchange: Exchange):
+        """Mirror ``exchange``'s layout."""
+        self.n_shard = exchange.n_shard
+        self.local_shards = exchange.local_shards
+
+    def all_to_all(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        return x.clone()
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        return x.unsqueeze(1).expand(x.shape[0], self.n_shard, *x.shape[1:]).clone()
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        return x.clone()

@@ -1,0 +1,57 @@
+"""Stage 6 of the pipeline: the loss of a BESS step, from PyKEEN's loss classes.
+
+Each process evaluates the user's :class:`pykeen.losses.Loss` on the real (non-padding) slots of
+its local blocks, ``[V', 1]`` positive and ``[V', K]`` negative scores, through the loss's own
+:meth:`~pykeen.losses.Loss.process_slcwa_scores`. Softplus / BCE (pointwise), margin ranking
+(pairwise), NSSA (self-adversarial) and cross entropy (a sampled softmax over the positive and its
+``K`` shared negatives) therefore behave exactly as in PyKEEN's sLCWA loop.
+
+With ``reduction="mean"`` the local value is weighted by ``V' / V`` (``V`` the real positives of the
+whole step), so that the values of all processes and all sub-batches add up to the mean over the
+step, and the gradients to the gradient of that mean.
+"""
+
+from __future__ import annotations
+
+import torch
+from pykeen.losses import Loss
+
+from .schemes import BlockScores
+
+__all__ = [
+    "block_loss",
+]
+
+
+def block_loss(
+    loss: Loss,
+    scores: BlockScores,
+    num_valid_step: int,
+    label_smoothing: float = 0.0,
+    num_entities: int | None = None,
+) -> torch.Tensor:
+    """Compute this process' share of the step loss (plus the regularization term).
+
+    :param loss: the PyKEEN loss
+    :param scores: the block scores of (a sub-batch of) the step
+    :param num_valid_step: the number of real positives in the whole step, over all processes
+    :param label_smoothing: PyKEEN's label smoothing (pointwise losses only)
+    :param num_entities: the number of entities (needed for label smoothing)
+    :returns: a scalar; summing it over sub-batches and processes gives the step loss
+    """
+    valid = scores.valid
+    positive = scores.positive[valid].unsqueeze(-1)
+    negative = scores.negative[valid]
+    if positive.shape[0] == 0:
+        # keep the autograd graph connected: its backward runs collectives that every process joins
+        value = (scores.positive.sum() + scores.negative.sum()) * 0.0
+    else:
+        value = loss.process_slcwa_scores(
+            positive_scores=positive,
+            negative_scores=negative,
+            label_smoothing=label_smoothing or None,
+            num_entities=num_entities,
+        )
+        if loss.reduction == "mean":
+            value = value * (positive.shape[0] / max(num_valid_step, 1))
+    return value + scores.regularization

@@ -1,0 +1,232 @@
+"""Row-sparse optimizer updates for the shard tables.
+
+A BESS step touches a few thousand rows of an entity table that may hold millions. Updating the
+whole table densely every step, as ``torch.optim.Adam`` does for a dense gradient, caps
+throughput, so :class:`BessOptimizer` combines
+
+* the user's optimizer (same class and hyper-parameters) for the *replicated* parameters
+  (relations, interaction parameters), updated densely; and
+* a lazy, row-sparse rule for the shard tables, applied to the rows a step touched only, with the
+  semantics of PyTorch's own sparse-gradient optimizers (as PyTorch-BigGraph and DGL-KE do):
+
+  ========== ================================================================================
+  optimizer  row-sparse rule
+  ========== ================================================================================
+  Adam       lazy Adam, as ``torch.optim.SparseAdam``: the moments of a row are updated only
+             in the steps that touch the row; the bias correction uses the global step count
+  SparseAdam the same
+  Adagrad    ``torch.optim.Adagrad`` with a sparse gradient: the squared-gradient sum of a row
+             grows only when it is touched; ``lr_decay`` follows the global step count
+  SGD        ``torch.optim.SGD`` with a sparse gradient (plain SGD)
+  ========== ================================================================================
+
+  Options that have no row-sparse meaning (weight decay, AMSGrad, momentum) raise an error;
+  pass ``sparse_updates=False`` to the training loop to update the shard tables densely with any
+  optimizer instead.
+
+The training loop hands the gradient of a shard table to the optimizer as a *coalesced sparse*
+``grad`` (unique rows, summed values). :class:`BessOptimizer` is a ``torch.optim.Optimizer``:
+learning-rate schedulers, ``state_dict`` / ``load_state_dict`` and PyKEEN's checkpoints work
+unchanged; its parameter groups are the dense groups followed by one group of shard tables.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch.optim import SGD, Adagrad, Adam, Optimizer, SparseAdam
+
+__all__ = [
+    "BessOptimizer",
+    "SPARSE_RULES",
+]
+
+#: the row-sparse rule used for each supported optimizer class
+SPARSE_RULES: dict[type[Optimizer], str] = {
+    Adam: "adam",
+    SparseAdam: "adam",
+    Adagrad: "adagrad",
+    SGD: "sgd",
+}
+
+#: hyper-parameters that must have these values for a row-sparse rule
+_UNSUPPORTED_OPTIONS: dict[str, dict[str, Any]] = {
+    "adam": dict(weight_decay=0, amsgrad=False),
+    "adagrad": dict(weight_decay=0),
+    "sgd": dict(momentum=0, weight_decay=0, nesterov=False),
+}
+
+
+def optimizer_hyperparameters(optimizer: Optimizer) -> dict[str, Any]:
+    """Return the hyper-parameters of an optimizer's first parameter group (without parameters)."""
+    group = optimizer.param_groups[0] if optimizer.param_groups else optimizer.defaults
+    return {key: value for key, value in group.items() if key not in {"params", "initial_lr"}}
+
+
+class BessOptimizer(Optimizer):
+    """Dense updates for replicated parameters plus lazy row-sparse updates for shard tables."""
+
+    def __init__(
+        self,
+        optimizer_cls: type[Optimizer],
+        dense_params: Iterable[torch.nn.Parameter],
+        table_params: Iterable[torch.nn.Parameter],
+        hyperparameters: Mapping[str, Any] | None = None,
+        sparse_updates: bool = True,
+    ):
+        """Create the optimizer.
+
+        :param optimizer_cls: the user's optimizer class (e.g. ``torch.optim.Adam``)
+        :param dense_params: the replicated parameters, updated by ``optimizer_cls``
+        :param table_params: the shard tables (2-D parameters)
+        :param hyperparameters: the optimizer's keyword arguments (``lr``, ``betas``, ...)
+        :param sparse_updates: whether to update the shard tables row-sparsely; if False, they are
+            updated densely by ``optimizer_cls`` like every other parameter
+        :raises ValueError: if the optimizer (or one of its options) has no row-sparse rule
+        """
+        hyperparameters = dict(hyperparameters or {})
+        dense_params = [p for p in dense_params if p.requires_grad]
+        table_params = [p for p in table_params if p.requires_grad]
+        self.optimizer_cls = optimizer_cls
+        self.sparse_updates = sparse_updates
+        dense_cls = Adam if optimizer_cls is SparseAdam else optimizer_cls
+        if not sparse_updates:
+            dense_params = dense_params + table_params
+            table_params = []
+        groups: list[dict[str, Any]] = []
+        self._dense: Optimizer | None = None
+        if dense_params:
+            self._dense = dense_cls(dense_params, **hyperparameters)
+            groups.extend(self._dense.param_groups)
+        self._num_dense_groups = len(groups)
+        if table_params:
+            rule = SPARSE_RULES.get(optimizer_cls)
+            if rule is None:
+                raise ValueError(
+                    f"There is no row-sparse update rule for {optimizer_cls.__name__}. Use one of "
+                    f"{sorted(c.__name__ for c in SPARSE_RULES)}, or pass sparse_updates=False to update the entity "
+                    f"shard tables densely (slower)."
+                )
+            defaults = dict(_sparse_defaults(optimizer_cls))
+            defaults.update({k: v for k, v in hyperparameters.items() if k in defaults or k in _UNSUPPORTED_OPTIONS[rule]})
+            for key, required in _UNSUPPORTED_OPTIONS[rule].items():
+                if key in defaults and defaults.pop(key) != required:
+                    raise ValueError(
+                        f"{optimizer_cls.__name__}({key}={hyperparameters[key]!r}) has no row-sparse meaning; use "
+                        f"{key}={required!r}, or pass sparse_updates=False to update the shard tables densely."
+                    )
+            groups.append(dict(params=table_params, rule=rule, **defaults))
+        if not groups:
+            raise ValueError("The model has no trainable parameters.")
+        super().__init__(groups, defaults=dict(hyperparameters))
+
+    @property
+    def dense_groups(self) -> list[dict[str, Any]]:
+        """The parameter groups updated by the user's optimizer."""
+        return self.param_groups[: self._num_dense_groups]
+
+    @property
+    def sparse_groups(self) -> list[dict[str, Any]]:
+        """The parameter groups of shard tables, updated row-sparsely."""
+        return self.param_groups[self._num_dense_groups :]
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        """Update the dense parameters with the user's optimizer, the shard tables row-sparsely."""
+        if closure is not None:
+            raise ValueError("BessOptimizer does not support closures.")
+        if self._dense is not None:
+            # the dense optimizer works on our groups and state (load_state_dict replaces both)
+            self._dense.param_groups = self.dense_groups
+            self._dense.state = self.state
+            self._dense.step()
+        for group in self.sparse_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                rows, values = _sparse_rows(param.grad)
+                _APPLY[group["rule"]](param, rows, values, self.state[param], group)
+
+
+def _sparse_defaults(optimizer_cls: type[Optimizer]) -> dict[str, Any]:
+    """Hyper-parameters of the row-sparse rule and their defaults."""
+    rule = SPARSE_RULES[optimizer_cls]
+    if rule == "adam":
+        return dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, maximize=False)
+    if rule == "adagrad":
+        return dict(lr=1e-2, lr_decay=0, eps=1e-10, initial_accumulator_value=0, maximize=False)
+    return dict(lr=1e-3, maximize=False)
+
+
+def _sparse_rows(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return ``(rows, values)`` of a row-sparse gradient (coalescing if necessary)."""
+    if not grad.is_sparse:
+        raise ValueError("Shard tables expect row-sparse gradients; the training loop sets them.")
+    if not grad.is_coalesced():
+        grad = grad.coalesce()
+    return grad._indices()[0], grad._values()
+
+
+def _adam(param: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) -> None:
+    """Lazy Adam on the touched rows (``torch.optim.SparseAdam`` semantics)."""
+    if not state:
+        state["step"] = torch.zeros((), dtype=torch.float32)
+        state["exp_avg"] = torch.zeros_like(param)
+        state["exp_avg_sq"] = torch.zeros_like(param)
+    state["step"] += 1
+    step = float(state["step"])
+    beta1, beta2 = group["betas"]
+    if group["maximize"]:
+        grad = -grad
+    exp_avg = state["exp_avg"].index_select(0, rows)
+    exp_avg_sq = state["exp_avg_sq"].index_select(0, rows)
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    state["exp_avg"].index_copy_(0, rows, exp_avg)
+    state["exp_avg_sq"].index_copy_(0, rows, exp_avg_sq)
+    step_size = group["lr"] * math.sqrt(1 - beta2**step) / (1 - beta1**step)
+    update = exp_avg.div_(exp_avg_sq.sqrt_().add_(group["eps"]))
+    param.index_add_(0, rows, update, alpha=-step_size)
+
+
+def _adagrad(param: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) -> None:
+    """Row-sparse Adagrad (``torch.optim.Adagrad`` with a sparse gradient)."""
+    if not state:
+        state["step"] = torch.zeros((), dtype=torch.float32)
+        state["sum"] = torch.full_like(param, group["initial_accumulator_value"])
+    state["step"] += 1
+    step = float(state["step"])
+    if group["maximize"]:
+        grad = -grad
+    clr = group["lr"] / (1 + (step - 1) * group["lr_decay"])
+    squares = state["sum"].index_select(0, rows).addcmul_(grad, grad)
+    state["sum"].index_copy_(0, rows, squares)
+    param.index_add_(0, rows, grad / squares.sqrt_().add_(group["eps"]), alpha=-clr)
+
+
+def _sgd(param: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) -> None:
+    """Row-sparse plain SGD."""
+    param.index_add_(0, rows, grad, alpha=group["lr"] if group["maximize"] else -group["lr"])
+
+
+_APPLY = {
+    "adam": _adam,
+    "adagrad": _adagrad,
+    "sgd": _sgd,
+}
+
+
+def row_sparse_grad(param: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Build the coalesced sparse gradient of a 2-D parameter from unique rows and their values.
+
+    :param param: shape: ``[R, D]``
+    :param rows: shape: ``[U]``, unique, sorted row ids
+    :param values: shape: ``[U, D]``
+    :returns: a sparse COO tensor of shape ``[R, D]``
+    """
+    return torch.sparse_coo_tensor(
+        rows.unsqueeze(0), values, size=param.shape, is_coalesced=True, check_invariants=False
+    )

@@ -1,0 +1,211 @@
+"""The entity table as shard tables: a PyKEEN representation stored shard by shard.
+
+:class:`ShardedEmbedding` replaces a model's :class:`pykeen.nn.Embedding` while BESS trains it.
+It keeps the embedding's normalizer, regularizer, dropout, constrainer and initializer, but stores
+only the rows of the shards this process holds, as one parameter of shape
+``[L * shard_size, row_width]`` (``L`` local shards; complex embeddings as real pairs). Row
+``l * shard_size + local_id`` belongs to local shard ``l``. Padding rows are zero and never
+trained.
+
+When all shards are local (one process), the module is a complete PyKEEN representation:
+:meth:`forward` accepts global entity ids, so the model can be evaluated or queried while it is
+sharded. Under a process group each rank holds one shard and global lookups raise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+from pykeen.nn.init import PretrainedInitializer
+from pykeen.nn.representation import Embedding, Representation
+from torch import nn
+
+from .sharding import EntitySharding
+
+__all__ = [
+    "ShardedEmbedding",
+    "shard_seed",
+]
+
+
+def shard_seed(seed: int, shard: int, purpose: int = 0) -> int:
+    """Return a reproducible seed for one shard (the same on every worker)."""
+    return hash((int(seed), int(shard), int(purpose))) & ((1 << 62) - 1)
+
+
+class ShardedEmbedding(Representation):
+    """An entity embedding stored as the tables of the local shards."""
+
+    def __init__(
+        self,
+        base: Embedding,
+        sharding: EntitySharding,
+        local_shards: Sequence[int],
+        seed: int = 0,
+    ):
+        """Create the (uninitialised) shard tables for an embedding.
+
+        :param base: the embedding to shard; its normalizer, regularizer, dropout, constrainer and
+            initializer are shared, its weights are not copied (see :meth:`copy_from`)
+        :param sharding: the entity sharding
+        :param local_shards: the shards held by this process
+        :param seed: the seed of the per-shard initialisation
+        :raises ValueError: if the embedding does not match the sharding
+        """
+        if base.max_id != sharding.num_entities:
+            raise ValueError(f"Embedding has {base.max_id} rows but the sharding {sharding.num_entities} entities.")
+        super().__init__(max_id=base.max_id, shape=base.shape, unique=False)
+        self.normalizer = base.normalizer
+        self.regularizer = base.regularizer
+        self.dropout = base.dropout
+        self.constrainer = base.constrainer
+        self.initializer = base.initializer
+        self.is_complex = base.is_complex
+        #: the shape of one stored row, e.g. ``(d, 2)`` for a complex vector
+        self.row_shape = tuple(base._shape)
+        self.sharding = sharding
+        self.local_shards = tuple(int(s) for s in local_shards)
+        self.seed = int(seed)
+        #: whether :meth:`post_parameter_update` is a no-op (the training loop constrains the
+        #: updated rows itself instead of the whole table)
+        self.defer_constraints = False
+        template = base._embeddings.weight
+        self.row_width = template.shape[1]
+        self.weight = nn.Parameter(
+            torch.zeros(self.n_local * sharding.shard_size, self.row_width, dtype=template.dtype, device=template.device),
+            requires_grad=template.requires_grad,
+        )
+        # flat local row of every global entity, -1 where the entity is not held here
+        position = torch.full((sharding.n_shard,), -1, dtype=torch.long)
+        position[list(self.local_shards)] = torch.arange(self.n_local)
+        local_position = position[sharding.entity_shard]
+        rows = torch.where(
+            local_position >= 0, local_position * sharding.shard_size + sharding.entity_local, torch.full_like(local_position, -1)
+        )
+        self.register_buffer("entity_rows", rows, persistent=False)
+
+    # -- layout ------------------------------------------------------------------------------
+
+    @property
+    def n_local(self) -> int:
+        """The number of shards held by this process."""
+        return len(self.local_shards)
+
+    @property
+    def holds_all_shards(self) -> bool:
+        """Whether every entity is held by this process."""
+        return self.n_local == self.sharding.n_shard
+
+    def shard_tables(self) -> torch.Tensor:
+        """Return the storage as ``[L, shard_size, row_width]`` (a view)."""
+        return self.weight.view(self.n_local, self.sharding.shard_size, self.row_width)
+
+    def rows_of(self, entities: torch.Tensor) -> torch.Tensor:
+        """Map global entity ids to flat local rows.
+
+        :param entities: shape: ``s``, global ids
+        :returns: shape: ``s``, rows of :attr:`weight`
+        :raises ValueError: if some entity is held by another process
+        """
+        rows = self.entity_rows[entities.to(self.entity_rows.device)]
+        if not self.holds_all_shards and bool((rows < 0).any()):
+            raise ValueError(
+                "Entities held by other ranks were looked up. A distributed sharded model can only be queried "
+                "for local entities; use pykeen_bess.BessEvaluator or export the full model first."
+            )
+        return rows
+
+    def real_rows(self) -> torch.Tensor:
+        """Return the flat rows that hold an entity (no padding), shape ``[n_real]``."""
+        return self.entity_rows[self.entity_rows >= 0]
+
+    # -- PyKEEN representation interface -------------------------------------------------------
+
+    def view_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """View stored rows ``[*, row_width]`` in the representation's shape (complex if needed)."""
+        x = x.view(*x.shape[:-1], *self.row_shape)
+        if self.is_complex:
+            x = torch.view_as_complex(x)
+        return x
+
+    def _plain_forward(self, indices: torch.Tensor | None = None) -> torch.Tensor:  # noqa: D102
+        if indices is None:
+            if not self.holds_all_shards:
+                raise ValueError("Only a process holding all shards can return the full entity table.")
+            indices = torch.arange(self.max_id, device=self.weight.device)
+        rows = self.rows_of(indices)
+        return self.view_rows(self.weight[rows])
+
+    def reset_parameters(self) -> None:
+        """Initialise every local shard from its own seeded generator.
+
+        Row-wise initializers (all of PyKEEN's) keep their distribution; the values depend only on
+        the seed and the shard, so every process and every back end builds the same shard. A
+        :class:`~pykeen.nn.init.PretrainedInitializer` is sharded instead of re-drawn.
+        """
+        with torch.no_grad():
+            tables = self.shard_tables()
+            tables.zero_()
+            if isinstance(self.initializer, PretrainedInitializer):
+                self.copy_from_tensor(self.initializer.tensor)
+                return
+            for position, shard in enumerate(self.local_shards):
+                count = int(self.sharding.shard_counts[shard])
+                with torch.random.fork_rng(devices=[self.weight.device] if self.weight.is_cuda else []):
+                    torch.manual_seed(shard_seed(self.seed, shard))
+                    values = torch.empty(count, *self.row_shape, dtype=self.weight.dtype, device=self.weight.device)
+                    if self.is_complex:
+                        values = torch.view_as_complex(values)
+                    values = self.initializer(values)
+                    if values.is_complex():
+                        values = torch.view_as_real(values)
+                tables[position, :count] = values.reshape(count, self.row_width)
+
+    def post_parameter_update(self) -> None:
+        """Apply the constrainer to all local rows (unless the training loop defers it)."""
+        if self.defer_constraints or self.constrainer is None:
+            return
+        self.constrain_rows(self.real_rows())
+
+    def constrain_rows(self, rows: torch.Tensor) -> None:
+        """Apply the constrainer to the given flat rows, in place."""
+        if self.constrainer is None or rows.numel() == 0:
+            return
+        with torch.no_grad():
+            x = self.constrainer(self.view_rows(self.weight.index_select(0, rows)))
+            if x.is_complex():
+                x = torch.view_as_real(x)
+            self.weight.index_copy_(0, rows, x.reshape(rows.shape[0], self.row_width).to(self.weight.dtype))
+
+    def iter_extra_repr(self) -> Iterable[str]:  # noqa: D102
+        yield from super().iter_extra_repr()
+        yield f"n_shard={self.sharding.n_shard}"
+        yield f"local_shards={list(self.local_shards)}"
+
+    # -- conversion from / to a plain embedding ------------------------------------------------
+
+    def copy_from_tensor(self, table: torch.Tensor) -> None:
+        """Fill the local shards from a full ``[num_entities, ...]`` table in global order."""
+        table = table.reshape(self.max_id, -1) if not table.is_complex() else torch.view_as_real(table).reshape(self.max_id, -1)
+        if table.shape[1] != self.row_width:
+            raise ValueError(f"Expected rows of width {self.row_width}, got {table.shape[1]}.")
+        with torch.no_grad():
+            held = (self.entity_rows >= 0).nonzero().view(-1)
+            self.weight.zero_()
+            self.weight[self.entity_rows[held]] = table[held.to(table.device)].to(self.weight)
+
+    def copy_from(self, embedding: Embedding) -> None:
+        """Fill the local shards from a plain embedding's weights."""
+        self.copy_from_tensor(embedding._embeddings.weight.detach())
+
+    def full_table(self) -> torch.Tensor:
+        """Return the full ``[num_entities, row_width]`` table in global order (all shards local)."""
+        if not self.holds_all_shards:
+            raise ValueError("Only a process holding all shards can assemble the full table.")
+        return self.weight.detach()[self.entity_rows]
+
+    def copy_to(self, embedding: Embedding) -> None:
+        """Write the shard tables back into a plain embedding (all shards local)."""
+        with torch.no_grad():
+            embedding._embeddings.weight.data = self.full_table().to(embedding._embeddings.weight.device).clone()

@@ -1,0 +1,220 @@
+"""Stage 3 of the pipeline: balanced batches and shared negatives.
+
+Every training step is a batch of ``n_shard ** 2`` *blocks* of ``block_size`` slots each; block
+``(i, j)`` holds triples of shardpair ``(i, j)``: heads on shard ``i``, tails on shard ``j``.
+
+**Epoch.** An epoch presents every training triple exactly once: each shardpair is shuffled
+(seeded per epoch) and cut into consecutive chunks of ``block_size``; step ``s`` takes chunk
+``s`` of every shardpair. The epoch has ``ceil(max_pair_count / block_size)`` steps. A shardpair
+that runs out of triples (a small or empty one) fills its remaining slots with *padding*,
+marked ``valid = False`` and excluded from the loss, so small shardpairs are neither
+over-sampled nor able to crash a step. With a random entity sharding the shardpairs hold
+``T / n**2`` triples each up to sampling noise, so padding is a small fraction (reported by
+:attr:`BessSampler.padding_fraction`).
+
+**Negatives.** For block ``(i, j)`` the sampler draws ``num_negs_per_pos / n_shard`` entities
+uniformly with replacement from the *real* (never padding) rows of every shard ``k``; all
+positives of the block share these ``num_negs_per_pos`` negatives. With corruption ``"ht"``
+the first ``block_size // 2`` slots of every block corrupt their head and the rest their tail;
+with ``"h"`` or ``"t"`` all slots corrupt that side.
+
+All randomness comes from a generator seeded by ``(seed, epoch)``: every worker that builds the
+sampler from the same seed draws the same global plan, and resuming at an epoch boundary
+continues identically.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator
+from typing import Literal
+
+import torch
+
+from .partition import ShardPairPartition
+
+__all__ = [
+    "Corruption",
+    "BessBatch",
+    "BessSampler",
+]
+
+#: which side(s) of a positive triple the negatives replace
+Corruption = Literal["h", "t", "ht"]
+CORRUPTIONS: tuple[str, ...] = ("h", "t", "ht")
+
+
+@dataclasses.dataclass
+class BessBatch:
+    """The global plan of one BESS step (identical on every worker).
+
+    ``n`` is the number of shards, ``b`` the block size, ``m = num_negs_per_pos / n``.
+    """
+
+    #: shape: ``[n, n, b]``, local head id (on shard ``i``) of slot ``s`` of block ``(i, j)``
+    heads: torch.Tensor
+    #: shape: ``[n, n, b]``, relation ids
+    relations: torch.Tensor
+    #: shape: ``[n, n, b]``, local tail id (on shard ``j``)
+    tails: torch.Tensor
+    #: shape: ``[n, n, b]``, False for padding slots
+    valid: torch.Tensor
+    #: shape: ``[n, n, b]``, position of the triple in the partition's arrays (-1 for padding)
+    positions: torch.Tensor
+    #: shape: ``[n(k), n(i), n(j), m]``, local ids on shard ``k`` of the negatives of block ``(i, j)``
+    negatives: torch.Tensor
+    #: the first ``num_head_corrupted`` slots of every block corrupt heads, the others tails
+    num_head_corrupted: int
+    #: the epoch this batch belongs to (1-based)
+    epoch: int
+    #: the step within the epoch (0-based)
+    step: int
+
+    @property
+    def n_shard(self) -> int:
+        """The number of shards."""
+        return self.heads.shape[0]
+
+    @property
+    def block_size(self) -> int:
+        """The number of slots per block."""
+        return self.heads.shape[2]
+
+    @property
+    def num_valid(self) -> int:
+        """The number of real (non-padding) positives in the batch."""
+        return int(self.valid.sum())
+
+    def __len__(self) -> int:
+        """Return the number of real positives (as PyKEEN's batch-size bookkeeping expects)."""
+        return self.num_valid
+
+
+class BessSampler:
+    """Draws the balanced batches of an epoch from a shardpair partition."""
+
+    def __init__(
+        self,
+        partition: ShardPairPartition,
+        block_size: int,
+        num_negs_per_pos: int,
+        corruption: Corruption = "ht",
+        seed: int = 0,
+    ):
+        """Create the sampler.
+
+        :param partition: the triples grouped by shardpair
+        :param block_size: the number of slots per block, ``>= 1``; a step has
+            ``n_shard ** 2 * block_size`` slots
+        :param num_negs_per_pos: the number of negatives per positive, a positive multiple of
+            ``n_shard`` (the same number is drawn from every shard)
+        :param corruption: ``"h"``, ``"t"`` or ``"ht"``
+        :param seed: the seed; the plan of epoch ``e`` depends only on ``(seed, e)``
+        :raises ValueError: on invalid parameters
+        """
+        n = partition.n_shard
+        if block_size < 1:
+            raise ValueError(f"block_size must be positive, but is {block_size}.")
+        if corruption not in CORRUPTIONS:
+            raise ValueError(f"Unknown corruption={corruption!r}; expected one of {CORRUPTIONS}.")
+        if num_negs_per_pos < 1 or num_negs_per_pos % n:
+            raise ValueError(
+                f"num_negs_per_pos={num_negs_per_pos} is not usable with {n} shards: BESS draws the same number "
+                f"of negatives from every shard, so it must be a positive multiple of num_shards={n}."
+            )
+        if partition.num_triples == 0:
+            raise ValueError("Cannot sample batches from an empty set of triples.")
+        self.partition = partition
+        self.block_size = int(block_size)
+        self.num_negs_per_pos = int(num_negs_per_pos)
+        self.corruption = corruption
+        self.seed = int(seed)
+        if corruption == "h":
+            self.num_head_corrupted = self.block_size
+        elif corruption == "t":
+            self.num_head_corrupted = 0
+        else:
+            self.num_head_corrupted = self.block_size // 2
+        self._counts = partition.pair_counts.view(-1)
+        self._shard_counts = partition.sharding.shard_counts
+
+    @property
+    def n_shard(self) -> int:
+        """The number of shards."""
+        return self.partition.n_shard
+
+    @property
+    def negatives_per_shard(self) -> int:
+        """The number of negatives drawn from each shard per block, ``m``."""
+        return self.num_negs_per_pos // self.n_shard
+
+    @property
+    def batch_size(self) -> int:
+        """The number of slots per step (positives plus padding)."""
+        return self.n_shard**2 * self.block_size
+
+    def __len__(self) -> int:
+        """Return the number of steps per epoch."""
+        return max(1, math.ceil(int(self._counts.max()) / self.block_size))
+
+    @property
+    def padding_fraction(self) -> float:
+        """The fraction of padding slots over an epoch."""
+        return 1.0 - self.partition.num_triples / (len(self) * self.batch_size)
+
+    def _generator(self, epoch: int, stream: int) -> torch.Generator:
+        # distinct, reproducible streams per (seed, epoch, purpose)
+        return torch.Generator().manual_seed(hash((self.seed, int(epoch), stream)) & ((1 << 62) - 1))
+
+    def _epoch_order(self, epoch: int) -> torch.Tensor:
+        """Return a random order of all triples that keeps them grouped by shardpair.
+
+        :returns: shape: ``[T]``, positions into the partition arrays; shardpair ``p`` occupies
+            ``pair_offsets[p]:pair_offsets[p+1]`` in a uniformly random order
+        """
+        num_triples = self.partition.num_triples
+        pair = torch.repeat_interleave(torch.arange(self._counts.numel()), self._counts)
+        keys = torch.rand(num_triples, generator=self._generator(epoch, 0), dtype=torch.float64)
+        return torch.argsort(pair.to(torch.float64) + keys)
+
+    def epoch(self, epoch: int) -> Iterator[BessBatch]:
+        """Iterate over the batches of an epoch.
+
+        :param epoch: the epoch (1-based, as PyKEEN counts)
+        :yields: the batches, ``len(self)`` of them
+        """
+        order = self._epoch_order(epoch)
+        negative_generator = self._generator(epoch, 1)
+        n, b = self.n_shard, self.block_size
+        offsets = self.partition.pair_offsets[:-1].view(n * n, 1)
+        counts = self._counts.view(n * n, 1)
+        slots = torch.arange(b).view(1, b)
+        for step in range(len(self)):
+            within = step * b + slots
+            valid = within < counts
+            # padding slots point at the shardpair's first triple (or triple 0 for an empty one)
+            position_in_order = offsets + torch.where(valid, within, torch.zeros_like(within))
+            position_in_order = position_in_order.clamp_max(max(self.partition.num_triples - 1, 0))
+            positions = order[position_in_order]
+            yield BessBatch(
+                heads=self.partition.heads[positions].view(n, n, b),
+                relations=self.partition.relations[positions].view(n, n, b),
+                tails=self.partition.tails[positions].view(n, n, b),
+                valid=valid.view(n, n, b),
+                positions=torch.where(valid, positions, torch.full_like(positions, -1)).view(n, n, b),
+                negatives=self._negatives(negative_generator),
+                num_head_corrupted=self.num_head_corrupted,
+                epoch=epoch,
+                step=step,
+            )
+
+    def _negatives(self, generator: torch.Generator) -> torch.Tensor:
+        """Draw ``m`` negatives per (owner shard, block) uniformly from each shard's real rows.
+
+        :returns: shape: ``[n(k), n(i), n(j), m]``, local ids on shard ``k``
+        """
+        n, m = self.n_shard, self.negatives_per_shard
+        uniform = torch.rand(n, n, n, m, generator=generator, dtype=torch.float64)
+        limits = self._shard_counts.view(n, 1, 1, 1).to(torch.float64)
+        return (uniform * limits).long().clamp_max_(self._shard_counts.view(n, 1, 1, 1) - 1)

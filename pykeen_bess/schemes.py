@@ -1,0 +1,434 @@
+"""The BESS step: embedding-moving and score-moving, written once over :mod:`pykeen_bess.exchange`.
+
+A step on the global plan of :class:`~pykeen_bess.sampling.BessBatch` (``n`` shards, blocks of
+``b`` slots, ``m = K / n`` negatives per shard and block) runs on every process over its ``L``
+local shards:
+
+1. **gather** (:meth:`BessScheme.gather`): each local shard ``l`` looks up, once per step, the
+   rows it owns: heads of its blocks ``(l, *)``, tails of blocks ``(*, l)`` and its negatives for
+   all ``n ** 2`` blocks. The unique rows become leaf tensors, so the gradient of a step is
+   row-sparse by construction.
+2. **positives**: tails move to the heads' shard, ``all_to_all([L(j), n(i), b, D]) -> [L(i), n(j), b, D]``;
+   positive scores are computed where the heads live.
+3. **negatives**, ``embedding`` scheme: negative embeddings move to the heads' shard,
+   ``all_to_all([L(k), n(i), n(j), m, D]) -> [L(i), n(k), n(j), m, D]``, and every query of block
+   ``(i, j)`` is scored against its ``K = n * m`` shared negatives;
+   ``score`` scheme: queries are gathered everywhere, ``all_gather([L(i), n(j), b, q]) -> [L(k), n(i), n(j), b, q]``,
+   every shard scores them against its local negatives, ``[L(k), n(i), n(j), b, m]``, and the
+   scores move back, ``all_to_all -> [L(i), n(k), n(j), b, m]``.
+
+Both schemes produce the same ``[L, n, b, K]`` negative scores (candidate order: shard ``k``
+major, then the ``m`` draws), hence the same loss and gradients.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+from pykeen.models import ERModel
+
+from .exchange import Exchange
+from .optim import row_sparse_grad
+from .representation import ShardedEmbedding
+from .sampling import BessBatch
+from .scoring import SharedCandidateScorer, Side
+
+__all__ = [
+    "Scheme",
+    "SCHEMES",
+    "RowGather",
+    "BlockScores",
+    "BessScheme",
+]
+
+#: the name of an exchange scheme
+Scheme = Literal["embedding", "score"]
+SCHEMES: tuple[str, ...] = ("embedding", "score")
+
+
+@dataclasses.dataclass
+class RowGather:
+    """The entity rows a process needs for one step, as leaf tensors."""
+
+    #: shape: ``[U]``, unique flat rows of the local shard tables; ``-1`` marks a dummy row used by
+    #: padding slots (its values are never scored into the loss and never updated)
+    rows: torch.Tensor
+    #: one leaf per shard table, shape: ``[U, row_width]``
+    leaves: list[torch.Tensor]
+    #: shape: ``[L(i), n(j), b]``, index into ``rows`` of the head of every slot of blocks ``(l, *)``
+    heads: torch.Tensor
+    #: shape: ``[L(j), n(i), b]``, index into ``rows`` of the tail of every slot of blocks ``(*, l)``
+    tails: torch.Tensor
+    #: shape: ``[L(k), n(i), n(j), m]``, index into ``rows`` of this shard's negatives of every block
+    negatives: torch.Tensor
+
+
+@dataclasses.dataclass
+class BlockScores:
+    """The scores of (a slice of) one step, on the blocks whose heads are local."""
+
+    #: shape: ``[L(i), n(j), b']``
+    positive: torch.Tensor
+    #: shape: ``[L(i), n(j), b', K]``
+    negative: torch.Tensor
+    #: shape: ``[L(i), n(j), b']``, False for padding slots
+    valid: torch.Tensor
+    #: the regularization term of this slice, already weighted (see :meth:`BessScheme.scores`)
+    regularization: torch.Tensor | float
+
+
+class BessScheme:
+    """Computes the block scores of BESS steps for one process."""
+
+    def __init__(
+        self,
+        model: ERModel,
+        tables: Sequence[ShardedEmbedding],
+        scorer: SharedCandidateScorer,
+        exchange: Exchange,
+        scheme: Scheme = "embedding",
+    ):
+        """Bind the step to a model whose entity representations are the given shard tables.
+
+        :param model: the model (relation representations and interaction are used as they are)
+        :param tables: the model's entity representations, as shard tables
+        :param scorer: the shared-candidate scorer of the model's interaction
+        :param exchange: the collective back end
+        :param scheme: ``"embedding"`` or ``"score"``
+        :raises ValueError: for an unknown scheme
+        """
+        if scheme not in SCHEMES:
+            raise ValueError(f"Unknown exchange={scheme!r}; expected one of {SCHEMES}.")
+        self.model = model
+        self.tables = list(tables)
+        self.scorer = scorer
+        self.exchange = exchange
+        self.scheme = scheme
+        self.head_indices = list(model.interaction.head_indices)
+        self.tail_indices = list(model.interaction.tail_indices)
+
+    # -- gathering ---------------------------------------------------------------------------
+
+    def gather(self, batch: BessBatch) -> RowGather:
+        """Look up the rows this process owns and needs for the step, as leaves.
+
+        :param batch: the global plan of the step
+        :returns: the rows and index tensors into them
+        """
+        exchange = self.exchange
+        size = self.tables[0].sharding.shard_size
+        offset = (torch.arange(exchange.n_local) * size).view(-1, 1, 1)
+        valid = batch.valid
+        # heads of blocks (l, *) and tails of blocks (*, l); padding slots use the dummy row -1
+        heads = torch.where(valid, batch.heads, -1)
+        tails = torch.where(valid, batch.tails, -1)
+        head_rows = _offset_rows(exchange.select_local(heads, 0), offset)
+        tail_rows = _offset_rows(exchange.select_local(tails, 1).transpose(0, 1), offset)
+        # negatives of blocks without any real positive are not needed
+        block_used = valid.any(dim=-1)
+        negatives = torch.where(block_used.unsqueeze(0).unsqueeze(-1), batch.negatives, -1)
+        negative_rows = _offset_rows(exchange.select_local(negatives, 0), offset.unsqueeze(-1))
+        wanted = torch.cat([head_rows.reshape(-1), tail_rows.reshape(-1), negative_rows.reshape(-1)])
+        rows, inverse = torch.unique(wanted, return_inverse=True)
+        device = self.tables[0].weight.device
+        rows, inverse = rows.to(device), inverse.to(device)
+        sizes = [head_rows.numel(), tail_rows.numel(), negative_rows.numel()]
+        head_index, tail_index, negative_index = inverse.split(sizes)
+        lookup = rows.clamp_min(0)
+        leaves = [table.weight.detach().index_select(0, lookup).requires_grad_(table.weight.requires_grad) for table in self.tables]
+        return RowGather(
+            rows=rows,
+            leaves=leaves,
+            heads=head_index.view(head_rows.shape),
+            tails=tail_index.view(tail_rows.shape),
+            negatives=negative_index.view(negative_rows.shape),
+        )
+
+    def set_row_gradients(self, gathered: RowGather) -> None:
+        """Hand the accumulated leaf gradients to the shard tables as row-sparse gradients."""
+        keep = gathered.rows >= 0
+        rows = gathered.rows[keep]
+        for table, leaf in zip(self.tables, gathered.leaves):
+            if leaf.grad is None:
+                continue
+            table.weight.grad = row_sparse_grad(table.weight, rows, leaf.grad[keep])
+
+    # -- scoring -----------------------------------------------------------------------------
+
+    def scores(self, batch: BessBatch, gathered: RowGather, start: int = 0, stop: int | None = None) -> BlockScores:
+        """Score the slots ``start:stop`` of every local block against the block's negatives.
+
+        The regularization term is the sum, over the regularized representations, of the
+        regularizer's value on this slice's rows weighted by the slice's share of the step's
+        rows, so that summing over slices (sub-batches) and processes gives the term of the whole
+        step regardless of how it is split.
+
+        :param batch: the global plan of the step
+        :param gathered: the rows gathered by :meth:`gather`
+        :param start: the first slot (sub-batching slices the slot axis)
+        :param stop: the end slot (exclusive), defaults to the block size
+        :returns: the scores of the local blocks
+        """
+        exchange = self.exchange
+        n = exchange.n_shard
+        b = batch.block_size
+        stop = b if stop is None else stop
+        slots = slice(start, stop)
+        valid_all = batch.valid[..., slots]
+        valid = exchange.select_local(valid_all, 0).to(self.tables[0].weight.device)
+        num_valid_step = max(batch.num_valid, 1)
+        regularization = _Accumulator()
+        normalized = [self._normalized_rows(table, leaf) for table, leaf in zip(self.tables, gathered.leaves)]
+
+        # positives: heads stay, tails move to the heads' shard
+        tail_valid = exchange.select_local(valid_all, 1).transpose(0, 1)
+        heads = self._entities(normalized, gathered.heads[..., slots], valid, num_valid_step, regularization)
+        tails_out = self._entities(normalized, gathered.tails[..., slots], tail_valid, num_valid_step, regularization)
+        tails = exchange.all_to_all(tails_out)
+        relations = self._relations(exchange.select_local(batch.relations[..., slots], 0), valid, num_valid_step, regularization)
+        head_parts, tail_parts = self._unpack(heads), self._unpack(tails)
+        positive = self.scorer.score_triples(
+            self._select(head_parts, self.head_indices), relations, self._select(tail_parts, self.tail_indices)
+        )
+
+        # negatives of every local block, shared by its slots
+        # (their regularizer terms add up to the mean over the step's negatives, see gather())
+        negative_mask = _negative_mask(exchange, batch.valid.any(dim=-1), gathered.negatives.shape)
+        negative_weight = valid_all.sum().item() / num_valid_step / n
+        negatives_local = self._entities(
+            normalized, gathered.negatives, negative_mask, None, regularization, weight=negative_weight
+        )
+        negative_scores = []
+        moved_negatives = None
+        for side, side_slots in self._side_slots(batch.num_head_corrupted, start, stop):
+            known_parts = tail_parts if side == "head" else head_parts
+            known_indices = self.tail_indices if side == "head" else self.head_indices
+            candidate_indices = self.head_indices if side == "head" else self.tail_indices
+            query = self.scorer.query(
+                side,
+                self._select(known_parts, known_indices, side_slots),
+                _slice_parts(relations, side_slots),
+            )
+            if self.scheme == "embedding":
+                if moved_negatives is None:
+                    # [L(k), n(i), n(j), m, D] -> [L(i), n(k), n(j), m, D] -> [L(i), n(j), K, D]
+                    moved = exchange.all_to_all(negatives_local).transpose(1, 2)
+                    moved_negatives = self._unpack(moved.reshape(moved.shape[0], n, -1, moved.shape[-1]))
+                candidates = self.scorer.candidates(side, self._select(moved_negatives, candidate_indices))
+                negative_scores.append(self.scorer.score(side, query, candidates))
+            else:
+                candidates = self.scorer.candidates(side, self._select(self._unpack(negatives_local), candidate_indices))
+                # [L(k), n(i), n(j), b', m] -> [L(i), n(k), n(j), b', m] -> [L(i), n(j), b', K]
+                scores = exchange.all_to_all(self.scorer.score(side, exchange.all_gather(query), candidates))
+                scores = scores.permute(0, 2, 3, 1, 4)
+                negative_scores.append(scores.reshape(*scores.shape[:3], -1))
+        negative = torch.cat(negative_scores, dim=2) if len(negative_scores) > 1 else negative_scores[0]
+        return BlockScores(positive=positive, negative=negative, valid=valid, regularization=regularization.value)
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    @staticmethod
+    def _side_slots(num_head_corrupted: int, start: int, stop: int) -> list[tuple[Side, slice]]:
+        """Split the slots ``start:stop`` into head- and tail-corrupted ranges (relative to start)."""
+        result: list[tuple[Side, slice]] = []
+        boundary = min(max(num_head_corrupted, start), stop)
+        if boundary > start:
+            result.append(("head", slice(0, boundary - start)))
+        if stop > boundary:
+            result.append(("tail", slice(boundary - start, stop - start)))
+        return result
+
+    @staticmethod
+    def _normalized_rows(table: ShardedEmbedding, leaf: torch.Tensor) -> torch.Tensor:
+        x = table.view_rows(leaf)
+        if table.normalizer is not None:
+            x = table.normalizer(x)
+        return x
+
+    def _entities(
+        self,
+        normalized: Sequence[torch.Tensor],
+        index: torch.Tensor,
+        mask: torch.Tensor | None,
+        num_valid_step: int | None,
+        regularization: _Accumulator,
+        weight: float | None = None,
+    ) -> torch.Tensor:
+        """Look up entity rows for a role and pack all tables' parts into ``[*index.shape, D]``.
+
+        Regularizers see the rows selected by ``mask``; their (row-mean) value is weighted by
+        ``rows / num_valid_step``, or by ``weight`` per local shard when ``num_valid_step`` is None.
+        """
+        flat_index = index.reshape(-1)
+        parts = []
+        for table, rows in zip(self.tables, normalized):
+            # index_select (not advanced indexing): its backward is a fast index_add
+            x = rows.index_select(0, flat_index).view(*index.shape, *rows.shape[1:])
+            if table.regularizer is not None and mask is not None:
+                factor = None if num_valid_step is None else 1.0 / num_valid_step
+                _regularize(table.regularizer, x, mask, regularization, per_row=factor, per_shard=weight)
+            if table.dropout is not None:
+                x = table.dropout(x)
+            if x.is_complex():
+                x = torch.view_as_real(x)
+            parts.append(x.reshape(*index.shape, -1))
+        return torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
+
+    def _relations(
+        self, indices: torch.Tensor, valid: torch.Tensor, num_valid_step: int, regularization: _Accumulator
+    ) -> Any:
+        """Look up the relation representations of ``[L, n, b']`` relation ids."""
+        indices = indices.to(self.tables[0].weight.device)
+        parts = []
+        for representation in self.model.relation_representations:
+            x = representation._plain_forward(indices=indices)
+            if representation.normalizer is not None:
+                x = representation.normalizer(x)
+            if representation.regularizer is not None:
+                _regularize(representation.regularizer, x, valid, regularization, per_row=1.0 / num_valid_step)
+            if representation.dropout is not None:
+                x = representation.dropout(x)
+            parts.append(x)
+        return parts[0] if len(parts) == 1 else tuple(parts)
+
+    def _unpack(self, packed: torch.Tensor) -> list[torch.Tensor]:
+        """Split ``[*, D]`` into one tensor per table, in the representation's shape."""
+        parts = []
+        offset = 0
+        for table in self.tables:
+            x = packed[..., offset : offset + table.row_width]
+            offset += table.row_width
+            parts.append(table.view_rows(x.contiguous()) if table.is_complex else x.reshape(*x.shape[:-1], *table.shape))
+        return parts
+
+    @staticmethod
+    def _select(parts: Sequence[torch.Tensor], indices: Sequence[int], slots: slice | None = None) -> Any:
+        """Pick the representation parts of a slot (head or tail), optionally slicing the slot axis."""
+        chosen = [parts[i] if slots is None else parts[i][:, :, slots] for i in indices]
+        return chosen[0] if len(chosen) == 1 else tuple(chosen)
+
+
+def _slice_parts(x: Any, slots: slice) -> Any:
+    """Slice the slot axis of one representation tensor or a tuple of them."""
+    if isinstance(x, tuple):
+        return tuple(part[:, :, slots] for part in x)
+    return x[:, :, slots]
+
+
+def _offset_rows(local_ids: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """Turn local ids of the local shards (leading axis) into flat rows, keeping -1 (dummy)."""
+    return torch.where(local_ids >= 0, local_ids + offset, -1)
+
+
+def _negative_mask(exchange: Exchange, blocks_used: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Mask of the negatives of blocks with real positives, ``[n, n] -> [L(k), n(i), n(j), m]``."""
+    return blocks_used.unsqueeze(0).unsqueeze(-1).expand(exchange.n_local, -1, -1, shape[-1])
+
+
+class _Accumulator:
+    """Sums weighted regularization terms."""
+
+    def __init__(self) -> None:
+        self.value: torch.Tensor | float = 0.0
+
+    def add(self, term: torch.Tensor | float) -> None:
+        self.value = self.value + term
+
+
+def _regularize(
+    regularizer: Any,
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    accumulator: _Accumulator,
+    per_row: float | None = None,
+    per_shard: float | None = None,
+) -> None:
+    """Regularize the masked rows of the local shards and accumulate the weighted term.
+
+    PyKEEN's regularizers average over rows, so one call over all local rows weighted by
+    ``rows * per_row`` equals the sum of per-shard calls weighted by their own row counts (the
+    value does not depend on how the shards are spread over processes); with ``per_shard``, each
+    local shard's mean gets that weight (every shard selects the same number of rows).
+
+    :param x: shape: ``[L, ..., *shape]``
+    :param mask: shape: ``[L, ...]``, the rows to regularize
+    :param per_row: the weight of each selected row
+    :param per_shard: the weight of each local shard's mean (used when ``per_row`` is None)
+    """
+    rows = x[mask.to(x.device)]
+    if rows.shape[0] == 0:
+        return
+    regularizer.update(rows)
+    term = regularizer.pop_regularization_term()
+    factor = rows.shape[0] * per_row if per_row is not None else per_shard * x.shape[0]  # type: ignore[operator]
+    accumulator.add(term * factor)
+
+
+# -- choosing the scheme ---------------------------------------------------------------------------
+
+
+def exchange_cost(
+    scheme: Scheme,
+    n_shard: int,
+    block_size: int,
+    num_negs_per_pos: int,
+    entity_width: int,
+    query_width: int,
+    element_size: int = 4,
+) -> int:
+    """Return the bytes one process sends to the others per step (forward pass).
+
+    With ``n`` shards, ``b`` slots per block, ``K`` negatives per positive, ``D`` packed entity
+    values per row and ``q`` query values, every process sends ``n - 1`` of the ``n`` chunks of each
+    all-to-all and its own chunk to ``n - 1`` peers in an all-gather:
+
+    * both schemes move the positive tails: ``(n - 1) * b * D``;
+    * ``embedding`` moves the negatives: ``(n - 1) * K * D``;
+    * ``score`` gathers the queries, ``(n - 1) * n * b * q``, and moves the scores back,
+      ``(n - 1) * b * K``.
+
+    The backward pass sends the same amounts back (gradients), so the ratio is the same.
+
+    :returns: bytes sent per process and step
+    """
+    n, b, k = n_shard, block_size, num_negs_per_pos
+    elements = (n - 1) * b * entity_width
+    if scheme == "embedding":
+        elements += (n - 1) * k * entity_width
+    elif scheme == "score":
+        elements += (n - 1) * n * b * query_width + (n - 1) * b * k
+    else:
+        raise ValueError(f"Unknown exchange={scheme!r}; expected one of {SCHEMES}.")
+    return elements * element_size
+
+
+def choose_scheme(n_shard: int, block_size: int, num_negs_per_pos: int, entity_width: int, query_width: int) -> Scheme:
+    """Return the scheme that sends fewer bytes per step (:func:`exchange_cost`); ties: embedding."""
+    costs = {
+        scheme: exchange_cost(scheme, n_shard, block_size, num_negs_per_pos, entity_width, query_width)  # type: ignore[arg-type]
+        for scheme in SCHEMES
+    }
+    return "score" if costs["score"] < costs["embedding"] else "embedding"
+
+
+def query_width(scorer: SharedCandidateScorer, model: ERModel, tables: Sequence[ShardedEmbedding]) -> int:
+    """Return the number of values of a query (the mean over both sides) for a model's scorer."""
+    with torch.no_grad():
+        entities = [table.view_rows(table.weight[:1]) for table in tables]
+        relations = [representation(indices=torch.zeros(1, dtype=torch.long, device=table_device(tables)))
+                     for representation in model.relation_representations]
+        relation = relations[0] if len(relations) == 1 else tuple(relations)
+        widths = []
+        for side, indices in (("head", model.interaction.tail_indices), ("tail", model.interaction.head_indices)):
+            known = [entities[i] for i in indices]
+            query = scorer.query(side, known[0] if len(known) == 1 else tuple(known), relation)  # type: ignore[arg-type]
+            widths.append(query.shape[-1] * (2 if query.is_complex() else 1))
+    return sum(widths) // len(widths)
+
+
+def table_device(tables: Sequence[ShardedEmbedding]) -> torch.device:
+    """Return the device of the shard tables."""
+    return tables[0].weight.device
