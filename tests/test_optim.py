@@ -1,0 +1,123 @@
+"""The row-sparse rules of BessOptimizer equal PyTorch's own sparse-gradient optimizers."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from pykeen_bess.optim import BessOptimizer, row_sparse_grad
+
+CASES = [
+    # optimizer class, hyper-parameters, PyTorch reference for sparse gradients
+    (torch.optim.Adam, dict(lr=0.01, betas=(0.8, 0.99), eps=1e-6), torch.optim.SparseAdam),
+    (torch.optim.SparseAdam, dict(lr=0.02), torch.optim.SparseAdam),
+    (torch.optim.Adagrad, dict(lr=0.1, lr_decay=0.01, initial_accumulator_value=0.1, eps=1e-8), torch.optim.Adagrad),
+    (torch.optim.SGD, dict(lr=0.1), torch.optim.SGD),
+]
+
+
+def _steps(seed: int = 0, num_steps: int = 6, rows: int = 12, dim: int = 3):
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(num_steps):
+        touched = torch.unique(torch.randint(rows, (5,), generator=generator))
+        yield touched, torch.randn(len(touched), dim, generator=generator, dtype=torch.float64), torch.randn(
+            4, generator=generator, dtype=torch.float64
+        )
+
+
+@pytest.mark.parametrize(("cls", "kwargs", "reference_cls"), CASES)
+def test_row_sparse_rules_equal_pytorch(cls, kwargs, reference_cls) -> None:
+    table = torch.nn.Parameter(torch.randn(12, 3, dtype=torch.float64))
+    dense = torch.nn.Parameter(torch.randn(4, dtype=torch.float64))
+    reference_table = torch.nn.Parameter(table.detach().clone())
+    reference_dense = torch.nn.Parameter(dense.detach().clone())
+    optimizer = BessOptimizer(cls, dense_params=[dense], table_params=[table], hyperparameters=kwargs)
+    reference = reference_cls([reference_table], **kwargs)
+    dense_cls = torch.optim.Adam if cls is torch.optim.SparseAdam else cls
+    reference_dense_optimizer = dense_cls([reference_dense], **kwargs)
+    for touched, values, dense_grad in _steps():
+        table.grad = row_sparse_grad(table, touched, values)
+        reference_table.grad = torch.sparse_coo_tensor(touched.unsqueeze(0), values, table.shape, check_invariants=True)
+        dense.grad = dense_grad.clone()
+        reference_dense.grad = dense_grad.clone()
+        optimizer.step()
+        reference.step()
+        reference_dense_optimizer.step()
+    torch.testing.assert_close(table, reference_table, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(dense, reference_dense, rtol=1e-12, atol=1e-12)
+
+
+def test_untouched_rows_do_not_change() -> None:
+    table = torch.nn.Parameter(torch.randn(10, 2))
+    before = table.detach().clone()
+    optimizer = BessOptimizer(torch.optim.Adam, dense_params=[], table_params=[table], hyperparameters=dict(lr=0.1))
+    table.grad = row_sparse_grad(table, torch.tensor([2, 5]), torch.ones(2, 2))
+    optimizer.step()
+    changed = (table.detach() != before).any(dim=1)
+    assert changed.nonzero().view(-1).tolist() == [2, 5]
+
+
+def test_state_dict_round_trip_continues_identically() -> None:
+    def make():
+        torch.manual_seed(0)
+        table = torch.nn.Parameter(torch.randn(12, 3, dtype=torch.float64))
+        dense = torch.nn.Parameter(torch.randn(4, dtype=torch.float64))
+        optimizer = BessOptimizer(torch.optim.Adam, [dense], [table], dict(lr=0.05))
+        return table, dense, optimizer
+
+    table, dense, optimizer = make()
+    steps = list(_steps(num_steps=8))
+    for touched, values, dense_grad in steps[:4]:
+        table.grad, dense.grad = row_sparse_grad(table, touched, values), dense_grad.clone()
+        optimizer.step()
+    state = copy.deepcopy(optimizer.state_dict())  # the state dict references the live tensors
+    saved_table, saved_dense = table.detach().clone(), dense.detach().clone()
+    for touched, values, dense_grad in steps[4:]:
+        table.grad, dense.grad = row_sparse_grad(table, touched, values), dense_grad.clone()
+        optimizer.step()
+
+    table2, dense2, optimizer2 = make()
+    with torch.no_grad():
+        table2.copy_(saved_table)
+        dense2.copy_(saved_dense)
+    optimizer2.load_state_dict(state)
+    for touched, values, dense_grad in steps[4:]:
+        table2.grad, dense2.grad = row_sparse_grad(table2, touched, values), dense_grad.clone()
+        optimizer2.step()
+    torch.testing.assert_close(table2, table)
+    torch.testing.assert_close(dense2, dense)
+
+
+def test_lr_scheduler_drives_both_parts() -> None:
+    table = torch.nn.Parameter(torch.randn(4, 2))
+    dense = torch.nn.Parameter(torch.randn(2))
+    optimizer = BessOptimizer(torch.optim.SGD, [dense], [table], dict(lr=1.0))
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    optimizer.step()
+    scheduler.step()
+    assert [group["lr"] for group in optimizer.param_groups] == [0.5, 0.5]
+
+
+@pytest.mark.parametrize(
+    ("cls", "kwargs", "message"),
+    [
+        (torch.optim.Adam, dict(weight_decay=0.1), "weight_decay"),
+        (torch.optim.Adam, dict(amsgrad=True), "amsgrad"),
+        (torch.optim.SGD, dict(lr=0.1, momentum=0.9), "momentum"),
+        (torch.optim.RMSprop, dict(), "no row-sparse update rule"),
+    ],
+)
+def test_unsupported_options_raise(cls, kwargs, message) -> None:
+    table = torch.nn.Parameter(torch.randn(4, 2))
+    with pytest.raises(ValueError, match=message):
+        BessOptimizer(cls, [], [table], kwargs)
+
+
+def test_dense_fallback_accepts_any_optimizer() -> None:
+    table = torch.nn.Parameter(torch.randn(4, 2))
+    optimizer = BessOptimizer(torch.optim.RMSprop, [], [table], dict(lr=0.1), sparse_updates=False)
+    table.grad = torch.ones_like(table)
+    optimizer.step()
+    assert not optimizer.sparse_groups
