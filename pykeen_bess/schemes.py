@@ -147,14 +147,22 @@ class BessScheme:
             negatives=negative_index.view(negative_rows.shape),
         )
 
-    def set_row_gradients(self, gathered: RowGather) -> None:
-        """Hand the accumulated leaf gradients to the shard tables as row-sparse gradients."""
+    def set_row_gradients(self, gathered: RowGather, dense: bool = False) -> None:
+        """Hand the accumulated leaf gradients to the shard tables.
+
+        :param gathered: the rows of the step, whose leaves hold the accumulated gradients
+        :param dense: build dense gradients (for optimizers without a row-sparse rule) instead of
+            coalesced row-sparse ones
+        """
         keep = gathered.rows >= 0
         rows = gathered.rows[keep]
         for table, leaf in zip(self.tables, gathered.leaves):
             if leaf.grad is None:
                 continue
-            table.weight.grad = row_sparse_grad(table.weight, rows, leaf.grad[keep])
+            if dense:
+                table.weight.grad = torch.zeros_like(table.weight).index_add_(0, rows, leaf.grad[keep])
+            else:
+                table.weight.grad = row_sparse_grad(table.weight, rows, leaf.grad[keep])
 
     # -- scoring -----------------------------------------------------------------------------
 

@@ -387,6 +387,8 @@ class BessTrainingLoop(SLCWATrainingLoop):
 
         if not continue_training:
             self.model.reset_parameters_()
+            for table in self.tables:  # the loop defers the tables' constraints; apply them once to all rows
+                table.constrain_rows(table.real_rows())
             self._tables_now_hold_weights()
             self.optimizer = self._build_optimizer()
             if self.lr_scheduler is not None:
@@ -559,7 +561,7 @@ class BessTrainingLoop(SLCWATrainingLoop):
                 f"(global step {global_step}). The step was not applied, and no checkpoint was written for it. "
                 f"Lower the learning rate, add gradient clipping or check the model's constraints."
             )
-        scheme.set_row_gradients(gathered)
+        scheme.set_row_gradients(gathered, dense=not self.sparse_updates)
         self._reduce_replicated_gradients()
         callback.on_batch(epoch=batch.epoch, batch=batch, batch_loss=step_loss)
         callback.pre_step()
