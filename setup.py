@@ -13,6 +13,7 @@ setup(
     long_description=(HERE / "README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["pykeen_bess", "pykeen_bess.*"]),
+    py_modules=["pykeen_bess_autoload"],
     python_requires=">=3.10",
     install_requires=[
         "pykeen>=1.11,<1.12",
@@ -36,7 +37,7 @@ setup(
         # PyKEEN reads only this group; the module installs a post-import hook that registers
         # the plugin once PyKEEN's resolvers exist (see pykeen_bess/registration.py).
         "pykeen.datasets": [
-            "pykeen_bess = pykeen_bess.autoload:Nations",
+            "pykeen_bess = pykeen_bess_autoload:Nations",
         ],
         "pykeen.training_loops": [
             "bess = pykeen_bess.training:BessTrainingLoop",

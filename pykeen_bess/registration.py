@@ -8,23 +8,19 @@ loads the entry-point groups ``pykeen.training_loops``, ``pykeen.evaluators``,
 declares its classes there).
 
 PyKEEN itself only reads the ``pykeen.datasets`` group. This package's entry point in that group
-(:mod:`pykeen_bess.autoload`) installs a post-import hook that calls :func:`register` as soon as
+(:mod:`pykeen_bess_autoload`) installs a post-import hook that registers the plugin as soon as
 PyKEEN's resolvers have finished loading, so ``pipeline(training_loop="bess")``,
 ``pipeline_from_config``, ``hpo_pipeline`` and the ``pykeen`` command line find the plugin without
-``import pykeen_bess``. Registration must never import a PyKEEN module that is still being
-initialised (that is a circular import), so it waits until none is.
+``import pykeen_bess`` (except when ``pykeen.training`` is the first PyKEEN module imported; see
+:mod:`pykeen_bess_autoload`).
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.abc
-import importlib.machinery
 import logging
-import sys
 import threading
 from collections.abc import Sequence
-from types import ModuleType
 from typing import Any
 
 __all__ = [
@@ -44,9 +40,6 @@ ENTRY_POINT_GROUPS: dict[str, tuple[str, str]] = {
     "pykeen.models": ("pykeen.models", "model_resolver"),
 }
 
-#: PyKEEN modules that must be fully initialised before registering
-REQUIRED_MODULES: tuple[str, ...] = tuple(sorted({module for module, _ in ENTRY_POINT_GROUPS.values()}))
-
 _lock = threading.RLock()
 _registered = False
 _registering = False
@@ -54,24 +47,17 @@ _registering = False
 
 def _plugin_classes() -> dict[str, Sequence[type]]:
     """The plugin's own classes per entry-point group (imported lazily)."""
+    from .evaluation import BessEvaluator
+    from .interactions import InterHTInteraction, TranSInteraction
+    from .models import InterHT, TranS
     from .training import BessTrainingLoop
 
-    result: dict[str, Sequence[type]] = {"pykeen.training_loops": [BessTrainingLoop]}
-    try:  # TEMPORARY while the evaluator and interactions are being written
-        from .evaluation import BessEvaluator
-
-        result["pykeen.evaluators"] = [BessEvaluator]
-    except ImportError:
-        pass
-    try:
-        from .interactions import InterHTInteraction, TranSInteraction
-        from .models import InterHT, TranS
-
-        result["pykeen.interactions"] = [InterHTInteraction, TranSInteraction]
-        result["pykeen.models"] = [InterHT, TranS]
-    except ImportError:
-        pass
-    return result
+    return {
+        "pykeen.training_loops": [BessTrainingLoop],
+        "pykeen.evaluators": [BessEvaluator],
+        "pykeen.interactions": [InterHTInteraction, TranSInteraction],
+        "pykeen.models": [InterHT, TranS],
+    }
 
 
 def _resolver(group: str) -> Any:
@@ -121,102 +107,18 @@ def is_registered() -> bool:
     return _registered
 
 
-def _initializing(name: str, finished: str | None = None) -> bool:
-    """Whether a module is being imported right now (``finished`` has just completed)."""
-    if name == finished:
-        return False
-    module = sys.modules.get(name)
-    spec = getattr(module, "__spec__", None)
-    return module is not None and bool(getattr(spec, "_initializing", False))
-
-
-def _pykeen_idle(finished: str | None = None) -> bool:
-    """Whether no PyKEEN module is mid-import (importing PyKEEN now would not be circular)."""
-    return not any(
-        _initializing(name, finished) for name in list(sys.modules) if name == "pykeen" or name.startswith("pykeen.")
-    )
-
-
-def _ready(finished: str | None = None) -> bool:
-    """Whether registering now is safe: PyKEEN's resolvers exist and no PyKEEN module is mid-import."""
-    if any(name not in sys.modules or _initializing(name, finished) for name in REQUIRED_MODULES):
-        return False
-    return _pykeen_idle(finished)
-
-
-class _PostImportHook(importlib.abc.MetaPathFinder):
-    """Calls :func:`register` after a watched PyKEEN module has finished executing."""
-
-    def __init__(self) -> None:
-        self._finding: set[str] = set()
-
-    def find_spec(self, fullname: str, path: Any, target: ModuleType | None = None) -> Any:  # noqa: D102
-        if not (fullname == "pykeen" or fullname.startswith("pykeen.")) or fullname in self._finding:
-            return None
-        self._finding.add(fullname)
-        try:
-            spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
-        finally:
-            self._finding.discard(fullname)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        spec.loader = _NotifyingLoader(spec.loader)
-        return spec
-
-
-class _NotifyingLoader(importlib.abc.Loader):
-    """Delegates to a loader and tries to register once the module has executed."""
-
-    def __init__(self, loader: Any) -> None:
-        self._loader = loader
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:  # noqa: D102
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module: ModuleType) -> None:  # noqa: D102
-        self._loader.exec_module(module)
-        _try_register(finished=module.__name__)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._loader, name)
-
-
-_hook: _PostImportHook | None = None
-
-
-def _remove_hook() -> None:
-    global _hook
-    if _hook is not None and _hook in sys.meta_path:
-        sys.meta_path.remove(_hook)
-    _hook = None
-
-
-def _try_register(finished: str | None = None) -> None:
-    if _registered:
-        _remove_hook()
-        return
-    if _registering:
-        # PyKEEN is being imported by register() itself; it finishes the job
-        return
-    if not _ready(finished):
-        return
-    try:
-        register()
-    except Exception:  # noqa: BLE001 - an import hook must never break the user's import
-        logger.warning("pykeen-bess could not register itself in PyKEEN's resolvers", exc_info=True)
-    finally:
-        if _registered:
-            _remove_hook()
-
-
 def register_when_ready() -> None:
-    """Register now if PyKEEN can be imported safely, else as soon as it has finished loading."""
-    global _hook
+    """Register now, unless PyKEEN is in the middle of its own import (then: once it has finished).
+
+    Registering imports PyKEEN's training, evaluation and model modules; doing so while one of
+    them is still being imported would be circular, so in that case the post-import hook of
+    :mod:`pykeen_bess_autoload` registers as soon as they have finished loading.
+    """
+    import pykeen_bess_autoload
+
     if _registered:
         return
-    if _pykeen_idle():
+    if pykeen_bess_autoload.ready() or pykeen_bess_autoload.pykeen_idle():
         register()
-        return
-    if _hook is None:
-        _hook = _PostImportHook()
-        sys.meta_path.insert(0, _hook)
+    else:
+        pykeen_bess_autoload.install_hook()
