@@ -108,10 +108,10 @@ def train(args: argparse.Namespace) -> dict[str, float]:
         evaluation_kwargs=dict(use_tqdm=not args.quiet),
         random_seed=args.seed,
     )
-    from .distributed import is_main_process
+    if args.output is not None:
+        from .distributed import save_to_directory
 
-    if args.output is not None and is_main_process():
-        result.save_to_directory(args.output)
+        save_to_directory(result, args.output)  # collective; rank 0 writes the full model
     return result.metric_results.to_flat_dict()
 
 

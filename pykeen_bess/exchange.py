@@ -127,7 +127,13 @@ class LocalExchange(Exchange):
 
 
 class DistributedExchange(Exchange):
-    """One shard per rank of a ``torch.distributed`` process group (gloo on CPU, NCCL on GPU)."""
+    """One shard per rank of a ``torch.distributed`` process group (gloo on CPU, NCCL on GPU).
+
+    The collectives are differentiable: the backward of an all-to-all is the all-to-all of the
+    gradients, the backward of an all-gather sums every rank's gradient for a rank's slice and
+    returns it to that rank (an all-to-all, which gloo supports, unlike reduce-scatter).
+    :attr:`bytes_sent` counts the payload this rank sent to other ranks (forward and backward).
+    """
 
     def __init__(self, group: torch.distributed.ProcessGroup | None = None):
         """Create the exchange over an initialised process group (default: the world)."""
@@ -139,6 +145,8 @@ class DistributedExchange(Exchange):
         self.n_shard = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.local_shards = (self.rank,)
+        #: bytes sent to other ranks by the collectives of this exchange
+        self.bytes_sent = 0
 
     @property
     def is_distributed(self) -> bool:  # noqa: D102
@@ -149,18 +157,12 @@ class DistributedExchange(Exchange):
         return self.rank == 0
 
     def all_to_all(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
-        from torch.distributed.nn.functional import all_to_all_single
-
         _check_leading(x, 1, self.n_shard)
-        payload = x[0].contiguous()
-        output = torch.empty_like(payload)
-        return all_to_all_single(output, payload, group=self.group).unsqueeze(0)
+        return _AllToAll.apply(self, x[0]).unsqueeze(0)
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
-        from torch.distributed.nn.functional import all_gather
-
         _check_leading(x, 1)
-        return torch.stack(all_gather(x[0].contiguous(), group=self.group), dim=0).unsqueeze(0)
+        return _AllGather.apply(self, x[0]).unsqueeze(0)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
         import torch.distributed as dist
@@ -181,8 +183,55 @@ class DistributedExchange(Exchange):
 
         dist.barrier(group=self.group)
 
+    def _all_to_all(self, x: torch.Tensor) -> torch.Tensor:
+        """``[n, ...] -> [n, ...]``: slice ``s`` goes to rank ``s``."""
+        import torch.distributed as dist
+
+        x = x.contiguous()
+        output = torch.empty_like(x)
+        dist.all_to_all_single(output, x, group=self.group)
+        self.bytes_sent += x.numel() * x.element_size() * (self.n_shard - 1) // self.n_shard
+        return output
+
+    def _all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """``[...] -> [n, ...]``."""
+        import torch.distributed as dist
+
+        x = x.contiguous()
+        output = [torch.empty_like(x) for _ in range(self.n_shard)]
+        dist.all_gather(output, x, group=self.group)
+        self.bytes_sent += x.numel() * x.element_size() * (self.n_shard - 1)
+        return torch.stack(output)
+
     def __repr__(self) -> str:  # noqa: D105
         return f"{self.__class__.__name__}(rank={self.rank}, n_shard={self.n_shard})"
+
+
+class _AllToAll(torch.autograd.Function):
+    """Differentiable all-to-all: its backward is the all-to-all of the gradients."""
+
+    @staticmethod
+    def forward(ctx, exchange: DistributedExchange, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        ctx.exchange = exchange
+        return exchange._all_to_all(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[None, torch.Tensor]:  # noqa: D102
+        return None, ctx.exchange._all_to_all(grad)
+
+
+class _AllGather(torch.autograd.Function):
+    """Differentiable all-gather: its backward returns to each rank the sum of the gradients of its slice."""
+
+    @staticmethod
+    def forward(ctx, exchange: DistributedExchange, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        ctx.exchange = exchange
+        return exchange._all_gather(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[None, torch.Tensor]:  # noqa: D102
+        # grad[s] is this rank's gradient for rank s' slice: send it there, sum what arrives
+        return None, ctx.exchange._all_to_all(grad).sum(dim=0)
 
 
 def _check_leading(x: torch.Tensor, *sizes: int) -> None:

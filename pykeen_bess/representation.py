@@ -14,6 +14,7 @@ sharded. Under a process group each rank holds one shard and global lookups rais
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -84,6 +85,8 @@ class ShardedEmbedding(Representation):
             local_position >= 0, local_position * sharding.shard_size + sharding.entity_local, torch.full_like(local_position, -1)
         )
         self.register_buffer("entity_rows", rows, persistent=False)
+        # the embedding this table replaces (not a submodule: its parameters are not the model's)
+        object.__setattr__(self, "base_embedding", base)
 
     # -- layout ------------------------------------------------------------------------------
 
@@ -182,6 +185,16 @@ class ShardedEmbedding(Representation):
         yield from super().iter_extra_repr()
         yield f"n_shard={self.sharding.n_shard}"
         yield f"local_shards={list(self.local_shards)}"
+
+    def __getstate__(self) -> dict:
+        """Refuse to pickle a partial table (a model saved that way would silently lack entities)."""
+        if not self.holds_all_shards:
+            raise pickle.PicklingError(
+                f"This entity table holds {self.n_local} of {self.sharding.n_shard} shards (a torch.distributed run). "
+                f"Save the full model with pykeen_bess.distributed.save_to_directory(result, directory) or "
+                f"pykeen_bess.distributed.export_model(model, path), called on every rank."
+            )
+        return super().__getstate__()
 
     # -- conversion from / to a plain embedding ------------------------------------------------
 

@@ -17,10 +17,12 @@ model is an ordinary PyKEEN model.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import os
 import pathlib
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Literal
@@ -40,11 +42,12 @@ from pykeen.training.callbacks import (
     TrainingCallbackHint,
     TrainingCallbackKwargsHint,
 )
-from pykeen.training.training_loop import NonFiniteLossError, _get_lr_scheduler_kwargs
+from pykeen.training.training_loop import NonFiniteLossError, TrainingLoop, _get_lr_scheduler_kwargs
 from pykeen.triples import CoreTriplesFactory
 from pykeen.utils import get_batchnorm_modules
 from tqdm.autonotebook import tqdm, trange
 
+from .checkpoint import latest_own_version, rank_file, read_pointer, reshard_rank_state, save_distributed_checkpoint
 from .exchange import DistributedExchange, Exchange, LocalExchange, ProbeExchange
 from .loss import block_loss
 from .memory import available_memory, fits_in_memory, search_largest
@@ -176,6 +179,8 @@ class BessTrainingLoop(SLCWATrainingLoop):
         self.optimizer = self._build_optimizer()
         if self.lr_scheduler is not None:
             self.lr_scheduler = self._rebuild_lr_scheduler()
+        if self.exchange.is_distributed and not self.exchange.is_main_process:
+            _silence(self.result_tracker)
         self._installed = False
         self._tables_hold_weights = False
         self._partition_cache: tuple[int, ShardPairPartition] | None = None
@@ -234,8 +239,16 @@ class BessTrainingLoop(SLCWATrainingLoop):
         self._tables_hold_weights = True
 
     def _uninstall(self) -> None:
-        """Write the shard tables back into the original embeddings (if they hold the weights)."""
+        """Write the shard tables back into the original embeddings (if they hold the weights).
+
+        Under a process group no rank holds the full table: the model stays sharded (see
+        :func:`pykeen_bess.distributed.save_to_directory` and :func:`~pykeen_bess.distributed.export_model`).
+        """
         if not self._installed:
+            return
+        if self.exchange.is_distributed:
+            for table in self.tables:
+                table.defer_constraints = False
             return
         for index, (embedding, table) in enumerate(zip(self.entity_embeddings, self.tables)):
             table.defer_constraints = False
@@ -245,10 +258,91 @@ class BessTrainingLoop(SLCWATrainingLoop):
         self._installed = False
         self._tables_hold_weights = False
 
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def _save_state(  # noqa: D102
+        self,
+        path: Any,
+        stopper: Stopper | None = None,
+        best_epoch_model_checkpoint_file_path: pathlib.Path | None = None,
+        triples_factory: CoreTriplesFactory | None = None,
+    ) -> None:
+        if not self.exchange.is_distributed:
+            super()._save_state(
+                path=path, stopper=stopper, best_epoch_model_checkpoint_file_path=best_epoch_model_checkpoint_file_path,
+                triples_factory=triples_factory,
+            )
+            return
+        best = None
+        if best_epoch_model_checkpoint_file_path is not None:
+            best = self._rank_checkpoint_file(pathlib.Path(best_epoch_model_checkpoint_file_path))
+
+        def write(file: pathlib.Path) -> None:
+            TrainingLoop._save_state(
+                self, path=file, stopper=stopper, best_epoch_model_checkpoint_file_path=best,
+                triples_factory=triples_factory,
+            )
+
+        save_distributed_checkpoint(pathlib.Path(path), self.exchange, write, epoch=self._epoch, seed=self.seed)
+
+    def _rank_checkpoint_file(self, path: pathlib.Path) -> pathlib.Path | None:
+        """This rank's file of the checkpoint at ``path`` (same world size), None if resharding."""
+        rank, world_size = self.exchange.local_shards[0], self.exchange.n_shard
+        pointer = read_pointer(path)
+        if pointer is None:
+            version = latest_own_version(path, rank, world_size)
+            if version is None:
+                return path if path.is_file() else None  # a plain PyKEEN checkpoint file
+            return rank_file(path, version, rank, world_size)
+        if pointer["world_size"] == world_size:
+            return rank_file(path, pointer["version"], rank, world_size)
+        return None
+
     def _load_state(self, path: str | pathlib.Path, triples_factory: CoreTriplesFactory | None = None) -> Any:  # noqa: D102
-        result = super()._load_state(path=path, triples_factory=triples_factory)
+        if self.exchange.is_distributed:
+            path = pathlib.Path(path)
+            file = self._rank_checkpoint_file(path)
+            if file is None:
+                pointer = read_pointer(path)
+                if pointer is None:
+                    raise FileNotFoundError(f"No checkpoint for rank {self.exchange.local_shards[0]} at {path}.")
+                if int(pointer.get("seed", self.seed)) != self.seed:
+                    raise ValueError(
+                        f"Checkpoint {path} was written with sharding seed {pointer['seed']}, this run uses {self.seed}: "
+                        f"pass seed={pointer['seed']} to resume it."
+                    )
+                result = self._load_resharded(path, pointer, triples_factory)
+            else:
+                result = super()._load_state(path=file, triples_factory=triples_factory)
+        else:
+            if read_pointer(pathlib.Path(path)) is not None:
+                raise ValueError(
+                    f"{path} is a checkpoint of a torch.distributed run; resume it under torchrun (any number of "
+                    f"ranks: it is resharded), or load its model with pykeen_bess.distributed.export_model first."
+                )
+            result = super()._load_state(path=path, triples_factory=triples_factory)
         self._tables_now_hold_weights()
         return result
+
+    def _load_resharded(self, path: pathlib.Path, pointer: Mapping[str, Any], triples_factory: Any) -> Any:
+        """Load a checkpoint written by another number of ranks, resharding the entity tables."""
+        logger.warning(
+            "Resharding checkpoint %s from %d to %d ranks.", path, pointer["world_size"], self.exchange.n_shard
+        )
+        table_ids = {id(table.weight) for table in self.tables}
+        table_keys = [name for name, param in self.model.named_parameters() if id(param) in table_ids]
+        params = [param for group in self.optimizer.param_groups for param in group["params"]]
+        table_indices = [index for index, param in enumerate(params) if id(param) in table_ids]
+        state = reshard_rank_state(
+            path=path, version=int(pointer["version"]), old_world_size=int(pointer["world_size"]), seed=self.seed,
+            sharding=self.sharding, rank=self.exchange.local_shards[0], table_keys=table_keys,
+            table_param_indices=table_indices,
+        )
+        state["checksum"] = self.checksum  # the representation of the shard tables names the world size
+        with tempfile.TemporaryDirectory() as directory:
+            file = pathlib.Path(directory, "resharded.pt")
+            torch.save(state, file)
+            return super()._load_state(path=file, triples_factory=triples_factory)
 
     # -- training ------------------------------------------------------------------------------
 
@@ -281,6 +375,66 @@ class BessTrainingLoop(SLCWATrainingLoop):
             return super().train(triples_factory=triples_factory, num_epochs=num_epochs, batch_size=batch_size, **kwargs)
         finally:
             self._uninstall()
+
+    def configuration(self, **train_kwargs: Any) -> dict[str, str]:
+        """Return the settings every rank must share, as strings (see :meth:`_verify_configuration`)."""
+        model = self.model
+        dense = {name: tuple(p.shape) for name, p in model.named_parameters() if p.requires_grad and not any(
+            p is table.weight for table in self.tables)}
+        config = dict(
+            model=type(model).__name__,
+            interaction=repr(model.interaction),
+            loss=repr(model.loss),
+            num_entities=model.num_entities,
+            num_relations=model.num_relations,
+            entity_tables=[(t.row_width, str(t.weight.dtype)) for t in self.tables],
+            replicated_parameters=dense,
+            optimizer=self._optimizer_cls.__name__,
+            optimizer_kwargs=sorted((k, repr(v)) for k, v in self._optimizer_kwargs.items()),
+            lr_scheduler=type(self.lr_scheduler).__name__ if self.lr_scheduler is not None else None,
+            num_shards=self.exchange.n_shard,
+            exchange=self.scheme_name,
+            corruption=self.corruption,
+            num_negs_per_pos=self.num_negs_per_pos,
+            seed=self.seed,
+            sparse_updates=self.sparse_updates,
+            **train_kwargs,
+        )
+        return {key: repr(value) for key, value in config.items()}
+
+    def _verify_configuration(self, triples_factory: CoreTriplesFactory, **train_kwargs: Any) -> None:
+        """Check that all ranks run the same configuration on the same triples (collective).
+
+        :raises ValueError: naming every setting that differs between ranks
+        """
+        if not self.exchange.is_distributed:
+            return
+        import torch.distributed as dist
+
+        triples = triples_factory.mapped_triples.contiguous().numpy()
+        config = self.configuration(
+            triples=f"{triples.shape[0]} triples, sha1 {hashlib.sha1(triples.tobytes()).hexdigest()}", **train_kwargs
+        )
+        configs: list[Any] = [None] * self.exchange.n_shard
+        dist.all_gather_object(configs, config, group=getattr(self.exchange, "group", None))
+        differences = {
+            key: [c.get(key) for c in configs]
+            for key in sorted(set().union(*configs))
+            if len({c.get(key) for c in configs}) > 1
+        }
+        if differences:
+            lines = "\n".join(f"  {key}: " + ", ".join(f"rank {r}={v}" for r, v in enumerate(values))
+                              for key, values in differences.items())
+            raise ValueError(f"The ranks of the process group run different configurations:\n{lines}")
+
+    def _broadcast_replicated(self) -> None:
+        """Give every rank rank 0's replicated parameters (after a reset)."""
+        if not self.exchange.is_distributed:
+            return
+        import torch.distributed as dist
+
+        for param in self._dense_parameters():
+            dist.broadcast(param.data, src=0, group=getattr(self.exchange, "group", None))
 
     def _partition(self, triples_factory: CoreTriplesFactory) -> ShardPairPartition:
         """Partition the training triples (with inverse triples if the model uses them), cached."""
@@ -385,10 +539,15 @@ class BessTrainingLoop(SLCWATrainingLoop):
             callback.register_callback(LearningRateSchedulerTrainingCallback())
         callback.register_training_loop(self)
 
+        self._verify_configuration(
+            triples_factory=triples_factory, num_epochs=num_epochs, batch_size=batch_size,
+            sub_batch_size=sub_batch_size, label_smoothing=label_smoothing, continue_training=continue_training,
+        )
         if not continue_training:
             self.model.reset_parameters_()
             for table in self.tables:  # the loop defers the tables' constraints; apply them once to all rows
                 table.constrain_rows(table.real_rows())
+            self._broadcast_replicated()
             self._tables_now_hold_weights()
             self.optimizer = self._build_optimizer()
             if self.lr_scheduler is not None:
@@ -465,7 +624,7 @@ class BessTrainingLoop(SLCWATrainingLoop):
                     # a non-finite loss leaves no partial update behind and must not be checkpointed
                     raise
                 logger.warning("The training loop failed during epoch %d: %s", epoch, error)
-                if checkpoint_on_failure_file_path and main:
+                if checkpoint_on_failure_file_path and not self.exchange.is_distributed:
                     self._save_state(path=checkpoint_on_failure_file_path, stopper=stopper, triples_factory=triples_factory)
                     logger.warning("Saved a checkpoint of the last finished epoch to %s", checkpoint_on_failure_file_path)
                 raise
@@ -500,6 +659,9 @@ class BessTrainingLoop(SLCWATrainingLoop):
     ) -> None:
         """Write a checkpoint atomically: a crash while writing keeps the previous one intact."""
         path = pathlib.Path(path)
+        if self.exchange.is_distributed:  # versioned rank files and a pointer (see pykeen_bess.checkpoint)
+            self._save_state(path, stopper, best_epoch_model_file_path, triples_factory)
+            return
         temporary = path.with_name(path.name + ".tmp")
         self._save_state(
             path=temporary,
@@ -676,6 +838,19 @@ class BessTrainingLoop(SLCWATrainingLoop):
 
     def _create_training_data_loader(self, triples_factory: CoreTriplesFactory, **kwargs: Any) -> Any:  # noqa: D102
         raise NotImplementedError("BessTrainingLoop samples its own balanced batches (see pykeen_bess.sampling).")
+
+
+def _silence(result_tracker: Any) -> None:
+    """Stop a (multi) result tracker from logging: only rank 0 logs under a process group.
+
+    The pipeline's in-memory :class:`~pykeen.trackers.PythonResultTracker` stays (the pipeline reads
+    its configuration back); trackers that write files or talk to services are dropped.
+    """
+    from pykeen.trackers import PythonResultTracker
+
+    trackers = getattr(result_tracker, "trackers", None)
+    if isinstance(trackers, list):
+        trackers[:] = [tracker for tracker in trackers if isinstance(tracker, PythonResultTracker)]
 
 
 def _remove(path: pathlib.Path) -> None:

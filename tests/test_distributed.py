@@ -1,0 +1,200 @@
+"""Real multi-process BESS: gloo process groups on loopback, one process per rank.
+
+Each test starts the ranks as separate interpreters (``tests/distributed_worker.py``, with the
+environment ``torchrun`` would set) and compares what they wrote with a single-process run that
+holds the same number of logical shards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from distributed_worker import build_loop, small_factory
+
+WORKER = pathlib.Path(__file__).with_name("distributed_worker.py")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(world_size: int, config: dict[str, Any], timeout: float = 300, collective_timeout: float = 60):
+    """Start one process per rank; return (return codes, stderr texts, seconds until all exited)."""
+    port = free_port()
+    processes = []
+    start = time.monotonic()
+    for rank in range(world_size):
+        env = dict(
+            os.environ,
+            RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYKEEN_BESS_TIMEOUT=str(collective_timeout),
+            OMP_NUM_THREADS="1",
+        )
+        processes.append(
+            subprocess.Popen(
+                [sys.executable, str(WORKER), json.dumps(config)], env=env, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, text=True,
+            )
+        )
+    codes, errors = [], []
+    for process in processes:
+        try:
+            _, stderr = process.communicate(timeout=max(1.0, timeout - (time.monotonic() - start)))
+        except subprocess.TimeoutExpired:
+            for other in processes:
+                other.kill()
+            raise AssertionError(f"ranks did not finish within {timeout} s (hang)") from None
+        codes.append(process.returncode)
+        errors.append(stderr)
+    return codes, errors, time.monotonic() - start
+
+
+def run_ok(world_size: int, config: dict[str, Any]) -> list[dict[str, Any]]:
+    codes, errors, _ = launch(world_size, config)
+    assert codes == [0] * world_size, "\n\n".join(errors)
+    return [torch.load(pathlib.Path(config["output"]) / f"rank{rank}.pt", weights_only=False) for rank in range(world_size)]
+
+
+def assemble(results: list[dict[str, Any]], num_entities: int) -> torch.Tensor:
+    """The full entity table from the ranks' shards, in global order."""
+    width = results[0]["table"].shape[1]
+    table = torch.full((num_entities, width), float("nan"), dtype=results[0]["table"].dtype)
+    for result in results:
+        real = result["global_ids"] >= 0
+        table[result["global_ids"][real]] = result["table"][real]
+    return table
+
+
+def local_reference(config: dict[str, Any], num_shards: int):
+    """The same training in one process with ``num_shards`` logical shards."""
+    factory, dataset = small_factory(config.get("num_triples", 300))
+    loop = build_loop({**config, "num_shards": num_shards}, factory)
+    losses: list[float] = []
+
+    from pykeen.training import TrainingCallback
+
+    class Record(TrainingCallback):
+        def on_batch(self, epoch, batch, batch_loss, **kwargs):
+            losses.append(batch_loss)
+
+    epoch_losses = loop.train(
+        factory, num_epochs=config["num_epochs"], batch_size=config["batch_size"],
+        sub_batch_size=config.get("sub_batch_size"), use_tqdm=False, callbacks=Record(),
+    )
+    return loop, epoch_losses, losses, dataset
+
+
+BASE = dict(num_negs_per_pos=4, batch_size=16, num_epochs=2)
+
+
+@pytest.mark.parametrize(("world_size", "exchange"), [(2, "embedding"), (2, "score"), (4, "embedding"), (4, "score")])
+def test_ranks_equal_logical_shards(tmp_path: pathlib.Path, world_size: int, exchange: str) -> None:
+    config = dict(BASE, exchange=exchange, output=str(tmp_path), batch_size=4 * world_size**2)
+    results = run_ok(world_size, config)
+    loop, epoch_losses, step_losses, _ = local_reference(config, world_size)
+    for result in results:  # every rank reports the same (global) losses
+        assert result["step_losses"] == pytest.approx(step_losses, rel=1e-9)
+        assert result["epoch_losses"] == pytest.approx(epoch_losses, rel=1e-9)
+    # the shards put together are the single-process model's entity table; relations agree
+    model = loop.model
+    torch.testing.assert_close(assemble(results, model.num_entities), model.entity_representations[0]._embeddings.weight)
+    for result in results:
+        torch.testing.assert_close(result["relation"], model.relation_representations[0]._embeddings.weight)
+    # each rank holds only its shard of the entity table
+    shard_size = loop.sharding.shard_size
+    for result in results:
+        assert result["table"].shape == (shard_size, 8)
+        assert result["entity_parameter_numel"] == shard_size * 8
+
+
+def test_sub_batches_and_metrics_under_a_process_group(tmp_path: pathlib.Path) -> None:
+    config = dict(BASE, output=str(tmp_path), sub_batch_size=8, batch_size=16, evaluate=True)
+    results = run_ok(2, config)
+    loop, _, step_losses, dataset = local_reference(config, 2)
+    assert results[0]["step_losses"] == pytest.approx(step_losses, rel=1e-9)
+    from pykeen_bess.evaluation import BessEvaluator
+
+    expected = BessEvaluator().evaluate(
+        loop.model, dataset.testing.mapped_triples, additional_filter_triples=[dataset.training.mapped_triples],
+        use_tqdm=False,
+    ).to_flat_dict()
+    for result in results:
+        assert result["metrics"] == pytest.approx(expected, rel=1e-9)
+
+
+def test_export_gathers_the_full_model(tmp_path: pathlib.Path) -> None:
+    results = run_ok(2, dict(BASE, output=str(tmp_path), export=True))
+    model = torch.load(tmp_path / "model.pt", weights_only=False)
+    from pykeen.nn.representation import Embedding
+
+    assert type(model.entity_representations[0]) is Embedding
+    torch.testing.assert_close(model.entity_representations[0]._embeddings.weight, assemble(results, model.num_entities))
+    assert model.score_hrt(torch.tensor([[0, 0, 1]])).shape == (1, 1)
+
+
+def test_mismatched_configuration_fails_at_start(tmp_path: pathlib.Path) -> None:
+    config = dict(BASE, output=str(tmp_path), rank_overrides={"1": dict(num_negs_per_pos=8)})
+    codes, errors, _ = launch(2, config)
+    assert all(code != 0 for code in codes)
+    for rank in range(2):
+        error = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)["error"]
+        assert "different configurations" in error and "num_negs_per_pos" in error and "rank 1=8" in error
+        assert "step_losses" not in torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+
+
+def test_a_killed_rank_makes_the_others_fail_fast(tmp_path: pathlib.Path) -> None:
+    config = dict(BASE, output=str(tmp_path), num_epochs=3, num_negs_per_pos=6, batch_size=18, die_ranks=[1], die_at=[2, 1])
+    codes, errors, seconds = launch(3, config, timeout=120, collective_timeout=20)
+    assert codes[1] == 17  # the crashed rank
+    assert codes[0] != 0 and codes[2] != 0, errors
+    assert seconds < 90  # they did not hang
+
+
+def test_checkpoint_resume_across_a_kill_and_resharding(tmp_path: pathlib.Path) -> None:
+    common = dict(BASE, num_epochs=4, checkpoint_directory=str(tmp_path / "checkpoints"))
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    uninterrupted = run_ok(2, dict(common, output=str(tmp_path / "a"), checkpoint_name="a.pt"))
+    # all ranks crash in epoch 3, after the checkpoint of epoch 2 was written
+    codes, _, _ = launch(2, dict(common, output=str(tmp_path / "b"), checkpoint_name="b.pt", die_ranks=[0, 1], die_at=[3, 0]))
+    assert codes == [17, 17]
+    checkpoints = tmp_path / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir() if p.name.startswith("b.pt")) == [
+        "b.pt", "b.pt.v2.rank0-of-2", "b.pt.v2.rank1-of-2"
+    ]
+    resumed = run_ok(2, dict(common, output=str(tmp_path / "b"), checkpoint_name="b.pt"))
+    steps_per_epoch = len(uninterrupted[0]["step_losses"]) // 4
+    assert resumed[0]["step_losses"] == pytest.approx(uninterrupted[0]["step_losses"][2 * steps_per_epoch :], rel=1e-9)
+    assert resumed[0]["epoch_losses"] == pytest.approx(uninterrupted[0]["epoch_losses"], rel=1e-9)
+    num_entities = 14
+    torch.testing.assert_close(assemble(resumed, num_entities), assemble(uninterrupted, num_entities))
+
+    # the final checkpoint of the 2-rank run, loaded by 4 ranks: resharded, nothing left to train
+    (tmp_path / "c").mkdir()
+    resharded = run_ok(4, dict(common, output=str(tmp_path / "c"), checkpoint_name="a.pt", batch_size=64))
+    assert resharded[0]["step_losses"] == []
+    torch.testing.assert_close(assemble(resharded, num_entities), assemble(uninterrupted, num_entities))
+
+
+def test_torchrun_command_line(tmp_path: pathlib.Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "pykeen_bess",
+         "train", "--dataset", "nations", "--epochs", "2", "--quiet", "--json", "--output", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert result.returncode == 0, result.stderr
+    metrics = json.loads(result.stdout)  # printed once, by rank 0
+    assert 0 < metrics["both.realistic.inverse_harmonic_mean_rank"] <= 1
+    assert (tmp_path / "out" / "trained_model.pkl").is_file()
