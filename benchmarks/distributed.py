@@ -1,0 +1,134 @@
+"""Distributed BESS on gloo: throughput, bytes moved per step and peak memory per rank.
+
+For every number of ranks (``--ranks``, default 1 2 4) and both exchange schemes, one epoch of
+DistMult (dimension 256, 64 negatives per positive, batch 512) is trained on WN18RR with one
+process per rank on this machine (gloo on loopback; 1 rank means a single process without a
+process group). Each rank measures the bytes its collectives sent to other ranks (forward and
+backward) and its peak resident memory; the table compares the bytes with the cost model of
+:func:`pykeen_bess.schemes.exchange_cost` (forward bytes, doubled for the backward pass).
+
+    python benchmarks/distributed.py --data ../shared/data/wn18rr
+
+On a GPU machine pass ``--backend nccl`` (one rank per GPU the machine holds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def _peak_rss() -> int:
+    with open("/proc/self/status") as file:
+        return int(re.search(r"VmHWM:\s+(\d+)", file.read()).group(1)) * 1024
+
+
+def worker(args: argparse.Namespace) -> None:
+    """Train one epoch as one rank and write the measurements."""
+    import torch
+    from pykeen.models import DistMult
+    from pykeen.triples import TriplesFactory
+
+    from pykeen_bess.distributed import init_from_environment
+    from pykeen_bess.schemes import exchange_cost, query_width
+    from pykeen_bess.training import BessTrainingLoop
+
+    torch.set_num_threads(args.threads)
+    init_from_environment(backend=args.backend)
+    factory = TriplesFactory.from_path(args.data / "train.txt")
+    model = DistMult(triples_factory=factory, embedding_dim=args.dim, random_seed=0)
+    if args.backend == "nccl":
+        model = model.to("cuda")
+    loop = BessTrainingLoop(
+        model=model, triples_factory=factory, num_shards=None if args.world_size > 1 else 1, exchange=args.exchange,
+        num_negs_per_pos=args.negatives, optimizer="adam", automatic_memory_optimization=False, seed=0,
+    )
+    start = time.perf_counter()
+    loop.train(factory, num_epochs=1, batch_size=args.batch_size, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    n = loop.exchange.n_shard
+    block_size = -(-args.batch_size // n**2)
+    steps = len(loop._sampler(loop._partition(factory), block_size))
+    predicted = 2 * exchange_cost(
+        args.exchange, n, block_size, args.negatives, sum(t.row_width for t in loop.tables),
+        query_width(loop.scorer, loop.model, loop.tables), element_size=4,
+    )
+    result = dict(
+        rank=loop.exchange.local_shards[0], seconds=seconds, triples=factory.num_triples, steps=steps,
+        bytes_per_step=getattr(loop.exchange, "bytes_sent", 0) / steps, predicted_bytes_per_step=predicted,
+        peak_rss=_peak_rss(),
+    )
+    (args.output / f"rank{result['rank']}.json").write_text(json.dumps(result))
+
+
+def launch(args: argparse.Namespace, world_size: int, exchange: str, output: pathlib.Path) -> list[dict]:
+    """Run one configuration with one process per rank; return the ranks' measurements."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    processes = []
+    for rank in range(world_size):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        command = [sys.executable, __file__, "--worker", "--data", str(args.data), "--output", str(output),
+                   "--exchange", exchange, "--world-size", str(world_size), "--backend", args.backend,
+                   "--dim", str(args.dim), "--negatives", str(args.negatives), "--batch-size", str(args.batch_size),
+                   "--threads", str(max(1, args.cores // world_size))]
+        processes.append(subprocess.Popen(command, env=env))
+    for process in processes:
+        if process.wait() != 0:
+            raise RuntimeError(f"a rank of {world_size} x {exchange} failed")
+    return [json.loads((output / f"rank{rank}.json").read_text()) for rank in range(world_size)]
+
+
+def main() -> None:
+    """Run all configurations and print the table."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", type=pathlib.Path, required=True, help="the WN18RR directory")
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--negatives", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=512)
+    parser.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="threads shared by the ranks")
+    # worker mode (internal)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--output", type=pathlib.Path, help=argparse.SUPPRESS)
+    parser.add_argument("--exchange", default="embedding", help=argparse.SUPPRESS)
+    parser.add_argument("--world-size", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    rows = []
+    for world_size in args.ranks:
+        for exchange in ("embedding", "score"):
+            with tempfile.TemporaryDirectory() as directory:
+                results = launch(args, world_size, exchange, pathlib.Path(directory))
+            seconds = max(r["seconds"] for r in results)
+            rows.append(dict(
+                ranks=world_size, exchange=exchange, throughput=results[0]["triples"] / seconds,
+                bytes=sum(r["bytes_per_step"] for r in results) / len(results),
+                predicted=results[0]["predicted_bytes_per_step"],
+                peak=max(r["peak_rss"] for r in results) / 2**20,
+            ))
+            print(rows[-1], flush=True)
+    print()
+    print(f"| ranks ({args.backend}) | exchange | triples/s | bytes sent per step and rank (measured) | cost model | peak RSS per rank (MiB) |")
+    print("|---:|---|---:|---:|---:|---:|")
+    for row in rows:
+        print(f"| {row['ranks']} | {row['exchange']} | {row['throughput']:,.0f} | {row['bytes']:,.0f} | "
+              f"{row['predicted']:,.0f} | {row['peak']:,.0f} |")
+
+
+if __name__ == "__main__":
+    main()
