@@ -311,8 +311,10 @@ class ShardedScoring:
         ``num_shards`` is None or their number of shards, their rows are read directly (a process
         holding only some shards evaluates them under ``torch.distributed``, the group's ranks
         holding the other shards). Otherwise the entities are sharded by
-        ``EntitySharding.create(num_entities, num_shards or 1, seed=0)`` and read through the
-        representations' ``forward``.
+        ``EntitySharding.create(num_entities, num_shards, seed)`` and read through the
+        representations' ``forward``; ``num_shards=None`` means the sharding a
+        :class:`~pykeen_bess.training.BessTrainingLoop` trained the model with (its
+        ``bess_sharding`` attribute), else 1.
 
         :param model: the model
         :param num_shards: the number of shards (None: the model's own, or 1)
@@ -342,10 +344,13 @@ class ShardedScoring:
                 "The model's entity tables are distributed over processes; evaluate it with its own sharding "
                 "(num_shards=None)."
             )
-        n = 1 if num_shards is None else num_shards
+        # a model trained by BessTrainingLoop in one process remembers its sharding
+        trained = getattr(model, "bess_sharding", None) or {}
+        n = trained.get("num_shards", 1) if num_shards is None else num_shards
+        seed = trained.get("seed", 0) if n == trained.get("num_shards") else 0
         if n > model.num_entities:
             raise ValueError(f"num_shards={n} is larger than the number of entities ({model.num_entities}).")
-        sharding = EntitySharding.create(model.num_entities, n, seed=0)
+        sharding = EntitySharding.create(model.num_entities, n, seed=seed)
         exchange = LocalExchange(n)
         rows = ForwardRows(representations, sharding, exchange.local_shards)
         return cls(model, rows, exchange, restrict_entities_to=restrict_entities_to, order_by_id=order_by_id)

@@ -40,8 +40,12 @@ def block_loss(
     :returns: a scalar; summing it over sub-batches and processes gives the step loss
     """
     valid = scores.valid
-    positive = scores.positive[valid].unsqueeze(-1)
-    negative = scores.negative[valid]
+    if bool(valid.all()):
+        positive = scores.positive.reshape(-1, 1)
+        negative = scores.negative.reshape(-1, scores.negative.shape[-1])
+    else:
+        positive = scores.positive[valid].unsqueeze(-1)
+        negative = scores.negative[valid]
     if positive.shape[0] == 0:
         # keep the autograd graph connected: its backward runs collectives that every process joins
         value = (scores.positive.sum() + scores.negative.sum()) * 0.0

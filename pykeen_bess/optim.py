@@ -33,7 +33,7 @@ unchanged; its parameter groups are the dense groups followed by one group of sh
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -76,6 +76,7 @@ class BessOptimizer(Optimizer):
         table_params: Iterable[torch.nn.Parameter],
         hyperparameters: Mapping[str, Any] | None = None,
         sparse_updates: bool = True,
+        row_constraints: Mapping[torch.nn.Parameter, Callable[[torch.Tensor], torch.Tensor]] | None = None,
     ):
         """Create the optimizer.
 
@@ -85,8 +86,11 @@ class BessOptimizer(Optimizer):
         :param hyperparameters: the optimizer's keyword arguments (``lr``, ``betas``, ...)
         :param sparse_updates: whether to update the shard tables row-sparsely; if False, they are
             updated densely by ``optimizer_cls`` like every other parameter
+        :param row_constraints: per shard table, a function applied to the updated rows
+            ``[U, D]`` within each row-sparse update (e.g. a projection to unit norm)
         :raises ValueError: if the optimizer (or one of its options) has no row-sparse rule
         """
+        self._row_constraints = {id(param): constraint for param, constraint in (row_constraints or {}).items()}
         hyperparameters = dict(hyperparameters or {})
         dense_params = [p for p in dense_params if p.requires_grad]
         table_params = [p for p in table_params if p.requires_grad]
@@ -148,7 +152,13 @@ class BessOptimizer(Optimizer):
                 if param.grad is None:
                     continue
                 rows, values = _sparse_rows(param.grad)
-                _APPLY[group["rule"]](param, rows, values, self.state[param], group)
+                update, scale = _APPLY[group["rule"]](rows, values, self.state[param], group, param)
+                constraint = self._row_constraints.get(id(param))
+                if constraint is None:
+                    param.index_add_(0, rows, update, alpha=scale)
+                else:
+                    old = param.index_select(0, rows)
+                    param.index_add_(0, rows, constraint(old.add(update, alpha=scale)).sub_(old))
 
 
 def _sparse_defaults(optimizer_cls: type[Optimizer]) -> dict[str, Any]:
@@ -170,8 +180,8 @@ def _sparse_rows(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return grad._indices()[0], grad._values()
 
 
-def _adam(param: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) -> None:
-    """Lazy Adam on the touched rows (``torch.optim.SparseAdam`` semantics)."""
+def _adam(rows: torch.Tensor, grad: torch.Tensor, state: dict, group: dict, param: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """Lazy Adam on the touched rows (``torch.optim.SparseAdam`` semantics); returns (update, scale)."""
     if not state:
         state["step"] = torch.zeros((), dtype=torch.float32)
         state["exp_avg"] = torch.zeros_like(param)
@@ -181,19 +191,24 @@ def _adam(param: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor, state: di
     beta1, beta2 = group["betas"]
     if group["maximize"]:
         grad = -grad
+    # as SparseAdam: add the changes of the touched rows (rows are unique; index_add_ is the
+    # fastest scatter on the CPU)
     exp_avg = state["exp_avg"].index_select(0, rows)
     exp_avg_sq = state["exp_avg_sq"].index_select(0, rows)
-    exp_avg.lerp_(grad, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    state["exp_avg"].index_copy_(0, rows, exp_avg)
-    state["exp_avg_sq"].index_copy_(0, rows, exp_avg_sq)
+    exp_avg_change = (grad - exp_avg).mul_(1 - beta1)
+    exp_avg_sq_change = (grad * grad).sub_(exp_avg_sq).mul_(1 - beta2)
+    state["exp_avg"].index_add_(0, rows, exp_avg_change)
+    state["exp_avg_sq"].index_add_(0, rows, exp_avg_sq_change)
+    exp_avg.add_(exp_avg_change)
+    exp_avg_sq.add_(exp_avg_sq_change)
     step_size = group["lr"] * math.sqrt(1 - beta2**step) / (1 - beta1**step)
-    update = exp_avg.div_(exp_avg_sq.sqrt_().add_(group["eps"]))
-    param.index_add_(0, rows, update, alpha=-step_size)
+    return exp_avg.div_(exp_avg_sq.sqrt_().add_(group["eps"])), -step_size
 
 
-def _adagrad(param: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) -> None:
-    """Row-sparse Adagrad (``torch.optim.Adagrad`` with a sparse gradient)."""
+def _adagrad(
+    rows: torch.Tensor, grad: torch.Tensor, state: dict, group: dict, param: torch.Tensor
+) -> tuple[torch.Tensor, float]:
+    """Row-sparse Adagrad (``torch.optim.Adagrad`` with a sparse gradient); returns (update, scale)."""
     if not state:
         state["step"] = torch.zeros((), dtype=torch.float32)
         state["sum"] = torch.full_like(param, group["initial_accumulator_value"])
@@ -202,14 +217,15 @@ def _adagrad(param: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor, state:
     if group["maximize"]:
         grad = -grad
     clr = group["lr"] / (1 + (step - 1) * group["lr_decay"])
-    squares = state["sum"].index_select(0, rows).addcmul_(grad, grad)
-    state["sum"].index_copy_(0, rows, squares)
-    param.index_add_(0, rows, grad / squares.sqrt_().add_(group["eps"]), alpha=-clr)
+    squared = grad * grad
+    state["sum"].index_add_(0, rows, squared)
+    squares = state["sum"].index_select(0, rows)
+    return grad / squares.sqrt_().add_(group["eps"]), -clr
 
 
-def _sgd(param: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) -> None:
-    """Row-sparse plain SGD."""
-    param.index_add_(0, rows, grad, alpha=group["lr"] if group["maximize"] else -group["lr"])
+def _sgd(rows: torch.Tensor, grad: torch.Tensor, state: dict, group: dict, param: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """Row-sparse plain SGD; returns (update, scale)."""
+    return grad, group["lr"] if group["maximize"] else -group["lr"]
 
 
 _APPLY = {

@@ -176,10 +176,16 @@ class ShardedEmbedding(Representation):
         if self.constrainer is None or rows.numel() == 0:
             return
         with torch.no_grad():
-            x = self.constrainer(self.view_rows(self.weight.index_select(0, rows)))
-            if x.is_complex():
-                x = torch.view_as_real(x)
-            self.weight.index_copy_(0, rows, x.reshape(rows.shape[0], self.row_width).to(self.weight.dtype))
+            self.weight.index_copy_(0, rows, self.constrain_values(self.weight.index_select(0, rows)))
+
+    def constrain_values(self, values: torch.Tensor) -> torch.Tensor:
+        """Apply the constrainer to stored rows ``[U, row_width]``; returns the constrained rows."""
+        if self.constrainer is None:
+            return values
+        x = self.constrainer(self.view_rows(values))
+        if x.is_complex():
+            x = torch.view_as_real(x)
+        return x.reshape(values.shape).to(values.dtype)
 
     def iter_extra_repr(self) -> Iterable[str]:  # noqa: D102
         yield from super().iter_extra_repr()

@@ -53,8 +53,8 @@ SCHEMES: tuple[str, ...] = ("embedding", "score")
 class RowGather:
     """The entity rows a process needs for one step, as leaf tensors."""
 
-    #: shape: ``[U]``, unique flat rows of the local shard tables; ``-1`` marks a dummy row used by
-    #: padding slots (its values are never scored into the loss and never updated)
+    #: shape: ``[U]``, unique flat rows of the local shard tables, sorted; a leading ``-1`` marks a
+    #: dummy row used by padding slots (its values are never scored into the loss and never updated)
     rows: torch.Tensor
     #: one leaf per shard table, shape: ``[U, row_width]``
     leaves: list[torch.Tensor]
@@ -64,6 +64,16 @@ class RowGather:
     tails: torch.Tensor
     #: shape: ``[L(k), n(i), n(j), m]``, index into ``rows`` of this shard's negatives of every block
     negatives: torch.Tensor
+
+    @property
+    def first_real(self) -> int:
+        """The position of the first real row (1 if there is a dummy row, else 0)."""
+        return int(self.rows.numel() > 0 and int(self.rows[0]) < 0)
+
+    @property
+    def real_rows(self) -> torch.Tensor:
+        """shape: ``[U']``, the rows that hold entities (a view)."""
+        return self.rows[self.first_real :]
 
 
 @dataclasses.dataclass
@@ -121,15 +131,15 @@ class BessScheme:
         exchange = self.exchange
         size = self.tables[0].sharding.shard_size
         offset = (torch.arange(exchange.n_local) * size).view(-1, 1, 1)
-        valid = batch.valid
-        # heads of blocks (l, *) and tails of blocks (*, l); padding slots use the dummy row -1
-        heads = torch.where(valid, batch.heads, -1)
-        tails = torch.where(valid, batch.tails, -1)
+        heads, tails, negatives = batch.heads, batch.tails, batch.negatives
+        if not bool(batch.valid.all()):
+            # padding slots use the dummy row -1; negatives of blocks without real positives too
+            heads = torch.where(batch.valid, heads, -1)
+            tails = torch.where(batch.valid, tails, -1)
+            negatives = torch.where(batch.valid.any(dim=-1).unsqueeze(0).unsqueeze(-1), negatives, -1)
+        # heads of blocks (l, *), tails of blocks (*, l), this shard's negatives of all blocks
         head_rows = _offset_rows(exchange.select_local(heads, 0), offset)
         tail_rows = _offset_rows(exchange.select_local(tails, 1).transpose(0, 1), offset)
-        # negatives of blocks without any real positive are not needed
-        block_used = valid.any(dim=-1)
-        negatives = torch.where(block_used.unsqueeze(0).unsqueeze(-1), batch.negatives, -1)
         negative_rows = _offset_rows(exchange.select_local(negatives, 0), offset.unsqueeze(-1))
         wanted = torch.cat([head_rows.reshape(-1), tail_rows.reshape(-1), negative_rows.reshape(-1)])
         rows, inverse = torch.unique(wanted, return_inverse=True)
@@ -154,15 +164,14 @@ class BessScheme:
         :param dense: build dense gradients (for optimizers without a row-sparse rule) instead of
             coalesced row-sparse ones
         """
-        keep = gathered.rows >= 0
-        rows = gathered.rows[keep]
+        first, rows = gathered.first_real, gathered.real_rows
         for table, leaf in zip(self.tables, gathered.leaves):
             if leaf.grad is None:
                 continue
             if dense:
-                table.weight.grad = torch.zeros_like(table.weight).index_add_(0, rows, leaf.grad[keep])
+                table.weight.grad = torch.zeros_like(table.weight).index_add_(0, rows, leaf.grad[first:])
             else:
-                table.weight.grad = row_sparse_grad(table.weight, rows, leaf.grad[keep])
+                table.weight.grad = row_sparse_grad(table.weight, rows, leaf.grad[first:])
 
     # -- scoring -----------------------------------------------------------------------------
 
@@ -203,12 +212,15 @@ class BessScheme:
         )
 
         # negatives of every local block, shared by its slots
-        # (their regularizer terms add up to the mean over the step's negatives, see gather())
+        # (their regularizer terms add up to the mean over the step's negatives, see gather()).
+        # They are gathered in the layout [n(i), n(j), L(k), m, D] and viewed as [L(k), n(i), n(j), m, D]:
+        # after the (local) all-to-all the candidates of a block are then contiguous.
         negative_mask = _negative_mask(exchange, batch.valid.any(dim=-1), gathered.negatives.shape)
-        negative_weight = valid_all.sum().item() / num_valid_step / n
+        negative_weight = valid_all.sum().item() / num_valid_step / n * exchange.n_local
         negatives_local = self._entities(
-            normalized, gathered.negatives, negative_mask, None, regularization, weight=negative_weight
-        )
+            normalized, gathered.negatives.permute(1, 2, 0, 3), negative_mask.permute(1, 2, 0, 3), None,
+            regularization, weight=negative_weight,
+        ).permute(2, 0, 1, 3, 4)
         negative_scores = []
         moved_negatives = None
         for side, side_slots in self._side_slots(batch.num_head_corrupted, start, stop):
@@ -268,7 +280,7 @@ class BessScheme:
         """Look up entity rows for a role and pack all tables' parts into ``[*index.shape, D]``.
 
         Regularizers see the rows selected by ``mask``; their (row-mean) value is weighted by
-        ``rows / num_valid_step``, or by ``weight`` per local shard when ``num_valid_step`` is None.
+        ``rows / num_valid_step``, or by ``weight`` when ``num_valid_step`` is None.
         """
         flat_index = index.reshape(-1)
         parts = []
@@ -277,7 +289,7 @@ class BessScheme:
             x = rows.index_select(0, flat_index).view(*index.shape, *rows.shape[1:])
             if table.regularizer is not None and mask is not None:
                 factor = None if num_valid_step is None else 1.0 / num_valid_step
-                _regularize(table.regularizer, x, mask, regularization, per_row=factor, per_shard=weight)
+                _regularize(table.regularizer, x, mask, regularization, per_row=factor, total=weight)
             if table.dropout is not None:
                 x = table.dropout(x)
             if x.is_complex():
@@ -328,7 +340,8 @@ def _slice_parts(x: Any, slots: slice) -> Any:
 
 def _offset_rows(local_ids: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
     """Turn local ids of the local shards (leading axis) into flat rows, keeping -1 (dummy)."""
-    return torch.where(local_ids >= 0, local_ids + offset, -1)
+    rows = local_ids + offset
+    return rows if bool(offset.max() == 0) else torch.where(local_ids >= 0, rows, -1)
 
 
 def _negative_mask(exchange: Exchange, blocks_used: torch.Tensor, shape: torch.Size) -> torch.Tensor:
@@ -352,26 +365,26 @@ def _regularize(
     mask: torch.Tensor,
     accumulator: _Accumulator,
     per_row: float | None = None,
-    per_shard: float | None = None,
+    total: float | None = None,
 ) -> None:
-    """Regularize the masked rows of the local shards and accumulate the weighted term.
+    """Regularize the masked rows and accumulate the weighted term.
 
     PyKEEN's regularizers average over rows, so one call over all local rows weighted by
     ``rows * per_row`` equals the sum of per-shard calls weighted by their own row counts (the
-    value does not depend on how the shards are spread over processes); with ``per_shard``, each
-    local shard's mean gets that weight (every shard selects the same number of rows).
+    value does not depend on how the shards are spread over processes).
 
-    :param x: shape: ``[L, ..., *shape]``
-    :param mask: shape: ``[L, ...]``, the rows to regularize
+    :param x: shape: ``[*mask.shape, *shape]``
+    :param mask: the rows to regularize
     :param per_row: the weight of each selected row
-    :param per_shard: the weight of each local shard's mean (used when ``per_row`` is None)
+    :param total: the weight of the mean (used when ``per_row`` is None)
     """
-    rows = x[mask.to(x.device)]
+    mask = mask.to(x.device)
+    rows = x.reshape(-1, *x.shape[mask.ndim :]) if bool(mask.all()) else x[mask]
     if rows.shape[0] == 0:
         return
     regularizer.update(rows)
     term = regularizer.pop_regularization_term()
-    factor = rows.shape[0] * per_row if per_row is not None else per_shard * x.shape[0]  # type: ignore[operator]
+    factor = rows.shape[0] * per_row if per_row is not None else total
     accumulator.add(term * factor)
 
 

@@ -201,6 +201,8 @@ class BessTrainingLoop(SLCWATrainingLoop):
             table_params=[table.weight for table in self.tables],
             hyperparameters=self._optimizer_kwargs,
             sparse_updates=self.sparse_updates,
+            # constraints (e.g. unit norm) are applied to the updated rows within the update
+            row_constraints={table.weight: table.constrain_values for table in self.tables if table.constrainer},
         )
 
     def _rebuild_lr_scheduler(self) -> Any:
@@ -255,6 +257,8 @@ class BessTrainingLoop(SLCWATrainingLoop):
             if self._tables_hold_weights:
                 table.copy_to(embedding)
             self.model.entity_representations[index] = embedding
+        # BessEvaluator evaluates with the training's sharding by default
+        self.model.bess_sharding = dict(num_shards=self.exchange.n_shard, seed=self.seed)
         self._installed = False
         self._tables_hold_weights = False
 
@@ -732,9 +736,9 @@ class BessTrainingLoop(SLCWATrainingLoop):
         if gradient_clipping_max_abs_value is not None:
             self._clip_grad_value(gradient_clipping_max_abs_value)
         self.optimizer.step()
-        updated_rows = gathered.rows[gathered.rows >= 0]
-        for table in self.tables:
-            table.constrain_rows(updated_rows)
+        if not self.sparse_updates:  # the row-sparse rules apply the constraints themselves
+            for table in self.tables:
+                table.constrain_rows(gathered.real_rows)
         self.model.post_parameter_update()
         self.optimizer.zero_grad(set_to_none=True)
         callback.post_batch(epoch=batch.epoch, batch=batch)
@@ -759,17 +763,28 @@ class BessTrainingLoop(SLCWATrainingLoop):
         return grads
 
     def _clip_grad_norm(self, max_norm: float, norm_type: float) -> None:
-        """Clip by the *global* gradient norm (shard gradients of all processes, replicated ones once)."""
-        dense = [p.grad for p in self._dense_parameters() if p.grad is not None and not p.grad.is_sparse]
-        sharded = [t.weight.grad._values() for t in self.tables if t.weight.grad is not None and t.weight.grad.is_sparse]
+        """Clip by the *global* gradient norm: every process' shard gradients, replicated ones once.
+
+        Equals :func:`torch.nn.utils.clip_grad_norm_` over all parameters of the unsharded model.
+        """
+        replicated = [p.grad for p in self._dense_parameters() if p.grad is not None]
+        sharded = [
+            table.weight.grad._values() if table.weight.grad.is_sparse else table.weight.grad
+            for table in self.tables
+            if table.weight.grad is not None
+        ]
         if math.isinf(norm_type):
-            local = max([g.abs().max() for g in sharded], default=torch.zeros(()))
-            total = max(float(self.exchange.all_reduce_max(torch.as_tensor(local, dtype=torch.float64))),
-                        max((float(g.abs().max()) for g in dense), default=0.0))
+            local = max((float(g.abs().max()) for g in sharded if g.numel()), default=0.0)
+            total = max(
+                float(self.exchange.all_reduce_max(torch.tensor(local, dtype=torch.float64))),
+                max((float(g.abs().max()) for g in replicated if g.numel()), default=0.0),
+            )
         else:
-            local = sum((g.abs().pow(norm_type).sum() for g in sharded), torch.zeros(()))
-            shared = sum((g.abs().pow(norm_type).sum() for g in dense), torch.zeros(()))
-            total = float(self.exchange.all_reduce(torch.as_tensor(local, dtype=torch.float64)) + float(shared)) ** (1.0 / norm_type)
+            local = sum(float(g.abs().pow(norm_type).sum()) for g in sharded)
+            shared = sum(float(g.abs().pow(norm_type).sum()) for g in replicated)
+            total = (float(self.exchange.all_reduce(torch.tensor(local, dtype=torch.float64))) + shared) ** (
+                1.0 / norm_type
+            )
         coefficient = max_norm / (total + 1e-6)
         if coefficient < 1.0:
             for grad in self._gradients():

@@ -198,3 +198,15 @@ def test_torchrun_command_line(tmp_path: pathlib.Path) -> None:
     metrics = json.loads(result.stdout)  # printed once, by rank 0
     assert 0 < metrics["both.realistic.inverse_harmonic_mean_rank"] <= 1
     assert (tmp_path / "out" / "trained_model.pkl").is_file()
+
+
+def test_example_script(tmp_path: pathlib.Path) -> None:
+    """examples/train.py runs in one process (and, per the test above, the CLI under torchrun)."""
+    example = pathlib.Path(__file__).parent.parent / "examples" / "train.py"
+    result = subprocess.run(
+        [sys.executable, str(example)], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert result.returncode == 0, result.stderr
+    assert "MRR" in result.stdout
+    assert (tmp_path / "bess-nations" / "trained_model.pkl").is_file()

@@ -65,9 +65,13 @@ def make_loop(factory: CoreTriplesFactory, model_cls=DistMult, model_kwargs=None
     return BessTrainingLoop(model=model, triples_factory=factory, **kwargs)
 
 
-@pytest.mark.parametrize(("n_shard", "exchange"), [(1, "embedding"), (3, "embedding"), (3, "score")])
-def test_training_equals_dense_reference(small_factory: CoreTriplesFactory, n_shard: int, exchange: str) -> None:
-    """Sharded training, row-sparse updates and constraints equal a dense global-id implementation."""
+@pytest.mark.parametrize(
+    ("n_shard", "exchange", "clip"), [(1, "embedding", None), (3, "embedding", None), (3, "score", None), (3, "embedding", 0.05)]
+)
+def test_training_equals_dense_reference(
+    small_factory: CoreTriplesFactory, n_shard: int, exchange: str, clip: float | None
+) -> None:
+    """Sharded training, row-sparse updates, constraints and clipping equal a dense global-id implementation."""
     loop = make_loop(
         small_factory, num_shards=n_shard, exchange=exchange, num_negs_per_pos=2 * n_shard, seed=5,
         optimizer="adagrad", optimizer_kwargs=dict(lr=0.1),
@@ -75,7 +79,10 @@ def test_training_equals_dense_reference(small_factory: CoreTriplesFactory, n_sh
     model = loop.model
     recorder = Recorder()
     block_size = 4
-    loop.train(small_factory, num_epochs=2, batch_size=block_size * n_shard**2, callbacks=recorder, use_tqdm=False)
+    loop.train(
+        small_factory, num_epochs=2, batch_size=block_size * n_shard**2, callbacks=recorder, use_tqdm=False,
+        gradient_clipping_max_norm=clip,
+    )
 
     # the reference: the same global plan, full tables, PyKEEN's interaction, dense Adagrad
     reference = DistMult(triples_factory=small_factory, embedding_dim=8, random_seed=0).double()
@@ -104,6 +111,8 @@ def test_training_equals_dense_reference(small_factory: CoreTriplesFactory, n_sh
             regularizer.update(heads_relations)
             loss = (loss + regularizer.pop_regularization_term()).sum()
             loss.backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_([entity, relation], clip)
             optimizer.step()
             reference.post_parameter_update()
             losses.append(loss.item())
@@ -156,6 +165,10 @@ def test_pipeline_trains_a_sensible_model_and_saves_it(dataset: Nations, tmp_pat
 
     predictions = predict_target(model=model, head="brazil", relation="intergovorgs", triples_factory=dataset.training)
     assert len(predictions.df) == dataset.num_entities
+    # the sharded evaluator evaluates with the training's sharding by default
+    from pykeen_bess.evaluation import ShardedScoring
+
+    assert ShardedScoring.for_model(model).rows.sharding.n_shard == 2
     bess.save_to_directory(tmp_path)
     loaded = torch.load(tmp_path / "trained_model.pkl", weights_only=False)
     batch = dataset.testing.mapped_triples[:10]
