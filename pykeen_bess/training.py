@@ -218,11 +218,12 @@ class BessTrainingLoop(SLCWATrainingLoop):
             starts from a fresh initialisation or a checkpoint), the original weights are kept
             until the tables hold valid weights, so that an error before that loses nothing
         """
-        if self._installed:
+        for table in self.tables:
+            table.defer_constraints = True
+        if self._installed:  # under a process group the model stays sharded between train() calls
             return
         for index, (embedding, table) in enumerate(zip(self.entity_embeddings, self.tables)):
             table.to(embedding._embeddings.weight.device)
-            table.defer_constraints = True
             self.model.entity_representations[index] = table
         self._installed = True
         self._tables_hold_weights = False
@@ -630,7 +631,10 @@ class BessTrainingLoop(SLCWATrainingLoop):
                 logger.warning("The training loop failed during epoch %d: %s", epoch, error)
                 if checkpoint_on_failure_file_path and not self.exchange.is_distributed:
                     self._save_state(path=checkpoint_on_failure_file_path, stopper=stopper, triples_factory=triples_factory)
-                    logger.warning("Saved a checkpoint of the last finished epoch to %s", checkpoint_on_failure_file_path)
+                    logger.warning(
+                        "Saved a failure checkpoint (the current parameters, epoch counter at the last finished "
+                        "epoch) to %s", checkpoint_on_failure_file_path,
+                    )
                 raise
 
             callback.post_epoch(epoch=epoch, epoch_loss=epoch_loss)
