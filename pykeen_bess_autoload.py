@@ -27,7 +27,7 @@ from types import ModuleType
 from typing import Any
 
 __all__ = [
-    "Nations",
+    "Nations",  # noqa: F822 - provided lazily by __getattr__
     "install_hook",
     "ready",
 ]
@@ -69,7 +69,7 @@ class _PostImportHook(importlib.abc.MetaPathFinder):
     def __init__(self) -> None:
         self._finding: set[str] = set()
 
-    def find_spec(self, fullname: str, path: Any, target: ModuleType | None = None) -> Any:  # noqa: D102
+    def find_spec(self, fullname: str, path: Any, target: ModuleType | None = None) -> Any:
         if not (fullname == "pykeen" or fullname.startswith("pykeen.")) or fullname in self._finding:
             return None
         self._finding.add(fullname)
@@ -89,10 +89,10 @@ class _NotifyingLoader(importlib.abc.Loader):
     def __init__(self, loader: Any) -> None:
         self._loader = loader
 
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:  # noqa: D102
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
         return self._loader.create_module(spec)
 
-    def exec_module(self, module: ModuleType) -> None:  # noqa: D102
+    def exec_module(self, module: ModuleType) -> None:
         self._loader.exec_module(module)
         _try_load(finished=module.__name__)
 
@@ -123,7 +123,7 @@ def _try_load(finished: str | None = None) -> None:
         # a module the plugin needs is itself mid-import; the next finished module retries
         logger.debug("pykeen-bess: loading deferred", exc_info=True)
         return
-    except Exception:  # noqa: BLE001 - an import hook must never break the user's import
+    except Exception:
         logger.warning("pykeen-bess could not register itself in PyKEEN's resolvers", exc_info=True)
     _remove_hook()
 

@@ -48,8 +48,14 @@ def worker(args: argparse.Namespace) -> None:
     if args.backend == "nccl":
         model = model.to("cuda")
     loop = BessTrainingLoop(
-        model=model, triples_factory=factory, num_shards=None if args.world_size > 1 else 1, exchange=args.exchange,
-        num_negs_per_pos=args.negatives, optimizer="adam", automatic_memory_optimization=False, seed=0,
+        model=model,
+        triples_factory=factory,
+        num_shards=None if args.world_size > 1 else 1,
+        exchange=args.exchange,
+        num_negs_per_pos=args.negatives,
+        optimizer="adam",
+        automatic_memory_optimization=False,
+        seed=0,
     )
     start = time.perf_counter()
     loop.train(factory, num_epochs=1, batch_size=args.batch_size, use_tqdm=False)
@@ -58,12 +64,21 @@ def worker(args: argparse.Namespace) -> None:
     block_size = -(-args.batch_size // n**2)
     steps = len(loop._sampler(loop._partition(factory), block_size))
     predicted = 2 * exchange_cost(
-        args.exchange, n, block_size, args.negatives, sum(t.row_width for t in loop.tables),
-        query_width(loop.scorer, loop.model, loop.tables), element_size=4,
+        args.exchange,
+        n,
+        block_size,
+        args.negatives,
+        sum(t.row_width for t in loop.tables),
+        query_width(loop.scorer, loop.model, loop.tables),
+        element_size=4,
     )
     result = dict(
-        rank=loop.exchange.local_shards[0], seconds=seconds, triples=factory.num_triples, steps=steps,
-        bytes_per_step=getattr(loop.exchange, "bytes_sent", 0) / steps, predicted_bytes_per_step=predicted,
+        rank=loop.exchange.local_shards[0],
+        seconds=seconds,
+        triples=factory.num_triples,
+        steps=steps,
+        bytes_per_step=getattr(loop.exchange, "bytes_sent", 0) / steps,
+        predicted_bytes_per_step=predicted,
         peak_rss=_peak_rss(),
     )
     (args.output / f"rank{result['rank']}.json").write_text(json.dumps(result))
@@ -76,12 +91,37 @@ def launch(args: argparse.Namespace, world_size: int, exchange: str, output: pat
         port = sock.getsockname()[1]
     processes = []
     for rank in range(world_size):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        command = [sys.executable, __file__, "--worker", "--data", str(args.data), "--output", str(output),
-                   "--exchange", exchange, "--world-size", str(world_size), "--backend", args.backend,
-                   "--dim", str(args.dim), "--negatives", str(args.negatives), "--batch-size", str(args.batch_size),
-                   "--threads", str(max(1, args.cores // world_size))]
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
+        command = [
+            sys.executable,
+            __file__,
+            "--worker",
+            "--data",
+            str(args.data),
+            "--output",
+            str(output),
+            "--exchange",
+            exchange,
+            "--world-size",
+            str(world_size),
+            "--backend",
+            args.backend,
+            "--dim",
+            str(args.dim),
+            "--negatives",
+            str(args.negatives),
+            "--batch-size",
+            str(args.batch_size),
+            "--threads",
+            str(max(1, args.cores // world_size)),
+        ]
         processes.append(subprocess.Popen(command, env=env))
     for process in processes:
         if process.wait() != 0:
@@ -115,19 +155,28 @@ def main() -> None:
             with tempfile.TemporaryDirectory() as directory:
                 results = launch(args, world_size, exchange, pathlib.Path(directory))
             seconds = max(r["seconds"] for r in results)
-            rows.append(dict(
-                ranks=world_size, exchange=exchange, throughput=results[0]["triples"] / seconds,
-                bytes=sum(r["bytes_per_step"] for r in results) / len(results),
-                predicted=results[0]["predicted_bytes_per_step"],
-                peak=max(r["peak_rss"] for r in results) / 2**20,
-            ))
+            rows.append(
+                dict(
+                    ranks=world_size,
+                    exchange=exchange,
+                    throughput=results[0]["triples"] / seconds,
+                    bytes=sum(r["bytes_per_step"] for r in results) / len(results),
+                    predicted=results[0]["predicted_bytes_per_step"],
+                    peak=max(r["peak_rss"] for r in results) / 2**20,
+                )
+            )
             print(rows[-1], flush=True)
     print()
-    print(f"| ranks ({args.backend}) | exchange | triples/s | bytes sent per step and rank (measured) | cost model | peak RSS per rank (MiB) |")
+    print(
+        f"| ranks ({args.backend}) | exchange | triples/s | bytes sent per step and rank (measured) | cost model "
+        "| peak RSS per rank (MiB) |"
+    )
     print("|---:|---|---:|---:|---:|---:|")
     for row in rows:
-        print(f"| {row['ranks']} | {row['exchange']} | {row['throughput']:,.0f} | {row['bytes']:,.0f} | "
-              f"{row['predicted']:,.0f} | {row['peak']:,.0f} |")
+        print(
+            f"| {row['ranks']} | {row['exchange']} | {row['throughput']:,.0f} | {row['bytes']:,.0f} | "
+            f"{row['predicted']:,.0f} | {row['peak']:,.0f} |"
+        )
 
 
 if __name__ == "__main__":

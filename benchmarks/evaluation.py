@@ -12,9 +12,9 @@ ranks are meaningful; ``--train-epochs 0`` keeps the random initialisation) with
 all in one run, on the same model. A markdown table reports the wall time, the peak memory (the
 increase of the process's resident-set high-water mark during the evaluation, see
 :func:`pykeen_bess.memory.measure_peak`, after returning freed heap memory to the system;
-BessEvaluator's own memory probe resets the high-water mark once, early in its run), whether every key of ``to_flat_dict()`` equals the
-fastest PyKEEN run's value (relative tolerance ``--rtol``), and the speed-up over the fastest
-PyKEEN run. The project's target is a speed-up of at least 20x with identical metrics.
+BessEvaluator's own memory probe resets the high-water mark once, early in its run), whether every
+key of ``to_flat_dict()`` equals the fastest PyKEEN run's value (relative tolerance ``--rtol``),
+and the speed-up over the fastest PyKEEN run. The project's target is a speed-up of at least 20x with identical metrics.
 
     python benchmarks/evaluation.py --data ../shared/data/wn18rr
 
@@ -59,7 +59,9 @@ def load_splits(directory: pathlib.Path) -> dict[str, TriplesFactory]:
     entity_to_id = create_entity_mapping(labeled)
     relation_to_id = create_relation_mapping(labeled[:, 1])
     return {
-        split: TriplesFactory.from_path(directory / f"{split}.txt", entity_to_id=entity_to_id, relation_to_id=relation_to_id)
+        split: TriplesFactory.from_path(
+            directory / f"{split}.txt", entity_to_id=entity_to_id, relation_to_id=relation_to_id
+        )
         for split in SPLITS
     }
 
@@ -84,7 +86,9 @@ def release_free_memory() -> None:
         pass
 
 
-def run(evaluator: Evaluator, model: DistMult, splits: Mapping[str, TriplesFactory], batch_size: int | None) -> dict[str, Any]:
+def run(
+    evaluator: Evaluator, model: DistMult, splits: Mapping[str, TriplesFactory], batch_size: int | None
+) -> dict[str, Any]:
     """Evaluate once; return the wall time, the peak memory and the metrics."""
     kwargs = {
         "additional_filter_triples": [splits["train"].mapped_triples, splits["valid"].mapped_triples],
@@ -99,7 +103,7 @@ def run(evaluator: Evaluator, model: DistMult, splits: Mapping[str, TriplesFacto
 
 
 def compare(expected: Mapping[str, float], actual: Mapping[str, float], rtol: float) -> tuple[bool, int, float]:
-    """Return whether all keys match (within ``rtol``), the number of exactly equal values, the largest relative difference."""
+    """Return whether all keys match (within ``rtol``), how many are equal and the largest relative difference."""
     if set(expected) != set(actual):
         return False, 0, math.inf
     exact, largest = 0, 0.0
@@ -172,7 +176,10 @@ def main() -> None:
         peak = "n/a" if row["peak_bytes"] is None else f"{row['peak_bytes'] / 2**20:,.0f}"
         mrr = row["metrics"]["both.realistic.inverse_harmonic_mean_rank"]
         hits = row["metrics"]["both.realistic.hits_at_10"]
-        print(f"| {row['name']} | {row['setting']} | {row['seconds']:.2f} | {peak} | {mrr:.4f} | {hits:.4f} | {equal} | {speedup} |")
+        print(
+            f"| {row['name']} | {row['setting']} | {row['seconds']:.2f} | {peak} | {mrr:.4f} | {hits:.4f} | {equal} "
+            f"| {speedup} |"
+        )
     if best is not None:
         print(f"\nPyKEEN best: {best['setting']} ({best['seconds']:.1f} s).")
     if args.output is not None:

@@ -82,7 +82,7 @@ def time_stock(tf: CoreTriplesFactory, dim: int, negatives: int, batch_size: int
             super().__init__()
             self.count = 0
 
-        def post_batch(self, epoch: int, batch, **kwargs) -> None:  # noqa: ANN001
+        def post_batch(self, epoch: int, batch, **kwargs) -> None:
             self.count += 1
             if self.count >= max_batches:
                 raise _Done
@@ -99,7 +99,9 @@ class _Done(Exception):
     pass
 
 
-def time_bess(tf: CoreTriplesFactory, dim: int, negatives: int, batch_size: int, num_shards: int, exchange: str) -> float:
+def time_bess(
+    tf: CoreTriplesFactory, dim: int, negatives: int, batch_size: int, num_shards: int, exchange: str
+) -> float:
     """Return positives per second of one BESS epoch (including its setup: partition, initialisation)."""
     model = make_model(tf, dim)
     loop = BessTrainingLoop(
@@ -146,7 +148,9 @@ def time_handwritten(tf: CoreTriplesFactory, dim: int, negatives: int, batch_siz
         positive_scores = (h * r * t).sum(dim=-1, keepdim=True)
         negative_scores = torch.cat([(r[:half] * t[:half]) @ negative.t(), (h[half:] * r[half:]) @ negative.t()])
         regularizer.update(r)
-        loss = loss_function.process_slcwa_scores(positive_scores, negative_scores) + regularizer.pop_regularization_term()
+        loss = (
+            loss_function.process_slcwa_scores(positive_scores, negative_scores) + regularizer.pop_regularization_term()
+        )
         entity_optimizer.zero_grad()
         relation_optimizer.zero_grad()
         loss.sum().backward()
@@ -167,7 +171,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=512)
     parser.add_argument("--generated-entities", type=int, default=200_000)
     parser.add_argument("--generated-triples", type=int, default=100_000)
-    parser.add_argument("--stock-max-batches", type=int, default=None, help="time the stock loop on a prefix of the epoch")
+    parser.add_argument(
+        "--stock-max-batches", type=int, default=None, help="time the stock loop on a prefix of the epoch"
+    )
     parser.add_argument("--exchange", default="embedding", choices=["embedding", "score"])
     parser.add_argument("--repeats", type=int, default=3, help="BESS and hand-written runs: best of this many")
     args = parser.parse_args()
@@ -190,8 +196,10 @@ def main() -> None:
             handwritten = max(handwritten, time_handwritten(tf, args.dim, args.negatives, args.batch_size))
             for n in bess:
                 bess[n] = max(bess[n], time_bess(tf, args.dim, args.negatives, args.batch_size, n, args.exchange))
-        print(f"hand-written: {handwritten:,.0f}/s; BESS: " + ", ".join(f"n={n} {v:,.0f}/s" for n, v in bess.items()),
-              flush=True)
+        print(
+            f"hand-written: {handwritten:,.0f}/s; BESS: " + ", ".join(f"n={n} {v:,.0f}/s" for n, v in bess.items()),
+            flush=True,
+        )
         rows.append((name, "PyKEEN SLCWATrainingLoop", stock, None))
         rows.append((name, "hand-written step (shared negatives)", handwritten, None))
         for n, value in bess.items():

@@ -1,7 +1,7 @@
 """Train and evaluate with BESS, in one process or one process per rank under torchrun.
 
-    python examples/train.py                              # 2 logical shards in one process
-    torchrun --nproc-per-node 4 examples/train.py         # 4 ranks, one entity shard each
+python examples/train.py                              # 2 logical shards in one process
+torchrun --nproc-per-node 4 examples/train.py         # 4 ranks, one entity shard each
 """
 
 from pykeen.pipeline import pipeline

@@ -33,7 +33,25 @@ _EXPORTS = {
     "get_scorer": "scoring",
 }
 
-__all__ = sorted([*_EXPORTS, "register", "__version__"])
+__all__ = [
+    "BessEvaluator",
+    "BessSampler",
+    "BessTrainingLoop",
+    "DistributedExchange",
+    "EntitySharding",
+    "InterHT",
+    "InterHTInteraction",
+    "LocalExchange",
+    "ShardPairPartition",
+    "ShardedEmbedding",
+    "TranS",
+    "TranSInteraction",
+    "get_scorer",
+    "predict_top_k",
+    "register",
+    "register_when_ready",
+    "__version__",
+]
 
 
 def __getattr__(name: str) -> Any:

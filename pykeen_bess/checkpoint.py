@@ -147,8 +147,8 @@ def reshard_rank_state(
         file = rank_file(path, version, old_rank, old_world_size)
         if not file.is_file():
             raise FileNotFoundError(
-                f"Cannot reshard checkpoint {path} from {old_world_size} to {sharding.n_shard} ranks: {file} is missing "
-                f"(all ranks' files must be in the same, shared directory)."
+                f"Cannot reshard checkpoint {path} from {old_world_size} to {sharding.n_shard} ranks: {file} is "
+                f"missing (all ranks' files must be in the same, shared directory)."
             )
         old = torch.load(file, weights_only=False)
         old_global = old_sharding.shard_entities[old_rank]  # [S_old]

@@ -40,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train", help="train and evaluate a model with BESS")
     train.add_argument(
-        "--dataset", default="nations",
+        "--dataset",
+        default="nations",
         help="a PyKEEN dataset name (nations, kinships, umls ship with PyKEEN) or a directory with "
         "train.txt / valid.txt / test.txt (tab-separated labels)",
     )
@@ -73,9 +74,7 @@ def load_dataset(name_or_path: str) -> Any:
         missing = [str(file) for file in files.values() if not file.is_file()]
         if missing:
             raise SystemExit(f"Dataset directory {path} lacks {', '.join(missing)}")
-        return PathDataset(
-            training_path=files["train"], testing_path=files["test"], validation_path=files["valid"]
-        )
+        return PathDataset(training_path=files["train"], testing_path=files["test"], validation_path=files["valid"])
     return get_dataset(dataset=name_or_path)
 
 

@@ -41,9 +41,10 @@ owns an entity contributes its row, the others zeros, and an all-reduce sums the
 under a process group each rank holds one shard of the tables and the same code is correct.
 
 Memory: per step at most one ``[batch_size, slice_size]`` score block, cache-sized temporaries of
-the counting (:data:`COUNT_CHUNK_ELEMENTS` scores) and the candidate features of one slice exist. Without explicit sizes the block
-is bounded to :data:`CPU_BLOCK_BYTES` on the CPU (:data:`CUDA_BLOCK_BYTES` on a GPU) and checked
-by an out-of-memory-catching probe agreed by all processes (:func:`pykeen_bess.memory.search_largest`).
+the counting (:data:`COUNT_CHUNK_ELEMENTS` scores) and the candidate features of one slice exist.
+Without explicit sizes the block is bounded to :data:`CPU_BLOCK_BYTES` on the CPU
+(:data:`CUDA_BLOCK_BYTES` on a GPU) and checked by an out-of-memory-catching probe agreed by all
+processes (:func:`pykeen_bess.memory.search_largest`).
 """
 
 from __future__ import annotations
@@ -149,7 +150,7 @@ class ShardTableRows(EntityRows):
         self.sharding = first.sharding
         self.local_shards = first.local_shards
 
-    def rows(self, position: int, local: slice | torch.Tensor) -> list[torch.Tensor]:
+    def rows(self, position: int, local: slice | torch.Tensor) -> list[torch.Tensor]:  # noqa: D102
         offset = position * self.sharding.shard_size
         result = []
         for table in self.tables:
@@ -168,7 +169,9 @@ class ShardTableRows(EntityRows):
 class ForwardRows(EntityRows):
     """Rows of any PyKEEN representation, via its ``forward`` on the global ids of a virtual sharding."""
 
-    def __init__(self, representations: Sequence[torch.nn.Module], sharding: EntitySharding, local_shards: Sequence[int]):
+    def __init__(
+        self, representations: Sequence[torch.nn.Module], sharding: EntitySharding, local_shards: Sequence[int]
+    ):
         """Wrap the model's entity representations.
 
         :param representations: the model's entity representations (all entities addressable)
@@ -179,7 +182,7 @@ class ForwardRows(EntityRows):
         self.sharding = sharding
         self.local_shards = tuple(int(s) for s in local_shards)
 
-    def rows(self, position: int, local: slice | torch.Tensor) -> list[torch.Tensor]:
+    def rows(self, position: int, local: slice | torch.Tensor) -> list[torch.Tensor]:  # noqa: D102
         shard = self.local_shards[position]
         ids = self.sharding.shard_entities[shard, local]
         result = []
@@ -326,9 +329,12 @@ class ShardedScoring:
         """
         if not isinstance(model, ERModel):
             raise TypeError(
-                f"BESS evaluation needs a pykeen.models.ERModel (interaction + representations), not {type(model).__name__}."
+                "BESS evaluation needs a pykeen.models.ERModel (interaction + representations), not "
+                f"{type(model).__name__}."
             )
-        if num_shards is not None and (isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1):
+        if num_shards is not None and (
+            isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1
+        ):
             raise ValueError(f"num_shards must be a positive integer or None, but is {num_shards!r}.")
         representations = list(model.entity_representations)
         tables = [r for r in representations if isinstance(r, ShardedEmbedding)]
@@ -585,7 +591,9 @@ def count_block(
     counts.nan += torch.isnan(scores).sum(dim=1, dtype=torch.int32) - num_masked
 
 
-def unique_pairs(query_index: torch.Tensor, entities: torch.Tensor, num_entities: int) -> tuple[torch.Tensor, torch.Tensor]:
+def unique_pairs(
+    query_index: torch.Tensor, entities: torch.Tensor, num_entities: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Drop duplicate ``(query, entity)`` pairs; shapes ``[m] -> [m']``, sorted by query."""
     keys = torch.unique(query_index.cpu() * num_entities + entities.cpu())
     return keys // num_entities, keys % num_entities
@@ -650,7 +658,11 @@ def choose_block_sizes(
         batch_start = max(1, min(num_queries, block_elements // slice_start))
         maximum = num_queries if device.type == "cuda" else batch_start
         batch_size, found = search_largest(
-            lambda b: fits(b, slice_start), start=batch_start, maximum=maximum, exchange=exchange, description="batch_size"
+            lambda b: fits(b, slice_start),
+            start=batch_start,
+            maximum=maximum,
+            exchange=exchange,
+            description="batch_size",
         )
         if found or slice_size is not None:
             if not found:
@@ -669,7 +681,7 @@ def choose_block_sizes(
 
 
 def _score_itemsize(scoring: ShardedScoring) -> int:
-    """The bytes of one score (the real dtype of the entity representations)."""
+    """Return the bytes of one score (the real dtype of the entity representations)."""
     template = scoring.rows.rows(0, slice(0, 0))[0]
     dtype = template.real.dtype if template.is_complex() else template.dtype
     return torch.empty(0, dtype=dtype).element_size() if dtype.is_floating_point else 4
@@ -678,7 +690,9 @@ def _score_itemsize(scoring: ShardedScoring) -> int:
 # -- input checks ----------------------------------------------------------------------------------
 
 
-def check_triples(triples: Any, num_entities: int, num_relations: int, name: str, allow_empty: bool = False) -> torch.Tensor:
+def check_triples(
+    triples: Any, num_entities: int, num_relations: int, name: str, allow_empty: bool = False
+) -> torch.Tensor:
     """Check ``[n, 3]`` id triples against a model's sizes.
 
     :param triples: the triples
@@ -692,7 +706,9 @@ def check_triples(triples: Any, num_entities: int, num_relations: int, name: str
     if not torch.is_tensor(triples):
         triples = torch.as_tensor(np.asarray(triples))
     if triples.ndim != 2 or triples.shape[1] != 3:
-        raise ValueError(f"{name} must have shape [n, 3] (head, relation, tail ids), but has shape {list(triples.shape)}.")
+        raise ValueError(
+            f"{name} must have shape [n, 3] (head, relation, tail ids), but has shape {list(triples.shape)}."
+        )
     if triples.dtype.is_floating_point or triples.dtype.is_complex or triples.dtype == torch.bool:
         raise ValueError(f"{name} must hold integer ids, but has dtype {triples.dtype}.")
     if triples.shape[0] == 0:
@@ -771,7 +787,9 @@ class BessEvaluator(RankBasedEvaluator):
         if kwargs.get("mode") is not None:
             raise NotImplementedError("BessEvaluator supports transductive evaluation only (mode=None).")
         super().__init__(filtered=filtered, batch_size=batch_size, slice_size=slice_size, **kwargs)
-        if num_shards is not None and (isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1):
+        if num_shards is not None and (
+            isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1
+        ):
             raise ValueError(f"num_shards must be a positive integer or None, but is {num_shards!r}.")
         self.num_shards = num_shards
         self.memory_budget = memory_budget
@@ -811,7 +829,11 @@ class BessEvaluator(RankBasedEvaluator):
         num_relations = model.num_real_relations
         mapped_triples = check_triples(mapped_triples, model.num_entities, num_relations, "mapped_triples")
         if additional_filter_triples is not None:
-            extra = [additional_filter_triples] if torch.is_tensor(additional_filter_triples) else list(additional_filter_triples)
+            extra = (
+                [additional_filter_triples]
+                if torch.is_tensor(additional_filter_triples)
+                else list(additional_filter_triples)
+            )
             additional_filter_triples = [
                 check_triples(t, model.num_entities, num_relations, "additional_filter_triples", allow_empty=True)
                 for t in extra
@@ -885,7 +907,10 @@ class BessEvaluator(RankBasedEvaluator):
     ) -> RankBasedMetricResults:
         """Rank all evaluation triples batch by batch, fill ``self.ranks`` / ``self.num_candidates`` and finalize."""
         scoring = ShardedScoring.for_model(
-            model, num_shards=self.num_shards, process_group=self.process_group, restrict_entities_to=restrict_entities_to
+            model,
+            num_shards=self.num_shards,
+            process_group=self.process_group,
+            restrict_entities_to=restrict_entities_to,
         )
         index = None
         if self.filtered:
@@ -1057,7 +1082,7 @@ class BessEvaluator(RankBasedEvaluator):
 
 
 def _no_probe(batch_size: int, slice_size: int) -> None:
-    """A probe that is never run (both sizes given)."""
+    """Stand in for a probe that is never run (both sizes given)."""
 
 
 def _check_ids(ids: Iterable[int] | torch.Tensor, upper: int, name: str) -> torch.Tensor:
@@ -1068,4 +1093,3 @@ def _check_ids(ids: Iterable[int] | torch.Tensor, upper: int, name: str) -> torc
     if int(ids.min()) < 0 or int(ids.max()) >= upper:
         raise ValueError(f"{name} contains ids outside [0, {upper}).")
     return ids
-

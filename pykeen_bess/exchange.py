@@ -96,7 +96,7 @@ class Exchange(ABC):
         """Return the element-wise maximum over all processes."""
         return x.clone()
 
-    def barrier(self) -> None:
+    def barrier(self) -> None:  # noqa: B027 - a single process has nothing to wait for
         """Wait for all processes."""
 
 
@@ -122,7 +122,7 @@ class LocalExchange(Exchange):
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
         return x.clone()
 
-    def __repr__(self) -> str:  # noqa: D105
+    def __repr__(self) -> str:
         return f"{self.__class__.__name__}(n_shard={self.n_shard})"
 
 
@@ -203,7 +203,7 @@ class DistributedExchange(Exchange):
         self.bytes_sent += x.numel() * x.element_size() * (self.n_shard - 1)
         return torch.stack(output)
 
-    def __repr__(self) -> str:  # noqa: D105
+    def __repr__(self) -> str:
         return f"{self.__class__.__name__}(rank={self.rank}, n_shard={self.n_shard})"
 
 
@@ -211,12 +211,12 @@ class _AllToAll(torch.autograd.Function):
     """Differentiable all-to-all: its backward is the all-to-all of the gradients."""
 
     @staticmethod
-    def forward(ctx, exchange: DistributedExchange, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+    def forward(ctx, exchange: DistributedExchange, x: torch.Tensor) -> torch.Tensor:
         ctx.exchange = exchange
         return exchange._all_to_all(x)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[None, torch.Tensor]:  # noqa: D102
+    def backward(ctx, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
         return None, ctx.exchange._all_to_all(grad)
 
 
@@ -224,12 +224,12 @@ class _AllGather(torch.autograd.Function):
     """Differentiable all-gather: its backward returns to each rank the sum of the gradients of its slice."""
 
     @staticmethod
-    def forward(ctx, exchange: DistributedExchange, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+    def forward(ctx, exchange: DistributedExchange, x: torch.Tensor) -> torch.Tensor:
         ctx.exchange = exchange
         return exchange._all_gather(x)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[None, torch.Tensor]:  # noqa: D102
+    def backward(ctx, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
         # grad[s] is this rank's gradient for rank s' slice: send it there, sum what arrives
         return None, ctx.exchange._all_to_all(grad).sum(dim=0)
 
@@ -237,7 +237,6 @@ class _AllGather(torch.autograd.Function):
 def _check_leading(x: torch.Tensor, *sizes: int) -> None:
     if tuple(x.shape[: len(sizes)]) != tuple(sizes):
         raise ValueError(f"Expected leading dimensions {list(sizes)}, got shape {list(x.shape)}.")
-
 
 
 class ProbeExchange(Exchange):

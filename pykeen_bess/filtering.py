@@ -75,7 +75,9 @@ class SideIndex:
         query_index = torch.repeat_interleave(torch.arange(keys.shape[0], device=keys.device), counts)
         # position of each answer within its query's run, plus the run's start
         first_output = torch.cumsum(counts, dim=0) - counts
-        positions = torch.arange(query_index.shape[0], device=keys.device) - first_output[query_index] + start[query_index]
+        positions = (
+            torch.arange(query_index.shape[0], device=keys.device) - first_output[query_index] + start[query_index]
+        )
         return query_index, self.entities[positions].long()
 
 
@@ -114,7 +116,9 @@ class FilterIndex:
         if not torch.is_tensor(triples):
             triples = torch.cat([torch.as_tensor(t).view(-1, 3) for t in triples], dim=0) if len(triples) else None
         if triples is None or triples.ndim != 2 or triples.shape[1] != 3:
-            raise ValueError(f"Expected known triples of shape [T, 3], got {None if triples is None else list(triples.shape)}.")
+            raise ValueError(
+                f"Expected known triples of shape [T, 3], got {None if triples is None else list(triples.shape)}."
+            )
         triples = triples.detach().to(device="cpu", dtype=torch.long)
         if num_entities is None:
             num_entities = int(torch.cat([triples[:, 0], triples[:, 2]]).max()) + 1 if len(triples) else 0
@@ -122,7 +126,9 @@ class FilterIndex:
             num_relations = int(triples[:, 1].max()) + 1 if len(triples) else 0
         if len(triples):
             heads, relations, tails = triples.unbind(dim=1)
-            bad_entity = int(torch.cat([heads, tails]).min()) < 0 or int(torch.cat([heads, tails]).max()) >= num_entities
+            bad_entity = (
+                int(torch.cat([heads, tails]).min()) < 0 or int(torch.cat([heads, tails]).max()) >= num_entities
+            )
             bad_relation = int(relations.min()) < 0 or int(relations.max()) >= num_relations
             if bad_entity or bad_relation:
                 raise ValueError(

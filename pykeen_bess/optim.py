@@ -115,7 +115,9 @@ class BessOptimizer(Optimizer):
                     f"shard tables densely (slower)."
                 )
             defaults = dict(_sparse_defaults(optimizer_cls))
-            defaults.update({k: v for k, v in hyperparameters.items() if k in defaults or k in _UNSUPPORTED_OPTIONS[rule]})
+            defaults.update(
+                {k: v for k, v in hyperparameters.items() if k in defaults or k in _UNSUPPORTED_OPTIONS[rule]}
+            )
             for key, required in _UNSUPPORTED_OPTIONS[rule].items():
                 if key in defaults and defaults.pop(key) != required:
                     raise ValueError(
@@ -180,7 +182,9 @@ def _sparse_rows(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return grad._indices()[0], grad._values()
 
 
-def _adam(rows: torch.Tensor, grad: torch.Tensor, state: dict, group: dict, param: torch.Tensor) -> tuple[torch.Tensor, float]:
+def _adam(
+    rows: torch.Tensor, grad: torch.Tensor, state: dict, group: dict, param: torch.Tensor
+) -> tuple[torch.Tensor, float]:
     """Lazy Adam on the touched rows (``torch.optim.SparseAdam`` semantics); returns (update, scale)."""
     if not state:
         state["step"] = torch.zeros((), dtype=torch.float32)
@@ -223,7 +227,9 @@ def _adagrad(
     return grad / squares.sqrt_().add_(group["eps"]), -clr
 
 
-def _sgd(rows: torch.Tensor, grad: torch.Tensor, state: dict, group: dict, param: torch.Tensor) -> tuple[torch.Tensor, float]:
+def _sgd(
+    rows: torch.Tensor, grad: torch.Tensor, state: dict, group: dict, param: torch.Tensor
+) -> tuple[torch.Tensor, float]:
     """Row-sparse plain SGD; returns (update, scale)."""
     return grad, group["lr"] if group["maximize"] else -group["lr"]
 

@@ -135,14 +135,17 @@ def predict_top_k(
     # check ids by completing the queries to triples with a placeholder entity
     placeholder = torch.zeros(query_ids.shape[0], 1, dtype=torch.long)
     pairs_as_triples = (
-        torch.cat([query_ids, placeholder], dim=1) if target == LABEL_TAIL else torch.cat([placeholder, query_ids], dim=1)
+        torch.cat([query_ids, placeholder], dim=1)
+        if target == LABEL_TAIL
+        else torch.cat([placeholder, query_ids], dim=1)
     )
     check_triples(pairs_as_triples, model.num_entities, model.num_real_relations, "queries")
     index = None
     if filter_triples is not None:
         known = [filter_triples] if torch.is_tensor(filter_triples) else list(filter_triples)
         known = [
-            check_triples(t, model.num_entities, model.num_real_relations, "filter_triples", allow_empty=True) for t in known
+            check_triples(t, model.num_entities, model.num_real_relations, "filter_triples", allow_empty=True)
+            for t in known
         ]
         index = FilterIndex.from_triples(known, model.num_entities, model.num_real_relations)
 
@@ -172,7 +175,9 @@ def predict_top_k(
     ids = torch.cat([r[1] for r in results]).cpu()
     nan_count = sum(r[2] for r in results)
     if nan_count:
-        warnings.warn(f"The model produced {nan_count} NaN scores; those entities were not ranked.", RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"The model produced {nan_count} NaN scores; those entities were not ranked.", RuntimeWarning, stacklevel=2
+        )
     return _to_frame(query_ids, scores, ids, target, triples_factory)
 
 
@@ -235,7 +240,9 @@ def _top_k_batch(
     gathered_ids = exchange.all_gather(torch.stack(local_ids))[0]
     nan_count = int(exchange.all_reduce(torch.tensor([nan_count], device=device))[0])
     merged_scores, merged_ids = merge_top_k(
-        gathered_scores.permute(1, 0, 2).reshape(batch_size, -1), gathered_ids.permute(1, 0, 2).reshape(batch_size, -1), k
+        gathered_scores.permute(1, 0, 2).reshape(batch_size, -1),
+        gathered_ids.permute(1, 0, 2).reshape(batch_size, -1),
+        k,
     )
     return merged_scores, merged_ids, nan_count
 

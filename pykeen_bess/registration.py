@@ -46,7 +46,7 @@ _registering = False
 
 
 def _plugin_classes() -> dict[str, Sequence[type]]:
-    """The plugin's own classes per entry-point group (imported lazily)."""
+    """Return the plugin's own classes per entry-point group (imported lazily)."""
     from .evaluation import BessEvaluator
     from .interactions import InterHTInteraction, TranSInteraction
     from .models import InterHT, TranS

@@ -74,7 +74,9 @@ class ShardedEmbedding(Representation):
         template = base._embeddings.weight
         self.row_width = template.shape[1]
         self.weight = nn.Parameter(
-            torch.zeros(self.n_local * sharding.shard_size, self.row_width, dtype=template.dtype, device=template.device),
+            torch.zeros(
+                self.n_local * sharding.shard_size, self.row_width, dtype=template.dtype, device=template.device
+            ),
             requires_grad=template.requires_grad,
         )
         # flat local row of every global entity, -1 where the entity is not held here
@@ -82,7 +84,9 @@ class ShardedEmbedding(Representation):
         position[list(self.local_shards)] = torch.arange(self.n_local)
         local_position = position[sharding.entity_shard]
         rows = torch.where(
-            local_position >= 0, local_position * sharding.shard_size + sharding.entity_local, torch.full_like(local_position, -1)
+            local_position >= 0,
+            local_position * sharding.shard_size + sharding.entity_local,
+            torch.full_like(local_position, -1),
         )
         self.register_buffer("entity_rows", rows, persistent=False)
         # the embedding this table replaces (not a submodule: its parameters are not the model's)
@@ -132,7 +136,7 @@ class ShardedEmbedding(Representation):
             x = torch.view_as_complex(x)
         return x
 
-    def _plain_forward(self, indices: torch.Tensor | None = None) -> torch.Tensor:  # noqa: D102
+    def _plain_forward(self, indices: torch.Tensor | None = None) -> torch.Tensor:
         if indices is None:
             if not self.holds_all_shards:
                 raise ValueError("Only a process holding all shards can return the full entity table.")
@@ -206,7 +210,11 @@ class ShardedEmbedding(Representation):
 
     def copy_from_tensor(self, table: torch.Tensor) -> None:
         """Fill the local shards from a full ``[num_entities, ...]`` table in global order."""
-        table = table.reshape(self.max_id, -1) if not table.is_complex() else torch.view_as_real(table).reshape(self.max_id, -1)
+        table = (
+            table.reshape(self.max_id, -1)
+            if not table.is_complex()
+            else torch.view_as_real(table).reshape(self.max_id, -1)
+        )
         if table.shape[1] != self.row_width:
             raise ValueError(f"Expected rows of width {self.row_width}, got {table.shape[1]}.")
         with torch.no_grad():

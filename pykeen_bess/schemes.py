@@ -148,7 +148,10 @@ class BessScheme:
         sizes = [head_rows.numel(), tail_rows.numel(), negative_rows.numel()]
         head_index, tail_index, negative_index = inverse.split(sizes)
         lookup = rows.clamp_min(0)
-        leaves = [table.weight.detach().index_select(0, lookup).requires_grad_(table.weight.requires_grad) for table in self.tables]
+        leaves = [
+            table.weight.detach().index_select(0, lookup).requires_grad_(table.weight.requires_grad)
+            for table in self.tables
+        ]
         return RowGather(
             rows=rows,
             leaves=leaves,
@@ -205,7 +208,9 @@ class BessScheme:
         heads = self._entities(normalized, gathered.heads[..., slots], valid, num_valid_step, regularization)
         tails_out = self._entities(normalized, gathered.tails[..., slots], tail_valid, num_valid_step, regularization)
         tails = exchange.all_to_all(tails_out)
-        relations = self._relations(exchange.select_local(batch.relations[..., slots], 0), valid, num_valid_step, regularization)
+        relations = self._relations(
+            exchange.select_local(batch.relations[..., slots], 0), valid, num_valid_step, regularization
+        )
         head_parts, tail_parts = self._unpack(heads), self._unpack(tails)
         positive = self.scorer.score_triples(
             self._select(head_parts, self.head_indices), relations, self._select(tail_parts, self.tail_indices)
@@ -218,8 +223,12 @@ class BessScheme:
         negative_mask = _negative_mask(exchange, batch.valid.any(dim=-1), gathered.negatives.shape)
         negative_weight = valid_all.sum().item() / num_valid_step / n * exchange.n_local
         negatives_local = self._entities(
-            normalized, gathered.negatives.permute(1, 2, 0, 3), negative_mask.permute(1, 2, 0, 3), None,
-            regularization, weight=negative_weight,
+            normalized,
+            gathered.negatives.permute(1, 2, 0, 3),
+            negative_mask.permute(1, 2, 0, 3),
+            None,
+            regularization,
+            weight=negative_weight,
         ).permute(2, 0, 1, 3, 4)
         negative_scores = []
         moved_negatives = None
@@ -240,7 +249,9 @@ class BessScheme:
                 candidates = self.scorer.candidates(side, self._select(moved_negatives, candidate_indices))
                 negative_scores.append(self.scorer.score(side, query, candidates))
             else:
-                candidates = self.scorer.candidates(side, self._select(self._unpack(negatives_local), candidate_indices))
+                candidates = self.scorer.candidates(
+                    side, self._select(self._unpack(negatives_local), candidate_indices)
+                )
                 # [L(k), n(i), n(j), b', m] -> [L(i), n(k), n(j), b', m] -> [L(i), n(j), b', K]
                 scores = exchange.all_to_all(self.scorer.score(side, exchange.all_gather(query), candidates))
                 scores = scores.permute(0, 2, 3, 1, 4)
@@ -321,7 +332,9 @@ class BessScheme:
         for table in self.tables:
             x = packed[..., offset : offset + table.row_width]
             offset += table.row_width
-            parts.append(table.view_rows(x.contiguous()) if table.is_complex else x.reshape(*x.shape[:-1], *table.shape))
+            parts.append(
+                table.view_rows(x.contiguous()) if table.is_complex else x.reshape(*x.shape[:-1], *table.shape)
+            )
         return parts
 
     @staticmethod
@@ -439,8 +452,8 @@ def query_width(scorer: SharedCandidateScorer, model: ERModel, tables: Sequence[
     """Return the number of values of a query (the mean over both sides) for a model's scorer."""
     with torch.no_grad():
         entities = [table.view_rows(table.weight[:1]) for table in tables]
-        relations = [representation(indices=torch.zeros(1, dtype=torch.long, device=table_device(tables)))
-                     for representation in model.relation_representations]
+        first_relation = torch.zeros(1, dtype=torch.long, device=tables[0].weight.device)
+        relations = [representation(indices=first_relation) for representation in model.relation_representations]
         relation = relations[0] if len(relations) == 1 else tuple(relations)
         widths = []
         for side, indices in (("head", model.interaction.tail_indices), ("tail", model.interaction.head_indices)):
@@ -448,8 +461,3 @@ def query_width(scorer: SharedCandidateScorer, model: ERModel, tables: Sequence[
             query = scorer.query(side, known[0] if len(known) == 1 else tuple(known), relation)  # type: ignore[arg-type]
             widths.append(query.shape[-1] * (2 if query.is_complex() else 1))
     return sum(widths) // len(widths)
-
-
-def table_device(tables: Sequence[ShardedEmbedding]) -> torch.device:
-    """Return the device of the shard tables."""
-    return tables[0].weight.device

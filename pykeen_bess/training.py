@@ -189,7 +189,7 @@ class BessTrainingLoop(SLCWATrainingLoop):
     # -- construction helpers ------------------------------------------------------------------
 
     def _dense_parameters(self) -> list[torch.nn.Parameter]:
-        """The trainable parameters that are not entity tables (replicated on every worker)."""
+        """Return the trainable parameters that are not entity tables (replicated on every worker)."""
         excluded = {id(embedding._embeddings.weight) for embedding in self.entity_embeddings}
         excluded.update(id(table.weight) for table in self.tables)
         return [p for p in self.model.parameters() if p.requires_grad and id(p) not in excluded]
@@ -265,7 +265,7 @@ class BessTrainingLoop(SLCWATrainingLoop):
 
     # -- checkpoints ---------------------------------------------------------------------------
 
-    def _save_state(  # noqa: D102
+    def _save_state(
         self,
         path: Any,
         stopper: Stopper | None = None,
@@ -274,7 +274,9 @@ class BessTrainingLoop(SLCWATrainingLoop):
     ) -> None:
         if not self.exchange.is_distributed:
             super()._save_state(
-                path=path, stopper=stopper, best_epoch_model_checkpoint_file_path=best_epoch_model_checkpoint_file_path,
+                path=path,
+                stopper=stopper,
+                best_epoch_model_checkpoint_file_path=best_epoch_model_checkpoint_file_path,
                 triples_factory=triples_factory,
             )
             return
@@ -284,14 +286,17 @@ class BessTrainingLoop(SLCWATrainingLoop):
 
         def write(file: pathlib.Path) -> None:
             TrainingLoop._save_state(
-                self, path=file, stopper=stopper, best_epoch_model_checkpoint_file_path=best,
+                self,
+                path=file,
+                stopper=stopper,
+                best_epoch_model_checkpoint_file_path=best,
                 triples_factory=triples_factory,
             )
 
         save_distributed_checkpoint(pathlib.Path(path), self.exchange, write, epoch=self._epoch, seed=self.seed)
 
     def _rank_checkpoint_file(self, path: pathlib.Path) -> pathlib.Path | None:
-        """This rank's file of the checkpoint at ``path`` (same world size), None if resharding."""
+        """Return this rank's file of the checkpoint at ``path`` (same world size), None if resharding."""
         rank, world_size = self.exchange.local_shards[0], self.exchange.n_shard
         pointer = read_pointer(path)
         if pointer is None:
@@ -303,7 +308,7 @@ class BessTrainingLoop(SLCWATrainingLoop):
             return rank_file(path, pointer["version"], rank, world_size)
         return None
 
-    def _load_state(self, path: str | pathlib.Path, triples_factory: CoreTriplesFactory | None = None) -> Any:  # noqa: D102
+    def _load_state(self, path: str | pathlib.Path, triples_factory: CoreTriplesFactory | None = None) -> Any:
         if self.exchange.is_distributed:
             path = pathlib.Path(path)
             file = self._rank_checkpoint_file(path)
@@ -313,8 +318,8 @@ class BessTrainingLoop(SLCWATrainingLoop):
                     raise FileNotFoundError(f"No checkpoint for rank {self.exchange.local_shards[0]} at {path}.")
                 if int(pointer.get("seed", self.seed)) != self.seed:
                     raise ValueError(
-                        f"Checkpoint {path} was written with sharding seed {pointer['seed']}, this run uses {self.seed}: "
-                        f"pass seed={pointer['seed']} to resume it."
+                        f"Checkpoint {path} was written with sharding seed {pointer['seed']}, this run uses "
+                        f"{self.seed}: pass seed={pointer['seed']} to resume it."
                     )
                 result = self._load_resharded(path, pointer, triples_factory)
             else:
@@ -339,8 +344,13 @@ class BessTrainingLoop(SLCWATrainingLoop):
         params = [param for group in self.optimizer.param_groups for param in group["params"]]
         table_indices = [index for index, param in enumerate(params) if id(param) in table_ids]
         state = reshard_rank_state(
-            path=path, version=int(pointer["version"]), old_world_size=int(pointer["world_size"]), seed=self.seed,
-            sharding=self.sharding, rank=self.exchange.local_shards[0], table_keys=table_keys,
+            path=path,
+            version=int(pointer["version"]),
+            old_world_size=int(pointer["world_size"]),
+            seed=self.seed,
+            sharding=self.sharding,
+            rank=self.exchange.local_shards[0],
+            table_keys=table_keys,
             table_param_indices=table_indices,
         )
         state["checksum"] = self.checksum  # the representation of the shard tables names the world size
@@ -377,15 +387,20 @@ class BessTrainingLoop(SLCWATrainingLoop):
         # without continue_training the tables are re-initialised (or loaded from a checkpoint)
         self._install(copy_weights=bool(kwargs.get("continue_training")))
         try:
-            return super().train(triples_factory=triples_factory, num_epochs=num_epochs, batch_size=batch_size, **kwargs)
+            return super().train(
+                triples_factory=triples_factory, num_epochs=num_epochs, batch_size=batch_size, **kwargs
+            )
         finally:
             self._uninstall()
 
     def configuration(self, **train_kwargs: Any) -> dict[str, str]:
         """Return the settings every rank must share, as strings (see :meth:`_verify_configuration`)."""
         model = self.model
-        dense = {name: tuple(p.shape) for name, p in model.named_parameters() if p.requires_grad and not any(
-            p is table.weight for table in self.tables)}
+        dense = {
+            name: tuple(p.shape)
+            for name, p in model.named_parameters()
+            if p.requires_grad and not any(p is table.weight for table in self.tables)
+        }
         config = dict(
             model=type(model).__name__,
             interaction=repr(model.interaction),
@@ -428,8 +443,10 @@ class BessTrainingLoop(SLCWATrainingLoop):
             if len({c.get(key) for c in configs}) > 1
         }
         if differences:
-            lines = "\n".join(f"  {key}: " + ", ".join(f"rank {r}={v}" for r, v in enumerate(values))
-                              for key, values in differences.items())
+            lines = "\n".join(
+                f"  {key}: " + ", ".join(f"rank {r}={v}" for r, v in enumerate(values))
+                for key, values in differences.items()
+            )
             raise ValueError(f"The ranks of the process group run different configurations:\n{lines}")
 
     def _broadcast_replicated(self) -> None:
@@ -455,7 +472,10 @@ class BessTrainingLoop(SLCWATrainingLoop):
         if block_size * n2 != batch_size:
             logger.warning(
                 "batch_size=%d is not a multiple of num_shards**2=%d; using blocks of %d, i.e. %d slots per step.",
-                batch_size, n2, block_size, block_size * n2,
+                batch_size,
+                n2,
+                block_size,
+                block_size * n2,
             )
         return block_size
 
@@ -486,7 +506,7 @@ class BessTrainingLoop(SLCWATrainingLoop):
             seed=self.seed,
         )
 
-    def _train(  # noqa: C901
+    def _train(
         self,
         triples_factory: CoreTriplesFactory,
         num_epochs: int = 1,
@@ -545,8 +565,12 @@ class BessTrainingLoop(SLCWATrainingLoop):
         callback.register_training_loop(self)
 
         self._verify_configuration(
-            triples_factory=triples_factory, num_epochs=num_epochs, batch_size=batch_size,
-            sub_batch_size=sub_batch_size, label_smoothing=label_smoothing, continue_training=continue_training,
+            triples_factory=triples_factory,
+            num_epochs=num_epochs,
+            batch_size=batch_size,
+            sub_batch_size=sub_batch_size,
+            label_smoothing=label_smoothing,
+            continue_training=continue_training,
         )
         if not continue_training:
             self.model.reset_parameters_()
@@ -580,8 +604,14 @@ class BessTrainingLoop(SLCWATrainingLoop):
             logger.info(
                 "BESS: %d steps per epoch of %d blocks x %d slots (sub-batches of %d), %d negatives per positive "
                 "(%d per shard), exchange=%s, padding %.1f%%",
-                len(batch_sampler), self.exchange.n_shard**2, block_size, sub_block_size, self.num_negs_per_pos,
-                batch_sampler.negatives_per_shard, scheme.scheme, 100 * batch_sampler.padding_fraction,
+                len(batch_sampler),
+                self.exchange.n_shard**2,
+                block_size,
+                sub_block_size,
+                self.num_negs_per_pos,
+                batch_sampler.negatives_per_shard,
+                scheme.scheme,
+                100 * batch_sampler.padding_fraction,
             )
 
         show_epochs = use_tqdm and main and not only_size_probing
@@ -621,7 +651,10 @@ class BessTrainingLoop(SLCWATrainingLoop):
                 epoch_loss /= len(batch_sampler)
                 self.losses_per_epochs.append(epoch_loss)
                 epochs.set_postfix(
-                    dict(loss=epoch_loss, prev_loss=self.losses_per_epochs[-2] if len(self.losses_per_epochs) > 1 else float("nan"))
+                    dict(
+                        loss=epoch_loss,
+                        prev_loss=self.losses_per_epochs[-2] if len(self.losses_per_epochs) > 1 else float("nan"),
+                    )
                 )
                 self._epoch = epoch
             except (MemoryError, RuntimeError) as error:
@@ -630,10 +663,13 @@ class BessTrainingLoop(SLCWATrainingLoop):
                     raise
                 logger.warning("The training loop failed during epoch %d: %s", epoch, error)
                 if checkpoint_on_failure_file_path and not self.exchange.is_distributed:
-                    self._save_state(path=checkpoint_on_failure_file_path, stopper=stopper, triples_factory=triples_factory)
+                    self._save_state(
+                        path=checkpoint_on_failure_file_path, stopper=stopper, triples_factory=triples_factory
+                    )
                     logger.warning(
                         "Saved a failure checkpoint (the current parameters, epoch counter at the last finished "
-                        "epoch) to %s", checkpoint_on_failure_file_path,
+                        "epoch) to %s",
+                        checkpoint_on_failure_file_path,
                     )
                 raise
 
@@ -758,7 +794,7 @@ class BessTrainingLoop(SLCWATrainingLoop):
             param.grad.copy_(self.exchange.all_reduce(param.grad))
 
     def _gradients(self) -> list[torch.Tensor]:
-        """The local gradient values: dense gradients and the values of row-sparse ones."""
+        """Return the local gradient values: dense gradients and the values of row-sparse ones."""
         grads = []
         for group in self.optimizer.param_groups:
             for param in group["params"]:
@@ -800,7 +836,9 @@ class BessTrainingLoop(SLCWATrainingLoop):
 
     # -- memory search -------------------------------------------------------------------------
 
-    def _probe(self, partition: ShardPairPartition, block_size: int, sub_block_size: int, label_smoothing: float) -> None:
+    def _probe(
+        self, partition: ShardPairPartition, block_size: int, sub_block_size: int, label_smoothing: float
+    ) -> None:
         """Forward and backward of one step without updating anything or communicating."""
         exchange = self.exchange if isinstance(self.exchange, LocalExchange) else ProbeExchange(self.exchange)
         scheme = self._make_scheme(block_size, exchange=exchange)
@@ -829,7 +867,9 @@ class BessTrainingLoop(SLCWATrainingLoop):
             return fits_in_memory(lambda: self._probe(partition, block, block, label_smoothing), self.device, budget)[0]
 
         maximum = max(n2, partition.num_triples)
-        batch_size, found = search_largest(fits, start=min(8192, maximum), maximum=maximum, exchange=self.exchange, description="batch_size")
+        batch_size, found = search_largest(
+            fits, start=min(8192, maximum), maximum=maximum, exchange=self.exchange, description="batch_size"
+        )
         if not found:
             raise MemoryError(f"Even batch_size=1 ({n2} slots) does not fit in memory with these parameters.")
         logger.info("Automatic memory optimization chose batch_size=%d.", batch_size)
@@ -840,9 +880,13 @@ class BessTrainingLoop(SLCWATrainingLoop):
         budget = self._budget()
 
         def fits(sub_block: int) -> bool:
-            return fits_in_memory(lambda: self._probe(partition, block_size, sub_block, label_smoothing), self.device, budget)[0]
+            return fits_in_memory(
+                lambda: self._probe(partition, block_size, sub_block, label_smoothing), self.device, budget
+            )[0]
 
-        sub_block, found = search_largest(fits, start=block_size, maximum=block_size, exchange=self.exchange, description="slots per sub-batch")
+        sub_block, found = search_largest(
+            fits, start=block_size, maximum=block_size, exchange=self.exchange, description="slots per sub-batch"
+        )
         if not found:
             raise MemoryError(
                 "The model cannot be trained on this hardware with these parameters: even sub-batches of one slot "
@@ -852,10 +896,10 @@ class BessTrainingLoop(SLCWATrainingLoop):
             logger.info("Automatic memory optimization: sub-batches of %d slots per block.", sub_block)
         return sub_block
 
-    def _slice_size_search(self, **kwargs: Any) -> int:  # noqa: D102
+    def _slice_size_search(self, **kwargs: Any) -> int:
         raise MemoryError("BessTrainingLoop does not support slicing; use sub-batching.")
 
-    def _create_training_data_loader(self, triples_factory: CoreTriplesFactory, **kwargs: Any) -> Any:  # noqa: D102
+    def _create_training_data_loader(self, triples_factory: CoreTriplesFactory, **kwargs: Any) -> Any:
         raise NotImplementedError("BessTrainingLoop samples its own balanced batches (see pykeen_bess.sampling).")
 
 
@@ -881,7 +925,9 @@ def _make_exchange(num_shards: int | None, process_group: Any) -> Exchange:
     """Choose the collective back end: a process group (explicit or initialised) or local shards."""
     import torch.distributed as dist
 
-    in_group = process_group is not None or (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+    in_group = process_group is not None or (
+        dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    )
     if in_group:
         exchange = DistributedExchange(process_group)
         if num_shards is not None and num_shards != exchange.n_shard:
@@ -930,14 +976,18 @@ def _resolve_negative_sampler(
             f"supported."
         )
     if from_sampler is not None and num_negs_per_pos is not None and from_sampler != num_negs_per_pos:
-        raise ValueError(f"Conflicting num_negs_per_pos: {num_negs_per_pos} and {from_sampler} (negative_sampler_kwargs).")
+        raise ValueError(
+            f"Conflicting num_negs_per_pos: {num_negs_per_pos} and {from_sampler} (negative_sampler_kwargs)."
+        )
     return num_negs_per_pos if num_negs_per_pos is not None else from_sampler
 
 
 def _check_model(model: Model) -> list[Embedding]:
     """Check that BESS can shard the model; return its entity embeddings."""
-    supported = "ERModel subclasses whose entity representations are pykeen.nn.Embedding (e.g. TransE, DistMult, " \
+    supported = (
+        "ERModel subclasses whose entity representations are pykeen.nn.Embedding (e.g. TransE, DistMult, "
         "ComplEx, RotatE, PairRE, TripleRE, InterHT, TranS)"
+    )
     if not isinstance(model, ERModel):
         raise ValueError(f"BESS cannot shard {type(model).__name__}: supported are {supported}.")
     embeddings = list(model.entity_representations)

@@ -38,14 +38,22 @@ def launch(world_size: int, config: dict[str, Any], timeout: float = 300, collec
     for rank in range(world_size):
         env = dict(
             os.environ,
-            RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYKEEN_BESS_TIMEOUT=str(collective_timeout),
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            LOCAL_WORLD_SIZE=str(world_size),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            PYKEEN_BESS_TIMEOUT=str(collective_timeout),
             OMP_NUM_THREADS="1",
         )
         processes.append(
             subprocess.Popen(
-                [sys.executable, str(WORKER), json.dumps(config)], env=env, stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE, text=True,
+                [sys.executable, str(WORKER), json.dumps(config)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
             )
         )
     codes, errors = [], []
@@ -64,7 +72,9 @@ def launch(world_size: int, config: dict[str, Any], timeout: float = 300, collec
 def run_ok(world_size: int, config: dict[str, Any]) -> list[dict[str, Any]]:
     codes, errors, _ = launch(world_size, config)
     assert codes == [0] * world_size, "\n\n".join(errors)
-    return [torch.load(pathlib.Path(config["output"]) / f"rank{rank}.pt", weights_only=False) for rank in range(world_size)]
+    return [
+        torch.load(pathlib.Path(config["output"]) / f"rank{rank}.pt", weights_only=False) for rank in range(world_size)
+    ]
 
 
 def assemble(results: list[dict[str, Any]], num_entities: int) -> torch.Tensor:
@@ -90,8 +100,12 @@ def local_reference(config: dict[str, Any], num_shards: int):
             losses.append(batch_loss)
 
     epoch_losses = loop.train(
-        factory, num_epochs=config["num_epochs"], batch_size=config["batch_size"],
-        sub_batch_size=config.get("sub_batch_size"), use_tqdm=False, callbacks=Record(),
+        factory,
+        num_epochs=config["num_epochs"],
+        batch_size=config["batch_size"],
+        sub_batch_size=config.get("sub_batch_size"),
+        use_tqdm=False,
+        callbacks=Record(),
     )
     return loop, epoch_losses, losses, dataset
 
@@ -109,7 +123,9 @@ def test_ranks_equal_logical_shards(tmp_path: pathlib.Path, world_size: int, exc
         assert result["epoch_losses"] == pytest.approx(epoch_losses, rel=1e-9)
     # the shards put together are the single-process model's entity table; relations agree
     model = loop.model
-    torch.testing.assert_close(assemble(results, model.num_entities), model.entity_representations[0]._embeddings.weight)
+    torch.testing.assert_close(
+        assemble(results, model.num_entities), model.entity_representations[0]._embeddings.weight
+    )
     for result in results:
         torch.testing.assert_close(result["relation"], model.relation_representations[0]._embeddings.weight)
     # each rank holds only its shard of the entity table
@@ -126,10 +142,16 @@ def test_sub_batches_and_metrics_under_a_process_group(tmp_path: pathlib.Path) -
     assert results[0]["step_losses"] == pytest.approx(step_losses, rel=1e-9)
     from pykeen_bess.evaluation import BessEvaluator
 
-    expected = BessEvaluator().evaluate(
-        loop.model, dataset.testing.mapped_triples, additional_filter_triples=[dataset.training.mapped_triples],
-        use_tqdm=False,
-    ).to_flat_dict()
+    expected = (
+        BessEvaluator()
+        .evaluate(
+            loop.model,
+            dataset.testing.mapped_triples,
+            additional_filter_triples=[dataset.training.mapped_triples],
+            use_tqdm=False,
+        )
+        .to_flat_dict()
+    )
     for result in results:
         assert result["metrics"] == pytest.approx(expected, rel=1e-9)
 
@@ -140,7 +162,9 @@ def test_export_gathers_the_full_model(tmp_path: pathlib.Path) -> None:
     from pykeen.nn.representation import Embedding
 
     assert type(model.entity_representations[0]) is Embedding
-    torch.testing.assert_close(model.entity_representations[0]._embeddings.weight, assemble(results, model.num_entities))
+    torch.testing.assert_close(
+        model.entity_representations[0]._embeddings.weight, assemble(results, model.num_entities)
+    )
     assert model.score_hrt(torch.tensor([[0, 0, 1]])).shape == (1, 1)
 
 
@@ -155,7 +179,9 @@ def test_mismatched_configuration_fails_at_start(tmp_path: pathlib.Path) -> None
 
 
 def test_a_killed_rank_makes_the_others_fail_fast(tmp_path: pathlib.Path) -> None:
-    config = dict(BASE, output=str(tmp_path), num_epochs=3, num_negs_per_pos=6, batch_size=18, die_ranks=[1], die_at=[2, 1])
+    config = dict(
+        BASE, output=str(tmp_path), num_epochs=3, num_negs_per_pos=6, batch_size=18, die_ranks=[1], die_at=[2, 1]
+    )
     codes, errors, seconds = launch(3, config, timeout=120, collective_timeout=20)
     assert codes[1] == 17  # the crashed rank
     assert codes[0] != 0 and codes[2] != 0, errors
@@ -168,11 +194,15 @@ def test_checkpoint_resume_across_a_kill_and_resharding(tmp_path: pathlib.Path) 
     (tmp_path / "b").mkdir()
     uninterrupted = run_ok(2, dict(common, output=str(tmp_path / "a"), checkpoint_name="a.pt"))
     # all ranks crash in epoch 3, after the checkpoint of epoch 2 was written
-    codes, _, _ = launch(2, dict(common, output=str(tmp_path / "b"), checkpoint_name="b.pt", die_ranks=[0, 1], die_at=[3, 0]))
+    codes, _, _ = launch(
+        2, dict(common, output=str(tmp_path / "b"), checkpoint_name="b.pt", die_ranks=[0, 1], die_at=[3, 0])
+    )
     assert codes == [17, 17]
     checkpoints = tmp_path / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir() if p.name.startswith("b.pt")) == [
-        "b.pt", "b.pt.v2.rank0-of-2", "b.pt.v2.rank1-of-2"
+        "b.pt",
+        "b.pt.v2.rank0-of-2",
+        "b.pt.v2.rank1-of-2",
     ]
     resumed = run_ok(2, dict(common, output=str(tmp_path / "b"), checkpoint_name="b.pt"))
     steps_per_epoch = len(uninterrupted[0]["step_losses"]) // 4
@@ -190,9 +220,29 @@ def test_checkpoint_resume_across_a_kill_and_resharding(tmp_path: pathlib.Path) 
 
 def test_torchrun_command_line(tmp_path: pathlib.Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "pykeen_bess",
-         "train", "--dataset", "nations", "--epochs", "2", "--quiet", "--json", "--output", str(tmp_path / "out")],
-        capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"),
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "pykeen_bess",
+            "train",
+            "--dataset",
+            "nations",
+            "--epochs",
+            "2",
+            "--quiet",
+            "--json",
+            "--output",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
     )
     assert result.returncode == 0, result.stderr
     metrics = json.loads(result.stdout)  # printed once, by rank 0
@@ -204,7 +254,11 @@ def test_example_script(tmp_path: pathlib.Path) -> None:
     """examples/train.py runs in one process (and, per the test above, the CLI under torchrun)."""
     example = pathlib.Path(__file__).parent.parent / "examples" / "train.py"
     result = subprocess.run(
-        [sys.executable, str(example)], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        [sys.executable, str(example)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
         env=dict(os.environ, OMP_NUM_THREADS="1"),
     )
     assert result.returncode == 0, result.stderr

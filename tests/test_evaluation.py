@@ -149,7 +149,9 @@ def test_restrict_entities(pre_filtered: bool):
     if pre_filtered:
         triples = restrict_triples(triples, entities=entities)
     kwargs = {
-        "additional_filter_triples": filter_triples(data), "restrict_entities_to": entities, "pre_filtered_triples": pre_filtered
+        "additional_filter_triples": filter_triples(data),
+        "restrict_entities_to": entities,
+        "pre_filtered_triples": pre_filtered,
     }
     expected = pykeen_metrics(model, triples, **kwargs)
     for num_shards in (1, 4):
@@ -422,7 +424,9 @@ def _distributed_worker(rank: int, world_size: int, port: int, queue) -> None:
         result = BessEvaluator(batch_size=50, slice_size=3).evaluate(
             model, data.testing.mapped_triples, additional_filter_triples=filter_triples(data), use_tqdm=False
         )
-        top = predict_top_k(model, data.testing.mapped_triples[:20, :2], k=4, filter_triples=data.training.mapped_triples)
+        top = predict_top_k(
+            model, data.testing.mapped_triples[:20, :2], k=4, filter_triples=data.training.mapped_triples
+        )
         queue.put((rank, dict(result.to_flat_dict()), top.to_dict(orient="list")))
     except Exception as error:  # noqa: BLE001 - report instead of leaving the parent waiting
         queue.put((rank, repr(error), None))
@@ -452,7 +456,9 @@ def test_distributed_shards_equal_pykeen():
     data = dataset("nations")
     model = make_model("ComplEx", data)
     expected = pykeen_metrics(model, data.testing.mapped_triples, additional_filter_triples=filter_triples(data))
-    expected_top = predict_top_k(model, data.testing.mapped_triples[:20, :2], k=4, filter_triples=data.training.mapped_triples)
+    expected_top = predict_top_k(
+        model, data.testing.mapped_triples[:20, :2], k=4, filter_triples=data.training.mapped_triples
+    )
     for metrics, top in outcomes.values():
         assert isinstance(metrics, dict), metrics
         assert_same_metrics(expected, metrics)

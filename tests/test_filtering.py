@@ -23,7 +23,9 @@ def random_graph(seed: int, num_entities: int, num_relations: int, num_triples: 
     return torch.cat([triples, triples[: num_triples // 3]])
 
 
-def reference_pairs(triples: torch.Tensor, side: str, known: torch.Tensor, relations: torch.Tensor) -> set[tuple[int, int]]:
+def reference_pairs(
+    triples: torch.Tensor, side: str, known: torch.Tensor, relations: torch.Tensor
+) -> set[tuple[int, int]]:
     """The ``(query index, entity)`` pairs by Python sets."""
     known_set = {tuple(t) for t in triples.tolist()}
     entities = {e for h, _, t in known_set for e in (h, t)}
@@ -45,7 +47,12 @@ def test_matches_set_reference(seed: int, side: str):
     index = FilterIndex.from_triples(triples, num_entities=num_entities, num_relations=num_relations)
     generator = torch.Generator().manual_seed(100 + seed)
     # queries: half taken from the triples (non-empty answers), half random (possibly empty)
-    batch = torch.cat([triples[torch.randperm(len(triples), generator=generator)[:40]], random_graph(seed + 50, num_entities, num_relations, 40)[:40]])
+    batch = torch.cat(
+        [
+            triples[torch.randperm(len(triples), generator=generator)[:40]],
+            random_graph(seed + 50, num_entities, num_relations, 40)[:40],
+        ]
+    )
     known, relations = (batch[:, 0], batch[:, 1]) if side == "tail" else (batch[:, 2], batch[:, 1])
     query_index, entities = index.filtered(side, known, relations)
     got = list(zip(query_index.tolist(), entities.tolist()))
@@ -68,7 +75,10 @@ def test_several_tensors_and_inference():
     """A list of triple tensors is concatenated; sizes are inferred from the ids."""
     triples = random_graph(1, 20, 3, 100)
     index = FilterIndex.from_triples([triples[:50], triples[50:]])
-    assert (index.num_entities, index.num_relations) == (int(triples[:, [0, 2]].max()) + 1, int(triples[:, 1].max()) + 1)
+    assert (index.num_entities, index.num_relations) == (
+        int(triples[:, [0, 2]].max()) + 1,
+        int(triples[:, 1].max()) + 1,
+    )
     reference = FilterIndex.from_triples(triples)
     for side in ("head", "tail"):
         assert torch.equal(getattr(index, side).keys, getattr(reference, side).keys)

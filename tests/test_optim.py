@@ -22,8 +22,10 @@ def _steps(seed: int = 0, num_steps: int = 6, rows: int = 12, dim: int = 3):
     generator = torch.Generator().manual_seed(seed)
     for _ in range(num_steps):
         touched = torch.unique(torch.randint(rows, (5,), generator=generator))
-        yield touched, torch.randn(len(touched), dim, generator=generator, dtype=torch.float64), torch.randn(
-            4, generator=generator, dtype=torch.float64
+        yield (
+            touched,
+            torch.randn(len(touched), dim, generator=generator, dtype=torch.float64),
+            torch.randn(4, generator=generator, dtype=torch.float64),
         )
 
 

@@ -37,7 +37,9 @@ def query_pairs(target: str, count: int = 40) -> torch.Tensor:
     return triples[:, :2] if target == "tail" else triples[:, 1:]
 
 
-def brute_force(model: ERModel, pairs: torch.Tensor, target: str, k: int, known: torch.Tensor | None) -> list[list[int]]:
+def brute_force(
+    model: ERModel, pairs: torch.Tensor, target: str, k: int, known: torch.Tensor | None
+) -> list[list[int]]:
     """The top-k entity ids of each query from PyKEEN's full score matrix, sorted by (score desc, id asc)."""
     with torch.inference_mode():
         scores = (model.predict_t(pairs) if target == "tail" else model.predict_h(pairs)).numpy().copy()
@@ -109,9 +111,7 @@ def test_labels_and_large_k():
     factory = data.training
     model = model_for("DistMult")
     ids = query_pairs("head", 3)
-    labels = [
-        (factory.relation_id_to_label[int(r)], factory.entity_id_to_label[int(t)]) for r, t in ids.tolist()
-    ]
+    labels = [(factory.relation_id_to_label[int(r)], factory.entity_id_to_label[int(t)]) for r, t in ids.tolist()]
     frame = predict_top_k(model, labels, k=1000, target="head", triples_factory=factory)
     assert len(frame) == 3 * factory.num_entities
     by_id = predict_top_k(model, ids, k=1000, target="head")

@@ -129,7 +129,9 @@ def test_pykeen_command_line_without_import(tmp_path: pathlib.Path) -> None:
     config.write_text(json.dumps(dict(metadata=dict(title="bess"), pipeline=PIPELINE_CONFIG)))
     result = subprocess.run(
         [sys.executable, "-m", "pykeen", "experiments", "run", str(config), "-d", str(tmp_path / "out")],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr
     assert any((tmp_path / "out").rglob("results.json"))
@@ -137,9 +139,25 @@ def test_pykeen_command_line_without_import(tmp_path: pathlib.Path) -> None:
 
 def test_plugin_command_line(tmp_path: pathlib.Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "pykeen_bess", "train", "--dataset", "nations", "--num-shards", "2", "--epochs", "2",
-         "--quiet", "--json", "--output", str(tmp_path / "model")],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pykeen_bess",
+            "train",
+            "--dataset",
+            "nations",
+            "--num-shards",
+            "2",
+            "--epochs",
+            "2",
+            "--quiet",
+            "--json",
+            "--output",
+            str(tmp_path / "model"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr
     metrics = json.loads(result.stdout)

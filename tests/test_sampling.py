@@ -104,8 +104,13 @@ def test_partition_is_vectorised() -> None:
 
 
 def make_sampler(
-    n_shard: int = 3, block_size: int = 4, negatives: int = 6, corruption: str = "ht", num_entities: int = 40,
-    num_triples: int = 300, seed: int = 0,
+    n_shard: int = 3,
+    block_size: int = 4,
+    negatives: int = 6,
+    corruption: str = "ht",
+    num_entities: int = 40,
+    num_triples: int = 300,
+    seed: int = 0,
 ) -> BessSampler:
     sharding = EntitySharding.create(num_entities, n_shard, seed=seed)
     partition = ShardPairPartition.from_triples(random_triples(num_entities, 5, num_triples, seed=seed), sharding)

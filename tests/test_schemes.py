@@ -97,7 +97,9 @@ def test_slices_add_up_to_the_step(dataset: Nations, n_shard: int) -> None:
             loss = block_loss(SoftplusLoss(), step.scores(batch, gathered, start, stop), batch.num_valid).sum()
             loss.backward()
             total += loss.item()
-        outcomes.append((total, gathered.leaves[0].grad.clone(), model.relation_representations[0]._embeddings.weight.grad.clone()))
+        outcomes.append(
+            (total, gathered.leaves[0].grad.clone(), model.relation_representations[0]._embeddings.weight.grad.clone())
+        )
     assert outcomes[0][0] == pytest.approx(outcomes[1][0], rel=1e-12)
     torch.testing.assert_close(outcomes[0][1], outcomes[1][1])
     torch.testing.assert_close(outcomes[0][2], outcomes[1][2])

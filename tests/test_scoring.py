@@ -167,7 +167,7 @@ class PeakStorage(TorchDispatchMode):
         super().__init__()
         self.peak = 0
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
@@ -364,7 +364,7 @@ class TestRotatE(ScorerTestCase):
     scorer_cls = scoring.RotatEScorer
     transforms: ClassVar[Mapping[str, Callable[[torch.Tensor], torch.Tensor]]] = {"relation": _unit_modulus}
 
-    def gradient_reference(self, interaction, side, e, r, c):  # noqa: D102
+    def gradient_reference(self, interaction, side, e, r, c):
         return (
             _literal_rotate(e.unsqueeze(-2), r.unsqueeze(-2), c.unsqueeze(-3))
             if side == "tail"

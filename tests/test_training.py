@@ -66,21 +66,31 @@ def make_loop(factory: CoreTriplesFactory, model_cls=DistMult, model_kwargs=None
 
 
 @pytest.mark.parametrize(
-    ("n_shard", "exchange", "clip"), [(1, "embedding", None), (3, "embedding", None), (3, "score", None), (3, "embedding", 0.05)]
+    ("n_shard", "exchange", "clip"),
+    [(1, "embedding", None), (3, "embedding", None), (3, "score", None), (3, "embedding", 0.05)],
 )
 def test_training_equals_dense_reference(
     small_factory: CoreTriplesFactory, n_shard: int, exchange: str, clip: float | None
 ) -> None:
     """Sharded training, row-sparse updates, constraints and clipping equal a dense global-id implementation."""
     loop = make_loop(
-        small_factory, num_shards=n_shard, exchange=exchange, num_negs_per_pos=2 * n_shard, seed=5,
-        optimizer="adagrad", optimizer_kwargs=dict(lr=0.1),
+        small_factory,
+        num_shards=n_shard,
+        exchange=exchange,
+        num_negs_per_pos=2 * n_shard,
+        seed=5,
+        optimizer="adagrad",
+        optimizer_kwargs=dict(lr=0.1),
     )
     model = loop.model
     recorder = Recorder()
     block_size = 4
     loop.train(
-        small_factory, num_epochs=2, batch_size=block_size * n_shard**2, callbacks=recorder, use_tqdm=False,
+        small_factory,
+        num_epochs=2,
+        batch_size=block_size * n_shard**2,
+        callbacks=recorder,
+        use_tqdm=False,
         gradient_clipping_max_norm=clip,
     )
 
@@ -95,7 +105,10 @@ def test_training_equals_dense_reference(
     sharding = EntitySharding.create(small_factory.num_entities, n_shard, seed=5)
     sampler = BessSampler(
         ShardPairPartition.from_triples(small_factory.mapped_triples, sharding),
-        block_size=block_size, num_negs_per_pos=2 * n_shard, corruption="ht", seed=5,
+        block_size=block_size,
+        num_negs_per_pos=2 * n_shard,
+        corruption="ht",
+        seed=5,
     )
     regularizer = reference.relation_representations[0].regularizer
     losses = []
@@ -124,8 +137,12 @@ def test_training_equals_dense_reference(
 def test_sub_batching_gives_the_same_result(small_factory: CoreTriplesFactory) -> None:
     outcomes = []
     for sub_batch_size in (None, 2 * 9):
-        loop = make_loop(small_factory, num_shards=3, num_negs_per_pos=6, optimizer="adam", optimizer_kwargs=dict(lr=0.05))
-        losses = loop.train(small_factory, num_epochs=3, batch_size=5 * 9, sub_batch_size=sub_batch_size, use_tqdm=False)
+        loop = make_loop(
+            small_factory, num_shards=3, num_negs_per_pos=6, optimizer="adam", optimizer_kwargs=dict(lr=0.05)
+        )
+        losses = loop.train(
+            small_factory, num_epochs=3, batch_size=5 * 9, sub_batch_size=sub_batch_size, use_tqdm=False
+        )
         outcomes.append((losses, loop.model.entity_representations[0]._embeddings.weight.detach().clone()))
     assert outcomes[0][0] == pytest.approx(outcomes[1][0], rel=1e-10)
     torch.testing.assert_close(outcomes[0][1], outcomes[1][1])
@@ -133,10 +150,17 @@ def test_sub_batching_gives_the_same_result(small_factory: CoreTriplesFactory) -
 
 def test_checkpoint_resume_continues_identically(small_factory: CoreTriplesFactory, tmp_path: pathlib.Path) -> None:
     def run(num_epochs: int, name: str) -> tuple[list[float], torch.Tensor]:
-        loop = make_loop(small_factory, num_shards=2, num_negs_per_pos=4, optimizer="adam", optimizer_kwargs=dict(lr=0.05))
+        loop = make_loop(
+            small_factory, num_shards=2, num_negs_per_pos=4, optimizer="adam", optimizer_kwargs=dict(lr=0.05)
+        )
         losses = loop.train(
-            small_factory, num_epochs=num_epochs, batch_size=16, use_tqdm=False,
-            checkpoint_directory=tmp_path, checkpoint_name=name, checkpoint_frequency=0,
+            small_factory,
+            num_epochs=num_epochs,
+            batch_size=16,
+            use_tqdm=False,
+            checkpoint_directory=tmp_path,
+            checkpoint_name=name,
+            checkpoint_frequency=0,
         )
         return losses, loop.model.entity_representations[0]._embeddings.weight.detach().clone()
 
@@ -150,9 +174,15 @@ def test_checkpoint_resume_continues_identically(small_factory: CoreTriplesFacto
 
 def test_pipeline_trains_a_sensible_model_and_saves_it(dataset: Nations, tmp_path: pathlib.Path) -> None:
     common = dict(
-        dataset=dataset, model="DistMult", model_kwargs=dict(embedding_dim=32), random_seed=1,
-        optimizer="adam", optimizer_kwargs=dict(lr=0.02), negative_sampler_kwargs=dict(num_negs_per_pos=32),
-        training_kwargs=dict(num_epochs=40, batch_size=256, use_tqdm=False), evaluation_kwargs=dict(use_tqdm=False),
+        dataset=dataset,
+        model="DistMult",
+        model_kwargs=dict(embedding_dim=32),
+        random_seed=1,
+        optimizer="adam",
+        optimizer_kwargs=dict(lr=0.02),
+        negative_sampler_kwargs=dict(num_negs_per_pos=32),
+        training_kwargs=dict(num_epochs=40, batch_size=256, use_tqdm=False),
+        evaluation_kwargs=dict(use_tqdm=False),
     )
     bess = pipeline(training_loop=BessTrainingLoop, training_loop_kwargs=dict(num_shards=2), **common)
     stock = pipeline(training_loop="slcwa", **common)
@@ -191,9 +221,15 @@ def test_models_train(dataset: Nations, model: str, model_kwargs: dict) -> None:
 
     model_cls = {"interht": InterHT, "trans": TranS}.get(model, model)
     result = pipeline(
-        dataset=dataset, model=model_cls, model_kwargs=model_kwargs, training_loop=BessTrainingLoop,
-        training_loop_kwargs=dict(num_shards=2), training_kwargs=dict(num_epochs=2, batch_size=128, use_tqdm=False),
-        negative_sampler_kwargs=dict(num_negs_per_pos=8), random_seed=0, evaluation_kwargs=dict(use_tqdm=False),
+        dataset=dataset,
+        model=model_cls,
+        model_kwargs=model_kwargs,
+        training_loop=BessTrainingLoop,
+        training_loop_kwargs=dict(num_shards=2),
+        training_kwargs=dict(num_epochs=2, batch_size=128, use_tqdm=False),
+        negative_sampler_kwargs=dict(num_negs_per_pos=8),
+        random_seed=0,
+        evaluation_kwargs=dict(use_tqdm=False),
     )
     assert all(torch.isfinite(torch.tensor(result.losses)))
     assert 0 < result.get_metric("mrr") <= 1
@@ -202,9 +238,14 @@ def test_models_train(dataset: Nations, model: str, model_kwargs: dict) -> None:
 @pytest.mark.parametrize("loss", ["softplus", "bcewithlogits", "marginranking", "nssa", "crossentropy"])
 def test_pykeen_losses(dataset: Nations, loss: str) -> None:
     result = pipeline(
-        dataset=dataset, model="DistMult", model_kwargs=dict(embedding_dim=8), loss=loss,
-        training_loop=BessTrainingLoop, training_loop_kwargs=dict(num_shards=2, corruption="t"),
-        training_kwargs=dict(num_epochs=2, batch_size=128, use_tqdm=False), random_seed=0,
+        dataset=dataset,
+        model="DistMult",
+        model_kwargs=dict(embedding_dim=8),
+        loss=loss,
+        training_loop=BessTrainingLoop,
+        training_loop_kwargs=dict(num_shards=2, corruption="t"),
+        training_kwargs=dict(num_epochs=2, batch_size=128, use_tqdm=False),
+        random_seed=0,
         evaluation_kwargs=dict(use_tqdm=False),
     )
     assert len(result.losses) == 2 and all(torch.isfinite(torch.tensor(result.losses)))
@@ -218,10 +259,18 @@ def test_schedulers_stoppers_trackers_callbacks(dataset: Nations) -> None:
             seen_batches.append(epoch)
 
     result = pipeline(
-        dataset=dataset, model="DistMult", model_kwargs=dict(embedding_dim=8), training_loop=BessTrainingLoop,
-        training_loop_kwargs=dict(num_shards=2), lr_scheduler="StepLR", lr_scheduler_kwargs=dict(step_size=1, gamma=0.5),
-        stopper="early", stopper_kwargs=dict(frequency=1, patience=1, relative_delta=0.5),
-        result_tracker="python", random_seed=0, clear_optimizer=False,
+        dataset=dataset,
+        model="DistMult",
+        model_kwargs=dict(embedding_dim=8),
+        training_loop=BessTrainingLoop,
+        training_loop_kwargs=dict(num_shards=2),
+        lr_scheduler="StepLR",
+        lr_scheduler_kwargs=dict(step_size=1, gamma=0.5),
+        stopper="early",
+        stopper_kwargs=dict(frequency=1, patience=1, relative_delta=0.5),
+        result_tracker="python",
+        random_seed=0,
+        clear_optimizer=False,
         training_kwargs=dict(num_epochs=20, batch_size=256, use_tqdm=False, callbacks=Count()),
         evaluation_kwargs=dict(use_tqdm=False),
     )
@@ -238,10 +287,19 @@ def test_schedulers_stoppers_trackers_callbacks(dataset: Nations) -> None:
 def test_inverse_triples_and_gradient_clipping(dataset: Nations) -> None:
     inverse = Nations(create_inverse_triples=True)
     result = pipeline(
-        dataset=inverse, model="DistMult", model_kwargs=dict(embedding_dim=8), training_loop=BessTrainingLoop,
-        training_loop_kwargs=dict(num_shards=2), random_seed=0,
-        training_kwargs=dict(num_epochs=2, batch_size=128, use_tqdm=False, gradient_clipping_max_norm=0.1,
-                             gradient_clipping_max_abs_value=0.01),
+        dataset=inverse,
+        model="DistMult",
+        model_kwargs=dict(embedding_dim=8),
+        training_loop=BessTrainingLoop,
+        training_loop_kwargs=dict(num_shards=2),
+        random_seed=0,
+        training_kwargs=dict(
+            num_epochs=2,
+            batch_size=128,
+            use_tqdm=False,
+            gradient_clipping_max_norm=0.1,
+            gradient_clipping_max_abs_value=0.01,
+        ),
         evaluation_kwargs=dict(use_tqdm=False),
     )
     assert result.model.use_inverse_triples
@@ -260,8 +318,15 @@ def test_non_finite_loss_stops_with_the_step_and_writes_no_checkpoint(
     loop = make_loop(small_factory, num_shards=2, num_negs_per_pos=4)
     with pytest.raises(NonFiniteLossError, match=r"epoch 2, step 3/"):
         loop.train(
-            small_factory, num_epochs=3, batch_size=16, use_tqdm=False, callbacks=Poison(),
-            checkpoint_directory=tmp_path, checkpoint_name="run.pt", checkpoint_frequency=0, checkpoint_on_failure=True,
+            small_factory,
+            num_epochs=3,
+            batch_size=16,
+            use_tqdm=False,
+            callbacks=Poison(),
+            checkpoint_directory=tmp_path,
+            checkpoint_name="run.pt",
+            checkpoint_frequency=0,
+            checkpoint_on_failure=True,
         )
     # the checkpoint of epoch 1 is intact, no failure checkpoint was written
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.pt"]
@@ -324,8 +389,11 @@ def test_unsupported_models_are_named(dataset: Nations) -> None:
     from pykeen.nn.representation import LowRankRepresentation
 
     model = ERModel(
-        triples_factory=dataset.training, interaction="DistMult", entity_representations=LowRankRepresentation,
-        entity_representations_kwargs=dict(shape=4, num_bases=2), relation_representations_kwargs=dict(shape=4),
+        triples_factory=dataset.training,
+        interaction="DistMult",
+        entity_representations=LowRankRepresentation,
+        entity_representations_kwargs=dict(shape=4, num_bases=2),
+        relation_representations_kwargs=dict(shape=4),
     )
     with pytest.raises(ValueError, match="not a plain pykeen.nn.Embedding.*Supported are"):
         BessTrainingLoop(model=model, triples_factory=dataset.training)
