@@ -55,12 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--epochs", type=int, default=100, help="training epochs (default: 100)")
     train.add_argument("--optimizer", default="adam")
     train.add_argument("--lr", type=float, default=0.01, help="learning rate (default: 0.01)")
-    train.add_argument("--loss", default="softplus", help="a PyKEEN loss name (default: softplus)")
+    train.add_argument("--loss", default=None, help="a PyKEEN loss name (default: the model's default loss)")
     train.add_argument("--evaluator", default="bess", choices=["bess", "rankbased"])
     train.add_argument("--seed", type=int, default=42)
     train.add_argument("--output", type=pathlib.Path, default=None, help="save_to_directory() here")
     train.add_argument("--json", action="store_true", help="print all metrics as JSON")
     train.add_argument("--quiet", action="store_true", help="no progress bars")
+    train.add_argument("--verbose", action="store_true", help="show PyKEEN's and pykeen-bess' log messages")
     return parser
 
 
@@ -117,7 +118,10 @@ def train(args: argparse.Namespace) -> dict[str, float]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line."""
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    level = logging.INFO if getattr(args, "verbose", False) else logging.WARNING
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    for name in ("pykeen", "pykeen_bess"):
+        logging.getLogger(name).setLevel(level)
     if args.command == "train":
         metrics = train(args)
         from .distributed import is_main_process
