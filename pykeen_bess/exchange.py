@@ -145,6 +145,12 @@ class DistributedExchange(Exchange):
         self.n_shard = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.local_shards = (self.rank,)
+        #: where small bookkeeping tensors (losses, counts, flags) must be for the backend
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if dist.get_backend(group) == "nccl"
+            else torch.device("cpu")
+        )
         #: bytes sent to other ranks by the collectives of this exchange
         self.bytes_sent = 0
 
@@ -167,16 +173,16 @@ class DistributedExchange(Exchange):
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
         import torch.distributed as dist
 
-        y = x.detach().clone()
+        y = x.detach().to(self.device, copy=True)
         dist.all_reduce(y, op=dist.ReduceOp.SUM, group=self.group)
-        return y
+        return y.to(x.device)
 
     def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
         import torch.distributed as dist
 
-        y = x.detach().clone()
+        y = x.detach().to(self.device, copy=True)
         dist.all_reduce(y, op=dist.ReduceOp.MAX, group=self.group)
-        return y
+        return y.to(x.device)
 
     def barrier(self) -> None:  # noqa: D102
         import torch.distributed as dist
