@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import numbers
 import os
 import pathlib
 import tempfile
@@ -159,7 +160,12 @@ class BessTrainingLoop(SLCWATrainingLoop):
         self.num_negs_per_pos = _check_num_negs(num_negs_per_pos, n_shard)
         if seed is None:
             seed = model._random_seed if model._random_seed is not None else 0
-        self.seed = int(seed)
+            if self.exchange.is_distributed:
+                # every rank must shard and sample alike: without an explicit seed, rank 0's (e.g. the pipeline's
+                # random seed, which hpo_pipeline draws per process) is used everywhere
+                own = torch.tensor([int(seed) if self.exchange.is_main_process else 0], dtype=torch.long)
+                seed = int(self.exchange.all_reduce(own)[0])
+        self.seed = _check_integer("seed", seed, minimum=0)
         self.memory_budget = memory_budget
 
         self.sharding = EntitySharding.create(model.num_entities, n_shard, seed=self.seed)
@@ -374,16 +380,23 @@ class BessTrainingLoop(SLCWATrainingLoop):
 
         :param triples_factory: the training triples
         :param num_epochs: the number of epochs
-        :param batch_size: positives per step (rounded up to a multiple of ``num_shards ** 2``);
-            None searches the largest batch that fits (see :mod:`pykeen_bess.memory`) when
-            ``automatic_memory_optimization`` is on, else uses 256
-        :param num_negs_per_pos: overrides the constructor's value (HPO tunes it here)
+        :param batch_size: positives per step, a positive integer (rounded up to a multiple of
+            ``num_shards ** 2``, logged at INFO); None searches the largest batch that fits (see
+            :mod:`pykeen_bess.memory`) when ``automatic_memory_optimization`` is on, else uses 256
+        :param num_negs_per_pos: overrides the constructor's value (HPO tunes it here); rounded up to a
+            multiple of ``num_shards`` (logged), so that any tuned value works with any shard count
         :param kwargs: the other arguments of :meth:`pykeen.training.TrainingLoop.train`
             (``sub_batch_size``, ``checkpoint_name``, ``stopper``, ``callbacks``, ...)
         :returns: the loss of every epoch
         """
+        _check_integer("num_epochs", num_epochs, minimum=0)
+        if batch_size is not None:
+            _check_integer("batch_size", batch_size, minimum=1, hint="or None to search the largest that fits")
+        if kwargs.get("sub_batch_size") is not None:
+            _check_integer("sub_batch_size", kwargs["sub_batch_size"], minimum=1, hint="or None")
         if num_negs_per_pos is not None:
-            self.num_negs_per_pos = _check_num_negs(num_negs_per_pos, self.exchange.n_shard)
+            self.num_negs_per_pos = _round_num_negs(num_negs_per_pos, self.exchange.n_shard)
+        _check_triples_fit_model(triples_factory, self.model)
         # without continue_training the tables are re-initialised (or loaded from a checkpoint)
         self._install(copy_weights=bool(kwargs.get("continue_training")))
         try:
@@ -447,7 +460,13 @@ class BessTrainingLoop(SLCWATrainingLoop):
                 f"  {key}: " + ", ".join(f"rank {r}={v}" for r, v in enumerate(values))
                 for key, values in differences.items()
             )
-            raise ValueError(f"The ranks of the process group run different configurations:\n{lines}")
+            hint = ""
+            if differences.keys() & {"batch_size", "num_epochs", "num_negs_per_pos"}:
+                hint = (
+                    "\nUnder hpo_pipeline every rank must draw the same trials: give all ranks the same sampler seed, "
+                    "e.g. hpo_pipeline(..., sampler='random', sampler_kwargs=dict(seed=0))."
+                )
+            raise ValueError(f"The ranks of the process group run different configurations:\n{lines}{hint}")
 
     def _broadcast_replicated(self) -> None:
         """Give every rank rank 0's replicated parameters (after a reset)."""
@@ -470,12 +489,13 @@ class BessTrainingLoop(SLCWATrainingLoop):
         n2 = self.exchange.n_shard**2
         block_size = max(1, math.ceil(batch_size / n2))
         if block_size * n2 != batch_size:
-            logger.warning(
-                "batch_size=%d is not a multiple of num_shards**2=%d; using blocks of %d, i.e. %d slots per step.",
+            logger.info(
+                "batch_size=%d rounded up to %d, a multiple of num_shards**2=%d (%d blocks of %d slots).",
                 batch_size,
+                block_size * n2,
+                n2,
                 n2,
                 block_size,
-                block_size * n2,
             )
         return block_size
 
@@ -872,8 +892,19 @@ class BessTrainingLoop(SLCWATrainingLoop):
         )
         if not found:
             raise MemoryError(f"Even batch_size=1 ({n2} slots) does not fit in memory with these parameters.")
-        logger.info("Automatic memory optimization chose batch_size=%d.", batch_size)
-        return batch_size
+        # the same number of steps with the smallest blocks: the last step of an epoch is then (nearly) full
+        # instead of mostly padding (e.g. 8,544 triples in batches of 8,192 would be 48% padding)
+        largest_pair = int(partition.pair_counts.max())
+        steps = max(1, math.ceil(largest_pair / max(1, math.ceil(batch_size / n2))))
+        balanced = math.ceil(largest_pair / steps) * n2
+        logger.info(
+            "Automatic memory optimization chose batch_size=%d (the largest power of two that fits: %d; %d steps per "
+            "epoch).",
+            balanced,
+            batch_size,
+            steps,
+        )
+        return balanced
 
     def _search_sub_block_size(self, partition: ShardPairPartition, block_size: int, label_smoothing: float) -> int:
         """Check that a step fits; otherwise find the largest sub-batch (slots per block) that does."""
@@ -943,11 +974,32 @@ def _make_exchange(num_shards: int | None, process_group: Any) -> Exchange:
     return LocalExchange(num_shards)
 
 
+def _check_integer(name: str, value: Any, minimum: int, hint: str = "") -> int:
+    """Return ``value`` as an ``int`` if it is an integer ``>= minimum``; else raise an error naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < minimum:
+        expected = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise ValueError(f"{name} must be {expected}{' ' + hint if hint else ''}, but is {value!r}.")
+    return int(value)
+
+
+def _round_num_negs(num_negs_per_pos: Any, n_shard: int) -> int:
+    """Round a tuned ``num_negs_per_pos`` (``train()``, HPO) up to a multiple of the number of shards."""
+    value = _check_integer("num_negs_per_pos", num_negs_per_pos, minimum=1)
+    rounded = n_shard * math.ceil(value / n_shard)
+    if rounded != value:
+        logger.info(
+            "num_negs_per_pos=%d rounded up to %d, a multiple of num_shards=%d (every shard contributes equally).",
+            value,
+            rounded,
+            n_shard,
+        )
+    return rounded
+
+
 def _check_num_negs(num_negs_per_pos: int | None, n_shard: int) -> int:
     if num_negs_per_pos is None:
         return n_shard * math.ceil(DEFAULT_NUM_NEGS_PER_POS / n_shard)
-    if not isinstance(num_negs_per_pos, int) or isinstance(num_negs_per_pos, bool) or num_negs_per_pos < 1:
-        raise ValueError(f"num_negs_per_pos must be a positive integer, but is {num_negs_per_pos!r}.")
+    num_negs_per_pos = _check_integer("num_negs_per_pos", num_negs_per_pos, minimum=1)
     if num_negs_per_pos % n_shard:
         raise ValueError(
             f"num_negs_per_pos={num_negs_per_pos} is not usable with num_shards={n_shard}: BESS draws the same number "
@@ -955,6 +1007,31 @@ def _check_num_negs(num_negs_per_pos: int | None, n_shard: int) -> int:
             f"{n_shard * math.ceil(num_negs_per_pos / n_shard)})."
         )
     return num_negs_per_pos
+
+
+def _check_triples_fit_model(triples_factory: CoreTriplesFactory, model: Model) -> None:
+    """Check that the training triples use only entity and relation ids the model has.
+
+    :raises ValueError: naming the offending ids (a factory changed after the model was created)
+    """
+    triples = triples_factory.mapped_triples
+    if triples.ndim != 2 or triples.shape[1] != 3:
+        raise ValueError(f"triples_factory.mapped_triples must have shape [n, 3], but has {list(triples.shape)}.")
+    if triples.shape[0] == 0:
+        raise ValueError("triples_factory holds no training triples.")
+    problems = []
+    for name, ids, upper in (
+        ("entity", triples[:, [0, 2]], model.num_entities),
+        ("relation", triples[:, 1], model.num_real_relations),
+    ):
+        bad = ids[(ids < 0) | (ids >= upper)]
+        if bad.numel():
+            problems.append(f"{name} ids outside [0, {upper}) such as {bad.unique()[:5].tolist()}")
+    if problems:
+        raise ValueError(
+            f"The training triples contain {' and '.join(problems)}: they do not fit the model (was the triples "
+            f"factory changed after the model was created?)."
+        )
 
 
 def _resolve_negative_sampler(

@@ -417,3 +417,109 @@ def test_error_during_setup_loses_no_weights(small_factory: CoreTriplesFactory) 
 def test_transe_trains_with_scores_moving(small_factory: CoreTriplesFactory) -> None:
     loop = make_loop(small_factory, model_cls=TransE, num_shards=2, exchange="score", num_negs_per_pos=4)
     assert len(loop.train(small_factory, num_epochs=2, batch_size=16, use_tqdm=False)) == 2
+
+
+@pytest.mark.parametrize(
+    ("train_kwargs", "message"),
+    [
+        (dict(batch_size=0), "batch_size must be a positive integer"),
+        (dict(batch_size=-16), "batch_size must be a positive integer"),
+        (dict(batch_size=2.5), "batch_size must be a positive integer"),
+        (dict(batch_size=16, sub_batch_size=0), "sub_batch_size must be a positive integer"),
+        (dict(batch_size=16, num_epochs=-1), "num_epochs must be an integer >= 0"),
+        (dict(batch_size=16, num_negs_per_pos=0), "num_negs_per_pos must be a positive integer"),
+    ],
+)
+def test_bad_sizes_are_rejected_before_training(
+    small_factory: CoreTriplesFactory, train_kwargs: dict, message: str
+) -> None:
+    loop = make_loop(small_factory, num_shards=2, num_negs_per_pos=4)
+    before = loop.model.entity_representations[0]._embeddings.weight.detach().clone()
+    train_kwargs = dict(dict(num_epochs=1), **train_kwargs)
+    with pytest.raises(ValueError, match=message):
+        loop.train(small_factory, use_tqdm=False, **train_kwargs)
+    assert type(loop.model.entity_representations[0]) is Embedding
+    torch.testing.assert_close(loop.model.entity_representations[0]._embeddings.weight, before)
+
+
+@pytest.mark.parametrize("seed", ["abc", -1, 1.5, True])
+def test_a_bad_seed_is_named(small_factory: CoreTriplesFactory, seed) -> None:
+    with pytest.raises(ValueError, match="seed must be an integer >= 0"):
+        make_loop(small_factory, num_shards=2, num_negs_per_pos=4, seed=seed)
+
+
+def test_triples_outside_the_model_are_rejected_before_training(small_factory: CoreTriplesFactory) -> None:
+    loop = make_loop(small_factory, num_shards=2, num_negs_per_pos=4)
+    triples = small_factory.mapped_triples.clone()
+    triples[5, 1] = small_factory.num_relations + 3  # a relation the model does not have
+    changed = CoreTriplesFactory.create(
+        mapped_triples=triples, num_entities=small_factory.num_entities, num_relations=small_factory.num_relations + 4
+    )
+    with pytest.raises(ValueError, match=r"relation ids outside \[0, 55\) such as \[58\].*changed after the model"):
+        loop.train(changed, num_epochs=1, batch_size=16, use_tqdm=False)
+
+
+def test_batch_size_is_rounded_quietly(dataset: Nations, caplog: pytest.LogCaptureFixture) -> None:
+    """pipeline()'s default batch_size=256 with 3 shards: no warning, the chosen size at INFO."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="pykeen_bess"):
+        pipeline(
+            dataset=dataset,
+            model="DistMult",
+            model_kwargs=dict(embedding_dim=4),
+            training_loop=BessTrainingLoop,
+            training_loop_kwargs=dict(num_shards=3, automatic_memory_optimization=False),
+            training_kwargs=dict(num_epochs=1, use_tqdm=False),
+            evaluation_kwargs=dict(use_tqdm=False),
+            random_seed=0,
+        )
+    bess_records = [r for r in caplog.records if r.name.startswith("pykeen_bess")]
+    assert not [r for r in bess_records if r.levelno >= logging.WARNING], [r.message for r in bess_records]
+    assert any("batch_size=256 rounded up to 261" in r.getMessage() for r in bess_records)
+
+
+def test_batch_search_does_not_pick_a_mostly_padded_epoch() -> None:
+    """Kinships has 8,544 training triples: a batch of 8,192 would make two steps with 48% padding."""
+    from pykeen.datasets import Kinships
+
+    factory = Kinships().training
+    slots = []
+
+    class Slots(TrainingCallback):
+        def on_batch(self, epoch: int, batch, batch_loss: float, **kwargs) -> None:
+            slots.append((int(batch.valid.sum()), batch.valid.numel()))
+
+    loop = make_loop(factory, num_shards=1, num_negs_per_pos=4, automatic_memory_optimization=True)
+    loop.train(factory, num_epochs=1, batch_size=None, use_tqdm=False, callbacks=Slots())
+    assert len(slots) == 2  # the largest batch that fits (8,192) gives two steps ...
+    real, total = map(sum, zip(*slots))
+    assert real == factory.num_triples
+    assert 1 - real / total < 0.01  # ... of equal size, instead of 8,192 + 352 real triples
+
+
+def test_tuned_num_negs_per_pos_is_rounded_to_the_shards(small_factory: CoreTriplesFactory) -> None:
+    loop = make_loop(small_factory, num_shards=3, num_negs_per_pos=6)
+    loop.train(small_factory, num_epochs=1, batch_size=18, num_negs_per_pos=16, use_tqdm=False)
+    assert loop.num_negs_per_pos == 18
+
+
+def test_hpo_with_a_shard_count_that_is_not_a_power_of_two(dataset: Nations) -> None:
+    from pykeen.hpo import hpo_pipeline
+
+    result = hpo_pipeline(
+        dataset=dataset,
+        model="DistMult",
+        model_kwargs=dict(embedding_dim=4),
+        training_loop=BessTrainingLoop,
+        training_loop_kwargs=dict(num_shards=3),
+        training_kwargs=dict(num_epochs=1, use_tqdm=False),
+        evaluator="bess",
+        evaluation_kwargs=dict(use_tqdm=False),
+        n_trials=3,
+        sampler="random",
+        sampler_kwargs=dict(seed=3),
+    )
+    states = [trial.state.name for trial in result.study.trials]
+    assert states == ["COMPLETE"] * 3
+    assert any(trial.params["training.num_negs_per_pos"] % 3 for trial in result.study.trials)
