@@ -8,7 +8,11 @@ shared by all ranks, as PyTorch-BigGraph's is):
 * ``NAME.v{version}.rank{r}-of-{n}``: written by rank ``r``: PyKEEN's checkpoint dictionary for
   that rank (its shard of every entity table and of the optimizer state, the replicated
   parameters and their optimizer state, the epoch, losses, random states, stopper state);
-* ``NAME``: written last, by rank 0: a small pointer ``{"format", "version", "world_size", ...}``.
+* ``NAME``: written last, by rank 0: a small pointer ``{"format", "version", "world_size", "epoch",
+  "seed", "random_seed", "stopper_dict"}``. The last two are the fields PyKEEN itself reads from
+  the file named ``checkpoint_name`` before the training loop loads it (``pipeline()`` takes the
+  random seed from it, an early stopper its state), so a distributed checkpoint resumes through
+  ``pipeline()`` like a single-file one.
 
 A new version is written next to the old one; only after every rank has finished does rank 0
 replace the pointer (atomically), and only then are the previous version's files removed. A crash
@@ -25,7 +29,7 @@ import logging
 import os
 import pathlib
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -77,7 +81,13 @@ def read_pointer(path: pathlib.Path) -> dict[str, Any] | None:
 
 
 def save_distributed_checkpoint(
-    path: pathlib.Path, exchange: Exchange, write_rank_file: Callable[[pathlib.Path], None], epoch: int, seed: int
+    path: pathlib.Path,
+    exchange: Exchange,
+    write_rank_file: Callable[[pathlib.Path], None],
+    epoch: int,
+    seed: int,
+    random_seed: int | None = None,
+    stopper_dict: Mapping[str, Any] | None = None,
 ) -> pathlib.Path:
     """Write a new version of a distributed checkpoint (collective: every rank calls it).
 
@@ -86,6 +96,8 @@ def save_distributed_checkpoint(
     :param write_rank_file: writes this rank's state to the given file
     :param epoch: the epoch the checkpoint holds (stored in the pointer for humans)
     :param seed: the seed of the entity sharding (needed to reshard)
+    :param random_seed: the model's random seed (what ``pipeline()`` reads back when resuming)
+    :param stopper_dict: the early stopper's summary (what PyKEEN's stopper reads back)
     :returns: this rank's file of the new version
     """
     rank, world_size = exchange.local_shards[0], exchange.n_shard
@@ -95,13 +107,21 @@ def save_distributed_checkpoint(
         local = max(local, int(pointer["version"]))
     version = int(exchange.all_reduce_max(torch.tensor([local], dtype=torch.long))) + 1
     target = rank_file(path, version, rank, world_size)
-    temporary = target.with_name(target.name + ".tmp")
+    temporary = target.with_name(f"{target.name}.tmp-{os.getpid()}")
     write_rank_file(temporary)
     os.replace(temporary, target)
     exchange.barrier()
     if rank == 0:
-        temporary_pointer = path.with_name(path.name + ".tmp")
-        pointer = dict(format=POINTER_FORMAT, version=version, world_size=world_size, epoch=epoch, seed=seed)
+        temporary_pointer = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+        pointer = dict(
+            format=POINTER_FORMAT,
+            version=version,
+            world_size=world_size,
+            epoch=epoch,
+            seed=seed,
+            random_seed=random_seed,
+            stopper_dict=dict(stopper_dict or {}),
+        )
         torch.save(pointer, temporary_pointer)
         os.replace(temporary_pointer, path)
     exchange.barrier()

@@ -2,7 +2,8 @@
 
 ``torchrun`` starts one process per rank and passes ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
 ``MASTER_PORT`` (or its rendezvous) in the environment. :func:`init_from_environment` joins that
-group with gloo on CPU or NCCL on GPU. A collective that waits longer than ``timeout`` (default:
+group with gloo on CPU or NCCL on GPU; the BESS training loop and evaluator call it themselves
+(:func:`join_torchrun_group`) when they run under ``torchrun`` without a group. A collective that waits longer than ``timeout`` (default:
 ``PYKEEN_BESS_TIMEOUT`` seconds, else 300) fails instead of hanging, so a rank that dies makes the
 others exit with an error.
 
@@ -13,6 +14,7 @@ writes an ordinary PyKEEN model (``predict_target``, stock evaluation, ``torch.l
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import logging
@@ -26,6 +28,8 @@ import torch.distributed as dist
 
 __all__ = [
     "init_from_environment",
+    "in_torchrun",
+    "join_torchrun_group",
     "is_main_process",
     "default_timeout",
     "gathered_model",
@@ -62,8 +66,34 @@ def init_from_environment(
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend=backend, timeout=timeout or default_timeout())
+        # the group this function created is released when the interpreter exits (NCCL warns otherwise)
+        atexit.register(_destroy_group)
         logger.info("joined process group: rank %d of %d (%s)", dist.get_rank(), dist.get_world_size(), backend)
     return dist.group.WORLD
+
+
+def _destroy_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def in_torchrun() -> bool:
+    """Whether this process is one of several started by ``torchrun`` (``WORLD_SIZE`` > 1 in the environment)."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1")) > 1
+    except ValueError:
+        return False
+
+
+def join_torchrun_group() -> None:
+    """Join ``torchrun``'s process group if this process was started by it and no group exists yet.
+
+    The BESS training loop and evaluator call this, so that an unmodified ``pipeline()`` script
+    under ``torchrun`` trains as one world instead of as independent copies.
+    """
+    if in_torchrun() and dist.is_available() and not dist.is_initialized():
+        init_from_environment()
+        logger.info("pykeen-bess joined torchrun's process group (WORLD_SIZE=%s) by itself.", os.environ["WORLD_SIZE"])
 
 
 def is_main_process() -> bool:

@@ -786,6 +786,10 @@ class BessEvaluator(RankBasedEvaluator):
         """
         if kwargs.get("mode") is not None:
             raise NotImplementedError("BessEvaluator supports transductive evaluation only (mode=None).")
+        if process_group is None:
+            from .distributed import join_torchrun_group
+
+            join_torchrun_group()
         super().__init__(filtered=filtered, batch_size=batch_size, slice_size=slice_size, **kwargs)
         if num_shards is not None and (
             isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1

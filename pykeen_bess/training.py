@@ -299,7 +299,15 @@ class BessTrainingLoop(SLCWATrainingLoop):
                 triples_factory=triples_factory,
             )
 
-        save_distributed_checkpoint(pathlib.Path(path), self.exchange, write, epoch=self._epoch, seed=self.seed)
+        save_distributed_checkpoint(
+            pathlib.Path(path),
+            self.exchange,
+            write,
+            epoch=self._epoch,
+            seed=self.seed,
+            random_seed=self.model._random_seed,
+            stopper_dict=stopper.get_summary_dict() if stopper is not None else None,
+        )
 
     def _rank_checkpoint_file(self, path: pathlib.Path) -> pathlib.Path | None:
         """Return this rank's file of the checkpoint at ``path`` (same world size), None if resharding."""
@@ -726,14 +734,18 @@ class BessTrainingLoop(SLCWATrainingLoop):
         if self.exchange.is_distributed:  # versioned rank files and a pointer (see pykeen_bess.checkpoint)
             self._save_state(path, stopper, best_epoch_model_file_path, triples_factory)
             return
-        temporary = path.with_name(path.name + ".tmp")
-        self._save_state(
-            path=temporary,
-            stopper=stopper,
-            best_epoch_model_checkpoint_file_path=best_epoch_model_file_path,
-            triples_factory=triples_factory,
-        )
-        os.replace(temporary, path)
+        # a name of this process' own: two processes writing one checkpoint must not share a temporary file
+        temporary = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+        try:
+            self._save_state(
+                path=temporary,
+                stopper=stopper,
+                best_epoch_model_checkpoint_file_path=best_epoch_model_file_path,
+                triples_factory=triples_factory,
+            )
+            os.replace(temporary, path)
+        finally:
+            temporary.unlink(missing_ok=True)
 
     # -- one step ------------------------------------------------------------------------------
 
@@ -956,6 +968,10 @@ def _make_exchange(num_shards: int | None, process_group: Any) -> Exchange:
     """Choose the collective back end: a process group (explicit or initialised) or local shards."""
     import torch.distributed as dist
 
+    from .distributed import join_torchrun_group
+
+    if process_group is None:
+        join_torchrun_group()
     in_group = process_group is not None or (
         dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     )

@@ -264,3 +264,96 @@ def test_example_script(tmp_path: pathlib.Path) -> None:
     assert result.returncode == 0, result.stderr
     assert "MRR" in result.stdout
     assert (tmp_path / "bess-nations" / "trained_model.pkl").is_file()
+
+
+PIPELINE_SCRIPT = pathlib.Path(__file__).with_name("pipeline_script.py")
+
+
+def run_script(tmp_path: pathlib.Path, name: str, nproc: int | None, **env: str) -> subprocess.CompletedProcess:
+    """Run the plain pipeline script under torchrun with ``nproc`` ranks (None: one ordinary process)."""
+    command = [sys.executable, str(PIPELINE_SCRIPT)]
+    if nproc is not None:
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(nproc),
+            str(PIPELINE_SCRIPT),
+        ]
+    environment = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYKEEN_BESS_TIMEOUT="60",
+        OUTPUT=str(tmp_path / name),
+        CHECKPOINT_DIRECTORY=str(tmp_path / f"{name}-checkpoints"),
+        **env,
+    )
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, env=environment)
+
+
+def read_ranks(directory: pathlib.Path, world_size: int) -> list[dict[str, Any]]:
+    return [json.loads((directory / f"rank{rank}.json").read_text()) for rank in range(world_size)]
+
+
+def test_an_unmodified_pipeline_script_under_torchrun_resumes_after_a_kill(tmp_path: pathlib.Path) -> None:
+    """The README's kind of script, without init_from_environment(): one world, resumable through pipeline()."""
+    uninterrupted = run_script(tmp_path, "full", 2)
+    assert uninterrupted.returncode == 0, uninterrupted.stderr
+    full = read_ranks(tmp_path / "full", 2)
+    # one world of two ranks, each holding one of the two shards (not two copies with all entities)
+    assert [r["num_shards"] for r in full] == [2, 2] and all(r["distributed"] for r in full)
+    assert [r["entity_rows"] for r in full] == [7, 7]
+    assert full[0]["losses"] == full[1]["losses"] and full[0]["metrics"] == full[1]["metrics"]
+    # the same training in one process with two logical shards
+    local = run_script(tmp_path, "local", None, NUM_SHARDS="2")
+    assert local.returncode == 0, local.stderr
+    reference = read_ranks(tmp_path / "local", 1)[0]
+    assert full[0]["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+    assert full[0]["metrics"] == pytest.approx(reference["metrics"], rel=1e-5, abs=1e-7)
+
+    # rank 1 crashes at the start of epoch 3 (after the checkpoint of epoch 2); torchrun stops the world
+    crashed = run_script(tmp_path, "resumed", 2, DIE_AT_EPOCH="3", DIE_RANK="1")
+    assert crashed.returncode != 0
+    assert not (tmp_path / "resumed" / "rank0.json").exists()
+    # the same command again resumes from the checkpoint, through pipeline()
+    resumed = run_script(tmp_path, "resumed", 2)
+    assert resumed.returncode == 0, resumed.stderr
+    result = read_ranks(tmp_path / "resumed", 2)
+    assert result[0]["losses"] == pytest.approx(full[0]["losses"], rel=1e-6)
+    assert result[0]["metrics"] == pytest.approx(full[0]["metrics"], rel=1e-6, abs=1e-8)
+
+    # a single process pointed at the distributed checkpoint gets the documented error, not a KeyError
+    single = subprocess.run(
+        [sys.executable, str(PIPELINE_SCRIPT)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(
+            os.environ,
+            OUTPUT=str(tmp_path / "single"),
+            CHECKPOINT_DIRECTORY=str(tmp_path / "resumed-checkpoints"),
+        ),
+    )
+    assert single.returncode != 0
+    assert "is a checkpoint of a torch.distributed run" in single.stderr, single.stderr[-2000:]
+
+
+def test_hpo_under_torchrun_with_three_ranks(tmp_path: pathlib.Path) -> None:
+    """hpo_pipeline with a world size of 3 (num_negs_per_pos drawn from powers of two) completes every trial."""
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "3",
+        str(pathlib.Path(__file__).with_name("hpo_script.py")),
+    ]
+    environment = dict(os.environ, OMP_NUM_THREADS="1", PYKEEN_BESS_TIMEOUT="60", OUTPUT=str(tmp_path))
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=600, env=environment)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    ranks = read_ranks(tmp_path, 3)
+    assert [t["state"] for t in ranks[0]] == ["COMPLETE", "COMPLETE"]
+    assert ranks[0] == ranks[1] == ranks[2]  # the same trials and metrics on every rank
