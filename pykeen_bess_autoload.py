@@ -3,21 +3,33 @@
 PyKEEN reads only the ``pykeen.datasets`` entry-point group, while ``pykeen.datasets`` is being
 imported, i.e. in the middle of PyKEEN's own import: importing the plugin's training loop from
 here would be a circular import. This small top-level module (deliberately outside the
-``pykeen_bess`` package, so that loading it does not run the package's ``__init__``) installs a
-post-import hook instead: once the modules holding PyKEEN's resolvers (``pykeen.training``,
-``pykeen.evaluation``, ``pykeen.nn.modules``, ``pykeen.models``) have finished loading, it imports
-``pykeen_bess``, which registers itself.
+``pykeen_bess`` package, so that loading it does not run the package's ``__init__``, and importing
+nothing of PyKEEN) therefore arranges for the plugin to register itself later, in two ways:
+
+1. **A post-import hook.** Once a PyKEEN module finishes loading while no other PyKEEN module is
+   still mid-import, and at least one module holding a resolver the plugin feeds
+   (``pykeen.training``, ``pykeen.evaluation``, ``pykeen.nn.modules``, ``pykeen.models``) is
+   loaded, ``pykeen_bess`` is imported and registers itself.
+2. **A lookup fallback.** The hook only sees PyKEEN modules whose import *starts* after it was
+   installed; when the entry point runs inside the import of the outermost PyKEEN module (e.g.
+   ``import pykeen.training`` as a program's first PyKEEN import), no module may finish loading
+   afterwards. So a failing string lookup in one of those four resolvers
+   (``training_loop_resolver.lookup("bess")``, also through ``make`` and ``pipeline()``) registers
+   the plugin and retries, once PyKEEN is not mid-import. The fallback removes itself as soon as
+   the plugin is registered.
+
+Together they make every lookup of the plugin's names work, whatever PyKEEN module a program
+imports first (tested for every top-level PyKEEN module). What can still miss the plugin is code
+that reads a resolver's ``lookup_dict`` or ``options`` directly, before any lookup, in the one case
+of 2.; ``import pykeen_bess`` (once) makes it certain.
 
 The entry point names PyKEEN's own :class:`~pykeen.datasets.Nations` (already registered), so no
 extra dataset appears in PyKEEN's dataset resolver.
-
-Limitation: when ``pykeen.training`` is the *first* PyKEEN module imported, the hook is installed
-in the middle of that import and no PyKEEN module finishes loading afterwards; then
-``import pykeen_bess`` is needed (once) before looking up ``"bess"``.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -28,14 +40,23 @@ from typing import Any
 
 __all__ = [
     "Nations",  # noqa: F822 - provided lazily by __getattr__
+    "RESOLVERS",
     "install_hook",
+    "pykeen_idle",
     "ready",
 ]
 
 logger = logging.getLogger(__name__)
 
+#: (module, attribute) of the PyKEEN resolvers the plugin registers into
+RESOLVERS: tuple[tuple[str, str], ...] = (
+    ("pykeen.training", "training_loop_resolver"),
+    ("pykeen.evaluation", "evaluator_resolver"),
+    ("pykeen.nn.modules", "interaction_resolver"),
+    ("pykeen.models", "model_resolver"),
+)
 #: PyKEEN modules that hold the resolvers the plugin registers into
-REQUIRED_MODULES: tuple[str, ...] = ("pykeen.evaluation", "pykeen.models", "pykeen.nn.modules", "pykeen.training")
+REQUIRED_MODULES: tuple[str, ...] = tuple(sorted({module for module, _ in RESOLVERS}))
 
 
 def _initializing(name: str, finished: str | None = None) -> bool:
@@ -55,12 +76,14 @@ def pykeen_idle(finished: str | None = None) -> bool:
 
 
 def ready(finished: str | None = None) -> bool:
-    """Whether the modules holding PyKEEN's resolvers have finished loading.
+    """Whether the plugin may register now: PyKEEN is not mid-import and one of its resolvers is loaded.
 
-    Another PyKEEN module (e.g. ``pykeen.pipeline``) may still be mid-import: the plugin only
-    imports PyKEEN's core modules, which these have loaded completely.
+    Registering imports the remaining resolver modules, which is safe once no PyKEEN module is
+    mid-import.
     """
-    return all(name in sys.modules and not _initializing(name, finished) for name in REQUIRED_MODULES)
+    if not pykeen_idle(finished):
+        return False
+    return any(name in sys.modules for name in REQUIRED_MODULES)
 
 
 class _PostImportHook(importlib.abc.MetaPathFinder):
@@ -101,39 +124,85 @@ class _NotifyingLoader(importlib.abc.Loader):
 
 
 _hook: _PostImportHook | None = None
+_original_lookup: Any = None
 
 
-def _remove_hook() -> None:
-    global _hook
+def _remove_hooks() -> None:
+    """Remove the post-import hook and the lookup fallback (the plugin is registered)."""
+    global _hook, _original_lookup
     if _hook is not None and _hook in sys.meta_path:
         sys.meta_path.remove(_hook)
     _hook = None
+    if _original_lookup is not None:
+        from class_resolver import ClassResolver
+
+        ClassResolver.lookup = _original_lookup  # type: ignore[method-assign]
+        _original_lookup = None
 
 
-def _try_load(finished: str | None = None) -> None:
+def _registered() -> bool:
+    registration = sys.modules.get("pykeen_bess.registration")
+    return registration is not None and bool(registration.is_registered())
+
+
+def _try_load(finished: str | None = None) -> bool:
+    """Register the plugin if it is safe now; return whether it is registered afterwards."""
+    if _registered():
+        _remove_hooks()
+        return True
     if not ready(finished):
-        return
+        return False
     plugin = sys.modules.get("pykeen_bess")
     if plugin is not None and getattr(getattr(plugin, "__spec__", None), "_initializing", False):
-        return  # the package is being imported right now; its __init__ registers
+        return False  # the package is being imported right now; its __init__ registers
     try:
         registration = importlib.import_module("pykeen_bess.registration")
         registration.register()
     except ImportError:
         # a module the plugin needs is itself mid-import; the next finished module retries
         logger.debug("pykeen-bess: loading deferred", exc_info=True)
-        return
+        return False
     except Exception:
         logger.warning("pykeen-bess could not register itself in PyKEEN's resolvers", exc_info=True)
-    _remove_hook()
+    _remove_hooks()
+    return _registered()
+
+
+def _is_plugin_resolver(resolver: Any) -> bool:
+    """Whether ``resolver`` is one of the PyKEEN resolvers the plugin registers into."""
+    return any(getattr(sys.modules.get(module), attribute, None) is resolver for module, attribute in RESOLVERS)
+
+
+def _install_lookup_fallback() -> None:
+    """Make a failing string lookup in one of PyKEEN's plugin resolvers register the plugin and retry."""
+    global _original_lookup
+    if _original_lookup is not None:
+        return
+    try:
+        from class_resolver import ClassResolver
+    except ImportError:  # pragma: no cover - PyKEEN depends on class_resolver
+        return
+    original = ClassResolver.lookup
+
+    @functools.wraps(original)
+    def lookup(self: Any, query: Any, default: Any = None) -> Any:
+        try:
+            return original(self, query, default)
+        except KeyError:
+            if not isinstance(query, str) or not _is_plugin_resolver(self) or not _try_load():
+                raise
+        return original(self, query, default)
+
+    _original_lookup = original
+    ClassResolver.lookup = lookup  # type: ignore[method-assign]
 
 
 def install_hook() -> None:
-    """Load the plugin now if PyKEEN's resolvers exist, else as soon as they do."""
+    """Load the plugin now if it is safe, else as soon as it is (see the module docstring)."""
     global _hook
-    if ready():
-        _try_load()
+    if _try_load():
         return
+    _install_lookup_fallback()
     if _hook is None:
         _hook = _PostImportHook()
         sys.meta_path.insert(0, _hook)

@@ -8,11 +8,10 @@ loads the entry-point groups ``pykeen.training_loops``, ``pykeen.evaluators``,
 declares its classes there).
 
 PyKEEN itself only reads the ``pykeen.datasets`` group. This package's entry point in that group
-(:mod:`pykeen_bess_autoload`) installs a post-import hook that registers the plugin as soon as
-PyKEEN's resolvers have finished loading, so ``pipeline(training_loop="bess")``,
-``pipeline_from_config``, ``hpo_pipeline`` and the ``pykeen`` command line find the plugin without
-``import pykeen_bess`` (except when ``pykeen.training`` is the first PyKEEN module imported; see
-:mod:`pykeen_bess_autoload`).
+(:mod:`pykeen_bess_autoload`) installs a post-import hook and a lookup fallback that register the
+plugin as soon as it is safe, so ``pipeline(training_loop="bess")``, ``pipeline_from_config``,
+``hpo_pipeline``, the ``pykeen`` command line and any resolver lookup find the plugin without
+``import pykeen_bess``, whatever PyKEEN module is imported first (see :mod:`pykeen_bess_autoload`).
 """
 
 from __future__ import annotations
@@ -100,6 +99,9 @@ def register() -> None:
         finally:
             _registering = False
         logger.debug("registered pykeen-bess in PyKEEN's resolvers")
+    import pykeen_bess_autoload
+
+    pykeen_bess_autoload._remove_hooks()  # the post-import hook and the lookup fallback are done
 
 
 def is_registered() -> bool:
@@ -118,7 +120,7 @@ def register_when_ready() -> None:
 
     if _registered:
         return
-    if pykeen_bess_autoload.ready() or pykeen_bess_autoload.pykeen_idle():
+    if pykeen_bess_autoload.pykeen_idle():
         register()
     else:
         pykeen_bess_autoload.install_hook()

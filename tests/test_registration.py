@@ -56,15 +56,53 @@ def test_registered_after_import(first_import: str) -> None:
     assert "could not" not in result.stderr
 
 
-def test_training_first_needs_explicit_import() -> None:
-    """The documented exception: ``pykeen.training`` as the first PyKEEN import needs ``import pykeen_bess``.
+#: what each lookup must return: (module, resolver, key, plugin module, class)
+LOOKUPS = [
+    ("pykeen.training", "training_loop_resolver", "bess", "pykeen_bess.training", "BessTrainingLoop"),
+    ("pykeen.evaluation", "evaluator_resolver", "bess", "pykeen_bess.evaluation", "BessEvaluator"),
+    ("pykeen.nn.modules", "interaction_resolver", "interht", "pykeen_bess.interactions", "InterHTInteraction"),
+    ("pykeen.models", "model_resolver", "trans", "pykeen_bess.models", "TranS"),
+]
 
-    The entry point runs in the middle of that import, and no PyKEEN module finishes loading after
-    it, so the hook has nothing to wait for.
+
+def lookup_program(first_import: str, rotation: int) -> str:
+    """A program that imports one PyKEEN module first, then looks up the plugin in each resolver.
+
+    Each resolver's module is imported right before its lookup (no other PyKEEN import in between),
+    and the order of the resolvers is rotated so that each of them is the first one looked up.
     """
-    code = "from pykeen.training import training_loop_resolver\nprint('bess' in training_loop_resolver.lookup_dict)"
-    assert run_python(code).stdout.strip() == "False"
-    run_python("from pykeen.training import training_loop_resolver\nimport pykeen_bess\n" + CHECK_ALL)
+    lines = [first_import, "import importlib"]
+    for module, resolver, key, plugin_module, cls in LOOKUPS[rotation:] + LOOKUPS[:rotation]:
+        lines += [
+            f"found = importlib.import_module({module!r}).{resolver}.lookup({key!r})",
+            f"assert found is getattr(importlib.import_module({plugin_module!r}), {cls!r}), found",
+        ]
+    lines.append("print('OK')")
+    return "\n".join(lines)
+
+
+def test_registered_whatever_pykeen_module_is_imported_first() -> None:
+    """Every top-level PyKEEN module (and package) as a program's first import, then lookups."""
+    import concurrent.futures
+    import pkgutil
+
+    import pykeen
+
+    names = sorted(m.name for m in pkgutil.iter_modules(pykeen.__path__) if m.name != "__main__")
+    firsts = ["import pykeen"] + [f"import pykeen.{name}" for name in names]
+    firsts += ["from pykeen.training import training_loop_resolver", "from pykeen.evaluation import evaluator_resolver"]
+
+    def run(index: int) -> str | None:
+        code = lookup_program(firsts[index], index % len(LOOKUPS))
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+        if result.returncode != 0 or "OK" not in result.stdout:
+            return f"{firsts[index]!r}:\n{result.stderr[-1500:]}"
+        return None
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        failures = [failure for failure in pool.map(run, range(len(firsts))) if failure]
+    assert len(firsts) > 25
+    assert not failures, "\n\n".join(failures)
 
 
 def test_registration_is_idempotent() -> None:
