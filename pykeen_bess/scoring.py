@@ -52,6 +52,7 @@ from typing import Any, ClassVar, Literal
 import torch
 import torch.utils.checkpoint
 from pykeen.nn.modules import (
+    ClampedInteraction,
     ComplExInteraction,
     CPInteraction,
     DistMAInteraction,
@@ -74,6 +75,7 @@ from .interactions import InterHTInteraction, TranSInteraction
 __all__ = [
     "BroadcastScorer",
     "CPScorer",
+    "ClampedScorer",
     "ComplExScorer",
     "DifferenceScorer",
     "DistMAScorer",
@@ -860,10 +862,43 @@ def _unpack_parts(x: torch.Tensor, specs: Sequence[tuple[tuple[int, ...], bool]]
     return parts[0] if len(parts) == 1 else tuple(parts)
 
 
+# -- wrappers ----------------------------------------------------------------------------------
+
+
+class ClampedScorer(SharedCandidateScorer):
+    """PyKEEN's :class:`~pykeen.nn.modules.ClampedInteraction` (e.g. SimplE's): the base scorer, then the clamp.
+
+    Clamping acts on each score separately, so the wrapped interaction's fast scorer stays exact.
+    """
+
+    def __init__(self, interaction: ClampedInteraction, base: SharedCandidateScorer):
+        """Wrap the scorer of the clamped interaction's base."""
+        super().__init__(interaction)
+        self.base = base
+
+    @property
+    def fast(self) -> bool:  # type: ignore[override]
+        """Whether the base scorer is fast."""
+        return self.base.fast
+
+    def query(self, side: Side, e: Any, r: Any) -> torch.Tensor:  # noqa: D102
+        return self.base.query(side, e, r)
+
+    def candidates(self, side: Side, e: Any) -> torch.Tensor:  # noqa: D102
+        return self.base.candidates(side, e)
+
+    def score(self, side: Side, query: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        scores = self.base.score(side, query, candidates)
+        clamp = self.interaction.clamp_score
+        return scores if clamp is None else torch.clamp(scores, min=clamp[0], max=clamp[1])
+
+
 # -- registry ----------------------------------------------------------------------------------
 
 #: fast scorers by interaction class
 SCORERS: dict[type[Interaction], type[SharedCandidateScorer]] = {}
+#: interactions whose slow fallback was announced (a warning once per process)
+_WARNED_FALLBACKS: set[str] = set()
 
 
 def register_scorer(scorer_cls: type[SharedCandidateScorer]) -> type[SharedCandidateScorer]:
@@ -906,6 +941,14 @@ def get_scorer(
     :raises NotImplementedError: if there is no fast scorer and the fallback is not allowed or
         not possible
     """
+    if type(interaction) is ClampedInteraction:
+        base = get_scorer(
+            interaction.base,
+            entity_representations=entity_representations,
+            relation_representations=relation_representations,
+            allow_slow=allow_slow,
+        )
+        return ClampedScorer(interaction, base)
     scorer_cls = SCORERS.get(type(interaction))
     if scorer_cls is not None:
         return scorer_cls(interaction)
@@ -914,10 +957,10 @@ def get_scorer(
             f"There is no fast shared-candidate scorer for {type(interaction).__name__}. Supported interactions: "
             f"{', '.join(supported_interactions())}."
         )
-    logger.warning(
-        "No fast shared-candidate scorer for %s; using the exact but slow chunked broadcast fallback.",
-        type(interaction).__name__,
-    )
+    name = type(interaction).__name__
+    if name not in _WARNED_FALLBACKS:  # once per interaction and process (training and evaluation both ask)
+        _WARNED_FALLBACKS.add(name)
+        logger.warning("No fast shared-candidate scorer for %s; using the exact but slow chunked broadcast fallback.", name)
     return BroadcastScorer(
         interaction,
         entity_specs=[representation_spec(rep) for rep in entity_representations],

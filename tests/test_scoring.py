@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 import pytest
 import torch
 from pykeen.nn.modules import (
+    ClampedInteraction,
     ComplExInteraction,
     CPInteraction,
     DistMAInteraction,
@@ -412,6 +413,37 @@ class TestTranS(ScorerTestCase):
     scorer_cls = scoring.TranSScorer
 
 
+class TestClamped(ScorerTestCase):
+    """PyKEEN's clamping wrapper (SimplE's model uses it): the base's fast scorer, then the clamp."""
+
+    cls = ClampedInteraction
+    variants = (
+        {"base": SimplEInteraction, "clamp_score": 0.5},
+        {"base": DistMultInteraction, "clamp_score": None},
+        {"base": TransEInteraction, "base_kwargs": {"p": 2}, "clamp_score": (-3.0, -1.0)},
+    )
+    scorer_cls = scoring.ClampedScorer
+
+    def test_registered(self, kwargs):
+        scorer = get_scorer(self.cls(**kwargs))
+        assert type(scorer) is self.scorer_cls and scorer.fast
+        assert type(scorer.base) is type(get_scorer(scorer.interaction.base))
+
+
+def test_simple_model_is_fast_scored():
+    """SimplE's model wraps its interaction in ClampedInteraction: it still gets the fast scorer."""
+    from pykeen.datasets import Nations
+    from pykeen.models import SimplE
+
+    model = SimplE(triples_factory=Nations().training, embedding_dim=4, random_seed=0)
+    scorer = get_scorer(
+        model.interaction,
+        entity_representations=model.entity_representations,
+        relation_representations=model.relation_representations,
+    )
+    assert isinstance(scorer, scoring.ClampedScorer) and isinstance(scorer.base, scoring.SimplEScorer) and scorer.fast
+
+
 # -- RotatE with general relations -----------------------------------------------------------------
 
 
@@ -514,10 +546,13 @@ def test_get_scorer_fallback(caplog):
         get_scorer(interaction)
     with pytest.raises(NotImplementedError):
         get_scorer(interaction, entity_representations=entities, relation_representations=relations, allow_slow=False)
+    scoring._WARNED_FALLBACKS.discard("ERMLPInteraction")
     with caplog.at_level(logging.WARNING, logger=scoring.__name__):
         scorer = get_scorer(interaction, entity_representations=entities, relation_representations=relations)
+        # a second scorer (the evaluator after the training loop) does not warn again
+        get_scorer(interaction, entity_representations=entities, relation_representations=relations)
     assert isinstance(scorer, BroadcastScorer) and not scorer.fast
-    assert "ERMLPInteraction" in caplog.text
+    assert caplog.text.count("ERMLPInteraction") == 1
     assert "ERMLPInteraction" not in supported_interactions()
 
 
