@@ -1,11 +1,13 @@
 """Command line: ``python -m pykeen_bess train ...`` (also installed as ``pykeen-bess``).
 
-Trains a model with BESS through PyKEEN's ``pipeline`` and prints the test metrics. Under
-``torchrun`` every rank runs the same command; the ranks form a ``torch.distributed`` process
-group (gloo on CPU, NCCL on GPU) and each holds one entity shard.
+Trains a model with BESS through PyKEEN's ``pipeline`` and prints the test metrics. Everything
+the README's ``pipeline(...)`` example sets has a flag; ``--config`` reads a PyKEEN pipeline
+configuration (the JSON or YAML files of ``pykeen experiments run``), which the flags given
+explicitly amend. Under ``torchrun`` every rank runs the same command; the ranks form a
+``torch.distributed`` process group (gloo on CPU, NCCL on GPU) and each holds one entity shard.
 
-    python -m pykeen_bess train --dataset nations --num-shards 2
-    torchrun --nproc-per-node 4 -m pykeen_bess train --dataset path/to/wn18rr --epochs 50
+Errors (bad options, unsupported settings) are printed as one message with exit status 2;
+``--verbose`` shows the traceback and PyKEEN's and pykeen-bess' log messages.
 """
 
 from __future__ import annotations
@@ -15,13 +17,16 @@ import json
 import logging
 import pathlib
 import sys
-from collections.abc import Sequence
+import traceback
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 __all__ = [
-    "main",
     "build_parser",
+    "load_config",
     "load_dataset",
+    "main",
+    "pipeline_kwargs",
 ]
 
 #: metrics printed after training, as (PyKEEN metric key, label)
@@ -33,35 +38,138 @@ REPORTED_METRICS = (
     ("both.realistic.arithmetic_mean_rank", "MR"),
 )
 
+#: the settings used without ``--config`` (a flag given explicitly always wins)
+DEFAULTS: dict[str, Any] = dict(
+    dataset="nations",
+    model="DistMult",
+    dim=64,
+    exchange="embedding",
+    corruption="ht",
+    negatives=64,
+    batch_size=512,
+    epochs=100,
+    optimizer="adam",
+    lr=0.01,
+    evaluator="bess",
+    seed=42,
+)
+
+DESCRIPTION = """\
+Train and evaluate a PyKEEN model with BESS (entity shards, balanced batches, shared negatives).
+In one process the entities are split into --num-shards logical shards; under torchrun every
+rank holds one shard.
+"""
+
+EPILOG = """\
+examples:
+  python -m pykeen_bess train --dataset nations --num-shards 2
+  python -m pykeen_bess train --dataset path/to/wn18rr --model ComplEx --dim 128 --epochs 50 \\
+      --checkpoint-name wn18rr.pt --early-stopping --output out/
+  python -m pykeen_bess train --config experiment.json --epochs 5
+  torchrun --nproc-per-node 4 -m pykeen_bess train --dataset path/to/wn18rr --epochs 50
+"""
+
+
+class UsageError(ValueError):
+    """A problem with the command line's input (printed without a traceback)."""
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({error.msg}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"p\": 1}}', got {text!r}")
+    return value
+
 
 def build_parser() -> argparse.ArgumentParser:
-    """Build the argument parser."""
-    parser = argparse.ArgumentParser(prog="pykeen-bess", description=__doc__.split("\n\n")[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    train = commands.add_parser("train", help="train and evaluate a model with BESS")
-    train.add_argument(
-        "--dataset",
-        default="nations",
-        help="a PyKEEN dataset name (nations, kinships, umls ship with PyKEEN) or a directory with "
-        "train.txt / valid.txt / test.txt (tab-separated labels)",
+    """Build the argument parser (options not given on the command line are absent from the namespace)."""
+    parser = argparse.ArgumentParser(
+        prog="pykeen-bess", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    train.add_argument("--model", default="DistMult", help="a PyKEEN model name (default: DistMult)")
-    train.add_argument("--dim", type=int, default=64, help="embedding dimension (default: 64)")
-    train.add_argument("--num-shards", type=int, default=None, help="entity shards (default: world size, else 2)")
-    train.add_argument("--exchange", default="embedding", choices=["embedding", "score", "auto"])
-    train.add_argument("--corruption", default="ht", choices=["h", "t", "ht"])
-    train.add_argument("--negatives", type=int, default=64, help="negatives per positive (default: 64)")
-    train.add_argument("--batch-size", type=int, default=512, help="positives per step (default: 512)")
-    train.add_argument("--epochs", type=int, default=100, help="training epochs (default: 100)")
-    train.add_argument("--optimizer", default="adam")
-    train.add_argument("--lr", type=float, default=0.01, help="learning rate (default: 0.01)")
-    train.add_argument("--loss", default=None, help="a PyKEEN loss name (default: the model's default loss)")
-    train.add_argument("--evaluator", default="bess", choices=["bess", "rankbased"])
-    train.add_argument("--seed", type=int, default=42)
-    train.add_argument("--output", type=pathlib.Path, default=None, help="save_to_directory() here")
-    train.add_argument("--json", action="store_true", help="print all metrics as JSON")
-    train.add_argument("--quiet", action="store_true", help="no progress bars")
-    train.add_argument("--verbose", action="store_true", help="show PyKEEN's and pykeen-bess' log messages")
+    commands = parser.add_subparsers(dest="command", required=True)
+    train = commands.add_parser(
+        "train",
+        help="train and evaluate a model with BESS",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        argument_default=argparse.SUPPRESS,
+    )
+    data = train.add_argument_group("data and model")
+    data.add_argument(
+        "--config",
+        type=pathlib.Path,
+        help="a PyKEEN pipeline configuration (.json, .yaml), as for 'pykeen experiments run'; the flags given "
+        "explicitly override its values, the defaults below apply only without it",
+    )
+    data.add_argument(
+        "--dataset",
+        help="a PyKEEN dataset name (nations, kinships, umls ship with PyKEEN) or a directory with train.txt, "
+        "valid.txt and test.txt (tab-separated labels) (default: nations)",
+    )
+    data.add_argument("--model", help="a PyKEEN model name (default: DistMult)")
+    data.add_argument("--dim", type=int, help="embedding dimension (default: 64)")
+    data.add_argument("--model-kwargs", type=_json_object, help="more model options as JSON, e.g. '{\"p\": 1}'")
+    data.add_argument("--loss", help="a PyKEEN loss name (default: the model's default loss)")
+    data.add_argument("--loss-kwargs", type=_json_object, help="loss options as JSON, e.g. '{\"margin\": 1.0}'")
+
+    bess = train.add_argument_group("BESS")
+    bess.add_argument(
+        "--num-shards", type=int, help="entity shards (default: the world size under torchrun, else 2)"
+    )
+    bess.add_argument(
+        "--exchange",
+        choices=["embedding", "score", "auto"],
+        help="exchange scheme: move embeddings, move scores, or the one that moves fewer bytes (default: embedding)",
+    )
+    bess.add_argument("--corruption", choices=["h", "t", "ht"], help="corrupted side(s) (default: ht)")
+    bess.add_argument(
+        "--negatives", type=int, help="negatives per positive, a multiple of the shard count (default: 64)"
+    )
+    bess.add_argument(
+        "--dense-updates",
+        action="store_true",
+        help="update the entity tables densely (any optimizer, slower) instead of row-sparsely",
+    )
+
+    training = train.add_argument_group("training")
+    training.add_argument("--epochs", type=int, help="training epochs (default: 100)")
+    training.add_argument(
+        "--batch-size", type=int, help="positives per step; 0 searches the largest that fits (default: 512)"
+    )
+    training.add_argument("--sub-batch-size", type=int, help="split each step into sub-batches of this many slots")
+    training.add_argument("--optimizer", help="a PyTorch optimizer name (default: adam)")
+    training.add_argument("--lr", type=float, help="learning rate (default: 0.01)")
+    training.add_argument("--optimizer-kwargs", type=_json_object, help="more optimizer options as JSON")
+    training.add_argument("--seed", type=int, help="random seed (default: 42)")
+    training.add_argument("--device", help="e.g. cpu or cuda (default: PyKEEN's choice)")
+    training.add_argument("--checkpoint-name", help="checkpoint file name; an existing checkpoint is resumed")
+    training.add_argument("--checkpoint-directory", type=pathlib.Path, help="where checkpoints are written")
+    training.add_argument(
+        "--checkpoint-frequency", type=int, help="minutes between checkpoints; 0: after every epoch (default: 30)"
+    )
+    training.add_argument(
+        "--early-stopping", action="store_true", help="stop when the validation metric stops improving"
+    )
+    training.add_argument("--stopper-frequency", type=int, help="epochs between validations (default: 10)")
+    training.add_argument("--stopper-patience", type=int, help="validations without improvement (default: 2)")
+    training.add_argument("--stopper-metric", help="the validation metric (default: hits@10)")
+
+    evaluation = train.add_argument_group("evaluation and output")
+    evaluation.add_argument(
+        "--evaluator", choices=["bess", "rankbased"], help="sharded (bess) or PyKEEN's evaluator (default: bess)"
+    )
+    evaluation.add_argument("--eval-batch-size", type=int, help="evaluation triples per batch (default: automatic)")
+    evaluation.add_argument("--eval-slice-size", type=int, help="candidates scored at once per shard (default: automatic)")
+    evaluation.add_argument("--output", type=pathlib.Path, help="save the trained model and results here")
+    evaluation.add_argument("--json", action="store_true", help="print all metrics as JSON")
+    evaluation.add_argument("--quiet", action="store_true", help="no progress bars")
+    evaluation.add_argument(
+        "--verbose", action="store_true", help="show log messages, and tracebacks of errors"
+    )
     return parser
 
 
@@ -74,9 +182,144 @@ def load_dataset(name_or_path: str) -> Any:
         files = {split: path / f"{split}.txt" for split in ("train", "valid", "test")}
         missing = [str(file) for file in files.values() if not file.is_file()]
         if missing:
-            raise SystemExit(f"Dataset directory {path} lacks {', '.join(missing)}")
+            raise UsageError(f"Dataset directory {path} lacks {', '.join(missing)}.")
         return PathDataset(training_path=files["train"], testing_path=files["test"], validation_path=files["valid"])
-    return get_dataset(dataset=name_or_path)
+    try:
+        return get_dataset(dataset=name_or_path)
+    except (KeyError, ValueError, TypeError) as error:
+        raise UsageError(
+            f"Unknown dataset {name_or_path!r}: neither a PyKEEN dataset name nor a directory ({error})."
+        ) from None
+
+
+def load_config(path: pathlib.Path) -> dict[str, Any]:
+    """Read the pipeline keyword arguments of a configuration file (``{"pipeline": {...}}`` or the keywords)."""
+    if not path.is_file():
+        raise UsageError(f"Configuration file {path} does not exist.")
+    text = path.read_text(encoding="utf-8")
+    if path.suffix.lower() in {".yaml", ".yml"}:
+        import yaml
+
+        config = yaml.safe_load(text)
+    else:
+        try:
+            config = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise UsageError(f"Configuration file {path} is not valid JSON: {error}") from None
+    if not isinstance(config, dict):
+        raise UsageError(f"Configuration file {path} must hold an object of pipeline() arguments.")
+    config = dict(config.get("pipeline", config))
+    loop = config.pop("training_loop", "bess")
+    if str(loop).lower() not in {"bess", "besstrainingloop"}:
+        raise UsageError(f"{path} asks for training_loop={loop!r}; this command trains with BESS only.")
+    return config
+
+
+def _merge(base: Mapping[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
+    """Merge two levels deep: ``*_kwargs`` dictionaries are updated key by key."""
+    merged = dict(base)
+    for key, value in update.items():
+        if key.endswith("_kwargs") and isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = {**merged[key], **value}
+        else:
+            merged[key] = value
+    return merged
+
+
+def pipeline_kwargs(args: argparse.Namespace, in_group: bool = False) -> dict[str, Any]:
+    """Turn parsed arguments (and ``--config``) into keyword arguments of :func:`pykeen.pipeline.pipeline`.
+
+    :param args: the parsed arguments; options that were not given are absent
+    :param in_group: whether this process is one rank of a process group (``num_shards`` is then the
+        world size)
+    :returns: the keyword arguments
+    :raises UsageError: for inconsistent options
+    """
+    given = vars(args)
+    if "config" in given:
+        settings: dict[str, Any] = {}
+        kwargs = load_config(given["config"])
+    else:
+        settings = dict(DEFAULTS)
+        kwargs = {}
+    settings.update({key: value for key, value in given.items() if key not in {"command", "config"}})
+
+    def set_(key: str, value: Any, inner: str | None = None) -> None:
+        nonlocal kwargs
+        kwargs = _merge(kwargs, {key: value} if inner is None else {key: {inner: value}})
+
+    if "dataset" in settings:
+        for key in ("dataset", "dataset_kwargs", "training", "testing", "validation"):
+            kwargs.pop(key, None)
+        set_("dataset", load_dataset(settings["dataset"]))
+    elif isinstance(kwargs.get("dataset"), str) and pathlib.Path(kwargs["dataset"]).is_dir():
+        kwargs["dataset"] = load_dataset(kwargs["dataset"])
+    for flag, key in (("model", "model"), ("loss", "loss"), ("optimizer", "optimizer"), ("evaluator", "evaluator")):
+        if flag in settings:
+            set_(key, settings[flag])
+    for flag, key in (("model_kwargs", "model_kwargs"), ("loss_kwargs", "loss_kwargs")):
+        if flag in settings:
+            set_(key, settings[flag])
+    if "optimizer_kwargs" in settings:
+        set_("optimizer_kwargs", settings["optimizer_kwargs"])
+    if "dim" in settings:
+        set_("model_kwargs", settings["dim"], "embedding_dim")
+    if "lr" in settings:
+        set_("optimizer_kwargs", settings["lr"], "lr")
+    if "seed" in settings:
+        set_("random_seed", settings["seed"])
+    if "device" in settings:
+        set_("device", settings["device"])
+
+    # BESS
+    if "num_shards" in settings:
+        if in_group:
+            raise UsageError("--num-shards cannot be set under torchrun: every rank holds one shard.")
+        set_("training_loop_kwargs", settings["num_shards"], "num_shards")
+    elif not in_group and "num_shards" not in kwargs.get("training_loop_kwargs", {}):
+        set_("training_loop_kwargs", 2, "num_shards")
+    for flag, key in (("exchange", "exchange"), ("corruption", "corruption")):
+        if flag in settings:
+            set_("training_loop_kwargs", settings[flag], key)
+    if settings.get("dense_updates"):
+        set_("training_loop_kwargs", False, "sparse_updates")
+    if "negatives" in settings:
+        set_("negative_sampler_kwargs", settings["negatives"], "num_negs_per_pos")
+
+    # training
+    if "epochs" in settings:
+        set_("training_kwargs", settings["epochs"], "num_epochs")
+    if "batch_size" in settings:
+        set_("training_kwargs", settings["batch_size"] or None, "batch_size")
+    for flag in ("sub_batch_size", "checkpoint_name", "checkpoint_frequency"):
+        if flag in settings:
+            set_("training_kwargs", settings[flag], flag)
+    if "checkpoint_directory" in settings:
+        set_("training_kwargs", str(settings["checkpoint_directory"]), "checkpoint_directory")
+    quiet = bool(settings.get("quiet"))
+    set_("training_kwargs", not quiet, "use_tqdm")
+    set_("evaluation_kwargs", not quiet, "use_tqdm")
+    if settings.get("early_stopping"):
+        set_("stopper", "early")
+    stopper_flags = {"stopper_frequency": "frequency", "stopper_patience": "patience", "stopper_metric": "metric"}
+    for flag, key in stopper_flags.items():
+        if flag in settings:
+            if kwargs.get("stopper") is None:
+                raise UsageError(f"--{flag.replace('_', '-')} needs --early-stopping.")
+            set_("stopper_kwargs", settings[flag], key)
+
+    # evaluation
+    if "eval_batch_size" in settings:
+        set_("evaluation_kwargs", settings["eval_batch_size"], "batch_size")
+    if "eval_slice_size" in settings:
+        if kwargs.get("evaluator", "bess") != "bess":
+            raise UsageError("--eval-slice-size applies to the bess evaluator only.")
+        set_("evaluator_kwargs", settings["eval_slice_size"], "slice_size")
+
+    from .training import BessTrainingLoop
+
+    kwargs["training_loop"] = BessTrainingLoop
+    return kwargs
 
 
 def train(args: argparse.Namespace) -> dict[str, float]:
@@ -84,55 +327,52 @@ def train(args: argparse.Namespace) -> dict[str, float]:
     from pykeen.pipeline import pipeline
 
     from .distributed import init_from_environment
-    from .training import BessTrainingLoop
 
     group = init_from_environment()
-    num_shards = args.num_shards if group is None else None
-    if group is None and num_shards is None:
-        num_shards = 2
-    dataset = load_dataset(args.dataset)
-    evaluator_kwargs: dict[str, Any] = {}
-    result = pipeline(
-        dataset=dataset,
-        model=args.model,
-        model_kwargs=dict(embedding_dim=args.dim),
-        loss=args.loss,
-        optimizer=args.optimizer,
-        optimizer_kwargs=dict(lr=args.lr),
-        training_loop=BessTrainingLoop,
-        training_loop_kwargs=dict(num_shards=num_shards, exchange=args.exchange, corruption=args.corruption),
-        negative_sampler_kwargs=dict(num_negs_per_pos=args.negatives),
-        training_kwargs=dict(num_epochs=args.epochs, batch_size=args.batch_size, use_tqdm=not args.quiet),
-        evaluator=args.evaluator,
-        evaluator_kwargs=evaluator_kwargs,
-        evaluation_kwargs=dict(use_tqdm=not args.quiet),
-        random_seed=args.seed,
-    )
-    if args.output is not None:
+    kwargs = pipeline_kwargs(args, in_group=group is not None)
+    result = pipeline(**kwargs)
+    if "output" in args:
         from .distributed import save_to_directory
 
         save_to_directory(result, args.output)  # collective; rank 0 writes the full model
     return result.metric_results.to_flat_dict()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line."""
-    args = build_parser().parse_args(argv)
-    level = logging.INFO if getattr(args, "verbose", False) else logging.WARNING
+def _configure_logging(verbose: bool) -> None:
+    level = logging.INFO if verbose else logging.WARNING
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     for name in ("pykeen", "pykeen_bess"):
         logging.getLogger(name).setLevel(level)
-    if args.command == "train":
-        metrics = train(args)
-        from .distributed import is_main_process
 
-        if is_main_process():
-            if args.json:
-                print(json.dumps(metrics, indent=2, sort_keys=True))
-            else:
-                print(f"{'metric':<10} {'value':>10}")
-                for key, label in REPORTED_METRICS:
-                    print(f"{label:<10} {metrics[key]:>10.4f}")
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; return the exit status (0: success, 2: an error, printed as one message)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    verbose = bool(getattr(args, "verbose", False))
+    _configure_logging(verbose)
+    try:
+        if args.command == "train":
+            metrics = train(args)
+            from .distributed import is_main_process
+
+            if is_main_process():
+                if getattr(args, "json", False):
+                    print(json.dumps(metrics, indent=2, sort_keys=True))
+                else:
+                    print(f"{'metric':<10} {'value':>10}")
+                    for key, label in REPORTED_METRICS:
+                        print(f"{label:<10} {metrics[key]:>10.4f}")
+    except KeyboardInterrupt:
+        print("pykeen-bess: interrupted", file=sys.stderr)
+        return 130
+    except Exception as error:  # noqa: BLE001 - every error becomes one message (and exit status 2)
+        if verbose:
+            traceback.print_exc()
+        kind = "" if isinstance(error, UsageError) else f"{type(error).__name__}: "
+        hint = "" if verbose else " (run with --verbose for details)"
+        print(f"pykeen-bess: error: {kind}{error}{hint}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -111,8 +111,8 @@ class BessOptimizer(Optimizer):
             if rule is None:
                 raise ValueError(
                     f"There is no row-sparse update rule for {optimizer_cls.__name__}. Use one of "
-                    f"{sorted(c.__name__ for c in SPARSE_RULES)}, or pass sparse_updates=False to update the entity "
-                    f"shard tables densely (slower)."
+                    f"{sorted(c.__name__ for c in SPARSE_RULES)}, or pass sparse_updates=False (command line: "
+                    f"--dense-updates) to update the entity shard tables densely (slower)."
                 )
             defaults = dict(_sparse_defaults(optimizer_cls))
             defaults.update(
@@ -122,7 +122,8 @@ class BessOptimizer(Optimizer):
                 if key in defaults and defaults.pop(key) != required:
                     raise ValueError(
                         f"{optimizer_cls.__name__}({key}={hyperparameters[key]!r}) has no row-sparse meaning; use "
-                        f"{key}={required!r}, or pass sparse_updates=False to update the shard tables densely."
+                        f"{key}={required!r}, or pass sparse_updates=False (command line: --dense-updates) to update the "
+                        f"shard tables densely."
                     )
             groups.append(dict(params=table_params, rule=rule, **defaults))
         if not groups:

@@ -1,0 +1,130 @@
+"""The command line: flags for what the README's pipeline() example sets, config files, errors as messages."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+
+from pykeen_bess.cli import build_parser, main, pipeline_kwargs
+from pykeen_bess.training import BessTrainingLoop
+
+FAST = ["--dim", "8", "--epochs", "2", "--batch-size", "128", "--negatives", "8", "--quiet", "--json"]
+
+
+def run(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
+    code = main(["train", *argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_help_is_plain_text() -> None:
+    parser = build_parser()
+    train = parser._subparsers._group_actions[0].choices["train"]  # type: ignore[union-attr]
+    for text in (parser.format_help(), train.format_help()):
+        assert "``" not in text and ":mod:" not in text and ":class:" not in text
+
+
+def test_the_readme_pipeline_example_from_the_command_line() -> None:
+    """README: DistMult d64, 4 shards, embedding exchange, ht corruption, 64 negatives, 100 epochs, batch 512."""
+    args = build_parser().parse_args(
+        ["train", "--dataset", "nations", "--model", "DistMult", "--dim", "64", "--num-shards", "4"]
+        + ["--exchange", "embedding", "--corruption", "ht", "--negatives", "64", "--epochs", "100"]
+        + ["--batch-size", "512", "--evaluator", "bess", "--output", "out"]
+    )
+    kwargs = pipeline_kwargs(args)
+    assert kwargs["model"] == "DistMult" and kwargs["model_kwargs"] == dict(embedding_dim=64)
+    assert kwargs["training_loop"] is BessTrainingLoop
+    assert kwargs["training_loop_kwargs"] == dict(num_shards=4, exchange="embedding", corruption="ht")
+    assert kwargs["negative_sampler_kwargs"] == dict(num_negs_per_pos=64)
+    assert kwargs["training_kwargs"]["num_epochs"] == 100 and kwargs["training_kwargs"]["batch_size"] == 512
+    assert kwargs["evaluator"] == "bess"
+
+
+def test_errors_are_one_message_with_exit_status_2(capsys: pytest.CaptureFixture) -> None:
+    code, out, err = run(capsys, *FAST, "--optimizer", "rmsprop")
+    assert code == 2 and out == ""
+    assert "pykeen-bess: error:" in err and "--dense-updates" in err and "Traceback" not in err
+    # --verbose shows the traceback
+    code, _, err = run(capsys, *FAST, "--optimizer", "rmsprop", "--verbose")
+    assert code == 2 and "Traceback" in err
+    code, _, err = run(capsys, *FAST, "--dataset", "no-such-dataset")
+    assert code == 2 and "Unknown dataset 'no-such-dataset'" in err and "Traceback" not in err
+    code, _, err = run(capsys, *FAST, "--batch-size", "-3")
+    assert code == 2 and "batch_size must be a positive integer" in err
+
+
+def test_bad_json_options_are_usage_errors(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--model-kwargs", "{not json"])
+    assert exit_info.value.code == 2
+    assert "not valid JSON" in capsys.readouterr().err
+
+
+def test_dense_updates_allow_any_optimizer(capsys: pytest.CaptureFixture) -> None:
+    code, out, err = run(capsys, *FAST, "--optimizer", "rmsprop", "--dense-updates")
+    assert code == 0, err
+    assert 0 < json.loads(out)["both.realistic.inverse_harmonic_mean_rank"] <= 1
+
+
+def test_checkpoints_early_stopping_and_evaluator_options(capsys: pytest.CaptureFixture, tmp_path: pathlib.Path) -> None:
+    options = [
+        *FAST,
+        "--checkpoint-name",
+        "run.pt",
+        "--checkpoint-directory",
+        str(tmp_path),
+        "--checkpoint-frequency",
+        "0",
+        "--early-stopping",
+        "--stopper-frequency",
+        "1",
+        "--stopper-patience",
+        "1",
+        "--eval-batch-size",
+        "16",
+        "--eval-slice-size",
+        "5",
+        "--exchange",
+        "score",
+    ]
+    code, out, err = run(capsys, *options)
+    assert code == 0, err
+    assert (tmp_path / "run.pt").is_file()
+    first = json.loads(out)
+    # the same command again resumes the finished checkpoint: no more training, the same metrics
+    code, out, err = run(capsys, *options)
+    assert code == 0, err
+    assert json.loads(out) == pytest.approx(first)
+
+
+def test_config_file_amended_by_flags(capsys: pytest.CaptureFixture, tmp_path: pathlib.Path) -> None:
+    config = dict(
+        metadata=dict(title="bess"),
+        pipeline=dict(
+            dataset="nations",
+            model="TransE",
+            model_kwargs=dict(embedding_dim=8, scoring_fct_norm=2),
+            training_loop="bess",
+            training_loop_kwargs=dict(num_shards=2),
+            negative_sampler_kwargs=dict(num_negs_per_pos=4),
+            training_kwargs=dict(num_epochs=50, batch_size=64),
+            random_seed=1,
+        ),
+    )
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    args = build_parser().parse_args(["train", "--config", str(path), "--epochs", "1", "--dim", "4"])
+    kwargs = pipeline_kwargs(args)
+    assert kwargs["model"] == "TransE"
+    assert kwargs["model_kwargs"] == dict(embedding_dim=4, scoring_fct_norm=2)
+    assert kwargs["training_kwargs"]["num_epochs"] == 1 and kwargs["training_kwargs"]["batch_size"] == 64
+    assert kwargs["training_loop_kwargs"] == dict(num_shards=2)
+    code, out, err = run(capsys, "--config", str(path), "--epochs", "1", "--quiet", "--json")
+    assert code == 0, err
+    assert 0 < json.loads(out)["both.realistic.inverse_harmonic_mean_rank"] <= 1
+    # a configuration for another training loop is refused
+    path.write_text(json.dumps(dict(pipeline=dict(config["pipeline"], training_loop="slcwa"))))
+    code, _, err = run(capsys, "--config", str(path))
+    assert code == 2 and "trains with BESS only" in err
