@@ -22,17 +22,16 @@ from pykeen.nn.init import PretrainedInitializer
 from pykeen.nn.representation import Embedding, Representation
 from torch import nn
 
+from .seeds import derive_seed
 from .sharding import EntitySharding
 
 __all__ = [
     "ShardedEmbedding",
-    "shard_seed",
 ]
 
 
-def shard_seed(seed: int, shard: int, purpose: int = 0) -> int:
-    """Return a reproducible seed for one shard (the same on every worker)."""
-    return hash((int(seed), int(shard), int(purpose))) & ((1 << 62) - 1)
+#: the purpose key of the initial values' random stream (see :func:`~pykeen_bess.seeds.derive_seed`)
+INITIALIZATION_STREAM = 1
 
 
 class ShardedEmbedding(Representation):
@@ -44,6 +43,7 @@ class ShardedEmbedding(Representation):
         sharding: EntitySharding,
         local_shards: Sequence[int],
         seed: int = 0,
+        table_index: int = 0,
     ):
         """Create the (uninitialised) shard tables for an embedding.
 
@@ -51,7 +51,8 @@ class ShardedEmbedding(Representation):
             initializer are shared, its weights are not copied (see :meth:`copy_from`)
         :param sharding: the entity sharding
         :param local_shards: the shards held by this process
-        :param seed: the seed of the per-shard initialisation
+        :param seed: the run's seed (the initial values depend on it and on ``table_index`` only)
+        :param table_index: the position of the table among the model's entity representations
         :raises ValueError: if the embedding does not match the sharding
         """
         if base.max_id != sharding.num_entities:
@@ -68,6 +69,7 @@ class ShardedEmbedding(Representation):
         self.sharding = sharding
         self.local_shards = tuple(int(s) for s in local_shards)
         self.seed = int(seed)
+        self.table_index = int(table_index)
         #: whether :meth:`post_parameter_update` is a no-op (the training loop constrains the
         #: updated rows itself instead of the whole table)
         self.defer_constraints = False
@@ -145,29 +147,27 @@ class ShardedEmbedding(Representation):
         return self.view_rows(self.weight[rows])
 
     def reset_parameters(self) -> None:
-        """Initialise every local shard from its own seeded generator.
+        """Initialise the local shards exactly as PyKEEN initialises the full table, from this table's seed.
 
-        Row-wise initializers (all of PyKEEN's) keep their distribution; the values depend only on
-        the seed and the shard, so every process and every back end builds the same shard. A
+        The initializer is called on a full ``[num_entities, *row_shape]`` table, as
+        :meth:`pykeen.nn.representation.Embedding.reset_parameters` calls it (the stored real
+        layout; shape-dependent initializers such as Xavier's see the full table's fans), under a
+        generator seeded by :attr:`seed` and :attr:`table_index` alone; each process keeps the rows
+        of its shards. So every
+        entity starts from the same values whatever the number of shards or processes, and the
+        distribution is PyKEEN's. The full table exists only during this call. A
         :class:`~pykeen.nn.init.PretrainedInitializer` is sharded instead of re-drawn.
         """
         with torch.no_grad():
-            tables = self.shard_tables()
-            tables.zero_()
+            self.shard_tables().zero_()
             if isinstance(self.initializer, PretrainedInitializer):
                 self.copy_from_tensor(self.initializer.tensor)
                 return
-            for position, shard in enumerate(self.local_shards):
-                count = int(self.sharding.shard_counts[shard])
-                with torch.random.fork_rng(devices=[self.weight.device] if self.weight.is_cuda else []):
-                    torch.manual_seed(shard_seed(self.seed, shard))
-                    values = torch.empty(count, *self.row_shape, dtype=self.weight.dtype, device=self.weight.device)
-                    if self.is_complex:
-                        values = torch.view_as_complex(values)
-                    values = self.initializer(values)
-                    if values.is_complex():
-                        values = torch.view_as_real(values)
-                tables[position, :count] = values.reshape(count, self.row_width)
+            with torch.random.fork_rng(devices=[self.weight.device] if self.weight.is_cuda else []):
+                torch.manual_seed(derive_seed(self.seed, INITIALIZATION_STREAM, self.table_index))
+                full = torch.empty(self.max_id, *self.row_shape, dtype=self.weight.dtype, device=self.weight.device)
+                full = self.initializer(full)
+            self.copy_from_tensor(full.reshape(self.max_id, self.row_width))
 
     def post_parameter_update(self) -> None:
         """Apply the constrainer to all local rows (unless the training loop defers it)."""

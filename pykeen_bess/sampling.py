@@ -33,6 +33,7 @@ from typing import Literal
 import torch
 
 from .partition import ShardPairPartition
+from .seeds import derive_seed
 
 __all__ = [
     "Corruption",
@@ -165,7 +166,7 @@ class BessSampler:
 
     def _generator(self, epoch: int, stream: int) -> torch.Generator:
         # distinct, reproducible streams per (seed, epoch, purpose)
-        return torch.Generator().manual_seed(hash((self.seed, int(epoch), stream)) & ((1 << 62) - 1))
+        return torch.Generator().manual_seed(derive_seed(self.seed, epoch, stream))
 
     def _epoch_order(self, epoch: int) -> torch.Tensor:
         """Return a random order of all triples that keeps them grouped by shardpair.

@@ -42,6 +42,8 @@ __all__ = [
     "RowGather",
     "BlockScores",
     "BessScheme",
+    "RegularizationWeights",
+    "regularization_weights",
 ]
 
 #: the name of an exchange scheme
@@ -181,10 +183,10 @@ class BessScheme:
     def scores(self, batch: BessBatch, gathered: RowGather, start: int = 0, stop: int | None = None) -> BlockScores:
         """Score the slots ``start:stop`` of every local block against the block's negatives.
 
-        The regularization term is the sum, over the regularized representations, of the
-        regularizer's value on this slice's rows weighted by the slice's share of the step's
-        rows, so that summing over slices (sub-batches) and processes gives the term of the whole
-        step regardless of how it is split.
+        The regularization term is PyKEEN's sLCWA term of the step as if every positive had its
+        block's shared negatives as its own (see :func:`regularization_weights`), this process' share
+        of the slots ``start:stop``: summing it over slices (sub-batches) and processes gives the
+        term of the whole step regardless of how it is split.
 
         :param batch: the global plan of the step
         :param gathered: the rows gathered by :meth:`gather`
@@ -197,38 +199,48 @@ class BessScheme:
         b = batch.block_size
         stop = b if stop is None else stop
         slots = slice(start, stop)
-        valid_all = batch.valid[..., slots]
-        valid = exchange.select_local(valid_all, 0).to(self.tables[0].weight.device)
-        num_valid_step = max(batch.num_valid, 1)
+        valid = exchange.select_local(batch.valid[..., slots], 0).to(self.tables[0].weight.device)
+        weights = regularization_weights(batch, start, stop)
         regularization = _Accumulator()
         normalized = [self._normalized_rows(table, leaf) for table, leaf in zip(self.tables, gathered.leaves)]
 
         # positives: heads stay, tails move to the heads' shard
-        tail_valid = exchange.select_local(valid_all, 1).transpose(0, 1)
-        heads = self._entities(normalized, gathered.heads[..., slots], valid, num_valid_step, regularization)
-        tails_out = self._entities(normalized, gathered.tails[..., slots], tail_valid, num_valid_step, regularization)
+        heads = self._entities(
+            normalized,
+            gathered.heads[..., slots],
+            regularization,
+            self._role_weights(head=exchange.select_local(weights.head, 0)),
+        )
+        tails_out = self._entities(
+            normalized,
+            gathered.tails[..., slots],
+            regularization,
+            self._role_weights(tail=exchange.select_local(weights.tail, 1).transpose(0, 1)),
+        )
         tails = exchange.all_to_all(tails_out)
         relations = self._relations(
-            exchange.select_local(batch.relations[..., slots], 0), valid, num_valid_step, regularization
+            exchange.select_local(batch.relations[..., slots], 0),
+            exchange.select_local(weights.relation, 0),
+            regularization,
         )
         head_parts, tail_parts = self._unpack(heads), self._unpack(tails)
         positive = self.scorer.score_triples(
             self._select(head_parts, self.head_indices), relations, self._select(tail_parts, self.tail_indices)
         )
 
-        # negatives of every local block, shared by its slots
-        # (their regularizer terms add up to the mean over the step's negatives, see gather()).
+        # negatives of every local block, shared by its slots.
         # They are gathered in the layout [n(i), n(j), L(k), m, D] and viewed as [L(k), n(i), n(j), m, D]:
         # after the (local) all-to-all the candidates of a block are then contiguous.
-        negative_mask = _negative_mask(exchange, batch.valid.any(dim=-1), gathered.negatives.shape)
-        negative_weight = valid_all.sum().item() / num_valid_step / n * exchange.n_local
+        m = gathered.negatives.shape[-1]
+        negative_shape = (n, n, exchange.n_local, m)
         negatives_local = self._entities(
             normalized,
             gathered.negatives.permute(1, 2, 0, 3),
-            negative_mask.permute(1, 2, 0, 3),
-            None,
             regularization,
-            weight=negative_weight,
+            self._role_weights(
+                head=weights.negative_head.view(n, n, 1, 1).expand(negative_shape),
+                tail=weights.negative_tail.view(n, n, 1, 1).expand(negative_shape),
+            ),
         ).permute(2, 0, 1, 3, 4)
         negative_scores = []
         moved_negatives = None
@@ -279,28 +291,50 @@ class BessScheme:
             x = table.normalizer(x)
         return x
 
+    def _role_weights(
+        self, head: torch.Tensor | None = None, tail: torch.Tensor | None = None
+    ) -> list[torch.Tensor | None]:
+        """Per table, the regularization weight of each row looked up in the head and / or tail role.
+
+        PyKEEN looks up a table once for every time it appears in the interaction's head (tail)
+        indices, so a role's weights count once per appearance.
+
+        :param head: shape: ``s``, weights of the rows as heads (CPU)
+        :param tail: shape: ``s``, weights of the rows as tails (CPU)
+        :returns: one weight tensor of shape ``s`` per table (None: not regularized in this lookup)
+        """
+        result: list[torch.Tensor | None] = []
+        for index in range(len(self.tables)):
+            total = None
+            for weights, indices in ((head, self.head_indices), (tail, self.tail_indices)):
+                count = indices.count(index)
+                if weights is not None and count:
+                    total = weights * count if total is None else total + weights * count
+            result.append(total)
+        return result
+
     def _entities(
         self,
         normalized: Sequence[torch.Tensor],
         index: torch.Tensor,
-        mask: torch.Tensor | None,
-        num_valid_step: int | None,
         regularization: _Accumulator,
-        weight: float | None = None,
+        weights: Sequence[torch.Tensor | None],
     ) -> torch.Tensor:
         """Look up entity rows for a role and pack all tables' parts into ``[*index.shape, D]``.
 
-        Regularizers see the rows selected by ``mask``; their (row-mean) value is weighted by
-        ``rows / num_valid_step``, or by ``weight`` when ``num_valid_step`` is None.
+        :param normalized: per table, the normalized rows of the step (views of the leaves)
+        :param index: shape: ``s``, positions in the rows
+        :param regularization: accumulates the weighted regularization terms
+        :param weights: per table, the regularization weight of each looked-up row, shape ``s`` (CPU)
+        :returns: shape: ``[*s, D]``
         """
         flat_index = index.reshape(-1)
         parts = []
-        for table, rows in zip(self.tables, normalized):
+        for table, rows, table_weights in zip(self.tables, normalized, weights):
             # index_select (not advanced indexing): its backward is a fast index_add
             x = rows.index_select(0, flat_index).view(*index.shape, *rows.shape[1:])
-            if table.regularizer is not None and mask is not None:
-                factor = None if num_valid_step is None else 1.0 / num_valid_step
-                _regularize(table.regularizer, x, mask, regularization, per_row=factor, total=weight)
+            if table.regularizer is not None and table_weights is not None:
+                _regularize(table.regularizer, x, table_weights, regularization)
             if table.dropout is not None:
                 x = table.dropout(x)
             if x.is_complex():
@@ -308,10 +342,8 @@ class BessScheme:
             parts.append(x.reshape(*index.shape, -1))
         return torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
 
-    def _relations(
-        self, indices: torch.Tensor, valid: torch.Tensor, num_valid_step: int, regularization: _Accumulator
-    ) -> Any:
-        """Look up the relation representations of ``[L, n, b']`` relation ids."""
+    def _relations(self, indices: torch.Tensor, weights: torch.Tensor, regularization: _Accumulator) -> Any:
+        """Look up the relation representations of ``[L, n, b']`` relation ids (``weights``: same shape, CPU)."""
         indices = indices.to(self.tables[0].weight.device)
         parts = []
         for representation in self.model.relation_representations:
@@ -319,7 +351,7 @@ class BessScheme:
             if representation.normalizer is not None:
                 x = representation.normalizer(x)
             if representation.regularizer is not None:
-                _regularize(representation.regularizer, x, valid, regularization, per_row=1.0 / num_valid_step)
+                _regularize(representation.regularizer, x, weights, regularization)
             if representation.dropout is not None:
                 x = representation.dropout(x)
             parts.append(x)
@@ -357,11 +389,6 @@ def _offset_rows(local_ids: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
     return rows if bool(offset.max() == 0) else torch.where(local_ids >= 0, rows, -1)
 
 
-def _negative_mask(exchange: Exchange, blocks_used: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    """Mask of the negatives of blocks with real positives, ``[n, n] -> [L(k), n(i), n(j), m]``."""
-    return blocks_used.unsqueeze(0).unsqueeze(-1).expand(exchange.n_local, -1, -1, shape[-1])
-
-
 class _Accumulator:
     """Sums weighted regularization terms."""
 
@@ -372,33 +399,84 @@ class _Accumulator:
         self.value = self.value + term
 
 
-def _regularize(
-    regularizer: Any,
-    x: torch.Tensor,
-    mask: torch.Tensor,
-    accumulator: _Accumulator,
-    per_row: float | None = None,
-    total: float | None = None,
-) -> None:
-    """Regularize the masked rows and accumulate the weighted term.
+@dataclasses.dataclass(eq=False)
+class RegularizationWeights:
+    """The weight of every row a step looks up in PyKEEN's sLCWA regularization term (CPU, float64).
 
-    PyKEEN's regularizers average over rows, so one call over all local rows weighted by
-    ``rows * per_row`` equals the sum of per-shard calls weighted by their own row counts (the
-    value does not depend on how the shards are spread over processes).
-
-    :param x: shape: ``[*mask.shape, *shape]``
-    :param mask: the rows to regularize
-    :param per_row: the weight of each selected row
-    :param total: the weight of the mean (used when ``per_row`` is None)
+    See :func:`regularization_weights`; ``n`` shards, ``b'`` slots of a slice.
     """
-    mask = mask.to(x.device)
-    rows = x.reshape(-1, *x.shape[mask.ndim :]) if bool(mask.all()) else x[mask]
-    if rows.shape[0] == 0:
-        return
-    regularizer.update(rows)
-    term = regularizer.pop_regularization_term()
-    factor = rows.shape[0] * per_row if per_row is not None else total
-    accumulator.add(term * factor)
+
+    #: shape: ``[n(i), n(j), b']``, each head of a real positive
+    head: torch.Tensor
+    #: shape: ``[n(i), n(j), b']``, each tail of a real positive
+    tail: torch.Tensor
+    #: shape: ``[n(i), n(j), b']``, each relation of a real positive
+    relation: torch.Tensor
+    #: shape: ``[n(i), n(j)]``, each shared negative of the block as a head candidate
+    negative_head: torch.Tensor
+    #: shape: ``[n(i), n(j)]``, each shared negative of the block as a tail candidate
+    negative_tail: torch.Tensor
+
+
+def regularization_weights(batch: BessBatch, start: int = 0, stop: int | None = None) -> RegularizationWeights:
+    """Weigh the rows of slots ``start:stop`` as PyKEEN's sLCWA loop weighs them.
+
+    PyKEEN's :class:`~pykeen.training.SLCWATrainingLoop` scores the ``V`` positives and their ``V x K``
+    negative triples with two lookups per representation, and every lookup adds the regularizer's
+    *mean* over its rows. For one step with every positive's negatives being its block's shared
+    negatives (corrupting the slot's side, the other side and the relation kept), this is, for a
+    regularizer that averages a per-row value ``g``:
+
+    * heads: ``g(h) / V`` for every real positive, plus ``g(h) / V`` again if the slot corrupts
+      tails (its negative triples repeat the head); tails likewise;
+    * relations: ``2 g(r) / V`` (the negative triples repeat the relation);
+    * negatives: each of the ``K`` shared negatives of block ``(i, j)`` with ``g(e) V_ij / (V K)``,
+      ``V_ij`` the block's real positives corrupting that side.
+
+    Tables used several times in a role (the interaction's head / tail indices) count once per use
+    (see :meth:`BessScheme._role_weights`). The weights of slices add up to those of the step.
+
+    :param batch: the step's plan
+    :param start: the first slot of the slice
+    :param stop: the end of the slice (default: the block size)
+    :returns: the weights
+    """
+    stop = batch.block_size if stop is None else stop
+    valid = batch.valid[..., start:stop].to(torch.float64)
+    num_valid = max(batch.num_valid, 1)
+    num_negatives = batch.negatives.shape[0] * batch.negatives.shape[-1]
+    corrupts_head = (torch.arange(start, stop) < batch.num_head_corrupted).to(torch.float64)
+    return RegularizationWeights(
+        head=valid * (2.0 - corrupts_head) / num_valid,
+        tail=valid * (1.0 + corrupts_head) / num_valid,
+        relation=valid * (2.0 / num_valid),
+        negative_head=(valid * corrupts_head).sum(dim=-1) / (num_valid * num_negatives),
+        negative_tail=(valid * (1.0 - corrupts_head)).sum(dim=-1) / (num_valid * num_negatives),
+    )
+
+
+def _regularize(regularizer: Any, x: torch.Tensor, weights: torch.Tensor, accumulator: _Accumulator) -> None:
+    """Add ``sum_rows weight(row) * g(row)`` for a regularizer that averages a per-row value ``g``.
+
+    The rows are grouped by weight (a step has few distinct weights), and each group costs one
+    regularizer call: ``mean_group(g) * |group| * weight``. Group selection uses indices computed on
+    the CPU, so no device synchronisation happens.
+
+    :param regularizer: a PyKEEN regularizer
+    :param x: shape: ``[*weights.shape, *row_shape]``, the looked-up rows
+    :param weights: shape: ``s``, CPU, the weight of each row (0: not regularized)
+    :param accumulator: receives the weighted terms
+    """
+    flat_weights = weights.reshape(-1)
+    rows_all = x.reshape(-1, *x.shape[weights.ndim :])
+    for value in torch.unique(flat_weights[flat_weights > 0]).tolist():
+        selected = flat_weights == value
+        if bool(selected.all()):
+            rows = rows_all
+        else:
+            rows = rows_all.index_select(0, selected.nonzero().view(-1).to(x.device))
+        regularizer.update(rows)
+        accumulator.add(regularizer.pop_regularization_term() * (rows.shape[0] * value))
 
 
 # -- choosing the scheme ---------------------------------------------------------------------------

@@ -32,6 +32,7 @@ import torch
 from class_resolver import HintOrType, OptionalKwargs
 from pykeen.models import ERModel, Model
 from pykeen.nn.representation import Embedding
+from pykeen.regularizers import NoRegularizer, Regularizer
 from pykeen.sampling import BasicNegativeSampler, NegativeSampler, negative_sampler_resolver
 from pykeen.stoppers import Stopper
 from pykeen.training import SLCWATrainingLoop
@@ -68,6 +69,20 @@ logger = logging.getLogger(__name__)
 
 #: the default number of negatives per positive (rounded up to a multiple of the shard count)
 DEFAULT_NUM_NEGS_PER_POS = 64
+
+#: model names (``model_resolver`` keys, after registration) that BESS trains, named in error messages
+SUPPORTED_MODEL_EXAMPLES = (
+    "TransE",
+    "DistMult",
+    "ComplEx",
+    "RotatE",
+    "PairRE",
+    "SimplE",
+    "CP",
+    "RESCAL",
+    "InterHT",
+    "TranS",
+)
 
 
 class BessTrainingLoop(SLCWATrainingLoop):
@@ -170,7 +185,7 @@ class BessTrainingLoop(SLCWATrainingLoop):
 
         self.sharding = EntitySharding.create(model.num_entities, n_shard, seed=self.seed)
         self.tables = [
-            ShardedEmbedding(embedding, self.sharding, self.exchange.local_shards, seed=self.seed + index)
+            ShardedEmbedding(embedding, self.sharding, self.exchange.local_shards, seed=self.seed, table_index=index)
             for index, embedding in enumerate(self.entity_embeddings)
         ]
         self.scorer: SharedCandidateScorer = get_scorer(
@@ -1078,8 +1093,9 @@ def _resolve_negative_sampler(
 def _check_model(model: Model) -> list[Embedding]:
     """Check that BESS can shard the model; return its entity embeddings."""
     supported = (
-        "ERModel subclasses whose entity representations are pykeen.nn.Embedding (e.g. TransE, DistMult, "
-        "ComplEx, RotatE, PairRE, TripleRE, InterHT, TranS)"
+        f"ERModel subclasses whose entity representations are pykeen.nn.Embedding (models such as "
+        f"{', '.join(SUPPORTED_MODEL_EXAMPLES)}), or an ERModel built from such embeddings and any interaction "
+        f"(e.g. interaction='TripleRE' or 'LineaRE')"
     )
     if not isinstance(model, ERModel):
         raise ValueError(f"BESS cannot shard {type(model).__name__}: supported are {supported}.")
@@ -1089,6 +1105,24 @@ def _check_model(model: Model) -> list[Embedding]:
             raise ValueError(
                 f"BESS cannot shard {type(model).__name__}: its entity representation {type(representation).__name__} "
                 f"is not a plain pykeen.nn.Embedding. Supported are {supported}."
+            )
+    entity_weights = {id(p) for representation in embeddings for p in representation.parameters()}
+    for module in model.modules():
+        if not isinstance(module, Regularizer) or isinstance(module, NoRegularizer) or not bool(module.weight):
+            continue
+        if any(id(p) in entity_weights for p in module.tracked_parameters):
+            raise ValueError(
+                f"BESS cannot train {type(model).__name__} with its {type(module).__name__}: it regularizes the whole "
+                f"entity table every step, which is never in one place under BESS. Give it weight 0 (for TransH: "
+                f"model_kwargs=dict(regularizer='normlimit', regularizer_kwargs=dict(weight=0.0)))."
+            )
+    for representation in embeddings:
+        regularizer = representation.regularizer
+        if regularizer is not None and regularizer.apply_only_once:
+            raise ValueError(
+                f"BESS does not support regularizers with apply_only_once=True on entity representations "
+                f"({type(regularizer).__name__} of {type(model).__name__}): PyKEEN applies them to the first lookup of "
+                f"a batch only, which has no counterpart in a step split over shards."
             )
     if get_batchnorm_modules(model):
         raise ValueError(

@@ -119,9 +119,10 @@ def test_training_equals_dense_reference(
             regularizer.reset()  # forget the lookups PyKEEN's representations regularized on the way
             valid = batch.valid
             loss = SoftplusLoss().process_slcwa_scores(positive[valid].unsqueeze(-1), negative[valid])
-            # the relation regularizer sees the relations of the real positives
+            # the relation regularizer sees the relations of the real positives twice, as in PyKEEN's sLCWA
+            # (the positives' lookup and the negative triples', which repeat the relation)
             heads_relations = reference.relation_representations[0]._embeddings(batch.relations[valid])
-            regularizer.update(heads_relations)
+            regularizer.update(heads_relations, heads_relations)
             loss = (loss + regularizer.pop_regularization_term()).sum()
             loss.backward()
             if clip is not None:
@@ -523,3 +524,52 @@ def test_hpo_with_a_shard_count_that_is_not_a_power_of_two(dataset: Nations) -> 
     states = [trial.state.name for trial in result.study.trials]
     assert states == ["COMPLETE"] * 3
     assert any(trial.params["training.num_negs_per_pos"] % 3 for trial in result.study.trials)
+
+
+@pytest.mark.parametrize("model_name", ["DistMult", "ComplEx", "RotatE"])
+def test_initial_tables_are_pykeens_and_do_not_depend_on_the_sharding(dataset: Nations, model_name: str) -> None:
+    """The shard tables start from exactly what PyKEEN's own initialisation draws from the table's seed."""
+    from pykeen.models import model_resolver
+
+    from pykeen_bess.representation import INITIALIZATION_STREAM
+    from pykeen_bess.seeds import derive_seed
+
+    tables = []
+    for n_shard in (1, 3):
+        model = model_resolver.make(model_name, triples_factory=dataset.training, embedding_dim=6, random_seed=0)
+        loop = BessTrainingLoop(model=model, triples_factory=dataset.training, num_shards=n_shard, seed=11)
+        loop._install(copy_weights=False)
+        model.reset_parameters_()
+        tables.append(loop.tables[0].full_table().clone())
+        loop._uninstall()
+    torch.testing.assert_close(tables[0], tables[1], rtol=0, atol=0)
+    # PyKEEN's Embedding.reset_parameters under the table's seed draws the same values (same shapes, same fans)
+    embedding = model_resolver.make(model_name, triples_factory=dataset.training, embedding_dim=6).entity_representations[0]
+    embedding.constrainer = None
+    with torch.random.fork_rng():
+        torch.manual_seed(derive_seed(11, INITIALIZATION_STREAM, 0))
+        embedding.reset_parameters()
+    torch.testing.assert_close(tables[0], embedding._embeddings.weight.detach(), rtol=0, atol=0)
+
+
+def test_whole_table_weight_regularizers_are_refused(dataset: Nations) -> None:
+    from pykeen.models import TransH
+
+    with pytest.raises(ValueError, match="regularizes the whole entity table"):
+        BessTrainingLoop(model=TransH(triples_factory=dataset.training, embedding_dim=4), triples_factory=dataset.training)
+    # with weight 0 (as the message says) it trains
+    model = TransH(
+        triples_factory=dataset.training, embedding_dim=4, regularizer="normlimit", regularizer_kwargs=dict(weight=0.0)
+    )
+    loop = BessTrainingLoop(model=model, triples_factory=dataset.training, num_shards=2)
+    assert len(loop.train(dataset.training, num_epochs=1, batch_size=256, use_tqdm=False)) == 1
+
+
+@pytest.mark.parametrize("name", __import__("pykeen_bess.training").training.SUPPORTED_MODEL_EXAMPLES)
+def test_the_models_named_as_supported_exist_and_train(dataset: Nations, name: str) -> None:
+    """Every model the error message names is a registered model that BESS accepts."""
+    from pykeen.models import model_resolver
+
+    model = model_resolver.make(name, triples_factory=dataset.training, random_seed=0)
+    loop = BessTrainingLoop(model=model, triples_factory=dataset.training, num_shards=2, num_negs_per_pos=4)
+    assert len(loop.train(dataset.training, num_epochs=1, batch_size=512, use_tqdm=False)) == 1

@@ -1,0 +1,155 @@
+"""The loss of a BESS step equals PyKEEN's sLCWA loss on the same batch, regularizers included.
+
+With shared negatives, "the same batch" is PyKEEN's batch in which every positive's ``K``
+negative triples are its block's shared negatives (the slot's side corrupted). PyKEEN's own
+:meth:`~pykeen.training.SLCWATrainingLoop._process_batch_static` computes the reference on a
+copy of the model holding the same weights.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from pykeen.datasets import Nations
+from pykeen.models import ERModel, model_resolver
+from pykeen.training import SLCWATrainingLoop, TrainingCallback
+from pykeen.triples import CoreTriplesFactory
+
+from pykeen_bess.sampling import BessBatch
+from pykeen_bess.sharding import EntitySharding
+from pykeen_bess.training import BessTrainingLoop
+
+
+@pytest.fixture(scope="module")
+def factory() -> CoreTriplesFactory:
+    dataset = Nations()
+    return CoreTriplesFactory.create(
+        mapped_triples=dataset.training.mapped_triples[:300],
+        num_entities=dataset.num_entities,
+        num_relations=dataset.num_relations,
+    )
+
+
+def make_model(name: str, factory: CoreTriplesFactory) -> ERModel:
+    """Models with regularized entity and relation representations (float64)."""
+    if name == "CP":  # separate head and tail tables, each regularized
+        model = ERModel(
+            triples_factory=factory,
+            interaction="CP",
+            entity_representations_kwargs=[
+                dict(shape=(2, 4), regularizer="lp", regularizer_kwargs=dict(weight=0.3)),
+                dict(shape=(2, 4), regularizer="lp", regularizer_kwargs=dict(weight=0.7, p=1.0)),
+            ],
+            relation_representations_kwargs=dict(shape=(2, 4), regularizer="lp", regularizer_kwargs=dict(weight=0.2)),
+            loss="crossentropy",
+            random_seed=0,
+        )
+    elif name == "DistMult":  # PyKEEN's relation regularizer, plus an entity regularizer
+        model = model_resolver.make(
+            "DistMult",
+            triples_factory=factory,
+            embedding_dim=6,
+            loss="softplus",
+            entity_constrainer=None,
+            regularizer="lp",
+            regularizer_kwargs=dict(weight=0.5),
+            random_seed=0,
+        )
+        model.entity_representations[0].regularizer = model_resolver.make(
+            "ComplEx", triples_factory=factory, embedding_dim=2
+        ).entity_representations[0].regularizer
+        model.entity_representations[0].regularizer.weight.fill_(0.4)
+    else:  # ComplEx: PyKEEN's default regularizers on entities and relations
+        model = model_resolver.make(name, triples_factory=factory, embedding_dim=4, loss="crossentropy", random_seed=0)
+    return model.double()
+
+
+class Record(TrainingCallback):
+    """Keeps each step's plan and loss, and the parameters before the first step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps: list[tuple[BessBatch, float]] = []
+        self.initial: dict[str, torch.Tensor] | None = None
+
+    def pre_batch(self, **kwargs: Any) -> None:
+        if self.initial is None:
+            loop = self.training_loop
+            self.initial = {f"entity{i}": table.full_table().clone() for i, table in enumerate(loop.tables)}
+            self.initial.update(
+                {
+                    name: value.detach().clone()
+                    for name, value in self.model.state_dict().items()
+                    if name.startswith("relation_representations")
+                }
+            )
+
+    def on_batch(self, epoch: int, batch: BessBatch, batch_loss: float, **kwargs: Any) -> None:
+        self.steps.append((batch, batch_loss))
+
+
+def slcwa_batch(batch: BessBatch, sharding: EntitySharding) -> dict[str, torch.Tensor]:
+    """PyKEEN's positives ``[V, 3]`` and negatives ``[V, K, 3]`` (each positive gets its block's negatives)."""
+    n, b = batch.n_shard, batch.block_size
+    shard_i = torch.arange(n).view(n, 1, 1).expand(n, n, b)
+    shard_j = torch.arange(n).view(1, n, 1).expand(n, n, b)
+    heads = sharding.to_global(shard_i, batch.heads)
+    tails = sharding.to_global(shard_j, batch.tails)
+    owner = torch.arange(n).view(n, 1, 1, 1).expand_as(batch.negatives)
+    negatives = sharding.to_global(owner, batch.negatives).permute(1, 2, 0, 3).reshape(n, n, 1, -1)
+    negatives = negatives.expand(n, n, b, negatives.shape[-1])
+    positives = torch.stack([heads, batch.relations, tails], dim=-1)
+    corrupted = positives.unsqueeze(-2).repeat(1, 1, 1, negatives.shape[-1], 1)
+    head_corrupted = torch.arange(b) < batch.num_head_corrupted
+    corrupted[:, :, head_corrupted, :, 0] = negatives[:, :, head_corrupted]
+    corrupted[:, :, ~head_corrupted, :, 2] = negatives[:, :, ~head_corrupted]
+    return {"positives": positives[batch.valid], "negatives": corrupted[batch.valid]}
+
+
+@pytest.mark.parametrize("model_name", ["ComplEx", "DistMult", "CP"])
+@pytest.mark.parametrize(
+    ("n_shard", "exchange", "corruption", "sub_batch_size"),
+    [(1, "embedding", "ht", None), (3, "embedding", "ht", None), (3, "score", "ht", 18), (2, "embedding", "h", 4)],
+)
+def test_step_loss_equals_pykeen_slcwa_with_the_shared_negatives(
+    factory: CoreTriplesFactory, model_name: str, n_shard: int, exchange: str, corruption: str, sub_batch_size
+) -> None:
+    model = make_model(model_name, factory)
+    loop = BessTrainingLoop(
+        model=model,
+        triples_factory=factory,
+        num_shards=n_shard,
+        exchange=exchange,
+        corruption=corruption,
+        num_negs_per_pos=2 * n_shard,
+        seed=5,
+        optimizer="sgd",
+        optimizer_kwargs=dict(lr=0.0),  # the weights stay those of the first step
+        automatic_memory_optimization=False,
+    )
+    record = Record()
+    loop.train(
+        factory, num_epochs=1, batch_size=7 * n_shard**2, sub_batch_size=sub_batch_size, callbacks=record, use_tqdm=False
+    )
+    assert len(record.steps) > 1 and any(not bool(batch.valid.all()) for batch, _ in record.steps)  # padding, too
+
+    reference = make_model(model_name, factory)
+    state = reference.state_dict()
+    for index, embedding in enumerate(reference.entity_representations):
+        state[f"entity_representations.{index}._embeddings.weight"] = record.initial[f"entity{index}"]
+    state.update({k: v for k, v in record.initial.items() if k.startswith("relation_representations")})
+    reference.load_state_dict(state)
+    reference.collect_regularization_term()
+    reference.train()  # PyKEEN's regularizers only act in training mode, with gradients enabled
+    for batch, bess_loss in record.steps:
+        expected = SLCWATrainingLoop._process_batch_static(
+            model=reference,
+            loss=reference.loss,
+            mode=None,
+            batch=slcwa_batch(batch, loop.sharding),
+            start=None,
+            stop=None,
+        )
+        assert bess_loss == pytest.approx(expected.item(), rel=1e-10, abs=1e-12)
