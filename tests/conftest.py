@@ -1,0 +1,27 @@
+"""Suite-wide checks: CI fails when fewer tests ran than expected (a broken collection is not a pass)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+#: environment variable with the least number of tests that must have run and passed (set by .ci/run)
+MIN_TESTS_VARIABLE = "PYKEEN_BESS_MIN_TESTS"
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Turn a run with fewer passed tests than ``PYKEEN_BESS_MIN_TESTS`` into a failure."""
+    minimum = os.environ.get(MIN_TESTS_VARIABLE)
+    if not minimum:
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    passed = len(reporter.stats.get("passed", [])) if reporter is not None else 0
+    if passed < int(minimum):
+        if reporter is not None:
+            reporter.ensure_newline()
+            reporter.write_line(
+                f"{MIN_TESTS_VARIABLE}={minimum}: only {passed} tests passed (a broken collection or skipped tests?)",
+                red=True,
+            )
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
