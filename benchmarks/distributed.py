@@ -19,9 +19,6 @@ import json
 import os
 import pathlib
 import re
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 
@@ -60,9 +57,9 @@ def worker(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     loop.train(factory, num_epochs=1, batch_size=args.batch_size, use_tqdm=False)
     seconds = time.perf_counter() - start
-    n = loop.exchange.n_shard
+    n = loop.topology.n_shard
     block_size = -(-args.batch_size // n**2)
-    steps = len(loop._sampler(loop._partition(factory), block_size))
+    steps = len(loop.make_sampler(loop.partition(factory), block_size))
     predicted = 2 * exchange_cost(
         args.exchange,
         n,
@@ -73,11 +70,11 @@ def worker(args: argparse.Namespace) -> None:
         element_size=4,
     )
     result = dict(
-        rank=loop.exchange.local_shards[0],
+        rank=loop.topology.rank,
         seconds=seconds,
         triples=factory.num_triples,
         steps=steps,
-        bytes_per_step=getattr(loop.exchange, "bytes_sent", 0) / steps,
+        bytes_per_step=getattr(loop.topology, "bytes_sent", 0) / steps,
         predicted_bytes_per_step=predicted,
         peak_rss=_peak_rss(),
     )
@@ -85,47 +82,17 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def launch(args: argparse.Namespace, world_size: int, exchange: str, output: pathlib.Path) -> list[dict]:
-    """Run one configuration with one process per rank; return the ranks' measurements."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    processes = []
-    for rank in range(world_size):
-        env = dict(
-            os.environ,
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(world_size),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-        )
-        command = [
-            sys.executable,
-            __file__,
-            "--worker",
-            "--data",
-            str(args.data),
-            "--output",
-            str(output),
-            "--exchange",
-            exchange,
-            "--world-size",
-            str(world_size),
-            "--backend",
-            args.backend,
-            "--dim",
-            str(args.dim),
-            "--negatives",
-            str(args.negatives),
-            "--batch-size",
-            str(args.batch_size),
-            "--threads",
-            str(max(1, args.cores // world_size)),
-        ]
-        processes.append(subprocess.Popen(command, env=env))
-    for process in processes:
-        if process.wait() != 0:
-            raise RuntimeError(f"a rank of {world_size} x {exchange} failed")
+    """Run one configuration with one process per rank (the shared harness); return the ranks' measurements."""
+    from pykeen_bess.distributed import harness
+
+    command = [__file__, "--worker", "--data", str(args.data), "--output", str(output), "--exchange", exchange]
+    command += ["--world-size", str(world_size), "--backend", args.backend, "--dim", str(args.dim)]
+    command += ["--negatives", str(args.negatives), "--batch-size", str(args.batch_size)]
+    threads = max(1, args.cores // world_size)
+    command += ["--threads", str(threads)]
+    results = harness.launch(world_size, command, timeout=3600, collective_timeout=600, threads=threads)
+    if not results.ok:
+        raise RuntimeError(f"a rank of {world_size} x {exchange} failed:\n{results.report()}")
     return [json.loads((output / f"rank{rank}.json").read_text()) for rank in range(world_size)]
 
 

@@ -9,6 +9,7 @@ middle of its own import without a circular import.
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import Any
 
 from .registration import register, register_when_ready
@@ -19,7 +20,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "BessTrainingLoop": "training",
     "BessEvaluator": "evaluation",
-    "predict_top_k": "prediction",
+    "predict_top_k": "evaluation",
     "InterHTInteraction": "interactions",
     "TranSInteraction": "interactions",
     "InterHT": "models",
@@ -27,23 +28,31 @@ _EXPORTS = {
     "EntitySharding": "sharding",
     "ShardPairPartition": "partition",
     "BessSampler": "sampling",
-    "LocalExchange": "exchange",
-    "DistributedExchange": "exchange",
+    "Topology": "distributed",
+    "LocalTopology": "distributed",
+    "DistributedTopology": "distributed",
     "ShardedEmbedding": "representation",
     "get_scorer": "scoring",
+}
+
+#: names of earlier releases -> (module, current name); they still work, with a DeprecationWarning
+_RENAMED = {
+    "LocalExchange": ("distributed", "LocalTopology"),
+    "DistributedExchange": ("distributed", "DistributedTopology"),
 }
 
 __all__ = [
     "BessEvaluator",
     "BessSampler",
     "BessTrainingLoop",
-    "DistributedExchange",
+    "DistributedTopology",
     "EntitySharding",
     "InterHT",
     "InterHTInteraction",
-    "LocalExchange",
+    "LocalTopology",
     "ShardPairPartition",
     "ShardedEmbedding",
+    "Topology",
     "TranS",
     "TranSInteraction",
     "get_scorer",
@@ -55,6 +64,15 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
+    if name in _RENAMED:
+        module, current = _RENAMED[name]
+        warnings.warn(
+            f"pykeen_bess.{name} is now pykeen_bess.{current} (the collective back end is the process topology; "
+            f"'exchange' names the exchange scheme)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module(f".{module}", __name__), current)
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'pykeen_bess' has no attribute {name!r}")

@@ -117,9 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--loss-kwargs", type=_json_object, help="loss options as JSON, e.g. '{\"margin\": 1.0}'")
 
     bess = train.add_argument_group("BESS")
-    bess.add_argument(
-        "--num-shards", type=int, help="entity shards (default: the world size under torchrun, else 2)"
-    )
+    bess.add_argument("--num-shards", type=int, help="entity shards (default: the world size under torchrun, else 2)")
     bess.add_argument(
         "--exchange",
         choices=["embedding", "score", "auto"],
@@ -163,13 +161,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--evaluator", choices=["bess", "rankbased"], help="sharded (bess) or PyKEEN's evaluator (default: bess)"
     )
     evaluation.add_argument("--eval-batch-size", type=int, help="evaluation triples per batch (default: automatic)")
-    evaluation.add_argument("--eval-slice-size", type=int, help="candidates scored at once per shard (default: automatic)")
+    evaluation.add_argument(
+        "--eval-slice-size", type=int, help="candidates scored at once per shard (default: automatic)"
+    )
     evaluation.add_argument("--output", type=pathlib.Path, help="save the trained model and results here")
     evaluation.add_argument("--json", action="store_true", help="print all metrics as JSON")
     evaluation.add_argument("--quiet", action="store_true", help="no progress bars")
-    evaluation.add_argument(
-        "--verbose", action="store_true", help="show log messages, and tracebacks of errors"
-    )
+    evaluation.add_argument("--verbose", action="store_true", help="show log messages, and tracebacks of errors")
     return parser
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from pykeen.losses import Loss
 
-from .schemes import BlockScores
+from .batch import BlockScores
 
 __all__ = [
     "block_loss",
@@ -39,14 +39,13 @@ def block_loss(
     :param num_entities: the number of entities (needed for label smoothing)
     :returns: a scalar; summing it over sub-batches and processes gives the step loss
     """
-    valid = scores.valid
-    if bool(valid.all()):
-        positive = scores.positive.reshape(-1, 1)
-        negative = scores.negative.reshape(-1, scores.negative.shape[-1])
-    else:
-        positive = scores.positive[valid].unsqueeze(-1)
-        negative = scores.negative[valid]
-    if positive.shape[0] == 0:
+    num_valid = scores.num_valid  # known on the host: no device synchronisation
+    positive = scores.positive.reshape(-1, 1)
+    negative = scores.negative.reshape(-1, scores.negative.shape[-1])
+    if scores.valid_index is not None:
+        positive = positive.index_select(0, scores.valid_index)
+        negative = negative.index_select(0, scores.valid_index)
+    if num_valid == 0:
         # keep the autograd graph connected: its backward runs collectives that every process joins
         value = (scores.positive.sum() + scores.negative.sum()) * 0.0
     else:
@@ -57,5 +56,5 @@ def block_loss(
             num_entities=num_entities,
         )
         if loss.reduction == "mean":
-            value = value * (positive.shape[0] / max(num_valid_step, 1))
+            value = value * (num_valid / max(num_valid_step, 1))
     return value + scores.regularization

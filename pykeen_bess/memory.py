@@ -3,7 +3,7 @@
 PyKEEN's own training-time search probes one process at a time and catches out-of-memory
 errors; under a process group one rank running out of memory while the others wait in a
 collective deadlocks. Here a *probe* runs the memory-relevant work of one step without
-communicating (see :class:`pykeen_bess.exchange.ProbeExchange`), each process decides whether it
+communicating (see :class:`pykeen_bess.distributed.ProbeTopology`), each process decides whether it
 fitted, and the processes agree through an all-reduce of the failure flags, so every rank takes
 the same decision.
 
@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch_max_mem.api import is_oom_error
 
-from .exchange import Exchange
+from .distributed import Topology
 
 __all__ = [
     "measure_peak",
@@ -134,7 +134,7 @@ def search_largest(
     fits: Callable[[int], bool],
     start: int,
     maximum: int,
-    exchange: Exchange,
+    topology: Topology,
     description: str = "value",
 ) -> tuple[int, bool]:
     """Find the largest power-of-two multiple/fraction of ``start`` that fits, on all processes.
@@ -145,16 +145,16 @@ def search_largest(
     :param fits: ``fits(value)`` runs a local probe and returns whether it fitted
     :param start: the first value to try (``>= 1``)
     :param maximum: the largest meaningful value
-    :param exchange: the collective back end used to agree
+    :param topology: the process topology whose processes agree
     :param description: what is searched, for log messages
     :returns: the value and whether it fitted (False: even 1 did not fit)
     """
 
     def agreed(value: int) -> bool:
         ok = bool(fits(value))
-        failures = exchange.all_reduce(torch.tensor([0 if ok else 1], dtype=torch.long))
-        logger.debug("memory search: %s=%d fits=%s (all processes: %s)", description, value, ok, int(failures) == 0)
-        return int(failures) == 0
+        everywhere = topology.agree(ok)
+        logger.debug("memory search: %s=%d fits=%s (all processes: %s)", description, value, ok, everywhere)
+        return everywhere
 
     value = max(1, min(start, maximum))
     if agreed(value):

@@ -122,8 +122,8 @@ class BessOptimizer(Optimizer):
                 if key in defaults and defaults.pop(key) != required:
                     raise ValueError(
                         f"{optimizer_cls.__name__}({key}={hyperparameters[key]!r}) has no row-sparse meaning; use "
-                        f"{key}={required!r}, or pass sparse_updates=False (command line: --dense-updates) to update the "
-                        f"shard tables densely."
+                        f"{key}={required!r}, or pass sparse_updates=False (command line: --dense-updates) to "
+                        f"update the shard tables densely."
                     )
             groups.append(dict(params=table_params, rule=rule, **defaults))
         if not groups:

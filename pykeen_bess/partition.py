@@ -19,7 +19,7 @@ __all__ = [
 ]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class ShardPairPartition:
     """Triples grouped by shardpair ``(head shard, tail shard)``, with local entity ids.
 

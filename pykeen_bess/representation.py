@@ -9,13 +9,15 @@ trained.
 
 When all shards are local (one process), the module is a complete PyKEEN representation:
 :meth:`forward` accepts global entity ids, so the model can be evaluated or queried while it is
-sharded. Under a process group each rank holds one shard and global lookups raise.
+sharded. Under a process group each rank holds one shard and global lookups raise; the table's
+:attr:`ShardedEmbedding.topology` gathers the shards for export (:mod:`pykeen_bess.distributed.export`).
 """
 
 from __future__ import annotations
 
 import pickle
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 from pykeen.nn.init import PretrainedInitializer
@@ -93,6 +95,8 @@ class ShardedEmbedding(Representation):
         self.register_buffer("entity_rows", rows, persistent=False)
         # the embedding this table replaces (not a submodule: its parameters are not the model's)
         object.__setattr__(self, "base_embedding", base)
+        #: the process topology of the shards (set by the training loop; not pickled); None: the default one
+        self.topology: Any = None
 
     # -- layout ------------------------------------------------------------------------------
 
@@ -204,7 +208,10 @@ class ShardedEmbedding(Representation):
                 f"Save the full model with pykeen_bess.distributed.save_to_directory(result, directory) or "
                 f"pykeen_bess.distributed.export_model(model, path), called on every rank."
             )
-        return super().__getstate__()
+        state = super().__getstate__()
+        state = dict(state)
+        state["topology"] = None  # a process group cannot be pickled; a full table needs none
+        return state
 
     # -- conversion from / to a plain embedding ------------------------------------------------
 

@@ -25,13 +25,13 @@ continues identically.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Iterator
 from typing import Literal
 
 import torch
 
+from .batch import BessBatch
 from .partition import ShardPairPartition
 from .seeds import derive_seed
 
@@ -44,52 +44,6 @@ __all__ = [
 #: which side(s) of a positive triple the negatives replace
 Corruption = Literal["h", "t", "ht"]
 CORRUPTIONS: tuple[str, ...] = ("h", "t", "ht")
-
-
-@dataclasses.dataclass
-class BessBatch:
-    """The global plan of one BESS step (identical on every worker).
-
-    ``n`` is the number of shards, ``b`` the block size, ``m = num_negs_per_pos / n``.
-    """
-
-    #: shape: ``[n, n, b]``, local head id (on shard ``i``) of slot ``s`` of block ``(i, j)``
-    heads: torch.Tensor
-    #: shape: ``[n, n, b]``, relation ids
-    relations: torch.Tensor
-    #: shape: ``[n, n, b]``, local tail id (on shard ``j``)
-    tails: torch.Tensor
-    #: shape: ``[n, n, b]``, False for padding slots
-    valid: torch.Tensor
-    #: shape: ``[n, n, b]``, position of the triple in the partition's arrays (-1 for padding)
-    positions: torch.Tensor
-    #: shape: ``[n(k), n(i), n(j), m]``, local ids on shard ``k`` of the negatives of block ``(i, j)``
-    negatives: torch.Tensor
-    #: the first ``num_head_corrupted`` slots of every block corrupt heads, the others tails
-    num_head_corrupted: int
-    #: the epoch this batch belongs to (1-based)
-    epoch: int
-    #: the step within the epoch (0-based)
-    step: int
-
-    @property
-    def n_shard(self) -> int:
-        """The number of shards."""
-        return self.heads.shape[0]
-
-    @property
-    def block_size(self) -> int:
-        """The number of slots per block."""
-        return self.heads.shape[2]
-
-    @property
-    def num_valid(self) -> int:
-        """The number of real (non-padding) positives in the batch."""
-        return int(self.valid.sum())
-
-    def __len__(self) -> int:
-        """Return the number of real positives (as PyKEEN's batch-size bookkeeping expects)."""
-        return self.num_valid
 
 
 class BessSampler:

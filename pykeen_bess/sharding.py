@@ -22,7 +22,7 @@ __all__ = [
 ]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class EntitySharding:
     """The assignment of entities to shards.
 

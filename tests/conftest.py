@@ -1,13 +1,29 @@
-"""Suite-wide checks: CI fails when fewer tests ran than expected (a broken collection is not a pass)."""
+"""Suite-wide set-up: the test helpers on the import path, the ``slow`` marker, and the least number of tests.
+
+* Tests live in folders that mirror the package; the helpers (:mod:`reference`) sit next to this
+  file and are importable from every folder.
+* ``slow`` marks tests that start other processes (gloo ranks, torchrun, fresh interpreters) or run
+  notebooks; ``pytest -m "not slow"`` runs the fast part alone.
+* CI fails when fewer tests ran than expected (a broken collection is not a pass).
+"""
 
 from __future__ import annotations
 
 import os
+import pathlib
+import sys
 
 import pytest
 
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+
 #: environment variable with the least number of tests that must have run and passed (set by .ci/run)
 MIN_TESTS_VARIABLE = "PYKEEN_BESS_MIN_TESTS"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Register the ``slow`` marker."""
+    config.addinivalue_line("markers", "slow: starts other processes or runs notebooks (deselect with -m 'not slow')")
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

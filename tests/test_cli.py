@@ -68,7 +68,9 @@ def test_dense_updates_allow_any_optimizer(capsys: pytest.CaptureFixture) -> Non
     assert 0 < json.loads(out)["both.realistic.inverse_harmonic_mean_rank"] <= 1
 
 
-def test_checkpoints_early_stopping_and_evaluator_options(capsys: pytest.CaptureFixture, tmp_path: pathlib.Path) -> None:
+def test_checkpoints_early_stopping_and_evaluator_options(
+    capsys: pytest.CaptureFixture, tmp_path: pathlib.Path
+) -> None:
     options = [
         *FAST,
         "--checkpoint-name",

@@ -57,9 +57,11 @@ def make_model(name: str, factory: CoreTriplesFactory) -> ERModel:
             regularizer_kwargs=dict(weight=0.5),
             random_seed=0,
         )
-        model.entity_representations[0].regularizer = model_resolver.make(
-            "ComplEx", triples_factory=factory, embedding_dim=2
-        ).entity_representations[0].regularizer
+        model.entity_representations[0].regularizer = (
+            model_resolver.make("ComplEx", triples_factory=factory, embedding_dim=2)
+            .entity_representations[0]
+            .regularizer
+        )
         model.entity_representations[0].regularizer.weight.fill_(0.4)
     else:  # ComplEx: PyKEEN's default regularizers on entities and relations
         model = model_resolver.make(name, triples_factory=factory, embedding_dim=4, loss="crossentropy", random_seed=0)
@@ -131,13 +133,18 @@ def test_step_loss_equals_pykeen_slcwa_with_the_shared_negatives(
     )
     record = Record()
     loop.train(
-        factory, num_epochs=1, batch_size=7 * n_shard**2, sub_batch_size=sub_batch_size, callbacks=record, use_tqdm=False
+        factory,
+        num_epochs=1,
+        batch_size=7 * n_shard**2,
+        sub_batch_size=sub_batch_size,
+        callbacks=record,
+        use_tqdm=False,
     )
     assert len(record.steps) > 1 and any(not bool(batch.valid.all()) for batch, _ in record.steps)  # padding, too
 
     reference = make_model(model_name, factory)
     state = reference.state_dict()
-    for index, embedding in enumerate(reference.entity_representations):
+    for index in range(len(reference.entity_representations)):
         state[f"entity_representations.{index}._embeddings.weight"] = record.initial[f"entity{index}"]
     state.update({k: v for k, v in record.initial.items() if k.startswith("relation_representations")})
     reference.load_state_dict(state)

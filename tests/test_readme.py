@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # fresh interpreters / subprocesses
+
 README = pathlib.Path(__file__).parent.parent / "README.md"
 
 

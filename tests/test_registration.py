@@ -10,6 +10,8 @@ import textwrap
 
 import pytest
 
+pytestmark = pytest.mark.slow  # fresh interpreters
+
 CHECK_ALL = """
 from pykeen.training import training_loop_resolver
 from pykeen.evaluation import evaluator_resolver

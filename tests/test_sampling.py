@@ -199,3 +199,19 @@ def test_empty_and_tiny_shardpairs_are_padded_not_oversampled() -> None:
 def test_sampler_rejects_bad_parameters(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         make_sampler(**kwargs)
+
+
+def test_random_streams_are_derived_with_seed_sequence() -> None:
+    """The epoch order and the negatives come from generators seeded by SeedSequence, not Python's hash()."""
+    import numpy as np
+
+    from pykeen_bess.seeds import derive_seed
+
+    sampler = make_sampler()
+    for epoch in (1, 2):
+        expected = int(np.random.SeedSequence([sampler.seed, epoch, 0]).generate_state(1, np.uint64)[0]) & (2**63 - 1)
+        assert derive_seed(sampler.seed, epoch, 0) == expected
+        generator = torch.Generator().manual_seed(expected)
+        keys = torch.rand(sampler.partition.num_triples, generator=generator, dtype=torch.float64)
+        pair = torch.repeat_interleave(torch.arange(sampler.n_shard**2), sampler.partition.pair_counts.view(-1))
+        assert torch.equal(sampler._epoch_order(epoch), torch.argsort(pair.to(torch.float64) + keys))

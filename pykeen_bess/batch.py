@@ -1,0 +1,177 @@
+"""The data of one BESS step, shared by the stages: the plan, the gathered rows, the scores.
+
+* :class:`BessBatch`: the global plan of a step (drawn by :mod:`~pykeen_bess.sampling`, identical
+  in every process);
+* :class:`RowGather`: the entity rows a process needs for the step, as autograd leaves (built by
+  an exchange scheme, :mod:`~pykeen_bess.schemes`);
+* :class:`BlockScores`: the scores of the local blocks (from the scheme, for :mod:`~pykeen_bess.loss`);
+* :class:`RegularizationWeights`: how PyKEEN's sLCWA loop weighs each looked-up row in the
+  regularization term (:func:`regularization_weights`).
+
+``n`` is the number of shards, ``L`` the shards held by this process, ``b`` the slots of a block
+(``b'`` of a sub-batch), ``m = K / n`` the negatives each shard contributes to a block, ``K`` the
+negatives per positive. All plan tensors live on the CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+__all__ = [
+    "BessBatch",
+    "BlockScores",
+    "RegularizationWeights",
+    "RowGather",
+    "regularization_weights",
+]
+
+
+@dataclasses.dataclass(eq=False)
+class BessBatch:
+    """The global plan of one BESS step (identical on every process, on the CPU)."""
+
+    #: shape: ``[n(i), n(j), b]``, local head id (on shard ``i``) of slot ``s`` of block ``(i, j)``
+    heads: torch.Tensor
+    #: shape: ``[n(i), n(j), b]``, relation ids
+    relations: torch.Tensor
+    #: shape: ``[n(i), n(j), b]``, local tail id (on shard ``j``)
+    tails: torch.Tensor
+    #: shape: ``[n(i), n(j), b]``, False for padding slots
+    valid: torch.Tensor
+    #: shape: ``[n(i), n(j), b]``, position of the triple in the partition's arrays (-1 for padding)
+    positions: torch.Tensor
+    #: shape: ``[n(k), n(i), n(j), m]``, local ids on shard ``k`` of the negatives of block ``(i, j)``
+    negatives: torch.Tensor
+    #: the first ``num_head_corrupted`` slots of every block corrupt heads, the others tails
+    num_head_corrupted: int
+    #: the epoch this batch belongs to (1-based)
+    epoch: int
+    #: the step within the epoch (0-based)
+    step: int
+
+    @property
+    def n_shard(self) -> int:
+        """The number of shards."""
+        return self.heads.shape[0]
+
+    @property
+    def block_size(self) -> int:
+        """The number of slots per block."""
+        return self.heads.shape[2]
+
+    @property
+    def num_negs_per_pos(self) -> int:
+        """The number of negatives per positive, ``K = n * m``."""
+        return self.negatives.shape[0] * self.negatives.shape[-1]
+
+    @property
+    def num_valid(self) -> int:
+        """The number of real (non-padding) positives in the batch."""
+        return int(self.valid.sum())
+
+    def __len__(self) -> int:
+        """Return the number of real positives (as PyKEEN's batch-size bookkeeping expects)."""
+        return self.num_valid
+
+
+@dataclasses.dataclass(eq=False)
+class RowGather:
+    """The entity rows a process needs for one step, as leaf tensors."""
+
+    #: shape: ``[U]``, unique flat rows of the local shard tables, sorted (on the tables' device);
+    #: a leading ``-1`` marks a dummy row used by padding slots (never scored into the loss, never
+    #: updated)
+    rows: torch.Tensor
+    #: one leaf per shard table, shape: ``[U, row_width]``
+    leaves: list[torch.Tensor]
+    #: shape: ``[L(i), n(j), b]``, index into ``rows`` of the head of every slot of blocks ``(l, *)``
+    heads: torch.Tensor
+    #: shape: ``[L(j), n(i), b]``, index into ``rows`` of the tail of every slot of blocks ``(*, l)``
+    tails: torch.Tensor
+    #: shape: ``[L(k), n(i), n(j), m]``, index into ``rows`` of this shard's negatives of every block
+    negatives: torch.Tensor
+    #: the position of the first real row (1 if there is a dummy row, else 0), known on the host
+    first_real: int
+
+    @property
+    def real_rows(self) -> torch.Tensor:
+        """shape: ``[U']``, the rows that hold entities (a view)."""
+        return self.rows[self.first_real :]
+
+
+@dataclasses.dataclass(eq=False)
+class BlockScores:
+    """The scores of (a slice of) one step, on the blocks whose heads are local."""
+
+    #: shape: ``[L(i), n(j), b']``
+    positive: torch.Tensor
+    #: shape: ``[L(i), n(j), b', K]``
+    negative: torch.Tensor
+    #: shape: ``[V']``, positions of the real slots in the flattened ``[L(i) * n(j) * b']`` slots
+    #: (on the scores' device); None if every slot is real
+    valid_index: torch.Tensor | None
+    #: the weighted regularization term of this slice (see :func:`regularization_weights`)
+    regularization: torch.Tensor | float
+
+    @property
+    def num_valid(self) -> int:
+        """The number of real slots ``V'`` (known on the host)."""
+        return self.positive.numel() if self.valid_index is None else self.valid_index.numel()
+
+
+@dataclasses.dataclass(eq=False)
+class RegularizationWeights:
+    """The weight of every row a step looks up in PyKEEN's sLCWA regularization term (CPU, float64).
+
+    See :func:`regularization_weights`; ``b'`` slots of a slice.
+    """
+
+    #: shape: ``[n(i), n(j), b']``, each head of a real positive
+    head: torch.Tensor
+    #: shape: ``[n(i), n(j), b']``, each tail of a real positive
+    tail: torch.Tensor
+    #: shape: ``[n(i), n(j), b']``, each relation of a real positive
+    relation: torch.Tensor
+    #: shape: ``[n(i), n(j)]``, each shared negative of the block as a head candidate
+    negative_head: torch.Tensor
+    #: shape: ``[n(i), n(j)]``, each shared negative of the block as a tail candidate
+    negative_tail: torch.Tensor
+
+
+def regularization_weights(batch: BessBatch, start: int = 0, stop: int | None = None) -> RegularizationWeights:
+    """Weigh the rows of slots ``start:stop`` as PyKEEN's sLCWA loop weighs them.
+
+    PyKEEN's :class:`~pykeen.training.SLCWATrainingLoop` scores the ``V`` positives and their ``V x K``
+    negative triples with two lookups per representation, and every lookup adds the regularizer's
+    *mean* over its rows. For one step with every positive's negatives being its block's shared
+    negatives (corrupting the slot's side, the other side and the relation kept), this is, for a
+    regularizer that averages a per-row value ``g``:
+
+    * heads: ``g(h) / V`` for every real positive, plus ``g(h) / V`` again if the slot corrupts
+      tails (its negative triples repeat the head); tails likewise;
+    * relations: ``2 g(r) / V`` (the negative triples repeat the relation);
+    * negatives: each of the ``K`` shared negatives of block ``(i, j)`` with ``g(e) V_ij / (V K)``,
+      ``V_ij`` the block's real positives corrupting that side.
+
+    Tables used several times in a role (the interaction's head / tail indices) count once per use.
+    The weights of slices add up to those of the step.
+
+    :param batch: the step's plan
+    :param start: the first slot of the slice
+    :param stop: the end of the slice (default: the block size)
+    :returns: the weights
+    """
+    stop = batch.block_size if stop is None else stop
+    valid = batch.valid[..., start:stop].to(torch.float64)
+    num_valid = max(batch.num_valid, 1)
+    num_negatives = batch.num_negs_per_pos
+    corrupts_head = (torch.arange(start, stop) < batch.num_head_corrupted).to(torch.float64)
+    return RegularizationWeights(
+        head=valid * (2.0 - corrupts_head) / num_valid,
+        tail=valid * (1.0 + corrupts_head) / num_valid,
+        relation=valid * (2.0 / num_valid),
+        negative_head=(valid * corrupts_head).sum(dim=-1) / (num_valid * num_negatives),
+        negative_tail=(valid * (1.0 - corrupts_head)).sum(dim=-1) / (num_valid * num_negatives),
+    )

@@ -1,0 +1,53 @@
+"""Differentiable shard collectives of :class:`~pykeen_bess.distributed.topology.DistributedTopology`.
+
+* all-to-all: its backward is the all-to-all of the gradients;
+* all-gather: its backward sends each rank's gradient for rank ``s``' slice to rank ``s``, which sums
+  what arrives (an all-to-all, which gloo supports, unlike reduce-scatter).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from .topology import DistributedTopology
+
+__all__ = [
+    "all_gather_differentiable",
+    "all_to_all_differentiable",
+]
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, topology: DistributedTopology, x: torch.Tensor) -> torch.Tensor:
+        ctx.topology = topology
+        return topology.exchange_all_to_all(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
+        return None, ctx.topology.exchange_all_to_all(grad)
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, topology: DistributedTopology, x: torch.Tensor) -> torch.Tensor:
+        ctx.topology = topology
+        return topology.exchange_all_gather(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
+        # grad[s] is this rank's gradient for rank s' slice: send it there, sum what arrives
+        return None, ctx.topology.exchange_all_to_all(grad).sum(dim=0)
+
+
+def all_to_all_differentiable(topology: DistributedTopology, x: torch.Tensor) -> torch.Tensor:
+    """``[n, ...] -> [n, ...]``: slice ``s`` goes to rank ``s``; differentiable."""
+    return _AllToAll.apply(topology, x)
+
+
+def all_gather_differentiable(topology: DistributedTopology, x: torch.Tensor) -> torch.Tensor:
+    """``[...] -> [n, ...]``: every rank's tensor; differentiable."""
+    return _AllGather.apply(topology, x)

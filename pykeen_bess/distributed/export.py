@@ -1,0 +1,110 @@
+"""Saving a model whose entity tables are sharded over processes.
+
+After distributed training every rank holds only its shard of the entity tables. The collective
+functions :func:`export_model` and :func:`save_to_directory` gather the tables on the main
+process (through the tables' :class:`~pykeen_bess.distributed.topology.Topology`), which writes an
+ordinary PyKEEN model (``predict_target``, stock evaluation, ``torch.load``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pathlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from .topology import Topology, make_topology
+
+__all__ = [
+    "export_model",
+    "gathered_model",
+    "save_to_directory",
+]
+
+
+def _table_topology(table: Any) -> Topology:
+    topology = getattr(table, "topology", None)
+    return topology if topology is not None else make_topology()
+
+
+def _gather_table(table: Any, topology: Topology) -> torch.Tensor | None:
+    """Gather a sharded table on the main process as ``[num_entities, row_width]`` (None elsewhere)."""
+    stacked = topology.gather_shards(table.shard_tables().detach())
+    if stacked is None:
+        return None
+    sharding = table.sharding
+    stacked = stacked.reshape(sharding.n_shard * sharding.shard_size, -1)
+    rows = sharding.entity_shard * sharding.shard_size + sharding.entity_local
+    return stacked[rows.to(stacked.device)].clone()
+
+
+@contextlib.contextmanager
+def gathered_model(model: Any) -> Iterator[Any]:
+    """Temporarily give the main process the full model (collective: every process must enter).
+
+    Inside the block the main process' model has ordinary :class:`pykeen.nn.Embedding` entity
+    representations holding all entities; the other processes get None. Afterwards the model is
+    sharded again. A model that is not sharded over processes is yielded as it is.
+
+    :param model: a model trained by :class:`~pykeen_bess.training.BessTrainingLoop`
+    :yields: the full model on the main process, None on the others
+    """
+    from ..representation import ShardedEmbedding
+
+    tables = [(i, r) for i, r in enumerate(model.entity_representations) if isinstance(r, ShardedEmbedding)]
+    if not tables or all(table.holds_all_shards for _, table in tables):
+        yield model
+        return
+    topology = _table_topology(tables[0][1])
+    full = [(index, table, _gather_table(table, topology)) for index, table in tables]
+    if not topology.is_main_process:
+        yield None
+        return
+    try:
+        for index, table, weights in full:
+            base = table.base_embedding
+            base._embeddings.weight.data = weights.to(table.weight.device)
+            model.entity_representations[index] = base
+        yield model
+    finally:
+        for index, table, _ in full:
+            base = table.base_embedding
+            base._embeddings.weight.data = base._embeddings.weight.data.new_empty(0, table.row_width)
+            model.entity_representations[index] = table
+
+
+def _barrier(model: Any) -> None:
+    from ..representation import ShardedEmbedding
+
+    for representation in model.entity_representations:
+        if isinstance(representation, ShardedEmbedding) and not representation.holds_all_shards:
+            _table_topology(representation).barrier()
+            return
+
+
+def export_model(model: Any, path: str | os.PathLike) -> None:
+    """Write the full model to one file on the main process (collective), loadable with ``torch.load``.
+
+    :param model: the (sharded) model
+    :param path: the file the main process writes
+    """
+    with gathered_model(model) as full:
+        if full is not None:
+            torch.save(full, pathlib.Path(path))
+    _barrier(model)
+
+
+def save_to_directory(result: Any, directory: str | os.PathLike, **kwargs: Any) -> None:
+    """Call ``PipelineResult.save_to_directory`` on the main process with the full model (collective).
+
+    :param result: the pipeline's result (on every process)
+    :param directory: the output directory the main process writes
+    :param kwargs: passed to :meth:`pykeen.pipeline.PipelineResult.save_to_directory`
+    """
+    with gathered_model(result.model) as full:
+        if full is not None:
+            result.save_to_directory(directory, **kwargs)
+    _barrier(result.model)

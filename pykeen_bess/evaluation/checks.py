@@ -1,0 +1,88 @@
+"""Checks of evaluation and prediction inputs: clear errors before any work starts."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable
+from typing import Any
+
+import numpy as np
+import torch
+from pykeen.typing import LABEL_HEAD, LABEL_RELATION, LABEL_TAIL
+
+__all__ = [
+    "ENTITY_TARGETS",
+    "check_ids",
+    "check_targets",
+    "check_triples",
+]
+
+ENTITY_TARGETS = (LABEL_HEAD, LABEL_TAIL)
+
+
+def check_triples(
+    triples: Any, num_entities: int, num_relations: int, name: str, allow_empty: bool = False
+) -> torch.Tensor:
+    """Check ``[n, 3]`` id triples against a model's sizes.
+
+    :param triples: the triples
+    :param num_entities: the number of entities of the model
+    :param num_relations: the number of (real, non-inverse) relations of the model
+    :param name: the argument's name, for messages
+    :param allow_empty: whether zero triples are acceptable
+    :returns: the triples as a long tensor
+    :raises ValueError: for a wrong shape or dtype, no triples, or ids outside the model
+    """
+    if not torch.is_tensor(triples):
+        triples = torch.as_tensor(np.asarray(triples))
+    if triples.ndim != 2 or triples.shape[1] != 3:
+        raise ValueError(
+            f"{name} must have shape [n, 3] (head, relation, tail ids), but has shape {list(triples.shape)}."
+        )
+    if triples.dtype.is_floating_point or triples.dtype.is_complex or triples.dtype == torch.bool:
+        raise ValueError(f"{name} must hold integer ids, but has dtype {triples.dtype}.")
+    if triples.shape[0] == 0:
+        if allow_empty:
+            return triples.long()
+        raise ValueError(f"{name} is empty: there is nothing to evaluate.")
+    triples = triples.long()
+    entities = triples[:, [0, 2]]
+    relations = triples[:, 1]
+    problems = []
+    if int(entities.min()) < 0 or int(entities.max()) >= num_entities:
+        bad = entities[(entities < 0) | (entities >= num_entities)].unique()[:5].tolist()
+        problems.append(f"entity ids outside [0, {num_entities}) such as {bad}")
+    if int(relations.min()) < 0 or int(relations.max()) >= num_relations:
+        bad = relations[(relations < 0) | (relations >= num_relations)].unique()[:5].tolist()
+        problems.append(f"relation ids outside [0, {num_relations}) such as {bad}")
+    if problems:
+        raise ValueError(
+            f"{name} contains {' and '.join(problems)}: the triples do not belong to this model (were they mapped "
+            f"with another triples factory?)."
+        )
+    return triples
+
+
+def check_targets(targets: Collection[str]) -> tuple[str, ...]:
+    """Return the targets, checked to be a non-empty subset of head and tail."""
+    targets = tuple(targets)
+    if LABEL_RELATION in targets:
+        raise NotImplementedError(
+            "BessEvaluator ranks entities only: relation prediction (target 'relation') is not supported. Use "
+            "targets=('head', 'tail') or a subset."
+        )
+    unknown = [t for t in targets if t not in ENTITY_TARGETS]
+    if unknown:
+        raise ValueError(f"Unknown evaluation targets {unknown}; expected a subset of {ENTITY_TARGETS}.")
+    if not targets:
+        raise ValueError("No evaluation targets given; expected a subset of ('head', 'tail').")
+    return targets
+
+
+def check_ids(ids: Iterable[int] | torch.Tensor, upper: int, name: str) -> torch.Tensor:
+    """Return sorted unique ids, checked to lie in ``[0, upper)`` and to be non-empty."""
+    ids = torch.as_tensor(ids if torch.is_tensor(ids) else list(ids), dtype=torch.long).view(-1).cpu().unique()
+    if ids.numel() == 0:
+        raise ValueError(f"{name} is empty: there would be no candidates to rank.")
+    if int(ids.min()) < 0 or int(ids.max()) >= upper:
+        raise ValueError(f"{name} contains ids outside [0, {upper}).")
+    return ids

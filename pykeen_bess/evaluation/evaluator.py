@@ -1,0 +1,335 @@
+"""The evaluator: PyKEEN's exact rank metrics from per-shard counts.
+
+:class:`BessEvaluator` is a :class:`pykeen.evaluation.RankBasedEvaluator` whose ranks are never
+computed from a ``[batch, num_entities]`` score matrix. The entities are split into shards (the
+model's own :class:`~pykeen_bess.sharding.EntitySharding` when its entity representations are
+:class:`~pykeen_bess.representation.ShardedEmbedding` tables, else a random one); for a batch of
+``B`` queries every shard scores its local entities in blocks of at most ``slice_size`` with the
+fast shared-candidate scorers (:mod:`pykeen_bess.scoring`) and *counts*, per query,
+
+* ``larger``: candidates scoring strictly higher than the true entity,
+* ``not_smaller``: candidates scoring at least as high,
+* ``finite``: candidates with a finite score (PyKEEN's number of options),
+
+over the candidates that are neither filtered (known triples, see :mod:`pykeen_bess.filtering`)
+nor the true entity itself. Filtered candidates are masked by index (``index_put`` of NaN, which
+no comparison counts) from ``(query, entity)`` pairs, never by a dense mask
+(:meth:`~pykeen_bess.evaluation.sharded.ShardedScoring.score_blocks`). The counts of all shards are
+summed (:meth:`~pykeen_bess.distributed.Topology.all_reduce`, so under ``torch.distributed`` only
+``[4, B]`` integers per batch cross processes), and the true entity's own contribution is added
+explicitly, exactly as PyKEEN's :meth:`pykeen.evaluation.ranks.Ranks.from_scores` sees it after
+:func:`pykeen.evaluation.evaluator.filter_scores_` restored its column
+(:func:`~pykeen_bess.evaluation.counting.ranks_from_counts`):
+
+* optimistic rank ``= larger + 1``,
+* pessimistic rank ``= not_smaller + 1`` (the true score is not smaller than itself),
+* realistic rank ``= (optimistic + pessimistic) / 2``,
+* number of options ``= finite + 1`` (``+ 0`` if the true score is not finite).
+
+Exact ties are therefore handled as PyKEEN handles them (optimistic / pessimistic / realistic),
+independently of how entities are sharded or sliced. Because the true score is computed once,
+explicitly, and never compared with "its own column", rounding differences between the
+batched matrix product of a block and the true triple's score cannot make the true entity
+count against itself.
+
+Deviation from PyKEEN, deliberately: a query whose *true* score is NaN gets the worst rank
+(``finite + 1`` for all rank types, with the true entity counted as an option) instead of
+PyKEEN's rank 1; NaN candidate scores are excluded from the options as in PyKEEN. Both are
+reported with one :class:`RuntimeWarning` per evaluation.
+
+No score is read on the host per block: whether a block held non-finite scores is accumulated on
+the device and read once per batch; only then is the batch counted again element by element.
+
+Memory: per step at most one ``[batch_size, slice_size]`` score block, cache-sized temporaries of
+the counting and the candidate features of one slice exist (see :mod:`~pykeen_bess.evaluation.sizes`).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+import weakref
+from collections import ChainMap
+from collections.abc import Collection, Mapping
+from typing import Any
+
+import torch
+from pykeen.evaluation import RankBasedEvaluator
+from pykeen.evaluation.rank_based_evaluator import RankBasedMetricResults
+from pykeen.models import ERModel, Model
+from pykeen.typing import LABEL_HEAD, LABEL_TAIL, RANK_OPTIMISTIC, RANK_PESSIMISTIC, RANK_REALISTIC
+from tqdm.autonotebook import tqdm
+
+from ..distributed import ProbeTopology, join_torchrun_group
+from .checks import check_ids, check_targets, check_triples
+from .counting import rank_batch
+from .filtering import FilterIndex
+from .sharded import ShardedScoring
+from .sizes import choose_block_sizes
+
+__all__ = [
+    "BessEvaluator",
+]
+
+logger = logging.getLogger(__name__)
+
+
+class BessEvaluator(RankBasedEvaluator):
+    """PyKEEN's rank-based evaluation computed shard by shard from counts (see the module docstring).
+
+    The results are :class:`pykeen.evaluation.RankBasedMetricResults` with every metric, side and
+    rank type of :class:`pykeen.evaluation.RankBasedEvaluator`, and the same values.
+    """
+
+    def __init__(
+        self,
+        num_shards: int | None = None,
+        batch_size: int | None = None,
+        slice_size: int | None = None,
+        filtered: bool = True,
+        memory_budget: int | None = None,
+        process_group: Any = None,
+        **kwargs: Any,
+    ):
+        """Create the evaluator.
+
+        :param num_shards: the number of entity shards; None: the model's sharding if its entity
+            representations are :class:`~pykeen_bess.representation.ShardedEmbedding` tables, else 1
+        :param batch_size: evaluation triples per batch (both targets are ranked per batch); None:
+            chosen by the memory search (the ``batch_size`` of :meth:`evaluate` takes precedence)
+        :param slice_size: candidates scored at once per shard; None: chosen by the memory search
+        :param filtered: whether to exclude the known triples (the evaluation triples and
+            ``additional_filter_triples``) from the candidates
+        :param memory_budget: the largest peak memory of a probe step in bytes (default: half of
+            the available memory on the CPU; out-of-memory errors on a GPU)
+        :param process_group: the process group of a model sharded over processes (default: the
+            default group); unused in one process
+        :param kwargs: passed to :class:`pykeen.evaluation.RankBasedEvaluator` (``metrics``,
+            ``metrics_kwargs``, ``add_defaults``, ``clear_on_finalize``, ``mode``)
+        """
+        if kwargs.get("mode") is not None:
+            raise NotImplementedError("BessEvaluator supports transductive evaluation only (mode=None).")
+        if process_group is None:
+            join_torchrun_group()
+        super().__init__(filtered=filtered, batch_size=batch_size, slice_size=slice_size, **kwargs)
+        if num_shards is not None and (
+            isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1
+        ):
+            raise ValueError(f"num_shards must be a positive integer or None, but is {num_shards!r}.")
+        self.num_shards = num_shards
+        self.memory_budget = memory_budget
+        self.process_group = process_group
+        #: block sizes found by the memory search, reused by later evaluations of the same model (the
+        #: entries die with the model: a new model can never find an old model's sizes)
+        self._block_sizes: weakref.WeakKeyDictionary[Model, dict[tuple, tuple[int, int]]] = weakref.WeakKeyDictionary()
+
+    def evaluate(  # type: ignore[override]
+        self,
+        model: Model,
+        mapped_triples: torch.Tensor,
+        batch_size: int | None = None,
+        slice_size: int | None = None,
+        device: torch.device | None = None,
+        use_tqdm: bool = True,
+        tqdm_kwargs: Mapping[str, Any] | None = None,
+        restrict_entities_to: Collection[int] | None = None,
+        restrict_relations_to: Collection[int] | None = None,
+        do_time_consuming_checks: bool = True,
+        additional_filter_triples: None | torch.Tensor | list[torch.Tensor] = None,
+        pre_filtered_triples: bool = True,
+        targets: Collection[str] = (LABEL_HEAD, LABEL_TAIL),
+    ) -> RankBasedMetricResults:
+        """Evaluate a model on triples; the arguments are those of :meth:`pykeen.evaluation.Evaluator.evaluate`.
+
+        The input is checked first (ids inside the model, non-empty, entity targets only); then
+        PyKEEN's own argument handling (restriction checks, :func:`~pykeen.utils.prepare_filter_triples`,
+        progress bar options) runs and calls this evaluator's sharded evaluation.
+
+        :returns: the rank-based metric results
+        :raises ValueError: for triples that do not belong to the model, empty inputs or invalid sizes
+        :raises NotImplementedError: for relation prediction or inductive models
+        """
+        targets = check_targets(targets)
+        if not isinstance(model, ERModel):
+            raise TypeError(f"BessEvaluator needs a pykeen.models.ERModel, not {type(model).__name__}.")
+        num_relations = model.num_real_relations
+        mapped_triples = check_triples(mapped_triples, model.num_entities, num_relations, "mapped_triples")
+        if additional_filter_triples is not None:
+            extra = (
+                [additional_filter_triples]
+                if torch.is_tensor(additional_filter_triples)
+                else list(additional_filter_triples)
+            )
+            additional_filter_triples = [
+                check_triples(t, model.num_entities, num_relations, "additional_filter_triples", allow_empty=True)
+                for t in extra
+            ]
+        if restrict_entities_to is not None:
+            # PyKEEN's checks compare with Python sets: pass plain ints
+            restrict_entities_to = check_ids(restrict_entities_to, model.num_entities, "restrict_entities_to").tolist()
+        return super().evaluate(
+            model=model,
+            mapped_triples=mapped_triples,
+            batch_size=batch_size,
+            slice_size=slice_size,
+            device=device,
+            use_tqdm=use_tqdm,
+            tqdm_kwargs=tqdm_kwargs,
+            restrict_entities_to=restrict_entities_to,
+            restrict_relations_to=restrict_relations_to,
+            do_time_consuming_checks=do_time_consuming_checks,
+            additional_filter_triples=additional_filter_triples,
+            pre_filtered_triples=pre_filtered_triples,
+            targets=targets,
+        )
+
+    def _evaluate_on_device(  # type: ignore[override]
+        self,
+        model: Model,
+        mapped_triples: torch.Tensor,
+        batch_size: int | None,
+        slice_size: int | None,
+        device: torch.device,
+        all_pos_triples: torch.Tensor | None,
+        targets: Collection[str],
+        tqdm_kwargs: Mapping[str, Any],
+        restrict_entities_to: Collection[int] | None = None,
+        **kwargs: Any,
+    ) -> RankBasedMetricResults:
+        """Evaluate on one device (called by PyKEEN's :meth:`~pykeen.evaluation.Evaluator.evaluate`)."""
+        assert isinstance(model, ERModel)
+        was_training = model.training
+        model.eval()
+        model.to(device)
+        try:
+            with torch.inference_mode():
+                return self._evaluate_sharded(
+                    model=model,
+                    mapped_triples=mapped_triples.to(device),
+                    batch_size=batch_size if batch_size is not None else self.batch_size,
+                    slice_size=slice_size if slice_size is not None else self.slice_size,
+                    device=device,
+                    all_pos_triples=all_pos_triples,
+                    targets=tuple(targets),
+                    tqdm_kwargs=tqdm_kwargs,
+                    restrict_entities_to=None
+                    if restrict_entities_to is None
+                    else check_ids(restrict_entities_to, model.num_entities, "restrict_entities_to"),
+                )
+        finally:
+            model.train(was_training)
+
+    def _evaluate_sharded(
+        self,
+        model: ERModel,
+        mapped_triples: torch.Tensor,
+        batch_size: int | None,
+        slice_size: int | None,
+        device: torch.device,
+        all_pos_triples: torch.Tensor | None,
+        targets: tuple[str, ...],
+        tqdm_kwargs: Mapping[str, Any],
+        restrict_entities_to: torch.Tensor | None,
+    ) -> RankBasedMetricResults:
+        """Rank all evaluation triples batch by batch, fill ``self.ranks`` / ``self.num_candidates`` and finalize."""
+        scoring = ShardedScoring.for_model(
+            model,
+            num_shards=self.num_shards,
+            process_group=self.process_group,
+            restrict_entities_to=restrict_entities_to,
+        )
+        index = None
+        if self.filtered:
+            assert all_pos_triples is not None
+            index = FilterIndex.from_triples(all_pos_triples, model.num_entities, model.num_real_relations).to(device)
+        num_triples = mapped_triples.shape[0]
+        batch_size, slice_size = self._block_sizes_for(
+            scoring, model, mapped_triples, index, targets, batch_size, slice_size, device
+        )
+        logger.info(
+            "BESS evaluation: %d triples, %s, batch_size=%d, slice_size=%d",
+            num_triples,
+            scoring.sharding.describe(),
+            batch_size,
+            slice_size,
+        )
+        self.clear()
+        nan_candidates = nan_true = 0
+        tqdm_kwargs = dict(tqdm_kwargs)
+        if not scoring.topology.is_main_process:
+            tqdm_kwargs["disable"] = True
+        progress = tqdm(
+            **ChainMap(
+                tqdm_kwargs,
+                {"desc": f"Evaluating on {device}", "total": num_triples, "unit": "triple", "unit_scale": True},
+            )
+        )
+        with progress:
+            for batch in mapped_triples.split(batch_size):
+                for target in targets:
+                    ranks = rank_batch(scoring, index, batch, target, slice_size)
+                    for rank_type in (RANK_OPTIMISTIC, RANK_REALISTIC, RANK_PESSIMISTIC):
+                        self.ranks[target, rank_type].append(ranks[rank_type])
+                    self.num_candidates[target].append(ranks["options"])
+                    nan_candidates += ranks["nan_candidates"]
+                    nan_true += ranks["nan_true"]
+                progress.update(batch.shape[0])
+        self.num_entities = scoring.num_candidates
+        if nan_candidates or nan_true:
+            warnings.warn(
+                f"The model produced NaN scores: {nan_candidates} candidate scores (excluded from the rankings, as "
+                f"PyKEEN does) and {nan_true} true triples' scores (those queries get the worst rank).",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        return self.finalize()
+
+    def _block_sizes_for(
+        self,
+        scoring: ShardedScoring,
+        model: ERModel,
+        mapped_triples: torch.Tensor,
+        index: FilterIndex | None,
+        targets: tuple[str, ...],
+        batch_size: int | None,
+        slice_size: int | None,
+        device: torch.device,
+    ) -> tuple[int, int]:
+        """Return the given sizes, or search (once per model layout) for the missing ones."""
+        if batch_size is not None and slice_size is not None:
+            return choose_block_sizes(scoring, mapped_triples.shape[0], batch_size, slice_size, _no_probe, device)
+        key = (
+            str(device),
+            scoring.sharding.n_shard,
+            scoring.num_candidates,
+            mapped_triples.shape[0],
+            batch_size,
+            slice_size,
+            self.memory_budget,
+        )
+        cached = self._block_sizes.setdefault(model, {}).get(key)
+        if cached is not None:
+            return cached
+        probe_topology = ProbeTopology(scoring.topology)
+
+        def probe(probe_batch_size: int, probe_slice_size: int) -> None:
+            rows = torch.arange(probe_batch_size, device=mapped_triples.device) % mapped_triples.shape[0]
+            rank_batch(
+                scoring,
+                index,
+                mapped_triples[rows],
+                targets[0],
+                probe_slice_size,
+                topology=probe_topology,
+                max_blocks=1,
+            )
+
+        sizes = choose_block_sizes(
+            scoring, mapped_triples.shape[0], batch_size, slice_size, probe, device, memory_budget=self.memory_budget
+        )
+        self._block_sizes[model][key] = sizes
+        return sizes
+
+
+def _no_probe(batch_size: int, slice_size: int) -> None:
+    """Stand in for a probe that is never run (both sizes given)."""

@@ -1,0 +1,120 @@
+"""The sizes of a score block: queries per batch and candidates per slice, by probe when not given.
+
+Without explicit sizes the ``[batch, slice]`` block is bounded to :data:`CPU_BLOCK_BYTES` on the CPU
+(:data:`CUDA_BLOCK_BYTES` on a GPU) and checked by an out-of-memory-catching probe agreed by all
+processes (:func:`pykeen_bess.memory.search_largest`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..memory import available_memory, fits_in_memory, search_largest
+
+if TYPE_CHECKING:
+    from .sharded import ShardedScoring
+
+__all__ = [
+    "CPU_BLOCK_BYTES",
+    "CUDA_BLOCK_BYTES",
+    "DEFAULT_SLICE_SIZE",
+    "TRIVIAL_BLOCK_BYTES",
+    "choose_block_sizes",
+]
+
+#: the default bound of one ``[batch, slice]`` score block on the CPU, in bytes
+CPU_BLOCK_BYTES = 32 * 2**20
+#: the default (starting) size of one score block on a GPU, in bytes; the search may double it
+CUDA_BLOCK_BYTES = 256 * 2**20
+#: the default number of candidates scored at once per shard
+DEFAULT_SLICE_SIZE = 4096
+#: score blocks of all queries against all candidates of a shard up to this size are used without a probe
+TRIVIAL_BLOCK_BYTES = 4 * 2**20
+
+
+def choose_block_sizes(
+    scoring: ShardedScoring,
+    num_queries: int,
+    batch_size: int | None,
+    slice_size: int | None,
+    probe: Callable[[int, int], None],
+    device: torch.device,
+    memory_budget: int | None = None,
+) -> tuple[int, int]:
+    """Choose the number of queries per batch and of candidates per slice.
+
+    Given sizes are kept. If all queries against all candidates of a shard make a block of at
+    most :data:`TRIVIAL_BLOCK_BYTES`, that is used without probing. Otherwise missing sizes start
+    from a score block of :data:`CPU_BLOCK_BYTES` (CPU; the search does not grow beyond it, larger
+    blocks are not faster there) or :data:`CUDA_BLOCK_BYTES` (GPU; the batch may grow up to
+    ``num_queries``), with slices of :data:`DEFAULT_SLICE_SIZE` candidates, and are halved until
+    ``probe(batch_size, slice_size)`` fits, the decision agreed by all processes.
+
+    :param scoring: the scoring (for the candidate counts, the dtype and the topology)
+    :param num_queries: the number of evaluation triples (queries per target)
+    :param batch_size: the batch size, or None to choose
+    :param slice_size: the slice size, or None to choose
+    :param probe: runs one step of ``(batch_size, slice_size)`` without communicating
+    :param device: the evaluation device
+    :param memory_budget: the largest peak of a probe in bytes (CPU default: half the available
+        memory; GPU default: only out-of-memory errors count)
+    :returns: ``(batch_size, slice_size)``
+    :raises MemoryError: if not even a single query against a single candidate fits
+    """
+    for name, value in (("batch_size", batch_size), ("slice_size", slice_size)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be a positive integer or None, but is {value!r}.")
+    max_columns = max(1, scoring.max_columns)
+    num_queries = max(1, num_queries)
+    if batch_size is not None and slice_size is not None:
+        return batch_size, slice_size
+    itemsize = _score_itemsize(scoring)
+    if num_queries * max_columns * itemsize <= TRIVIAL_BLOCK_BYTES:
+        # everything in one block per shard, far below the default block: nothing to search
+        return batch_size or num_queries, slice_size or max_columns
+    block_bytes = CUDA_BLOCK_BYTES if device.type == "cuda" else CPU_BLOCK_BYTES
+    block_elements = max(1, block_bytes // itemsize)
+    budget = memory_budget
+    if budget is None and device.type != "cuda":
+        available = available_memory(device)
+        budget = None if available is None else available // 2
+    topology = scoring.topology
+
+    def fits(batch: int, slice_: int) -> bool:
+        return fits_in_memory(lambda: probe(batch, slice_), device, budget)[0]
+
+    if batch_size is None:
+        slice_start = min(max_columns, DEFAULT_SLICE_SIZE) if slice_size is None else min(slice_size, max_columns)
+        batch_start = max(1, min(num_queries, block_elements // slice_start))
+        maximum = num_queries if device.type == "cuda" else batch_start
+        batch_size, found = search_largest(
+            lambda b: fits(b, slice_start),
+            start=batch_start,
+            maximum=maximum,
+            topology=topology,
+            description="batch_size",
+        )
+        if found or slice_size is not None:
+            if not found:
+                raise MemoryError(f"Not even one query against slice_size={slice_size} candidates fits in memory.")
+            return batch_size, slice_size if slice_size is not None else slice_start
+        slice_size = slice_start
+    # a given (small) batch gets the rest of the block as slice, within a sane bound
+    slice_start = min(max_columns, max(1, block_elements // batch_size), DEFAULT_SLICE_SIZE * 16)
+    maximum = max_columns if device.type == "cuda" else slice_start
+    slice_size, found = search_largest(
+        lambda s: fits(batch_size, s), start=slice_start, maximum=maximum, topology=topology, description="slice_size"
+    )
+    if not found:
+        raise MemoryError(f"Not even batch_size={batch_size} queries against one candidate fit in memory.")
+    return batch_size, slice_size
+
+
+def _score_itemsize(scoring: ShardedScoring) -> int:
+    """Return the bytes of one score (the real dtype of the entity representations)."""
+    template = scoring.rows.rows(0, slice(0, 0))[0]
+    dtype = template.real.dtype if template.is_complex() else template.dtype
+    return torch.empty(0, dtype=dtype).element_size() if dtype.is_floating_point else 4

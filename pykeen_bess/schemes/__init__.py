@@ -1,0 +1,111 @@
+"""Stage 4 of the pipeline: exchange schemes, the ways a BESS step moves data between shards.
+
+Every scheme is a subclass of :class:`ExchangeScheme` (:mod:`~pykeen_bess.schemes.base`), which
+gathers the step's rows, scores the positives and computes the regularization term; a scheme
+adds only how the negatives are scored (:meth:`ExchangeScheme.negative_scores`) and what that
+costs in bytes (:meth:`ExchangeScheme.negative_cost`):
+
+* :class:`EmbeddingMovingScheme` (``exchange="embedding"``): negative embeddings move to the heads' shard;
+* :class:`ScoreMovingScheme` (``exchange="score"``): queries move to every shard, scores move back.
+
+``exchange="auto"`` picks the registered scheme that sends the fewest bytes per step
+(:func:`choose_scheme`), so a new scheme is one new class registered in :data:`scheme_resolver`.
+All schemes give the same scores, losses and gradients (tested).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from class_resolver import ClassResolver
+from pykeen.models import ERModel
+
+from ..representation import ShardedEmbedding
+from ..scoring import SharedCandidateScorer
+from .base import ExchangeScheme
+from .embedding import EmbeddingMovingScheme
+from .score import ScoreMovingScheme
+
+__all__ = [
+    "AUTO",
+    "EmbeddingMovingScheme",
+    "ExchangeScheme",
+    "ScoreMovingScheme",
+    "choose_scheme",
+    "exchange_cost",
+    "query_width",
+    "scheme_names",
+    "scheme_resolver",
+]
+
+#: the value of ``exchange=`` that picks the cheapest scheme
+AUTO = "auto"
+
+#: the registered exchange schemes (looked up by name, e.g. ``"embedding"``, or class)
+scheme_resolver: ClassResolver[ExchangeScheme] = ClassResolver(
+    [EmbeddingMovingScheme, ScoreMovingScheme], base=ExchangeScheme, suffix="Scheme"
+)
+
+
+def scheme_names() -> list[str]:
+    """Return the short names of the registered schemes, in registration order (``exchange=`` accepts them)."""
+    return [cls.get_name() for cls in scheme_resolver]
+
+
+def exchange_cost(
+    scheme: str | type[ExchangeScheme],
+    n_shard: int,
+    block_size: int,
+    num_negs_per_pos: int,
+    entity_width: int,
+    query_width: int,
+    element_size: int = 4,
+) -> int:
+    """Return the bytes one process sends to the others per step (forward pass) with a scheme.
+
+    See :meth:`ExchangeScheme.cost`: both schemes move the positive tails, ``(n - 1) * b * D``;
+    ``embedding`` moves the negatives, ``(n - 1) * K * D``; ``score`` gathers the queries,
+    ``(n - 1) * n * b * q``, and moves the scores back, ``(n - 1) * b * K``.
+
+    :raises ValueError: for an unknown scheme
+    """
+    return resolve_scheme(scheme).cost(n_shard, block_size, num_negs_per_pos, entity_width, query_width, element_size)
+
+
+def resolve_scheme(scheme: str | type[ExchangeScheme]) -> type[ExchangeScheme]:
+    """Look a scheme up by name or class.
+
+    :raises ValueError: naming the registered schemes
+    """
+    try:
+        return scheme_resolver.lookup(scheme)
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(
+            f"Unknown exchange={scheme!r}; expected one of {(*scheme_names(), AUTO)} or an ExchangeScheme subclass."
+        ) from None
+
+
+def choose_scheme(
+    n_shard: int, block_size: int, num_negs_per_pos: int, entity_width: int, query_width: int
+) -> type[ExchangeScheme]:
+    """Return the registered scheme that sends the fewest bytes per step; ties: the first registered."""
+    return min(
+        scheme_resolver,
+        key=lambda cls: cls.cost(n_shard, block_size, num_negs_per_pos, entity_width, query_width),
+    )
+
+
+def query_width(scorer: SharedCandidateScorer, model: ERModel, tables: Sequence[ShardedEmbedding]) -> int:
+    """Return the number of values of a query (the mean over both sides) for a model's scorer."""
+    with torch.no_grad():
+        entities = [table.view_rows(table.weight[:1]) for table in tables]
+        first_relation = torch.zeros(1, dtype=torch.long, device=tables[0].weight.device)
+        relations = [representation(indices=first_relation) for representation in model.relation_representations]
+        relation = relations[0] if len(relations) == 1 else tuple(relations)
+        widths = []
+        for side, indices in (("head", model.interaction.tail_indices), ("tail", model.interaction.head_indices)):
+            known = [entities[i] for i in indices]
+            query = scorer.query(side, known[0] if len(known) == 1 else tuple(known), relation)  # type: ignore[arg-type]
+            widths.append(query.shape[-1] * (2 if query.is_complex() else 1))
+    return sum(widths) // len(widths)

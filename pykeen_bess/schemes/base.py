@@ -1,0 +1,281 @@
+"""The part of a BESS step every exchange scheme shares: gathering rows, positives, regularization.
+
+A step on the global plan :class:`~pykeen_bess.batch.BessBatch` (``n`` shards, blocks of ``b``
+slots, ``m = K / n`` negatives per shard and block) runs on every process over its ``L`` local
+shards:
+
+1. **gather** (:meth:`ExchangeScheme.gather`): each local shard ``l`` looks up, once per step, the
+   rows it owns: heads of its blocks ``(l, *)``, tails of blocks ``(*, l)`` and its negatives for
+   all ``n ** 2`` blocks. The unique rows become leaf tensors, so the gradient of a step is
+   row-sparse by construction (:meth:`ExchangeScheme.set_row_gradients` hands it to the tables).
+2. **positives**: tails move to the heads' shard, ``all_to_all([L(j), n(i), b, D]) -> [L(i), n(j), b, D]``;
+   positive scores are computed where the heads live.
+3. **negatives**: the scheme's own part (:meth:`ExchangeScheme.negative_scores`): every scheme
+   returns the same ``[L(i), n(j), b', K]`` scores, candidate order shard ``k`` major, then the
+   ``m`` draws, hence the same loss and gradients.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import torch
+from pykeen.models import ERModel
+
+from ..batch import BessBatch, BlockScores, RowGather, regularization_weights
+from ..distributed import Topology
+from ..optim import row_sparse_grad
+from ..representation import ShardedEmbedding
+from ..scoring import SharedCandidateScorer, Side
+from .lookup import Accumulator, RowLookup, slice_parts
+
+__all__ = [
+    "ExchangeScheme",
+]
+
+
+class ExchangeScheme(ABC):
+    """Computes the block scores of BESS steps for one process; subclasses move the negatives."""
+
+    #: other names the scheme is known by (``exchange="embedding"``)
+    synonyms: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(
+        self,
+        model: ERModel,
+        tables: Sequence[ShardedEmbedding],
+        scorer: SharedCandidateScorer,
+        topology: Topology,
+    ):
+        """Bind the step to a model whose entity representations are the given shard tables.
+
+        :param model: the model (relation representations and interaction are used as they are)
+        :param tables: the model's entity representations, as shard tables
+        :param scorer: the shared-candidate scorer of the model's interaction
+        :param topology: the process topology
+        """
+        self.model = model
+        self.tables = list(tables)
+        self.scorer = scorer
+        self.topology = topology
+        self.head_indices = list(model.interaction.head_indices)
+        self.tail_indices = list(model.interaction.tail_indices)
+        self.lookup = RowLookup(model, self.tables)
+
+    @classmethod
+    def get_name(cls) -> str:
+        """Return the scheme's short name (its first synonym, e.g. ``"embedding"``)."""
+        return cls.synonyms[0] if cls.synonyms else cls.__name__
+
+    # -- the cost model --------------------------------------------------------------------------
+
+    @classmethod
+    def cost(
+        cls,
+        n_shard: int,
+        block_size: int,
+        num_negs_per_pos: int,
+        entity_width: int,
+        query_width: int,
+        element_size: int = 4,
+    ) -> int:
+        """Return the bytes one process sends to the others per step (forward pass).
+
+        With ``n`` shards, ``b`` slots per block, ``K`` negatives per positive, ``D`` packed entity
+        values per row and ``q`` query values, every process sends ``n - 1`` of the ``n`` chunks of
+        each all-to-all and its own chunk to ``n - 1`` peers in an all-gather. Every scheme moves
+        the positive tails, ``(n - 1) * b * D``, plus what :meth:`negative_cost` says. The backward
+        pass sends the same amounts back (gradients).
+
+        :returns: bytes sent per process and step
+        """
+        n, b = n_shard, block_size
+        elements = (n - 1) * b * entity_width
+        elements += cls.negative_cost(n, b, num_negs_per_pos, entity_width, query_width)
+        return elements * element_size
+
+    @classmethod
+    @abstractmethod
+    def negative_cost(cls, n: int, b: int, k: int, entity_width: int, query_width: int) -> int:
+        """Return the values one process sends per step to score the negatives (forward pass)."""
+
+    # -- gathering -------------------------------------------------------------------------------
+
+    def gather(self, batch: BessBatch) -> RowGather:
+        """Look up the rows this process owns and needs for the step, as leaves.
+
+        :param batch: the global plan of the step
+        :returns: the rows and index tensors into them
+        """
+        topology = self.topology
+        size = self.tables[0].sharding.shard_size
+        offset = (torch.arange(topology.n_local) * size).view(-1, 1, 1)
+        heads, tails, negatives = batch.heads, batch.tails, batch.negatives
+        if not bool(batch.valid.all()):  # the plan is on the CPU: no device synchronisation
+            # padding slots use the dummy row -1; negatives of blocks without real positives too
+            heads = torch.where(batch.valid, heads, -1)
+            tails = torch.where(batch.valid, tails, -1)
+            negatives = torch.where(batch.valid.any(dim=-1).unsqueeze(0).unsqueeze(-1), negatives, -1)
+        # heads of blocks (l, *), tails of blocks (*, l), this shard's negatives of all blocks
+        head_rows = _offset_rows(topology.select_local(heads, 0), offset)
+        tail_rows = _offset_rows(topology.select_local(tails, 1).transpose(0, 1), offset)
+        negative_rows = _offset_rows(topology.select_local(negatives, 0), offset.unsqueeze(-1))
+        wanted = torch.cat([head_rows.reshape(-1), tail_rows.reshape(-1), negative_rows.reshape(-1)])
+        rows, inverse = torch.unique(wanted, return_inverse=True)
+        first_real = int(rows.numel() > 0 and int(rows[0]) < 0)  # on the CPU
+        device = self.tables[0].weight.device
+        rows, inverse = rows.to(device), inverse.to(device)
+        sizes = [head_rows.numel(), tail_rows.numel(), negative_rows.numel()]
+        head_index, tail_index, negative_index = inverse.split(sizes)
+        lookup = rows.clamp_min(0)
+        leaves = [
+            table.weight.detach().index_select(0, lookup).requires_grad_(table.weight.requires_grad)
+            for table in self.tables
+        ]
+        return RowGather(
+            rows=rows,
+            leaves=leaves,
+            heads=head_index.view(head_rows.shape),
+            tails=tail_index.view(tail_rows.shape),
+            negatives=negative_index.view(negative_rows.shape),
+            first_real=first_real,
+        )
+
+    def set_row_gradients(self, gathered: RowGather, dense: bool = False) -> None:
+        """Hand the accumulated leaf gradients to the shard tables.
+
+        :param gathered: the rows of the step, whose leaves hold the accumulated gradients
+        :param dense: build dense gradients (for optimizers without a row-sparse rule) instead of
+            coalesced row-sparse ones
+        """
+        first, rows = gathered.first_real, gathered.real_rows
+        for table, leaf in zip(self.tables, gathered.leaves):
+            if leaf.grad is None:
+                continue
+            if dense:
+                table.weight.grad = torch.zeros_like(table.weight).index_add_(0, rows, leaf.grad[first:])
+            else:
+                table.weight.grad = row_sparse_grad(table.weight, rows, leaf.grad[first:])
+
+    # -- scoring ---------------------------------------------------------------------------------
+
+    def scores(self, batch: BessBatch, gathered: RowGather, start: int = 0, stop: int | None = None) -> BlockScores:
+        """Score the slots ``start:stop`` of every local block against the block's negatives.
+
+        The regularization term is PyKEEN's sLCWA term of the step as if every positive had its
+        block's shared negatives as its own (see :func:`~pykeen_bess.batch.regularization_weights`),
+        this process' share of the slots ``start:stop``: summing it over slices (sub-batches) and
+        processes gives the term of the whole step regardless of how it is split.
+
+        :param batch: the global plan of the step
+        :param gathered: the rows gathered by :meth:`gather`
+        :param start: the first slot (sub-batching slices the slot axis)
+        :param stop: the end slot (exclusive), defaults to the block size
+        :returns: the scores of the local blocks
+        """
+        topology = self.topology
+        n = topology.n_shard
+        stop = batch.block_size if stop is None else stop
+        slots = slice(start, stop)
+        device = self.tables[0].weight.device
+        local_valid = topology.select_local(batch.valid[..., slots], 0).reshape(-1)  # on the CPU
+        valid_index = None if bool(local_valid.all()) else local_valid.nonzero().view(-1).to(device)
+        weights = regularization_weights(batch, start, stop)
+        regularization = Accumulator()
+        normalized = [self.lookup.normalized_rows(table, leaf) for table, leaf in zip(self.tables, gathered.leaves)]
+
+        # positives: heads stay, tails move to the heads' shard
+        heads = self.lookup.entities(
+            normalized,
+            gathered.heads[..., slots],
+            regularization,
+            self.lookup.role_weights(head=topology.select_local(weights.head, 0)),
+        )
+        tails_out = self.lookup.entities(
+            normalized,
+            gathered.tails[..., slots],
+            regularization,
+            self.lookup.role_weights(tail=topology.select_local(weights.tail, 1).transpose(0, 1)),
+        )
+        tails = topology.all_to_all(tails_out)
+        relations = self.lookup.relations(
+            topology.select_local(batch.relations[..., slots], 0),
+            topology.select_local(weights.relation, 0),
+            regularization,
+        )
+        head_parts, tail_parts = self.lookup.unpack(heads), self.lookup.unpack(tails)
+        positive = self.scorer.score_triples(
+            self.lookup.select(head_parts, self.head_indices),
+            relations,
+            self.lookup.select(tail_parts, self.tail_indices),
+        )
+
+        # negatives of every local block, shared by its slots. They are gathered in the layout
+        # [n(i), n(j), L(k), m, D] and viewed as [L(k), n(i), n(j), m, D]: after the (local)
+        # all-to-all the candidates of a block are then contiguous.
+        m = gathered.negatives.shape[-1]
+        negative_shape = (n, n, topology.n_local, m)
+        negatives_local = self.lookup.entities(
+            normalized,
+            gathered.negatives.permute(1, 2, 0, 3),
+            regularization,
+            self.lookup.role_weights(
+                head=weights.negative_head.view(n, n, 1, 1).expand(negative_shape),
+                tail=weights.negative_tail.view(n, n, 1, 1).expand(negative_shape),
+            ),
+        ).permute(2, 0, 1, 3, 4)
+        negative_scores = []
+        cache: dict[str, Any] = {}
+        for side, side_slots in self._side_slots(batch.num_head_corrupted, start, stop):
+            known_parts = tail_parts if side == "head" else head_parts
+            known_indices = self.tail_indices if side == "head" else self.head_indices
+            query = self.scorer.query(
+                side,
+                self.lookup.select(known_parts, known_indices, side_slots),
+                slice_parts(relations, side_slots),
+            )
+            negative_scores.append(self.negative_scores(side, query, negatives_local, cache))
+        negative = torch.cat(negative_scores, dim=2) if len(negative_scores) > 1 else negative_scores[0]
+        return BlockScores(
+            positive=positive, negative=negative, valid_index=valid_index, regularization=regularization.value
+        )
+
+    @abstractmethod
+    def negative_scores(
+        self, side: Side, query: torch.Tensor, negatives: torch.Tensor, cache: dict[str, Any]
+    ) -> torch.Tensor:
+        """Score the queries of one side against their blocks' negatives.
+
+        :param side: the corrupted side
+        :param query: shape: ``[L(i), n(j), b'', q]``, the scorer's queries of the side's slots
+        :param negatives: shape: ``[L(k), n(i), n(j), m, D]``, this process' negatives of every block,
+            packed (all tables' values of a row side by side)
+        :param cache: shared by the sides of one slice (e.g. negatives moved once for both sides)
+        :returns: shape: ``[L(i), n(j), b'', K]``
+        """
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    def candidate_parts(self, side: Side, packed: torch.Tensor) -> torch.Tensor:
+        """Return the scorer's candidate features of packed rows ``[*, D]`` for the corrupted side."""
+        indices = self.head_indices if side == "head" else self.tail_indices
+        return self.scorer.candidates(side, self.lookup.select(self.lookup.unpack(packed), indices))
+
+    @staticmethod
+    def _side_slots(num_head_corrupted: int, start: int, stop: int) -> list[tuple[Side, slice]]:
+        """Split the slots ``start:stop`` into head- and tail-corrupted ranges (relative to start)."""
+        result: list[tuple[Side, slice]] = []
+        boundary = min(max(num_head_corrupted, start), stop)
+        if boundary > start:
+            result.append(("head", slice(0, boundary - start)))
+        if stop > boundary:
+            result.append(("tail", slice(boundary - start, stop - start)))
+        return result
+
+
+def _offset_rows(local_ids: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """Turn local ids of the local shards (leading axis) into flat rows, keeping -1 (dummy); CPU tensors."""
+    rows = local_ids + offset
+    return rows if bool(offset.max() == 0) else torch.where(local_ids >= 0, rows, -1)

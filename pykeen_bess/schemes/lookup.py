@@ -1,0 +1,169 @@
+"""Looking up a step's rows: entity rows in their roles, relations, and their regularization terms.
+
+:class:`RowLookup` reads the gathered rows of a step in the layout of a role (heads, tails,
+negatives) and packs the parts of all entity tables side by side (``[*, D]``, the unit the exchange
+moves); it weighs every looked-up row's regularizer term as PyKEEN's sLCWA loop does
+(:func:`~pykeen_bess.batch.regularization_weights`), once per use of a table in the role.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from pykeen.models import ERModel
+
+from ..representation import ShardedEmbedding
+
+__all__ = [
+    "Accumulator",
+    "RowLookup",
+    "regularize",
+    "slice_parts",
+]
+
+
+class RowLookup:
+    """Reads a step's rows for the roles of a model's interaction."""
+
+    def __init__(self, model: ERModel, tables: Sequence[ShardedEmbedding]):
+        """Look up the model's entity tables (as shard tables) and relation representations."""
+        self.model = model
+        self.tables = list(tables)
+        self.head_indices = list(model.interaction.head_indices)
+        self.tail_indices = list(model.interaction.tail_indices)
+
+    @staticmethod
+    def normalized_rows(table: ShardedEmbedding, leaf: torch.Tensor) -> torch.Tensor:
+        """Return the stored rows of a leaf in the representation's shape, normalized as PyKEEN's forward would."""
+        x = table.view_rows(leaf)
+        if table.normalizer is not None:
+            x = table.normalizer(x)
+        return x
+
+    def role_weights(
+        self, head: torch.Tensor | None = None, tail: torch.Tensor | None = None
+    ) -> list[torch.Tensor | None]:
+        """Per table, the regularization weight of each row looked up in the head and / or tail role.
+
+        PyKEEN looks up a table once for every time it appears in the interaction's head (tail)
+        indices, so a role's weights count once per appearance.
+
+        :param head: shape: ``s``, weights of the rows as heads (CPU)
+        :param tail: shape: ``s``, weights of the rows as tails (CPU)
+        :returns: one weight tensor of shape ``s`` per table (None: not regularized in this lookup)
+        """
+        result: list[torch.Tensor | None] = []
+        for index in range(len(self.tables)):
+            total = None
+            for weights, indices in ((head, self.head_indices), (tail, self.tail_indices)):
+                count = indices.count(index)
+                if weights is not None and count:
+                    total = weights * count if total is None else total + weights * count
+            result.append(total)
+        return result
+
+    def entities(
+        self,
+        normalized: Sequence[torch.Tensor],
+        index: torch.Tensor,
+        regularization: Accumulator,
+        weights: Sequence[torch.Tensor | None],
+    ) -> torch.Tensor:
+        """Look up entity rows for a role and pack all tables' parts into ``[*index.shape, D]``.
+
+        :param normalized: per table, the normalized rows of the step (views of the leaves)
+        :param index: shape: ``s``, positions in the rows
+        :param regularization: accumulates the weighted regularization terms
+        :param weights: per table, the regularization weight of each looked-up row, shape ``s`` (CPU)
+        :returns: shape: ``[*s, D]``
+        """
+        flat_index = index.reshape(-1)
+        parts = []
+        for table, rows, table_weights in zip(self.tables, normalized, weights):
+            # index_select (not advanced indexing): its backward is a fast index_add
+            x = rows.index_select(0, flat_index).view(*index.shape, *rows.shape[1:])
+            if table.regularizer is not None and table_weights is not None:
+                regularize(table.regularizer, x, table_weights, regularization)
+            if table.dropout is not None:
+                x = table.dropout(x)
+            if x.is_complex():
+                x = torch.view_as_real(x)
+            parts.append(x.reshape(*index.shape, -1))
+        return torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
+
+    def relations(self, indices: torch.Tensor, weights: torch.Tensor, regularization: Accumulator) -> Any:
+        """Look up the relation representations of ``[L, n, b']`` relation ids (``weights``: same shape, CPU)."""
+        indices = indices.to(self.tables[0].weight.device)
+        parts = []
+        for representation in self.model.relation_representations:
+            x = representation._plain_forward(indices=indices)
+            if representation.normalizer is not None:
+                x = representation.normalizer(x)
+            if representation.regularizer is not None:
+                regularize(representation.regularizer, x, weights, regularization)
+            if representation.dropout is not None:
+                x = representation.dropout(x)
+            parts.append(x)
+        return parts[0] if len(parts) == 1 else tuple(parts)
+
+    def unpack(self, packed: torch.Tensor) -> list[torch.Tensor]:
+        """Split ``[*, D]`` into one tensor per table, in the representation's shape."""
+        parts = []
+        offset = 0
+        for table in self.tables:
+            x = packed[..., offset : offset + table.row_width]
+            offset += table.row_width
+            parts.append(
+                table.view_rows(x.contiguous()) if table.is_complex else x.reshape(*x.shape[:-1], *table.shape)
+            )
+        return parts
+
+    @staticmethod
+    def select(parts: Sequence[torch.Tensor], indices: Sequence[int], slots: slice | None = None) -> Any:
+        """Pick the representation parts of a slot (head or tail), optionally slicing the slot axis."""
+        chosen = [parts[i] if slots is None else parts[i][:, :, slots] for i in indices]
+        return chosen[0] if len(chosen) == 1 else tuple(chosen)
+
+
+def slice_parts(x: Any, slots: slice) -> Any:
+    """Slice the slot axis of one representation tensor or a tuple of them."""
+    if isinstance(x, tuple):
+        return tuple(part[:, :, slots] for part in x)
+    return x[:, :, slots]
+
+
+class Accumulator:
+    """Sums weighted regularization terms."""
+
+    def __init__(self) -> None:
+        self.value: torch.Tensor | float = 0.0
+
+    def add(self, term: torch.Tensor | float) -> None:
+        """Add a weighted term."""
+        self.value = self.value + term
+
+
+def regularize(regularizer: Any, x: torch.Tensor, weights: torch.Tensor, accumulator: Accumulator) -> None:
+    """Add ``sum_rows weight(row) * g(row)`` for a regularizer that averages a per-row value ``g``.
+
+    The rows are grouped by weight (a step has few distinct weights), and each group costs one
+    regularizer call: ``mean_group(g) * |group| * weight``. Group selection uses indices computed on
+    the CPU, so no device synchronisation happens.
+
+    :param regularizer: a PyKEEN regularizer
+    :param x: shape: ``[*weights.shape, *row_shape]``, the looked-up rows
+    :param weights: shape: ``s``, CPU, the weight of each row (0: not regularized)
+    :param accumulator: receives the weighted terms
+    """
+    flat_weights = weights.reshape(-1)
+    rows_all = x.reshape(-1, *x.shape[weights.ndim :])
+    for value in torch.unique(flat_weights[flat_weights > 0]).tolist():
+        selected = flat_weights == value
+        if bool(selected.all()):
+            rows = rows_all
+        else:
+            rows = rows_all.index_select(0, selected.nonzero().view(-1).to(x.device))
+        regularizer.update(rows)
+        accumulator.add(regularizer.pop_regularization_term() * (rows.shape[0] * value))

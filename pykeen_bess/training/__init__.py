@@ -1,0 +1,25 @@
+"""Stage 7 of the pipeline: training, :class:`BessTrainingLoop` and the parts it is made of.
+
+* :mod:`~pykeen_bess.training.config`: the validated, frozen settings of a run and the checks that
+  run before any work starts (models, sizes, seeds, triples), and the comparison of all ranks'
+  settings at the start of training;
+* :mod:`~pykeen_bess.training.tables`: the model's entity embeddings as shard tables while training
+  (written back afterwards in one process, kept sharded under a process group);
+* :mod:`~pykeen_bess.training.step`: one step (forward and backward over sub-batches, the gradient
+  hand-off, the replicated reduction) and the optimizer step composed of training callbacks
+  (global-norm clipping);
+* :mod:`~pykeen_bess.training.sizes`: block sizes and the automatic memory search;
+* :mod:`~pykeen_bess.training.checkpoints`: checkpoint stores (one atomic file, or versioned rank
+  files with resharding);
+* :mod:`~pykeen_bess.training.epochs`: the epochs (the loop's ``_train``, PyKEEN's structure);
+* :mod:`~pykeen_bess.training.loop`: :class:`BessTrainingLoop`, which assembles them.
+"""
+
+from .config import SUPPORTED_MODEL_EXAMPLES, BessConfig
+from .loop import BessTrainingLoop
+
+__all__ = [
+    "SUPPORTED_MODEL_EXAMPLES",
+    "BessConfig",
+    "BessTrainingLoop",
+]

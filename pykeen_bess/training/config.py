@@ -1,0 +1,306 @@
+"""The validated settings of a BESS training run, and the checks that run before any work starts.
+
+:class:`BessConfig` is frozen: a run's settings are validated once, when the loop is created
+(every error names the parameter and what to do), and all ranks of a process group compare their
+:func:`run_configuration` at the start of training (:func:`verify_same_configuration`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import math
+import numbers
+from collections.abc import Mapping
+from typing import Any
+
+from class_resolver import HintOrType, OptionalKwargs
+from pykeen.models import ERModel, Model
+from pykeen.nn.representation import Embedding
+from pykeen.regularizers import NoRegularizer, Regularizer
+from pykeen.sampling import BasicNegativeSampler, NegativeSampler, negative_sampler_resolver
+from pykeen.triples import CoreTriplesFactory
+from pykeen.utils import get_batchnorm_modules
+
+from ..distributed import Topology
+from ..sampling import CORRUPTIONS, Corruption
+from ..schemes import AUTO, ExchangeScheme, resolve_scheme
+
+__all__ = [
+    "DEFAULT_NUM_NEGS_PER_POS",
+    "SUPPORTED_MODEL_EXAMPLES",
+    "BessConfig",
+    "check_integer",
+    "check_model",
+    "check_triples_fit_model",
+    "resolve_negative_sampler",
+    "round_num_negs",
+    "run_configuration",
+    "verify_same_configuration",
+]
+
+logger = logging.getLogger(__name__)
+
+#: the default number of negatives per positive (rounded up to a multiple of the shard count)
+DEFAULT_NUM_NEGS_PER_POS = 64
+
+#: model names (``model_resolver`` keys, after registration) that BESS trains, named in error messages
+SUPPORTED_MODEL_EXAMPLES = (
+    "TransE",
+    "DistMult",
+    "ComplEx",
+    "RotatE",
+    "PairRE",
+    "SimplE",
+    "CP",
+    "RESCAL",
+    "InterHT",
+    "TranS",
+)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class BessConfig:
+    """The BESS settings of a training loop, validated (see :class:`~pykeen_bess.training.BessTrainingLoop`)."""
+
+    #: the exchange scheme, or None for ``exchange="auto"`` (chosen per block size)
+    scheme: type[ExchangeScheme] | None
+    #: ``"h"``, ``"t"`` or ``"ht"``
+    corruption: Corruption
+    #: negatives per positive, a multiple of the number of shards
+    num_negs_per_pos: int
+    #: the seed of the sharding, the sampler and the initial tables
+    seed: int
+    #: whether the shard tables are updated row-sparsely
+    sparse_updates: bool
+    #: bytes a memory probe may use on the CPU (None: half the available memory)
+    memory_budget: int | None
+
+    @classmethod
+    def create(
+        cls,
+        n_shard: int,
+        exchange: Any,
+        corruption: Any,
+        num_negs_per_pos: Any,
+        seed: Any,
+        sparse_updates: Any,
+        memory_budget: Any,
+    ) -> BessConfig:
+        """Validate the settings for ``n_shard`` shards.
+
+        :raises ValueError: naming the first invalid setting
+        """
+        scheme = None if exchange == AUTO else resolve_scheme(exchange)
+        if corruption not in CORRUPTIONS:
+            raise ValueError(f"Unknown corruption={corruption!r}; expected one of {CORRUPTIONS}.")
+        if memory_budget is not None:
+            memory_budget = check_integer("memory_budget", memory_budget, minimum=1, hint="(bytes) or None")
+        return cls(
+            scheme=scheme,
+            corruption=corruption,
+            num_negs_per_pos=check_num_negs(num_negs_per_pos, n_shard),
+            seed=check_integer("seed", seed, minimum=0),
+            sparse_updates=bool(sparse_updates),
+            memory_budget=memory_budget,
+        )
+
+    @property
+    def scheme_name(self) -> str:
+        """The name of the scheme (``"auto"`` if it is chosen per block size)."""
+        return AUTO if self.scheme is None else self.scheme.get_name()
+
+
+def check_integer(name: str, value: Any, minimum: int, hint: str = "") -> int:
+    """Return ``value`` as an ``int`` if it is an integer ``>= minimum``; else raise an error naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < minimum:
+        expected = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise ValueError(f"{name} must be {expected}{' ' + hint if hint else ''}, but is {value!r}.")
+    return int(value)
+
+
+def round_num_negs(num_negs_per_pos: Any, n_shard: int) -> int:
+    """Round a tuned ``num_negs_per_pos`` (``train()``, HPO) up to a multiple of the number of shards."""
+    value = check_integer("num_negs_per_pos", num_negs_per_pos, minimum=1)
+    rounded = n_shard * math.ceil(value / n_shard)
+    if rounded != value:
+        logger.info(
+            "num_negs_per_pos=%d rounded up to %d, a multiple of num_shards=%d (every shard contributes equally).",
+            value,
+            rounded,
+            n_shard,
+        )
+    return rounded
+
+
+def check_num_negs(num_negs_per_pos: Any, n_shard: int) -> int:
+    """Return the constructor's ``num_negs_per_pos`` (default 64, rounded up), a multiple of ``n_shard``."""
+    if num_negs_per_pos is None:
+        return n_shard * math.ceil(DEFAULT_NUM_NEGS_PER_POS / n_shard)
+    num_negs_per_pos = check_integer("num_negs_per_pos", num_negs_per_pos, minimum=1)
+    if num_negs_per_pos % n_shard:
+        raise ValueError(
+            f"num_negs_per_pos={num_negs_per_pos} is not usable with num_shards={n_shard}: BESS draws the same number "
+            f"of negatives from every shard, so it must be a multiple of num_shards (e.g. "
+            f"{n_shard * math.ceil(num_negs_per_pos / n_shard)})."
+        )
+    return num_negs_per_pos
+
+
+def resolve_negative_sampler(
+    negative_sampler: HintOrType[NegativeSampler], negative_sampler_kwargs: OptionalKwargs, num_negs_per_pos: int | None
+) -> int | None:
+    """Accept only what is meaningful for BESS from PyKEEN's negative sampler arguments."""
+    if negative_sampler is not None and negative_sampler_resolver.lookup(negative_sampler) is not BasicNegativeSampler:
+        raise ValueError(
+            f"BessTrainingLoop draws its own balanced negatives shared within blocks; negative_sampler="
+            f"{negative_sampler!r} is not supported. Pass negative_sampler_kwargs=dict(num_negs_per_pos=...) and the "
+            f"corruption via training_loop_kwargs=dict(corruption='h'|'t'|'ht')."
+        )
+    kwargs = dict(negative_sampler_kwargs or {})
+    from_sampler = kwargs.pop("num_negs_per_pos", None)
+    if kwargs:
+        raise ValueError(
+            f"Unsupported negative_sampler_kwargs for BESS: {sorted(kwargs)}. Only num_negs_per_pos is used; choose "
+            f"the corrupted side with training_loop_kwargs=dict(corruption=...). Filtering of false negatives is not "
+            f"supported."
+        )
+    if from_sampler is not None and num_negs_per_pos is not None and from_sampler != num_negs_per_pos:
+        raise ValueError(
+            f"Conflicting num_negs_per_pos: {num_negs_per_pos} and {from_sampler} (negative_sampler_kwargs)."
+        )
+    return num_negs_per_pos if num_negs_per_pos is not None else from_sampler
+
+
+def check_model(model: Model) -> list[Embedding]:
+    """Check that BESS can shard the model; return its entity embeddings.
+
+    :raises ValueError: naming what is not supported and the supported models
+    """
+    supported = (
+        f"ERModel subclasses whose entity representations are pykeen.nn.Embedding (models such as "
+        f"{', '.join(SUPPORTED_MODEL_EXAMPLES)}), or an ERModel built from such embeddings and any interaction "
+        f"(e.g. interaction='TripleRE' or 'LineaRE')"
+    )
+    if not isinstance(model, ERModel):
+        raise ValueError(f"BESS cannot shard {type(model).__name__}: supported are {supported}.")
+    embeddings = list(model.entity_representations)
+    for representation in embeddings:
+        if type(representation) is not Embedding:
+            raise ValueError(
+                f"BESS cannot shard {type(model).__name__}: its entity representation {type(representation).__name__} "
+                f"is not a plain pykeen.nn.Embedding. Supported are {supported}."
+            )
+    entity_weights = {id(p) for representation in embeddings for p in representation.parameters()}
+    for module in model.modules():
+        if not isinstance(module, Regularizer) or isinstance(module, NoRegularizer) or not bool(module.weight):
+            continue
+        if any(id(p) in entity_weights for p in module.tracked_parameters):
+            raise ValueError(
+                f"BESS cannot train {type(model).__name__} with its {type(module).__name__}: it regularizes the whole "
+                f"entity table every step, which is never in one place under BESS. Give it weight 0 (for TransH: "
+                f"model_kwargs=dict(regularizer='normlimit', regularizer_kwargs=dict(weight=0.0)))."
+            )
+    for representation in embeddings:
+        regularizer = representation.regularizer
+        if regularizer is not None and regularizer.apply_only_once:
+            raise ValueError(
+                f"BESS does not support regularizers with apply_only_once=True on entity representations "
+                f"({type(regularizer).__name__} of {type(model).__name__}): PyKEEN applies them to the first lookup of "
+                f"a batch only, which has no counterpart in a step split over shards."
+            )
+    if get_batchnorm_modules(model):
+        raise ValueError(
+            f"BESS cannot train {type(model).__name__}: it has batch normalization layers, whose statistics would "
+            f"depend on how a step is split into blocks."
+        )
+    return embeddings  # type: ignore[return-value]
+
+
+def check_triples_fit_model(triples_factory: CoreTriplesFactory, model: Model) -> None:
+    """Check that the training triples use only entity and relation ids the model has.
+
+    :raises ValueError: naming the offending ids (a factory changed after the model was created)
+    """
+    triples = triples_factory.mapped_triples
+    if triples.ndim != 2 or triples.shape[1] != 3:
+        raise ValueError(f"triples_factory.mapped_triples must have shape [n, 3], but has {list(triples.shape)}.")
+    if triples.shape[0] == 0:
+        raise ValueError("triples_factory holds no training triples.")
+    problems = []
+    for name, ids, upper in (
+        ("entity", triples[:, [0, 2]], model.num_entities),
+        ("relation", triples[:, 1], model.num_real_relations),
+    ):
+        bad = ids[(ids < 0) | (ids >= upper)]
+        if bad.numel():
+            problems.append(f"{name} ids outside [0, {upper}) such as {bad.unique()[:5].tolist()}")
+    if problems:
+        raise ValueError(
+            f"The training triples contain {' and '.join(problems)}: they do not fit the model (was the triples "
+            f"factory changed after the model was created?)."
+        )
+
+
+def run_configuration(loop: Any, triples_factory: CoreTriplesFactory, **train_kwargs: Any) -> dict[str, str]:
+    """Return the settings every rank must share, as strings.
+
+    :param loop: the training loop
+    :param triples_factory: the training triples (compared by a hash)
+    :param train_kwargs: the ``train()`` settings to compare
+    :returns: setting name -> its ``repr``
+    """
+    model = loop.model
+    tables = {id(table.weight) for table in loop.tables}
+    dense = {name: tuple(p.shape) for name, p in model.named_parameters() if p.requires_grad and id(p) not in tables}
+    triples = triples_factory.mapped_triples.contiguous().numpy()
+    config = loop.config
+    settings = dict(
+        model=type(model).__name__,
+        interaction=repr(model.interaction),
+        loss=repr(model.loss),
+        num_entities=model.num_entities,
+        num_relations=model.num_relations,
+        entity_tables=[(t.row_width, str(t.weight.dtype)) for t in loop.tables],
+        replicated_parameters=dense,
+        optimizer=loop.optimizer_cls.__name__,
+        optimizer_kwargs=sorted((k, repr(v)) for k, v in loop.optimizer_kwargs.items()),
+        lr_scheduler=type(loop.lr_scheduler).__name__ if loop.lr_scheduler is not None else None,
+        num_shards=loop.topology.n_shard,
+        exchange=config.scheme_name,
+        corruption=config.corruption,
+        num_negs_per_pos=config.num_negs_per_pos,
+        seed=config.seed,
+        sparse_updates=config.sparse_updates,
+        triples=f"{triples.shape[0]} triples, sha1 {hashlib.sha1(triples.tobytes()).hexdigest()}",
+        **train_kwargs,
+    )
+    return {key: repr(value) for key, value in settings.items()}
+
+
+def verify_same_configuration(topology: Topology, config: Mapping[str, str]) -> None:
+    """Check that all processes run the same configuration (collective; nothing to check in one process).
+
+    :raises ValueError: naming every setting that differs between ranks
+    """
+    if not topology.is_distributed:
+        return
+    configs = topology.all_gather_object(dict(config))
+    differences = {
+        key: [c.get(key) for c in configs]
+        for key in sorted(set().union(*configs))
+        if len({c.get(key) for c in configs}) > 1
+    }
+    if not differences:
+        return
+    lines = "\n".join(
+        f"  {key}: " + ", ".join(f"rank {r}={v}" for r, v in enumerate(values)) for key, values in differences.items()
+    )
+    hint = ""
+    if differences.keys() & {"batch_size", "num_epochs", "num_negs_per_pos"}:
+        hint = (
+            "\nUnder hpo_pipeline every rank must draw the same trials: give all ranks the same sampler seed, "
+            "e.g. hpo_pipeline(..., sampler='random', sampler_kwargs=dict(seed=0))."
+        )
+    raise ValueError(f"The ranks of the process group run different configurations:\n{lines}{hint}")

@@ -1,0 +1,334 @@
+"""Stage 7 of the pipeline: :class:`BessTrainingLoop`, BESS inside PyKEEN's training machinery.
+
+The loop is a :class:`pykeen.training.SLCWATrainingLoop` (so ``pipeline()`` hands it the negative
+sampler kwargs) assembled from the parts of this subpackage: the validated settings
+(:mod:`~pykeen_bess.training.config`), the shard tables (:mod:`~pykeen_bess.training.tables`), the
+step (:mod:`~pykeen_bess.training.step`), the step sizes (:mod:`~pykeen_bess.training.sizes`) and
+the checkpoint store (:mod:`~pykeen_bess.training.checkpoints`), over one process topology
+(:mod:`pykeen_bess.distributed`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import pathlib
+from collections.abc import Iterator, Mapping
+from typing import Any, ClassVar
+
+import torch
+from class_resolver import HintOrType, OptionalKwargs
+from pykeen.models import Model
+from pykeen.sampling import NegativeSampler
+from pykeen.stoppers import Stopper
+from pykeen.training import SLCWATrainingLoop
+from pykeen.training.training_loop import _get_lr_scheduler_kwargs
+from pykeen.triples import CoreTriplesFactory
+
+from ..batch import BessBatch
+from ..distributed import Topology, make_topology
+from ..optim import BessOptimizer, optimizer_hyperparameters
+from ..partition import ShardPairPartition
+from ..sampling import BessSampler, Corruption
+from ..schemes import ExchangeScheme, choose_scheme, query_width
+from ..scoring import SharedCandidateScorer, get_scorer
+from ..sharding import EntitySharding
+from .checkpoints import CheckpointStore, FileCheckpointStore, RankCheckpointStore
+from .config import (
+    BessConfig,
+    check_integer,
+    check_model,
+    check_triples_fit_model,
+    resolve_negative_sampler,
+    round_num_negs,
+)
+from .epochs import run_epochs
+from .sizes import StepSizes
+from .step import StepRunner
+from .tables import ShardTables
+
+__all__ = [
+    "BessTrainingLoop",
+]
+
+logger = logging.getLogger(__name__)
+
+
+class BessTrainingLoop(SLCWATrainingLoop):
+    """Train any PyKEEN ``ERModel`` with embedding tables with BESS.
+
+    Use it through ``pipeline(training_loop="bess", training_loop_kwargs=dict(num_shards=4))``.
+    One step is a balanced batch of ``num_shards ** 2`` blocks: the ``batch_size`` positives are
+    split equally over the shardpairs (``block_size = ceil(batch_size / num_shards ** 2)``), and
+    all positives of a block share ``num_negs_per_pos`` negatives drawn equally from every shard.
+    See :mod:`pykeen_bess.sampling` for what an epoch is.
+    """
+
+    #: The knobs HPO tunes (they are ``train()`` keyword arguments, see :meth:`train`)
+    hpo_default: ClassVar[Mapping[str, Mapping[str, Any]]] = dict(
+        num_epochs=dict(type=int, low=100, high=1000, q=100),
+        batch_size=dict(type=int, low=8, high=13, scale="power_two"),  # 256 ... 8192
+        num_negs_per_pos=dict(type=int, low=4, high=8, scale="power_two"),  # 16 ... 256
+    )
+
+    supports_slicing: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        model: Model,
+        triples_factory: CoreTriplesFactory,
+        *,
+        num_shards: int | None = None,
+        exchange: str | type[ExchangeScheme] = "embedding",
+        corruption: Corruption = "ht",
+        num_negs_per_pos: int | None = None,
+        seed: int | None = None,
+        sparse_updates: bool = True,
+        process_group: Any = None,
+        memory_budget: int | None = None,
+        negative_sampler: HintOrType[NegativeSampler] = None,
+        negative_sampler_kwargs: OptionalKwargs = None,
+        **kwargs: Any,
+    ) -> None:
+        """Create the loop; every configuration error is raised here, before training starts.
+
+        :param model: an ``ERModel`` whose entity representations are :class:`pykeen.nn.Embedding`
+        :param triples_factory: the training triples
+        :param num_shards: the number of entity shards ``n``; defaults to the world size inside a
+            ``torch.distributed`` process group, else 1. In one process all ``n`` shards are held
+            as logical shards.
+        :param exchange: the exchange scheme (:mod:`pykeen_bess.schemes`): ``"embedding"`` (move tail
+            and negative embeddings to the heads' shard), ``"score"`` (gather queries, move negative
+            scores), a scheme class, or ``"auto"`` (the scheme that moves the fewest bytes per step)
+        :param corruption: corrupt heads (``"h"``), tails (``"t"``) or both (``"ht"``: the first
+            half of every block corrupts heads, the second half tails)
+        :param num_negs_per_pos: negatives per positive, a multiple of ``num_shards``; also
+            accepted from ``negative_sampler_kwargs`` (what ``pipeline()`` passes) and as a
+            ``train()`` argument (what HPO tunes). Default: 64 rounded up to a multiple of
+            ``num_shards``.
+        :param seed: the seed of the sharding, the sampler and the initial tables; defaults to the
+            model's random seed (``pipeline(random_seed=...)``; under a process group rank 0's), else 0
+        :param sparse_updates: update the shard tables row-sparsely (see :mod:`pykeen_bess.optim`);
+            set False to use any optimizer densely
+        :param process_group: a ``torch.distributed`` process group to train in (default: the
+            world group if one is initialised with more than one rank; under ``torchrun`` it is
+            joined first)
+        :param memory_budget: bytes a memory probe may use on the CPU (default: half the memory
+            available when the search starts); see :mod:`pykeen_bess.memory`
+        :param negative_sampler: must be None or PyKEEN's basic sampler: BESS draws its own
+            balanced, shared negatives
+        :param negative_sampler_kwargs: only ``num_negs_per_pos`` is meaningful
+        :param kwargs: passed to :class:`pykeen.training.TrainingLoop` (optimizer, lr scheduler,
+            result tracker, ...)
+        :raises ValueError: for an unsupported model or invalid parameters
+        :raises NotImplementedError: for features BESS does not support (loss weighters, inductive
+            mode)
+        """
+        if kwargs.get("loss_weighter") is not None:
+            raise NotImplementedError("BessTrainingLoop does not support loss weighters.")
+        if kwargs.get("mode") is not None:
+            raise NotImplementedError("BessTrainingLoop supports transductive training only (mode=None).")
+        num_negs_per_pos = resolve_negative_sampler(negative_sampler, negative_sampler_kwargs, num_negs_per_pos)
+        super().__init__(model=model, triples_factory=triples_factory, **kwargs)
+        embeddings = check_model(model)
+        self.topology: Topology = make_topology(num_shards=num_shards, process_group=process_group)
+        n_shard = self.topology.n_shard
+        if n_shard > model.num_entities:
+            raise ValueError(f"num_shards={n_shard} is larger than the number of entities ({model.num_entities}).")
+        if seed is None:
+            seed = model._random_seed if model._random_seed is not None else 0
+            # every rank must shard and sample alike: without an explicit seed, rank 0's (e.g. the pipeline's
+            # random seed, which hpo_pipeline draws per process) is used everywhere
+            seed = self.topology.broadcast_object(seed)
+        self.config = BessConfig.create(
+            n_shard, exchange, corruption, num_negs_per_pos, seed, sparse_updates, memory_budget
+        )
+        self.sharding = EntitySharding.create(model.num_entities, n_shard, seed=self.config.seed)
+        self.tables = ShardTables.create(model, embeddings, self.sharding, self.topology, self.config.seed)
+        self.scorer: SharedCandidateScorer = get_scorer(
+            model.interaction,
+            entity_representations=model.entity_representations,
+            relation_representations=model.relation_representations,
+        )
+        # the optimizer the base class built (or the pipeline passed) defines class and hyper-parameters
+        self.optimizer_cls = type(self.optimizer)
+        self.optimizer_kwargs = optimizer_hyperparameters(self.optimizer)
+        self.optimizer = self.build_optimizer()
+        if self.lr_scheduler is not None:
+            self.lr_scheduler = self.rebuild_lr_scheduler()
+        self.checkpoints: CheckpointStore = (
+            RankCheckpointStore(self) if self.topology.is_distributed else FileCheckpointStore(self)
+        )
+        self.sizes = StepSizes(self)
+        self._partition: tuple[torch.Tensor, int, ShardPairPartition] | None = None
+        logger.info(
+            "BESS: %s; exchange=%s, corruption=%s", self.sharding.describe(), self.config.scheme_name, corruption
+        )
+
+    # -- parts ---------------------------------------------------------------------------------
+
+    def build_optimizer(self) -> BessOptimizer:
+        """Build the user's optimizer for the replicated parameters, with row-sparse rules for the shard tables."""
+        return BessOptimizer(
+            self.optimizer_cls,
+            dense_params=self.tables.replicated_parameters(),
+            table_params=self.tables.weights(),
+            hyperparameters=self.optimizer_kwargs,
+            sparse_updates=self.config.sparse_updates,
+            # constraints (e.g. unit norm) are applied to the updated rows within the update
+            row_constraints={table.weight: table.constrain_values for table in self.tables if table.constrainer},
+        )
+
+    def rebuild_lr_scheduler(self) -> Any:
+        """Build the learning-rate scheduler again, for the current optimizer."""
+        assert self.lr_scheduler is not None
+        return self.lr_scheduler.__class__(optimizer=self.optimizer, **_get_lr_scheduler_kwargs(self.lr_scheduler))
+
+    def partition(self, triples_factory: CoreTriplesFactory) -> ShardPairPartition:
+        """Return the training triples (with inverse triples if the model uses them) by shardpair, cached.
+
+        The cache holds the triples tensor itself and its version counter, so neither another
+        tensor (which could reuse a freed tensor's ``id``) nor an in-place change reuses a stale
+        partition.
+        """
+        triples = triples_factory.mapped_triples
+        if self._partition is None or self._partition[0] is not triples or self._partition[1] != triples._version:
+            mapped_triples = triples_factory._add_inverse_triples_if_necessary(triples)
+            self._partition = (
+                triples,
+                triples._version,
+                ShardPairPartition.from_triples(mapped_triples, self.sharding),
+            )
+        return self._partition[2]
+
+    def make_sampler(self, partition: ShardPairPartition, block_size: int) -> BessSampler:
+        """Return the sampler of balanced batches of ``block_size`` slots per block."""
+        return BessSampler(
+            partition,
+            block_size=block_size,
+            num_negs_per_pos=self.config.num_negs_per_pos,
+            corruption=self.config.corruption,
+            seed=self.config.seed,
+        )
+
+    def make_scheme(self, block_size: int, topology: Topology | None = None) -> ExchangeScheme:
+        """Return the exchange scheme (``exchange="auto"``: the cheapest for this block size)."""
+        scheme = self.config.scheme
+        if scheme is None:
+            scheme = choose_scheme(
+                n_shard=self.topology.n_shard,
+                block_size=block_size,
+                num_negs_per_pos=self.config.num_negs_per_pos,
+                entity_width=sum(table.row_width for table in self.tables),
+                query_width=query_width(self.scorer, self.model, self.tables.tables),  # type: ignore[arg-type]
+            )
+            logger.info("exchange='auto' chose %s for blocks of %d slots.", scheme.get_name(), block_size)
+        return scheme(
+            model=self.model,  # type: ignore[arg-type]
+            tables=self.tables.tables,
+            scorer=self.scorer,
+            topology=self.topology if topology is None else topology,
+        )
+
+    def make_runner(self, block_size: int, topology: Topology | None = None) -> StepRunner:
+        """Return the step runner of blocks of ``block_size`` slots."""
+        return StepRunner(
+            scheme=self.make_scheme(block_size, topology),
+            loss=self.loss,
+            tables=self.tables,
+            sparse_updates=self.config.sparse_updates,
+            collect_regularization_term=self.model.collect_regularization_term,
+            post_forward_pass=self.model.post_forward_pass,
+        )
+
+    # -- PyKEEN's training-loop interface ------------------------------------------------------
+
+    def train(  # type: ignore[override]
+        self,
+        triples_factory: CoreTriplesFactory,
+        num_epochs: int = 1,
+        batch_size: int | None = None,
+        *,
+        num_negs_per_pos: int | None = None,
+        **kwargs: Any,
+    ) -> list[float] | None:
+        """Train the model; see :meth:`pykeen.training.TrainingLoop.train` for all arguments.
+
+        :param triples_factory: the training triples
+        :param num_epochs: the number of epochs
+        :param batch_size: positives per step, a positive integer (rounded up to a multiple of
+            ``num_shards ** 2``, logged at INFO); None searches the largest batch that fits (see
+            :mod:`pykeen_bess.memory`) when ``automatic_memory_optimization`` is on, else uses 256
+        :param num_negs_per_pos: overrides the constructor's value (HPO tunes it here); rounded up to a
+            multiple of ``num_shards`` (logged), so that any tuned value works with any shard count
+        :param kwargs: the other arguments of :meth:`pykeen.training.TrainingLoop.train`
+            (``sub_batch_size``, ``checkpoint_name``, ``stopper``, ``callbacks``, ...)
+        :returns: the loss of every epoch
+        """
+        check_integer("num_epochs", num_epochs, minimum=0)
+        if batch_size is not None:
+            check_integer("batch_size", batch_size, minimum=1, hint="or None to search the largest that fits")
+        if kwargs.get("sub_batch_size") is not None:
+            check_integer("sub_batch_size", kwargs["sub_batch_size"], minimum=1, hint="or None")
+        if num_negs_per_pos is not None:
+            self.config = dataclasses.replace(
+                self.config, num_negs_per_pos=round_num_negs(num_negs_per_pos, self.topology.n_shard)
+            )
+        check_triples_fit_model(triples_factory, self.model)
+        # without continue_training the tables are re-initialised (or loaded from a checkpoint)
+        with self.tables.installed(copy_weights=bool(kwargs.get("continue_training"))):
+            return super().train(
+                triples_factory=triples_factory, num_epochs=num_epochs, batch_size=batch_size, **kwargs
+            )
+
+    def _train(self, triples_factory: CoreTriplesFactory, **kwargs: Any) -> list[float] | None:  # type: ignore[override]
+        """Run the BESS epochs (called by PyKEEN's ``TrainingLoop.train``); see :func:`.epochs.run_epochs`."""
+        return run_epochs(self, triples_factory, **kwargs)
+
+    def _save_state(
+        self,
+        path: Any,
+        stopper: Stopper | None = None,
+        best_epoch_model_checkpoint_file_path: pathlib.Path | None = None,
+        triples_factory: CoreTriplesFactory | None = None,
+    ) -> None:
+        """Write a checkpoint through the loop's checkpoint store (collective under a process group)."""
+        self.checkpoints.save(pathlib.Path(path), stopper, best_epoch_model_checkpoint_file_path, triples_factory)
+
+    def _load_state(self, path: str | pathlib.Path, triples_factory: CoreTriplesFactory | None = None) -> Any:
+        """Load a checkpoint through the loop's checkpoint store; the shard tables then hold the weights."""
+        result = self.checkpoints.load(pathlib.Path(path), triples_factory)
+        self.tables.now_hold_weights()
+        return result
+
+    def _create_training_data_loader(self, triples_factory: CoreTriplesFactory, **kwargs: Any) -> EpochBatches:
+        """Return the balanced batches of the epochs (``batch_size`` positives per step)."""
+        block_size = kwargs["batch_size"] // self.topology.n_shard**2
+        return EpochBatches(self.make_sampler(self.partition(triples_factory), block_size), first_epoch=self._epoch + 1)
+
+    @staticmethod
+    def _get_batch_size(batch: BessBatch) -> int:  # type: ignore[override]
+        """Return the slots of a block (PyKEEN's sub-batching splits them)."""
+        return batch.block_size
+
+    def _process_batch(self, *args: Any, **kwargs: Any) -> torch.Tensor:  # type: ignore[override]
+        raise NotImplementedError("A BESS step runs through pykeen_bess.training.step.StepRunner.")
+
+    def _slice_size_search(self, **kwargs: Any) -> int:
+        raise MemoryError("BessTrainingLoop does not support slicing; use sub-batching.")
+
+
+class EpochBatches:
+    """The batches of consecutive epochs: each iteration yields the next epoch's steps."""
+
+    def __init__(self, sampler: BessSampler, first_epoch: int):
+        """Start at ``first_epoch`` (1-based)."""
+        self.sampler = sampler
+        self.next_epoch = first_epoch
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __iter__(self) -> Iterator[BessBatch]:
+        epoch, self.next_epoch = self.next_epoch, self.next_epoch + 1
+        return self.sampler.epoch(epoch)

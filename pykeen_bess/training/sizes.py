@@ -1,0 +1,131 @@
+"""Choosing the sizes of a BESS step: blocks from a batch size, and the automatic memory search.
+
+``batch_size`` positives make ``n ** 2`` blocks of ``ceil(batch_size / n ** 2)`` slots; with
+``batch_size=None`` the largest power of two that fits is searched, then the blocks are shrunk to
+the same number of steps per epoch, so that the last step is not mostly padding. A step that does
+not fit is split into sub-batches of the largest number of slots that does. Probes run one step's
+forward and backward without communicating (:class:`~pykeen_bess.distributed.ProbeTopology`) and
+all processes agree on each outcome (:func:`pykeen_bess.memory.search_largest`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+from ..distributed import ProbeTopology
+from ..memory import available_memory, fits_in_memory, search_largest
+from ..partition import ShardPairPartition
+
+__all__ = [
+    "StepSizes",
+    "block_size_for",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def block_size_for(batch_size: int, n_shard: int) -> int:
+    """Return the slots per block of ``batch_size`` positives over ``n_shard ** 2`` blocks (rounded up, logged)."""
+    n2 = n_shard**2
+    block_size = max(1, math.ceil(batch_size / n2))
+    if block_size * n2 != batch_size:
+        logger.info(
+            "batch_size=%d rounded up to %d, a multiple of num_shards**2=%d (%d blocks of %d slots).",
+            batch_size,
+            block_size * n2,
+            n2,
+            n2,
+            block_size,
+        )
+    return block_size
+
+
+class StepSizes:
+    """The memory search of a training loop: the largest batch, and the largest sub-batch, that fit."""
+
+    def __init__(self, loop: Any):
+        """Probe steps of ``loop`` (a :class:`~pykeen_bess.training.BessTrainingLoop`)."""
+        self.loop = loop
+
+    def probe(
+        self, partition: ShardPairPartition, block_size: int, sub_block_size: int, label_smoothing: float
+    ) -> None:
+        """Forward and backward of one step without updating anything or communicating."""
+        loop = self.loop
+        topology = loop.topology if not loop.topology.is_distributed else ProbeTopology(loop.topology)
+        runner = loop.make_runner(block_size, topology)
+        batch = next(iter(loop.make_sampler(partition, block_size).epoch(1)))
+        try:
+            runner.forward_backward(batch, sub_block_size, label_smoothing)
+        finally:
+            loop.optimizer.zero_grad(set_to_none=True)
+            loop.model.collect_regularization_term()
+
+    def budget(self) -> int | None:
+        """Return the bytes a probe may use (None: only out-of-memory errors count, on a GPU)."""
+        if self.loop.config.memory_budget is not None:
+            return self.loop.config.memory_budget
+        if self.loop.device.type == "cuda":
+            return None  # out-of-memory errors are raised, and caught
+        available = available_memory(self.loop.device)
+        return None if available is None else available // 2
+
+    def batch_size(self, partition: ShardPairPartition, label_smoothing: float) -> int:
+        """Find the largest batch size that fits, balanced over the steps of an epoch.
+
+        :raises MemoryError: if not even one slot per block fits
+        """
+        budget = self.budget()
+        n2 = self.loop.topology.n_shard**2
+
+        def fits(batch_size: int) -> bool:
+            block = max(1, math.ceil(batch_size / n2))
+            return fits_in_memory(
+                lambda: self.probe(partition, block, block, label_smoothing), self.loop.device, budget
+            )[0]
+
+        maximum = max(n2, partition.num_triples)
+        batch_size, found = search_largest(
+            fits, start=min(8192, maximum), maximum=maximum, topology=self.loop.topology, description="batch_size"
+        )
+        if not found:
+            raise MemoryError(f"Even batch_size=1 ({n2} slots) does not fit in memory with these parameters.")
+        # the same number of steps with the smallest blocks: the last step of an epoch is then (nearly) full
+        # instead of mostly padding (e.g. 8,544 triples in batches of 8,192 would be 48% padding)
+        largest_pair = int(partition.pair_counts.max())
+        steps = max(1, math.ceil(largest_pair / max(1, math.ceil(batch_size / n2))))
+        balanced = math.ceil(largest_pair / steps) * n2
+        logger.info(
+            "Automatic memory optimization chose batch_size=%d (the largest power of two that fits: %d; %d steps per "
+            "epoch).",
+            balanced,
+            batch_size,
+            steps,
+        )
+        return balanced
+
+    def sub_block_size(self, partition: ShardPairPartition, block_size: int, label_smoothing: float) -> int:
+        """Check that a step fits; otherwise find the largest sub-batch (slots per block) that does.
+
+        :raises MemoryError: if not even sub-batches of one slot per block fit
+        """
+        budget = self.budget()
+
+        def fits(sub_block: int) -> bool:
+            return fits_in_memory(
+                lambda: self.probe(partition, block_size, sub_block, label_smoothing), self.loop.device, budget
+            )[0]
+
+        sub_block, found = search_largest(
+            fits, start=block_size, maximum=block_size, topology=self.loop.topology, description="slots per sub-batch"
+        )
+        if not found:
+            raise MemoryError(
+                "The model cannot be trained on this hardware with these parameters: even sub-batches of one slot "
+                "per block do not fit. Reduce num_negs_per_pos, the embedding dimension or num_shards."
+            )
+        if sub_block < block_size:
+            logger.info("Automatic memory optimization: sub-batches of %d slots per block.", sub_block)
+        return sub_block

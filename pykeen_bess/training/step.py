@@ -1,0 +1,230 @@
+"""One BESS training step: forward and backward, gradient hand-off, then the optimizer step as callbacks.
+
+:class:`StepRunner` runs the forward and backward passes of a step (all sub-batches of the slot
+axis) and returns this process' loss, which the loop all-reduces and checks; then
+:meth:`StepRunner.hand_off_gradients` gives the gathered rows' gradients to the shard tables
+(coalesced row-sparse, or dense with ``sparse_updates=False``) and sums the replicated
+parameters' gradients over the processes, in one collective per dtype (a parameter without a
+gradient in every process keeps none, so the optimizer skips it as in one process).
+
+The optimizer step is a training callback, as PyKEEN composes its own (``OptimizerTrainingCallback``
+with pre-step callbacks for clipping): :class:`BessOptimizerCallback` runs the clipping callbacks
+(:class:`GlobalNormClippingCallback`: by the norm over all shards and replicated parameters, one
+collective; :class:`ValueClippingCallback`), the optimizer step, the constraints of densely
+updated rows and the model's ``post_parameter_update``. No part forces the host to wait for the
+device beyond the one loss value the loop reads per step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from pykeen.losses import Loss
+from pykeen.training.callbacks import TrainingCallback
+
+from ..batch import BessBatch, RowGather
+from ..distributed import Topology
+from ..loss import block_loss
+from ..schemes import ExchangeScheme
+from .tables import ShardTables
+
+__all__ = [
+    "BessOptimizerCallback",
+    "GlobalNormClippingCallback",
+    "StepRunner",
+    "ValueClippingCallback",
+]
+
+
+class StepRunner:
+    """Forward and backward of the sub-batches of a step, on one process."""
+
+    def __init__(
+        self,
+        scheme: ExchangeScheme,
+        loss: Loss,
+        tables: ShardTables,
+        sparse_updates: bool,
+        collect_regularization_term: Any,
+        post_forward_pass: Any,
+    ):
+        """Bind the runner to a scheme and a loss.
+
+        :param scheme: the exchange scheme (model, tables, scorer, topology)
+        :param loss: the PyKEEN loss
+        :param tables: the shard tables (and the replicated parameters)
+        :param sparse_updates: hand row-sparse gradients to the tables (else dense ones)
+        :param collect_regularization_term: the model's method returning (and resetting) the terms the
+            scheme does not weigh itself (e.g. weight regularizers of replicated parameters)
+        :param post_forward_pass: the model's hook after each forward pass
+        """
+        self.scheme = scheme
+        self.loss = loss
+        self.tables = tables
+        self.topology = scheme.topology
+        self.sparse_updates = sparse_updates
+        self.num_entities = scheme.model.num_entities
+        self.collect_regularization_term = collect_regularization_term
+        self.post_forward_pass = post_forward_pass
+        #: the rows of the step being run
+        self.rows: RowGather | None = None
+
+    def hand_off_gradients(self) -> None:
+        """Give the step's row gradients to the shard tables and sum the replicated gradients over the processes."""
+        if self.rows is not None:
+            self.scheme.set_row_gradients(self.rows, dense=not self.sparse_updates)
+        parameters = self.tables.replicated_parameters()
+        if not self.topology.is_distributed or not parameters:
+            return
+        present = torch.tensor([p.grad is not None for p in parameters], dtype=torch.float64)
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in parameters]
+        present, *summed = self.topology.all_reduce_coalesced([present, *grads])
+        for parameter, flag, grad in zip(parameters, present.tolist(), summed):
+            parameter.grad = grad if flag > 0 else None
+
+    def forward_backward(self, batch: BessBatch, sub_block_size: int, label_smoothing: float) -> torch.Tensor:
+        """Run forward and backward of all sub-batches of a step.
+
+        :param batch: the step's plan
+        :param sub_block_size: slots per block and sub-batch
+        :param label_smoothing: PyKEEN's label smoothing
+        :returns: this process' share of the step loss, a float64 scalar on the topology's device
+        """
+        self.rows = rows = self.scheme.gather(batch)
+        total = torch.zeros((), dtype=torch.float64, device=self.topology.device)
+        num_valid = batch.num_valid
+        for start in range(0, batch.block_size, sub_block_size):
+            stop = min(start + sub_block_size, batch.block_size)
+            scores = self.scheme.scores(batch, rows, start, stop)
+            loss = block_loss(
+                self.loss,
+                scores,
+                num_valid_step=num_valid,
+                label_smoothing=label_smoothing,
+                num_entities=self.num_entities,
+            )
+            # the terms the scheme did not weigh (e.g. weight regularizers) are replicated: add this
+            # process' share of this sub-batch
+            share = (stop - start) / batch.block_size * self.topology.n_local / self.topology.n_shard
+            loss = (loss + self.collect_regularization_term() * share).sum()  # regularizer terms have shape [1]
+            loss.backward()
+            total += loss.detach().to(total)
+            self.post_forward_pass()
+        return total
+
+
+class GlobalNormClippingCallback(TrainingCallback):
+    """Pre-step: clip all gradients by their global norm (all shards, replicated parameters once).
+
+    Equals :func:`torch.nn.utils.clip_grad_norm_` over all parameters of the unsharded model.
+    """
+
+    def __init__(
+        self,
+        tables: ShardTables,
+        topology: Topology,
+        max_norm: float,
+        norm_type: float | None = None,
+    ):
+        """Clip to ``max_norm`` in the ``norm_type`` norm (default 2)."""
+        super().__init__()
+        self.tables = tables
+        self.topology = topology
+        self.max_norm = float(max_norm)
+        self.norm_type = float(norm_type or 2.0)
+
+    def pre_step(self, **kwargs: Any) -> None:  # noqa: D102
+        sharded = [_values(table.weight.grad) for table in self.tables if table.weight.grad is not None]
+        replicated = [p.grad for p in self.tables.replicated_parameters() if p.grad is not None]
+        if not sharded and not replicated:
+            return
+        p = self.norm_type
+        device = (sharded or replicated)[0].device
+        if math.isinf(p):
+            local = _reduce([g.abs().max() for g in sharded if g.numel()], torch.amax, device)
+            shared = _reduce([g.abs().max() for g in replicated if g.numel()], torch.amax, device)
+            total = torch.maximum(self.topology.all_reduce(local, op="max"), shared)
+        else:
+            local = _reduce([torch.linalg.vector_norm(g, p, dtype=torch.float64) ** p for g in sharded], sum, device)
+            shared = _reduce(
+                [torch.linalg.vector_norm(g, p, dtype=torch.float64) ** p for g in replicated], sum, device
+            )
+            total = (self.topology.all_reduce(local) + shared) ** (1.0 / p)
+        coefficient = torch.clamp(self.max_norm / (total + 1e-6), max=1.0)
+        for grad in [*sharded, *replicated]:
+            grad.mul_(coefficient.to(grad.dtype))
+
+
+class ValueClippingCallback(TrainingCallback):
+    """Pre-step: clip every gradient value to ``[-max_abs_value, max_abs_value]``."""
+
+    def __init__(self, tables: ShardTables, max_abs_value: float):
+        """Clip the tables' and the replicated parameters' gradients."""
+        super().__init__()
+        self.tables = tables
+        self.max_abs_value = float(max_abs_value)
+
+    def pre_step(self, **kwargs: Any) -> None:  # noqa: D102
+        grads = [_values(table.weight.grad) for table in self.tables if table.weight.grad is not None]
+        grads += [p.grad for p in self.tables.replicated_parameters() if p.grad is not None]
+        for grad in grads:
+            grad.clamp_(-self.max_abs_value, self.max_abs_value)
+
+
+class BessOptimizerCallback(TrainingCallback):
+    """The optimizer step of a BESS step, after its pre-step callbacks (PyKEEN's ``OptimizerTrainingCallback``)."""
+
+    def __init__(
+        self,
+        runner: StepRunner,
+        tables: ShardTables,
+        pre_step_callbacks: Sequence[TrainingCallback],
+        constrain_rows: bool,
+    ):
+        """Compose the step.
+
+        :param runner: the step runner (the rows of the current step)
+        :param tables: the shard tables
+        :param pre_step_callbacks: run in order before the optimizer step
+        :param constrain_rows: apply the tables' constraints to the step's rows after the update
+            (dense updates; the row-sparse rules constrain within the update)
+        """
+        super().__init__()
+        self.runner = runner
+        self.tables = tables
+        self.pre_step_callbacks = tuple(pre_step_callbacks)
+        self.constrain_rows = constrain_rows
+
+    def register_training_loop(self, training_loop: Any) -> None:  # noqa: D102
+        super().register_training_loop(training_loop)
+        for callback in self.pre_step_callbacks:
+            callback.register_training_loop(training_loop)
+
+    def pre_batch(self, **kwargs: Any) -> None:  # noqa: D102
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def post_batch(self, epoch: int, batch: Any, **kwargs: Any) -> None:  # noqa: D102
+        for callback in self.pre_step_callbacks:
+            callback.pre_step(epoch=epoch, **kwargs)
+        self.optimizer.step()
+        if self.constrain_rows and self.runner.rows is not None:
+            self.tables.constrain(self.runner.rows.real_rows)
+        self.model.post_parameter_update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.runner.rows = None
+
+
+def _values(grad: torch.Tensor) -> torch.Tensor:
+    """Return the stored values of a gradient (a row-sparse gradient's values, modified in place by clipping)."""
+    return grad._values() if grad.is_sparse else grad
+
+
+def _reduce(values: list[torch.Tensor], reduce: Any, device: torch.device) -> torch.Tensor:
+    """Reduce scalars on the device without reading them on the host (0 for none)."""
+    if not values:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    stacked = torch.stack([v.to(torch.float64) for v in values])
+    return reduce(stacked) if reduce is not sum else stacked.sum()

@@ -1,0 +1,141 @@
+"""One rank of a distributed test run (started by tests/test_distributed.py, one process per rank).
+
+Usage: ``python distributed_worker.py '<json config>'`` with ``RANK``, ``WORLD_SIZE``,
+``MASTER_ADDR`` and ``MASTER_PORT`` in the environment (as ``torchrun`` sets them). The rank
+trains, evaluates and writes what the test compares to ``{output}/rank{r}.pt``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from pykeen.datasets import Nations
+from pykeen.models import DistMult
+from pykeen.training import TrainingCallback
+from pykeen.triples import CoreTriplesFactory
+
+from pykeen_bess.distributed import export_model, init_from_environment
+from pykeen_bess.evaluation import BessEvaluator
+from pykeen_bess.training import BessTrainingLoop
+
+
+def small_factory(num_triples: int) -> tuple[CoreTriplesFactory, Nations]:
+    """The first ``num_triples`` Nations training triples (the same on every rank)."""
+    dataset = Nations()
+    factory = CoreTriplesFactory.create(
+        mapped_triples=dataset.training.mapped_triples[:num_triples],
+        num_entities=dataset.num_entities,
+        num_relations=dataset.num_relations,
+    )
+    return factory, dataset
+
+
+class Recorder(TrainingCallback):
+    """Records every step's loss; optionally kills this process at a given step."""
+
+    def __init__(self, die_at: tuple[int, int] | None = None) -> None:
+        super().__init__()
+        self.losses: list[float] = []
+        self.die_at = die_at
+
+    def on_batch(self, epoch: int, batch: Any, batch_loss: float, **kwargs: Any) -> None:
+        self.losses.append(batch_loss)
+        if self.die_at is not None and (epoch, batch.step) == tuple(self.die_at):
+            os._exit(17)  # a crash: no clean-up, no exception handling
+
+
+class DistMultWithExtra(DistMult):
+    """A replicated parameter that gets a gradient only in every other step (through the regularization term)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.extra = torch.nn.Parameter(torch.ones(3))
+        self.calls = 0
+
+    def collect_regularization_term(self) -> torch.Tensor:
+        term = super().collect_regularization_term()
+        self.calls += 1
+        if self.calls % 2 == 1:
+            term = term + 0.01 * self.extra.pow(2).sum()
+        return term
+
+
+def build_loop(config: dict[str, Any], factory: CoreTriplesFactory) -> BessTrainingLoop:
+    """Create the model and the loop exactly as the single-process reference does."""
+    cls = DistMultWithExtra if config.get("extra_parameter") else DistMult
+    model = cls(triples_factory=factory, embedding_dim=8, random_seed=0, loss="softplus").double()
+    optimizer = config.get("optimizer", "adagrad")
+    return BessTrainingLoop(
+        model=model,
+        triples_factory=factory,
+        num_shards=config.get("num_shards"),
+        exchange=config.get("exchange", "embedding"),
+        num_negs_per_pos=config["num_negs_per_pos"],
+        seed=5,
+        optimizer=optimizer,
+        optimizer_kwargs=dict(lr=0.1 if optimizer == "adagrad" else 0.05),
+        automatic_memory_optimization=False,
+    )
+
+
+def main() -> None:
+    config = json.loads(sys.argv[1])
+    output = pathlib.Path(config["output"])
+    init_from_environment()
+    rank = dist.get_rank()
+    if config.get("rank_overrides") and str(rank) in config["rank_overrides"]:
+        config.update(config["rank_overrides"][str(rank)])
+    factory, dataset = small_factory(config.get("num_triples", 300))
+    loop = build_loop(config, factory)
+    recorder = Recorder(die_at=config.get("die_at") if rank in config.get("die_ranks", []) else None)
+    result: dict[str, Any] = {}
+    try:
+        losses = loop.train(
+            factory,
+            num_epochs=config["num_epochs"],
+            batch_size=config["batch_size"],
+            sub_batch_size=config.get("sub_batch_size"),
+            use_tqdm=False,
+            callbacks=recorder,
+            checkpoint_directory=config.get("checkpoint_directory"),
+            checkpoint_name=config.get("checkpoint_name"),
+            checkpoint_frequency=0 if config.get("checkpoint_name") else None,
+        )
+    except Exception as error:
+        result["error"] = f"{type(error).__name__}: {error}"
+        torch.save(result, output / f"rank{rank}.pt")
+        raise
+    table = loop.tables[0]
+    result.update(
+        epoch_losses=losses,
+        step_losses=recorder.losses,
+        table=table.shard_tables()[0].detach().clone(),
+        global_ids=table.sharding.shard_entities[rank].clone(),
+        relation=loop.model.relation_representations[0]._embeddings.weight.detach().clone(),
+        entity_parameter_numel=sum(p.numel() for r in loop.model.entity_representations for p in r.parameters()),
+    )
+    if config.get("extra_parameter"):
+        result["extra"] = loop.model.extra.detach().clone()
+    if config.get("evaluate"):
+        metrics = BessEvaluator().evaluate(
+            loop.model,
+            dataset.testing.mapped_triples,
+            additional_filter_triples=[dataset.training.mapped_triples],
+            use_tqdm=False,
+        )
+        result["metrics"] = metrics.to_flat_dict()
+    if config.get("export"):
+        export_model(loop.model, output / "model.pt")
+    torch.save(result, output / f"rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,298 @@
+"""Real multi-process BESS: gloo process groups on loopback, one process per rank (the shared harness).
+
+Each test starts the ranks as separate interpreters (``distributed_worker.py``, with the
+environment ``torchrun`` would set) and compares what they wrote with a single-process run that
+holds the same number of logical shards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+from distributed_worker import build_loop, small_factory
+
+from pykeen_bess.distributed import harness
+
+pytestmark = pytest.mark.slow
+
+WORKER = pathlib.Path(__file__).with_name("distributed_worker.py")
+
+
+def launch(world_size: int, config: dict[str, Any], timeout: float = 300, collective_timeout: float = 60):
+    """Start one process per rank of the worker; return (return codes, stderr texts, seconds until all exited)."""
+    results = harness.launch(
+        world_size, [str(WORKER), json.dumps(config)], timeout=timeout, collective_timeout=collective_timeout
+    )
+    return results.returncodes, results.stderr, results.seconds
+
+
+def run_ok(world_size: int, config: dict[str, Any]) -> list[dict[str, Any]]:
+    codes, errors, _ = launch(world_size, config)
+    assert codes == [0] * world_size, "\n\n".join(errors)
+    return [
+        torch.load(pathlib.Path(config["output"]) / f"rank{rank}.pt", weights_only=False) for rank in range(world_size)
+    ]
+
+
+def assemble(results: list[dict[str, Any]], num_entities: int) -> torch.Tensor:
+    """The full entity table from the ranks' shards, in global order."""
+    width = results[0]["table"].shape[1]
+    table = torch.full((num_entities, width), float("nan"), dtype=results[0]["table"].dtype)
+    for result in results:
+        real = result["global_ids"] >= 0
+        table[result["global_ids"][real]] = result["table"][real]
+    return table
+
+
+def local_reference(config: dict[str, Any], num_shards: int):
+    """The same training in one process with ``num_shards`` logical shards."""
+    factory, dataset = small_factory(config.get("num_triples", 300))
+    loop = build_loop({**config, "num_shards": num_shards}, factory)
+    losses: list[float] = []
+
+    from pykeen.training import TrainingCallback
+
+    class Record(TrainingCallback):
+        def on_batch(self, epoch, batch, batch_loss, **kwargs):
+            losses.append(batch_loss)
+
+    epoch_losses = loop.train(
+        factory,
+        num_epochs=config["num_epochs"],
+        batch_size=config["batch_size"],
+        sub_batch_size=config.get("sub_batch_size"),
+        use_tqdm=False,
+        callbacks=Record(),
+    )
+    return loop, epoch_losses, losses, dataset
+
+
+BASE = dict(num_negs_per_pos=4, batch_size=16, num_epochs=2)
+
+
+@pytest.mark.parametrize(("world_size", "exchange"), [(2, "embedding"), (2, "score"), (4, "embedding"), (4, "score")])
+def test_ranks_equal_logical_shards(tmp_path: pathlib.Path, world_size: int, exchange: str) -> None:
+    config = dict(BASE, exchange=exchange, output=str(tmp_path), batch_size=4 * world_size**2)
+    results = run_ok(world_size, config)
+    loop, epoch_losses, step_losses, _ = local_reference(config, world_size)
+    for result in results:  # every rank reports the same (global) losses
+        assert result["step_losses"] == pytest.approx(step_losses, rel=1e-9)
+        assert result["epoch_losses"] == pytest.approx(epoch_losses, rel=1e-9)
+    # the shards put together are the single-process model's entity table; relations agree
+    model = loop.model
+    torch.testing.assert_close(
+        assemble(results, model.num_entities), model.entity_representations[0]._embeddings.weight
+    )
+    for result in results:
+        torch.testing.assert_close(result["relation"], model.relation_representations[0]._embeddings.weight)
+    # each rank holds only its shard of the entity table
+    shard_size = loop.sharding.shard_size
+    for result in results:
+        assert result["table"].shape == (shard_size, 8)
+        assert result["entity_parameter_numel"] == shard_size * 8
+
+
+def test_sub_batches_and_metrics_under_a_process_group(tmp_path: pathlib.Path) -> None:
+    config = dict(BASE, output=str(tmp_path), sub_batch_size=8, batch_size=16, evaluate=True)
+    results = run_ok(2, config)
+    loop, _, step_losses, dataset = local_reference(config, 2)
+    assert results[0]["step_losses"] == pytest.approx(step_losses, rel=1e-9)
+    from pykeen_bess.evaluation import BessEvaluator
+
+    expected = (
+        BessEvaluator()
+        .evaluate(
+            loop.model,
+            dataset.testing.mapped_triples,
+            additional_filter_triples=[dataset.training.mapped_triples],
+            use_tqdm=False,
+        )
+        .to_flat_dict()
+    )
+    for result in results:
+        assert result["metrics"] == pytest.approx(expected, rel=1e-9)
+
+
+def test_a_replicated_parameter_without_gradient_is_skipped_as_in_one_process(tmp_path: pathlib.Path) -> None:
+    """A replicated parameter with a gradient in every other step only: Adam skips it in the others, everywhere."""
+    config = dict(BASE, output=str(tmp_path), extra_parameter=True, optimizer="adam", num_epochs=2)
+    results = run_ok(2, config)
+    loop, _, step_losses, _ = local_reference(config, 2)
+    assert results[0]["step_losses"] == pytest.approx(step_losses, rel=1e-9)
+    for result in results:
+        torch.testing.assert_close(result["extra"], loop.model.extra.detach())
+    torch.testing.assert_close(
+        assemble(results, loop.model.num_entities), loop.model.entity_representations[0]._embeddings.weight
+    )
+
+
+def test_export_gathers_the_full_model(tmp_path: pathlib.Path) -> None:
+    results = run_ok(2, dict(BASE, output=str(tmp_path), export=True))
+    model = torch.load(tmp_path / "model.pt", weights_only=False)
+    from pykeen.nn.representation import Embedding
+
+    assert type(model.entity_representations[0]) is Embedding
+    torch.testing.assert_close(
+        model.entity_representations[0]._embeddings.weight, assemble(results, model.num_entities)
+    )
+    assert model.score_hrt(torch.tensor([[0, 0, 1]])).shape == (1, 1)
+
+
+def test_mismatched_configuration_fails_at_start(tmp_path: pathlib.Path) -> None:
+    config = dict(BASE, output=str(tmp_path), rank_overrides={"1": dict(num_negs_per_pos=8)})
+    codes, errors, _ = launch(2, config)
+    assert all(code != 0 for code in codes)
+    for rank in range(2):
+        error = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)["error"]
+        assert "different configurations" in error and "num_negs_per_pos" in error and "rank 1=8" in error
+        assert "step_losses" not in torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+
+
+def test_a_killed_rank_makes_the_others_fail_fast(tmp_path: pathlib.Path) -> None:
+    config = dict(
+        BASE, output=str(tmp_path), num_epochs=3, num_negs_per_pos=6, batch_size=18, die_ranks=[1], die_at=[2, 1]
+    )
+    codes, errors, seconds = launch(3, config, timeout=120, collective_timeout=20)
+    assert codes[1] == 17  # the crashed rank
+    assert codes[0] != 0 and codes[2] != 0, errors
+    assert seconds < 90  # they did not hang
+
+
+def test_checkpoint_resume_across_a_kill_and_resharding(tmp_path: pathlib.Path) -> None:
+    common = dict(BASE, num_epochs=4, checkpoint_directory=str(tmp_path / "checkpoints"))
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    uninterrupted = run_ok(2, dict(common, output=str(tmp_path / "a"), checkpoint_name="a.pt"))
+    # all ranks crash in epoch 3, after the checkpoint of epoch 2 was written
+    codes, _, _ = launch(
+        2, dict(common, output=str(tmp_path / "b"), checkpoint_name="b.pt", die_ranks=[0, 1], die_at=[3, 0])
+    )
+    assert codes == [17, 17]
+    checkpoints = tmp_path / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir() if p.name.startswith("b.pt")) == [
+        "b.pt",
+        "b.pt.v2.rank0-of-2",
+        "b.pt.v2.rank1-of-2",
+    ]
+    resumed = run_ok(2, dict(common, output=str(tmp_path / "b"), checkpoint_name="b.pt"))
+    steps_per_epoch = len(uninterrupted[0]["step_losses"]) // 4
+    assert resumed[0]["step_losses"] == pytest.approx(uninterrupted[0]["step_losses"][2 * steps_per_epoch :], rel=1e-9)
+    assert resumed[0]["epoch_losses"] == pytest.approx(uninterrupted[0]["epoch_losses"], rel=1e-9)
+    num_entities = 14
+    torch.testing.assert_close(assemble(resumed, num_entities), assemble(uninterrupted, num_entities))
+
+    # the final checkpoint of the 2-rank run, loaded by 4 ranks: resharded, nothing left to train
+    (tmp_path / "c").mkdir()
+    resharded = run_ok(4, dict(common, output=str(tmp_path / "c"), checkpoint_name="a.pt", batch_size=64))
+    assert resharded[0]["step_losses"] == []
+    torch.testing.assert_close(assemble(resharded, num_entities), assemble(uninterrupted, num_entities))
+
+
+def test_torchrun_command_line(tmp_path: pathlib.Path) -> None:
+    result = harness.torchrun(
+        2,
+        ["-m", "pykeen_bess", "train", "--dataset", "nations", "--epochs", "2", "--quiet", "--json"]
+        + ["--output", str(tmp_path / "out")],
+    )
+    assert result.returncode == 0, result.stderr
+    metrics = json.loads(result.stdout)  # printed once, by rank 0
+    assert 0 < metrics["both.realistic.inverse_harmonic_mean_rank"] <= 1
+    assert (tmp_path / "out" / "trained_model.pkl").is_file()
+
+
+def test_example_script(tmp_path: pathlib.Path) -> None:
+    """examples/train.py runs in one process (and, per the test above, the CLI under torchrun)."""
+    example = pathlib.Path(__file__).parents[2] / "examples" / "train.py"
+    result = subprocess.run(
+        [sys.executable, str(example)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert result.returncode == 0, result.stderr
+    assert "MRR" in result.stdout
+    assert (tmp_path / "bess-nations" / "trained_model.pkl").is_file()
+
+
+PIPELINE_SCRIPT = pathlib.Path(__file__).with_name("pipeline_script.py")
+
+
+def run_script(tmp_path: pathlib.Path, name: str, nproc: int | None, **env: str) -> subprocess.CompletedProcess:
+    """Run the plain pipeline script under torchrun with ``nproc`` ranks (None: one ordinary process)."""
+    environment = dict(OUTPUT=str(tmp_path / name), CHECKPOINT_DIRECTORY=str(tmp_path / f"{name}-checkpoints"), **env)
+    if nproc is not None:
+        return harness.torchrun(nproc, [str(PIPELINE_SCRIPT)], env=environment)
+    return subprocess.run(
+        [sys.executable, str(PIPELINE_SCRIPT)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS="1", **environment),
+    )
+
+
+def read_ranks(directory: pathlib.Path, world_size: int) -> list[dict[str, Any]]:
+    return [json.loads((directory / f"rank{rank}.json").read_text()) for rank in range(world_size)]
+
+
+def test_an_unmodified_pipeline_script_under_torchrun_resumes_after_a_kill(tmp_path: pathlib.Path) -> None:
+    """The README's kind of script, without init_from_environment(): one world, resumable through pipeline()."""
+    uninterrupted = run_script(tmp_path, "full", 2)
+    assert uninterrupted.returncode == 0, uninterrupted.stderr
+    full = read_ranks(tmp_path / "full", 2)
+    # one world of two ranks, each holding one of the two shards (not two copies with all entities)
+    assert [r["num_shards"] for r in full] == [2, 2] and all(r["distributed"] for r in full)
+    assert [r["entity_rows"] for r in full] == [7, 7]
+    assert full[0]["losses"] == full[1]["losses"] and full[0]["metrics"] == full[1]["metrics"]
+    # the same training in one process with two logical shards
+    local = run_script(tmp_path, "local", None, NUM_SHARDS="2")
+    assert local.returncode == 0, local.stderr
+    reference = read_ranks(tmp_path / "local", 1)[0]
+    assert full[0]["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+    assert full[0]["metrics"] == pytest.approx(reference["metrics"], rel=1e-5, abs=1e-7)
+
+    # rank 1 crashes at the start of epoch 3 (after the checkpoint of epoch 2); torchrun stops the world
+    crashed = run_script(tmp_path, "resumed", 2, DIE_AT_EPOCH="3", DIE_RANK="1")
+    assert crashed.returncode != 0
+    assert not (tmp_path / "resumed" / "rank0.json").exists()
+    # the same command again resumes from the checkpoint, through pipeline()
+    resumed = run_script(tmp_path, "resumed", 2)
+    assert resumed.returncode == 0, resumed.stderr
+    result = read_ranks(tmp_path / "resumed", 2)
+    assert result[0]["losses"] == pytest.approx(full[0]["losses"], rel=1e-6)
+    assert result[0]["metrics"] == pytest.approx(full[0]["metrics"], rel=1e-6, abs=1e-8)
+
+    # a single process pointed at the distributed checkpoint gets the documented error, not a KeyError
+    single = subprocess.run(
+        [sys.executable, str(PIPELINE_SCRIPT)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(
+            os.environ,
+            OUTPUT=str(tmp_path / "single"),
+            CHECKPOINT_DIRECTORY=str(tmp_path / "resumed-checkpoints"),
+        ),
+    )
+    assert single.returncode != 0
+    assert "is a checkpoint of a torch.distributed run" in single.stderr, single.stderr[-2000:]
+
+
+def test_hpo_under_torchrun_with_three_ranks(tmp_path: pathlib.Path) -> None:
+    """hpo_pipeline with a world size of 3 (num_negs_per_pos drawn from powers of two) completes every trial."""
+    completed = harness.torchrun(
+        3, [str(pathlib.Path(__file__).with_name("hpo_script.py"))], env=dict(OUTPUT=str(tmp_path)), timeout=600
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    ranks = read_ranks(tmp_path, 3)
+    assert [t["state"] for t in ranks[0]] == ["COMPLETE", "COMPLETE"]
+    assert ranks[0] == ranks[1] == ranks[2]  # the same trials and metrics on every rank

@@ -1,0 +1,115 @@
+"""Tests for :mod:`pykeen_bess.evaluation.filtering`: the filter index against a Python-set reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pykeen_bess.evaluation.filtering import BYTES_PER_TRIPLE, FilterIndex
+
+
+def random_graph(seed: int, num_entities: int, num_relations: int, num_triples: int) -> torch.Tensor:
+    """Random triples over few entities/relations, with many duplicates, shape ``[T, 3]``."""
+    generator = torch.Generator().manual_seed(seed)
+    triples = torch.stack(
+        [
+            torch.randint(num_entities, (num_triples,), generator=generator),
+            torch.randint(num_relations, (num_triples,), generator=generator),
+            torch.randint(num_entities, (num_triples,), generator=generator),
+        ],
+        dim=1,
+    )
+    # duplicate a third of the triples explicitly
+    return torch.cat([triples, triples[: num_triples // 3]])
+
+
+def reference_pairs(
+    triples: torch.Tensor, side: str, known: torch.Tensor, relations: torch.Tensor
+) -> set[tuple[int, int]]:
+    """The ``(query index, entity)`` pairs by Python sets."""
+    known_set = {tuple(t) for t in triples.tolist()}
+    entities = {e for h, _, t in known_set for e in (h, t)}
+    pairs = set()
+    for i, (e, r) in enumerate(zip(known.tolist(), relations.tolist())):
+        for candidate in entities:
+            triple = (e, r, candidate) if side == "tail" else (candidate, r, e)
+            if triple in known_set:
+                pairs.add((i, candidate))
+    return pairs
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+@pytest.mark.parametrize("side", ["head", "tail"])
+def test_matches_set_reference(seed: int, side: str):
+    """Every answer of every query, once, with query indices ascending, as a set lookup finds them."""
+    num_entities, num_relations = 30, 4
+    triples = random_graph(seed, num_entities, num_relations, num_triples=400)
+    index = FilterIndex.from_triples(triples, num_entities=num_entities, num_relations=num_relations)
+    generator = torch.Generator().manual_seed(100 + seed)
+    # queries: half taken from the triples (non-empty answers), half random (possibly empty)
+    batch = torch.cat(
+        [
+            triples[torch.randperm(len(triples), generator=generator)[:40]],
+            random_graph(seed + 50, num_entities, num_relations, 40)[:40],
+        ]
+    )
+    known, relations = (batch[:, 0], batch[:, 1]) if side == "tail" else (batch[:, 2], batch[:, 1])
+    query_index, entities = index.filtered(side, known, relations)
+    got = list(zip(query_index.tolist(), entities.tolist()))
+    assert len(got) == len(set(got)), "pairs must be unique"
+    assert set(got) == reference_pairs(triples, side, known, relations)
+    assert bool((query_index[1:] >= query_index[:-1]).all())
+    assert query_index.dtype == entities.dtype == torch.long
+
+
+def test_memory_formula():
+    """The index takes exactly BYTES_PER_TRIPLE bytes per distinct triple."""
+    triples = random_graph(0, 50, 5, 1000)
+    index = FilterIndex.from_triples(triples)
+    distinct = len({tuple(t) for t in triples.tolist()})
+    assert index.num_triples == distinct < len(triples)
+    assert index.nbytes == BYTES_PER_TRIPLE[torch.int32] * distinct
+
+
+def test_several_tensors_and_inference():
+    """A list of triple tensors is concatenated; sizes are inferred from the ids."""
+    triples = random_graph(1, 20, 3, 100)
+    index = FilterIndex.from_triples([triples[:50], triples[50:]])
+    assert (index.num_entities, index.num_relations) == (
+        int(triples[:, [0, 2]].max()) + 1,
+        int(triples[:, 1].max()) + 1,
+    )
+    reference = FilterIndex.from_triples(triples)
+    for side in ("head", "tail"):
+        assert torch.equal(getattr(index, side).keys, getattr(reference, side).keys)
+        assert torch.equal(getattr(index, side).entities, getattr(reference, side).entities)
+
+
+def test_empty_index_answers_nothing():
+    """An index without triples returns no pairs."""
+    index = FilterIndex.from_triples(torch.empty(0, 3, dtype=torch.long), num_entities=5, num_relations=2)
+    query_index, entities = index.filtered("tail", torch.tensor([0, 4]), torch.tensor([1, 0]))
+    assert query_index.numel() == entities.numel() == 0
+
+
+@pytest.mark.parametrize(
+    ("triples", "kwargs", "match"),
+    [
+        (torch.tensor([[0, 0, 5]]), {"num_entities": 5, "num_relations": 1}, "outside"),
+        (torch.tensor([[0, 3, 1]]), {"num_entities": 5, "num_relations": 3}, "outside"),
+        (torch.tensor([[-1, 0, 1]]), {"num_entities": 5, "num_relations": 1}, "outside"),
+        (torch.tensor([[0, 1]]), {}, r"\[T, 3\]"),
+        ([], {}, r"\[T, 3\]"),
+    ],
+)
+def test_invalid_triples(triples, kwargs, match):
+    """Malformed triples and ids outside the given sizes are rejected."""
+    with pytest.raises(ValueError, match=match):
+        FilterIndex.from_triples(triples, **kwargs)
+
+
+def test_invalid_side():
+    """Only head and tail filtering exist."""
+    index = FilterIndex.from_triples(torch.tensor([[0, 0, 1]]))
+    with pytest.raises(ValueError, match="side"):
+        index.filtered("relation", torch.tensor([0]), torch.tensor([0]))

@@ -1,0 +1,136 @@
+"""The BESS step: sharded scores equal unsharded scores, and both exchange schemes agree."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pykeen.datasets import Nations
+from pykeen.losses import SoftplusLoss
+from pykeen.models import ComplEx, DistMult, PairRE, RotatE, TransE
+
+from pykeen_bess.distributed import LocalTopology
+from pykeen_bess.loss import block_loss
+from pykeen_bess.models import InterHT
+from pykeen_bess.partition import ShardPairPartition
+from pykeen_bess.representation import ShardedEmbedding
+from pykeen_bess.sampling import BessSampler
+from pykeen_bess.schemes import choose_scheme, exchange_cost, resolve_scheme
+from pykeen_bess.scoring import get_scorer
+from pykeen_bess.sharding import EntitySharding
+from reference import reference_scores
+
+MODELS = {
+    "DistMult": (DistMult, dict(embedding_dim=6)),
+    "TransE": (TransE, dict(embedding_dim=6, scoring_fct_norm=2)),
+    "ComplEx": (ComplEx, dict(embedding_dim=4)),
+    "RotatE": (RotatE, dict(embedding_dim=4)),
+    "PairRE": (PairRE, dict(embedding_dim=6, p=2)),
+    "InterHT": (InterHT, dict(embedding_dim=5)),  # two entity representations
+}
+
+
+@pytest.fixture(scope="module")
+def dataset() -> Nations:
+    return Nations()
+
+
+def make_setup(
+    dataset: Nations, model_name: str, n_shard: int, corruption: str = "ht", block_size: int = 6, step: int = 0
+):
+    cls, kwargs = MODELS[model_name]
+    model = cls(triples_factory=dataset.training, random_seed=0, **kwargs).double()
+    model.post_parameter_update()  # re-apply constraints (e.g. RotatE's unit-modulus relations) in float64
+    sharding = EntitySharding.create(dataset.num_entities, n_shard, seed=1)
+    tables = []
+    for embedding in model.entity_representations:
+        table = ShardedEmbedding(embedding, sharding, range(n_shard))
+        table.copy_from(embedding)
+        tables.append(table)
+    partition = ShardPairPartition.from_triples(dataset.training.mapped_triples, sharding)
+    sampler = BessSampler(partition, block_size=block_size, num_negs_per_pos=2 * n_shard, corruption=corruption, seed=2)
+    batch = list(sampler.epoch(1))[step]
+    return model, sharding, tables, batch
+
+
+@pytest.mark.parametrize("model_name", sorted(MODELS))
+@pytest.mark.parametrize("n_shard", [1, 2, 3])
+@pytest.mark.parametrize("scheme", ["embedding", "score"])
+def test_sharded_scores_equal_unsharded_scores(dataset: Nations, model_name: str, n_shard: int, scheme: str) -> None:
+    model, sharding, tables, batch = make_setup(dataset, model_name, n_shard)
+    step = resolve_scheme(scheme)(model, tables, get_scorer(model.interaction), LocalTopology(n_shard))
+    scores = step.scores(batch, step.gather(batch))
+    positive, negative = reference_scores(model, sharding, batch)
+    valid = batch.valid
+    torch.testing.assert_close(scores.positive[valid], positive[valid], rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(scores.negative[valid], negative[valid], rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("model_name", ["DistMult", "ComplEx", "InterHT"])
+@pytest.mark.parametrize("n_shard", [1, 3])
+@pytest.mark.parametrize("corruption", ["h", "t", "ht"])
+def test_embedding_moving_equals_score_moving(dataset: Nations, model_name: str, n_shard: int, corruption: str) -> None:
+    results = {}
+    for scheme in ("embedding", "score"):
+        model, _, tables, batch = make_setup(dataset, model_name, n_shard, corruption=corruption)
+        step = resolve_scheme(scheme)(model, tables, get_scorer(model.interaction), LocalTopology(n_shard))
+        gathered = step.gather(batch)
+        loss = block_loss(SoftplusLoss(), step.scores(batch, gathered), batch.num_valid).sum()
+        loss.backward()
+        relation_grads = [p.grad.clone() for p in model.relation_representations.parameters()]
+        results[scheme] = (loss.detach(), [leaf.grad.clone() for leaf in gathered.leaves], relation_grads)
+    (loss_e, leaves_e, relations_e), (loss_s, leaves_s, relations_s) = results["embedding"], results["score"]
+    torch.testing.assert_close(loss_e, loss_s)
+    for a, b in zip(leaves_e + relations_e, leaves_s + relations_s):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("n_shard", [1, 2])
+def test_slices_add_up_to_the_step(dataset: Nations, n_shard: int) -> None:
+    """Sub-batches (slices of the slot axis) give the same loss and gradients as the whole step."""
+    outcomes = []
+    for slices in ([(0, 6)], [(0, 2), (2, 5), (5, 6)]):
+        model, _, tables, batch = make_setup(dataset, "DistMult", n_shard)  # DistMult regularizes relations
+        step = resolve_scheme("embedding")(model, tables, get_scorer(model.interaction), LocalTopology(n_shard))
+        gathered = step.gather(batch)
+        total = 0.0
+        for start, stop in slices:
+            loss = block_loss(SoftplusLoss(), step.scores(batch, gathered, start, stop), batch.num_valid).sum()
+            loss.backward()
+            total += loss.item()
+        outcomes.append(
+            (total, gathered.leaves[0].grad.clone(), model.relation_representations[0]._embeddings.weight.grad.clone())
+        )
+    assert outcomes[0][0] == pytest.approx(outcomes[1][0], rel=1e-12)
+    torch.testing.assert_close(outcomes[0][1], outcomes[1][1])
+    torch.testing.assert_close(outcomes[0][2], outcomes[1][2])
+
+
+def test_padding_slots_get_no_gradient(dataset: Nations) -> None:
+    # the last step of an epoch has padding slots (and shardpairs differ in size)
+    model, _, tables, batch = make_setup(dataset, "DistMult", 2, block_size=150, step=-1)
+    assert not bool(batch.valid.all())
+    step = resolve_scheme("embedding")(model, tables, get_scorer(model.interaction), LocalTopology(2))
+    gathered = step.gather(batch)
+    scores = step.scores(batch, gathered)
+    block_loss(SoftplusLoss(), scores, batch.num_valid).sum().backward()
+    # rows are exactly the real heads, tails and the negatives of blocks with real slots (plus the dummy row)
+    rows = set(gathered.rows.tolist()) - {-1}
+    size = tables[0].sharding.shard_size
+    expected = set()
+    for i in range(2):
+        for j in range(2):
+            valid = batch.valid[i, j]
+            expected.update((i * size + batch.heads[i, j][valid]).tolist())
+            expected.update((j * size + batch.tails[i, j][valid]).tolist())
+            if bool(valid.any()):
+                for k in range(2):
+                    expected.update((k * size + batch.negatives[k, i, j]).tolist())
+    assert rows == expected
+
+
+def test_exchange_cost_model_prefers_score_moving_for_many_negatives() -> None:
+    kwargs = dict(n_shard=4, block_size=32, entity_width=256, query_width=256)
+    assert choose_scheme(num_negs_per_pos=64, **kwargs).get_name() == "embedding"
+    assert choose_scheme(num_negs_per_pos=4096, **kwargs).get_name() == "score"
+    assert exchange_cost("embedding", num_negs_per_pos=64, **kwargs) == 4 * (3 * 32 * 256 + 3 * 64 * 256)
+    assert exchange_cost("score", n_shard=1, block_size=8, num_negs_per_pos=8, entity_width=4, query_width=4) == 0

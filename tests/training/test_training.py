@@ -1,0 +1,620 @@
+"""BessTrainingLoop: equality with a straightforward reference, PyKEEN features, bad input."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import torch
+from pykeen.datasets import Nations
+from pykeen.losses import SoftplusLoss
+from pykeen.models import DistMult, TransE
+from pykeen.nn.representation import Embedding
+from pykeen.pipeline import pipeline
+from pykeen.training import TrainingCallback
+from pykeen.training.training_loop import NonFiniteLossError
+from pykeen.triples import CoreTriplesFactory
+
+from pykeen_bess.partition import ShardPairPartition
+from pykeen_bess.sampling import BessSampler
+from pykeen_bess.sharding import EntitySharding
+from pykeen_bess.training import BessTrainingLoop
+
+from reference import reference_scores
+
+
+@pytest.fixture(scope="module")
+def dataset() -> Nations:
+    return Nations()
+
+
+@pytest.fixture(scope="module")
+def small_factory(dataset: Nations) -> CoreTriplesFactory:
+    """A few hundred Nations triples: an epoch is a handful of steps."""
+    return CoreTriplesFactory.create(
+        mapped_triples=dataset.training.mapped_triples[:300],
+        num_entities=dataset.num_entities,
+        num_relations=dataset.num_relations,
+    )
+
+
+class Recorder(TrainingCallback):
+    """Records the parameters before the first step and every step's loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.initial: dict[str, torch.Tensor] | None = None
+        self.losses: list[float] = []
+
+    def pre_batch(self, **kwargs) -> None:
+        if self.initial is None:
+            self.initial = {
+                "entity": self.training_loop.tables[0].full_table().clone(),
+                "relation": self.model.relation_representations[0]._embeddings.weight.detach().clone(),
+            }
+
+    def on_batch(self, epoch: int, batch, batch_loss: float, **kwargs) -> None:
+        self.losses.append(batch_loss)
+
+
+def make_loop(factory: CoreTriplesFactory, model_cls=DistMult, model_kwargs=None, **kwargs) -> BessTrainingLoop:
+    model = model_cls(
+        triples_factory=factory, random_seed=0, loss="softplus", **(model_kwargs or dict(embedding_dim=8))
+    ).double()
+    kwargs.setdefault("automatic_memory_optimization", False)
+    return BessTrainingLoop(model=model, triples_factory=factory, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("n_shard", "exchange", "clip"),
+    [(1, "embedding", None), (3, "embedding", None), (3, "score", None), (3, "embedding", 0.05)],
+)
+def test_training_equals_dense_reference(
+    small_factory: CoreTriplesFactory, n_shard: int, exchange: str, clip: float | None
+) -> None:
+    """Sharded training, row-sparse updates, constraints and clipping equal a dense global-id implementation."""
+    loop = make_loop(
+        small_factory,
+        num_shards=n_shard,
+        exchange=exchange,
+        num_negs_per_pos=2 * n_shard,
+        seed=5,
+        optimizer="adagrad",
+        optimizer_kwargs=dict(lr=0.1),
+    )
+    model = loop.model
+    recorder = Recorder()
+    block_size = 4
+    loop.train(
+        small_factory,
+        num_epochs=2,
+        batch_size=block_size * n_shard**2,
+        callbacks=recorder,
+        use_tqdm=False,
+        gradient_clipping_max_norm=clip,
+    )
+
+    # the reference: the same global plan, full tables, PyKEEN's interaction, dense Adagrad
+    reference = DistMult(triples_factory=small_factory, embedding_dim=8, random_seed=0).double()
+    entity = reference.entity_representations[0]._embeddings.weight
+    relation = reference.relation_representations[0]._embeddings.weight
+    with torch.no_grad():
+        entity.copy_(recorder.initial["entity"])
+        relation.copy_(recorder.initial["relation"])
+    optimizer = torch.optim.Adagrad([entity, relation], lr=0.1)
+    sharding = EntitySharding.create(small_factory.num_entities, n_shard, seed=5)
+    sampler = BessSampler(
+        ShardPairPartition.from_triples(small_factory.mapped_triples, sharding),
+        block_size=block_size,
+        num_negs_per_pos=2 * n_shard,
+        corruption="ht",
+        seed=5,
+    )
+    regularizer = reference.relation_representations[0].regularizer
+    losses = []
+    for epoch in (1, 2):
+        for batch in sampler.epoch(epoch):
+            optimizer.zero_grad()
+            positive, negative = reference_scores(reference, sharding, batch, grad=True)
+            regularizer.reset()  # forget the lookups PyKEEN's representations regularized on the way
+            valid = batch.valid
+            loss = SoftplusLoss().process_slcwa_scores(positive[valid].unsqueeze(-1), negative[valid])
+            # the relation regularizer sees the relations of the real positives twice, as in PyKEEN's sLCWA
+            # (the positives' lookup and the negative triples', which repeat the relation)
+            heads_relations = reference.relation_representations[0]._embeddings(batch.relations[valid])
+            regularizer.update(heads_relations, heads_relations)
+            loss = (loss + regularizer.pop_regularization_term()).sum()
+            loss.backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_([entity, relation], clip)
+            optimizer.step()
+            reference.post_parameter_update()
+            losses.append(loss.item())
+    assert recorder.losses == pytest.approx(losses, rel=1e-9, abs=1e-12)
+    torch.testing.assert_close(model.entity_representations[0]._embeddings.weight, entity, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(model.relation_representations[0]._embeddings.weight, relation, rtol=1e-9, atol=1e-12)
+
+
+def test_sub_batching_gives_the_same_result(small_factory: CoreTriplesFactory) -> None:
+    outcomes = []
+    for sub_batch_size in (None, 2 * 9):
+        loop = make_loop(
+            small_factory, num_shards=3, num_negs_per_pos=6, optimizer="adam", optimizer_kwargs=dict(lr=0.05)
+        )
+        losses = loop.train(
+            small_factory, num_epochs=3, batch_size=5 * 9, sub_batch_size=sub_batch_size, use_tqdm=False
+        )
+        outcomes.append((losses, loop.model.entity_representations[0]._embeddings.weight.detach().clone()))
+    assert outcomes[0][0] == pytest.approx(outcomes[1][0], rel=1e-10)
+    torch.testing.assert_close(outcomes[0][1], outcomes[1][1])
+
+
+def test_checkpoint_resume_continues_identically(small_factory: CoreTriplesFactory, tmp_path: pathlib.Path) -> None:
+    def run(num_epochs: int, name: str) -> tuple[list[float], torch.Tensor]:
+        loop = make_loop(
+            small_factory, num_shards=2, num_negs_per_pos=4, optimizer="adam", optimizer_kwargs=dict(lr=0.05)
+        )
+        losses = loop.train(
+            small_factory,
+            num_epochs=num_epochs,
+            batch_size=16,
+            use_tqdm=False,
+            checkpoint_directory=tmp_path,
+            checkpoint_name=name,
+            checkpoint_frequency=0,
+        )
+        return losses, loop.model.entity_representations[0]._embeddings.weight.detach().clone()
+
+    uninterrupted, weights = run(4, "full.pt")
+    first, _ = run(2, "resumed.pt")
+    resumed, resumed_weights = run(4, "resumed.pt")  # loads the checkpoint written after epoch 2
+    assert first == pytest.approx(uninterrupted[:2])
+    assert resumed == pytest.approx(uninterrupted, rel=1e-12)
+    torch.testing.assert_close(resumed_weights, weights)
+
+
+def test_pipeline_trains_a_sensible_model_and_saves_it(dataset: Nations, tmp_path: pathlib.Path) -> None:
+    common = dict(
+        dataset=dataset,
+        model="DistMult",
+        model_kwargs=dict(embedding_dim=32),
+        random_seed=1,
+        optimizer="adam",
+        optimizer_kwargs=dict(lr=0.02),
+        negative_sampler_kwargs=dict(num_negs_per_pos=32),
+        training_kwargs=dict(num_epochs=40, batch_size=256, use_tqdm=False),
+        evaluation_kwargs=dict(use_tqdm=False),
+    )
+    bess = pipeline(training_loop=BessTrainingLoop, training_loop_kwargs=dict(num_shards=2), **common)
+    stock = pipeline(training_loop="slcwa", **common)
+    assert bess.get_metric("mrr") >= 0.8 * stock.get_metric("mrr")
+    # an ordinary PyKEEN model afterwards
+    model = bess.model
+    assert type(model.entity_representations[0]) is Embedding
+    assert set(model.state_dict()) == set(stock.model.state_dict())
+    from pykeen.predict import predict_target
+
+    predictions = predict_target(model=model, head="brazil", relation="intergovorgs", triples_factory=dataset.training)
+    assert len(predictions.df) == dataset.num_entities
+    # the sharded evaluator evaluates with the training's sharding by default
+    from pykeen_bess.evaluation import ShardedScoring
+
+    assert ShardedScoring.for_model(model).rows.sharding.n_shard == 2
+    bess.save_to_directory(tmp_path)
+    loaded = torch.load(tmp_path / "trained_model.pkl", weights_only=False)
+    batch = dataset.testing.mapped_triples[:10]
+    torch.testing.assert_close(loaded.score_hrt(batch), model.score_hrt(batch))
+
+
+@pytest.mark.parametrize(
+    ("model", "model_kwargs"),
+    [
+        ("TransE", dict(embedding_dim=8)),
+        ("ComplEx", dict(embedding_dim=8)),
+        ("RotatE", dict(embedding_dim=8)),
+        ("PairRE", dict(embedding_dim=8)),
+        ("interht", dict(embedding_dim=8)),
+        ("trans", dict(embedding_dim=8)),
+    ],
+)
+def test_models_train(dataset: Nations, model: str, model_kwargs: dict) -> None:
+    from pykeen_bess.models import InterHT, TranS
+
+    model_cls = {"interht": InterHT, "trans": TranS}.get(model, model)
+    result = pipeline(
+        dataset=dataset,
+        model=model_cls,
+        model_kwargs=model_kwargs,
+        training_loop=BessTrainingLoop,
+        training_loop_kwargs=dict(num_shards=2),
+        training_kwargs=dict(num_epochs=2, batch_size=128, use_tqdm=False),
+        negative_sampler_kwargs=dict(num_negs_per_pos=8),
+        random_seed=0,
+        evaluation_kwargs=dict(use_tqdm=False),
+    )
+    assert all(torch.isfinite(torch.tensor(result.losses)))
+    assert 0 < result.get_metric("mrr") <= 1
+
+
+@pytest.mark.parametrize("loss", ["softplus", "bcewithlogits", "marginranking", "nssa", "crossentropy"])
+def test_pykeen_losses(dataset: Nations, loss: str) -> None:
+    result = pipeline(
+        dataset=dataset,
+        model="DistMult",
+        model_kwargs=dict(embedding_dim=8),
+        loss=loss,
+        training_loop=BessTrainingLoop,
+        training_loop_kwargs=dict(num_shards=2, corruption="t"),
+        training_kwargs=dict(num_epochs=2, batch_size=128, use_tqdm=False),
+        random_seed=0,
+        evaluation_kwargs=dict(use_tqdm=False),
+    )
+    assert len(result.losses) == 2 and all(torch.isfinite(torch.tensor(result.losses)))
+
+
+def test_schedulers_stoppers_trackers_callbacks(dataset: Nations) -> None:
+    seen_batches = []
+
+    class Count(TrainingCallback):
+        def post_batch(self, epoch: int, batch, **kwargs) -> None:
+            seen_batches.append(epoch)
+
+    result = pipeline(
+        dataset=dataset,
+        model="DistMult",
+        model_kwargs=dict(embedding_dim=8),
+        training_loop=BessTrainingLoop,
+        training_loop_kwargs=dict(num_shards=2),
+        lr_scheduler="StepLR",
+        lr_scheduler_kwargs=dict(step_size=1, gamma=0.5),
+        stopper="early",
+        stopper_kwargs=dict(frequency=1, patience=1, relative_delta=0.5),
+        result_tracker="python",
+        random_seed=0,
+        clear_optimizer=False,
+        training_kwargs=dict(num_epochs=20, batch_size=256, use_tqdm=False, callbacks=Count()),
+        evaluation_kwargs=dict(use_tqdm=False),
+    )
+    assert result.stopper.stopped  # the huge relative delta stops early
+    assert len(result.losses) < 20
+    assert len(seen_batches) > 0
+    assert result.training_loop.lr_scheduler.optimizer is result.training_loop.optimizer
+    assert result.training_loop.optimizer.param_groups[0]["lr"] < 1e-3
+    python_tracker = next(t for t in result.training_loop.result_tracker.trackers if hasattr(t, "metrics"))
+    tracked = {key for metrics in python_tracker.metrics.values() for key in metrics}
+    assert any("loss" in key for key in tracked)  # the epoch losses were tracked
+
+
+def test_inverse_triples_and_gradient_clipping(dataset: Nations) -> None:
+    inverse = Nations(create_inverse_triples=True)
+    result = pipeline(
+        dataset=inverse,
+        model="DistMult",
+        model_kwargs=dict(embedding_dim=8),
+        training_loop=BessTrainingLoop,
+        training_loop_kwargs=dict(num_shards=2),
+        random_seed=0,
+        training_kwargs=dict(
+            num_epochs=2,
+            batch_size=128,
+            use_tqdm=False,
+            gradient_clipping_max_norm=0.1,
+            gradient_clipping_max_abs_value=0.01,
+        ),
+        evaluation_kwargs=dict(use_tqdm=False),
+    )
+    assert result.model.use_inverse_triples
+    assert len(result.training_loop.partition(inverse.training).heads) == 2 * inverse.training.num_triples
+
+
+def test_non_finite_loss_stops_with_the_step_and_writes_no_checkpoint(
+    small_factory: CoreTriplesFactory, tmp_path: pathlib.Path
+) -> None:
+    class Poison(TrainingCallback):
+        def post_batch(self, epoch: int, batch, **kwargs) -> None:
+            if epoch == 2 and batch.step == 1:
+                with torch.no_grad():
+                    self.model.relation_representations[0]._embeddings.weight.fill_(float("nan"))
+
+    loop = make_loop(small_factory, num_shards=2, num_negs_per_pos=4)
+    with pytest.raises(NonFiniteLossError, match=r"epoch 2, step 3/"):
+        loop.train(
+            small_factory,
+            num_epochs=3,
+            batch_size=16,
+            use_tqdm=False,
+            callbacks=Poison(),
+            checkpoint_directory=tmp_path,
+            checkpoint_name="run.pt",
+            checkpoint_frequency=0,
+            checkpoint_on_failure=True,
+        )
+    # the checkpoint of epoch 1 is intact, no failure checkpoint was written
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.pt"]
+    assert torch.load(tmp_path / "run.pt", weights_only=False)["epoch"] == 1
+    # the model was restored as a plain model holding finite entity weights of the last step
+    assert type(loop.model.entity_representations[0]) is Embedding
+    assert bool(torch.isfinite(loop.model.entity_representations[0]._embeddings.weight).all())
+
+
+def test_memory_search_chooses_a_batch_size_and_falls_back_to_sub_batching(
+    small_factory: CoreTriplesFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Probes that 'run out of memory' above 8 slots per block shrink batches, then sub-batches."""
+    from pykeen_bess.training.sizes import StepSizes
+
+    original = StepSizes.probe
+    probed = []
+
+    def probe(self, partition, block_size, sub_block_size, label_smoothing):
+        fits = sub_block_size <= 8
+        probed.append((block_size, sub_block_size, fits))
+        if not fits:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return original(self, partition, block_size, sub_block_size, label_smoothing)
+
+    monkeypatch.setattr(StepSizes, "probe", probe)
+    loop = make_loop(small_factory, num_shards=2, num_negs_per_pos=4, automatic_memory_optimization=True)
+    loop.train(small_factory, num_epochs=1, batch_size=None, use_tqdm=False)
+    # the search started at all 300 triples (75 slots per block) and halved until a batch fitted
+    assert probed[0] == (75, 75, False)
+    assert [fits for _, _, fits in probed].count(True) >= 1
+    assert all(block <= 8 for block, _, fits in probed if fits)
+    probed.clear()
+    loop = make_loop(small_factory, num_shards=2, num_negs_per_pos=4, automatic_memory_optimization=True)
+    loop.train(small_factory, num_epochs=1, batch_size=64 * 4, use_tqdm=False)
+    assert probed[0] == (64, 64, False)
+    assert probed[-1] == (64, 8, True)  # blocks of 64 slots in sub-batches of 8
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        (dict(num_shards=0), ValueError, "positive integer"),
+        (dict(num_shards=15), ValueError, "larger than the number of entities"),
+        (dict(exchange="carrier-pigeon"), ValueError, "Unknown exchange"),
+        (dict(corruption="r"), ValueError, "Unknown corruption"),
+        (dict(num_shards=3, num_negs_per_pos=4), ValueError, "multiple of num_shards"),
+        (dict(num_negs_per_pos=0), ValueError, "positive integer"),
+        (dict(negative_sampler="bernoulli"), ValueError, "negative_sampler"),
+        (dict(negative_sampler_kwargs=dict(filtered=True)), ValueError, "filtered"),
+        (dict(optimizer="rmsprop"), ValueError, "row-sparse"),
+    ],
+)
+def test_bad_input_is_rejected_before_training(dataset: Nations, kwargs: dict, error: type, message: str) -> None:
+    model = DistMult(triples_factory=dataset.training, embedding_dim=4, random_seed=0)
+    with pytest.raises(error, match=message):
+        BessTrainingLoop(model=model, triples_factory=dataset.training, **kwargs)
+
+
+def test_unsupported_models_are_named(dataset: Nations) -> None:
+    from pykeen.models import ERModel
+    from pykeen.nn.representation import LowRankRepresentation
+
+    model = ERModel(
+        triples_factory=dataset.training,
+        interaction="DistMult",
+        entity_representations=LowRankRepresentation,
+        entity_representations_kwargs=dict(shape=4, num_bases=2),
+        relation_representations_kwargs=dict(shape=4),
+    )
+    with pytest.raises(ValueError, match="not a plain pykeen.nn.Embedding.*Supported are"):
+        BessTrainingLoop(model=model, triples_factory=dataset.training)
+
+
+def test_dense_updates_accept_any_optimizer(small_factory: CoreTriplesFactory) -> None:
+    loop = make_loop(small_factory, num_shards=2, num_negs_per_pos=4, optimizer="rmsprop", sparse_updates=False)
+    losses = loop.train(small_factory, num_epochs=2, batch_size=16, use_tqdm=False)
+    assert len(losses) == 2
+
+
+def test_error_during_setup_loses_no_weights(small_factory: CoreTriplesFactory) -> None:
+    loop = make_loop(small_factory, num_shards=2, num_negs_per_pos=4)
+    before = loop.model.entity_representations[0]._embeddings.weight.detach().clone()
+    with pytest.raises(ValueError, match="slice_size"):
+        loop.train(small_factory, num_epochs=1, batch_size=16, slice_size=4, use_tqdm=False)
+    assert type(loop.model.entity_representations[0]) is Embedding
+    torch.testing.assert_close(loop.model.entity_representations[0]._embeddings.weight, before)
+
+
+def test_transe_trains_with_scores_moving(small_factory: CoreTriplesFactory) -> None:
+    loop = make_loop(small_factory, model_cls=TransE, num_shards=2, exchange="score", num_negs_per_pos=4)
+    assert len(loop.train(small_factory, num_epochs=2, batch_size=16, use_tqdm=False)) == 2
+
+
+@pytest.mark.parametrize(
+    ("train_kwargs", "message"),
+    [
+        (dict(batch_size=0), "batch_size must be a positive integer"),
+        (dict(batch_size=-16), "batch_size must be a positive integer"),
+        (dict(batch_size=2.5), "batch_size must be a positive integer"),
+        (dict(batch_size=16, sub_batch_size=0), "sub_batch_size must be a positive integer"),
+        (dict(batch_size=16, num_epochs=-1), "num_epochs must be an integer >= 0"),
+        (dict(batch_size=16, num_negs_per_pos=0), "num_negs_per_pos must be a positive integer"),
+    ],
+)
+def test_bad_sizes_are_rejected_before_training(
+    small_factory: CoreTriplesFactory, train_kwargs: dict, message: str
+) -> None:
+    loop = make_loop(small_factory, num_shards=2, num_negs_per_pos=4)
+    before = loop.model.entity_representations[0]._embeddings.weight.detach().clone()
+    train_kwargs = dict(dict(num_epochs=1), **train_kwargs)
+    with pytest.raises(ValueError, match=message):
+        loop.train(small_factory, use_tqdm=False, **train_kwargs)
+    assert type(loop.model.entity_representations[0]) is Embedding
+    torch.testing.assert_close(loop.model.entity_representations[0]._embeddings.weight, before)
+
+
+@pytest.mark.parametrize("seed", ["abc", -1, 1.5, True])
+def test_a_bad_seed_is_named(small_factory: CoreTriplesFactory, seed) -> None:
+    with pytest.raises(ValueError, match="seed must be an integer >= 0"):
+        make_loop(small_factory, num_shards=2, num_negs_per_pos=4, seed=seed)
+
+
+def test_triples_outside_the_model_are_rejected_before_training(small_factory: CoreTriplesFactory) -> None:
+    loop = make_loop(small_factory, num_shards=2, num_negs_per_pos=4)
+    triples = small_factory.mapped_triples.clone()
+    triples[5, 1] = small_factory.num_relations + 3  # a relation the model does not have
+    changed = CoreTriplesFactory.create(
+        mapped_triples=triples, num_entities=small_factory.num_entities, num_relations=small_factory.num_relations + 4
+    )
+    with pytest.raises(ValueError, match=r"relation ids outside \[0, 55\) such as \[58\].*changed after the model"):
+        loop.train(changed, num_epochs=1, batch_size=16, use_tqdm=False)
+
+
+def test_batch_size_is_rounded_quietly(dataset: Nations, caplog: pytest.LogCaptureFixture) -> None:
+    """pipeline()'s default batch_size=256 with 3 shards: no warning, the chosen size at INFO."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="pykeen_bess"):
+        pipeline(
+            dataset=dataset,
+            model="DistMult",
+            model_kwargs=dict(embedding_dim=4),
+            training_loop=BessTrainingLoop,
+            training_loop_kwargs=dict(num_shards=3, automatic_memory_optimization=False),
+            training_kwargs=dict(num_epochs=1, use_tqdm=False),
+            evaluation_kwargs=dict(use_tqdm=False),
+            random_seed=0,
+        )
+    bess_records = [r for r in caplog.records if r.name.startswith("pykeen_bess")]
+    assert not [r for r in bess_records if r.levelno >= logging.WARNING], [r.message for r in bess_records]
+    assert any("batch_size=256 rounded up to 261" in r.getMessage() for r in bess_records)
+
+
+def test_batch_search_does_not_pick_a_mostly_padded_epoch() -> None:
+    """Kinships has 8,544 training triples: a batch of 8,192 would make two steps with 48% padding."""
+    from pykeen.datasets import Kinships
+
+    factory = Kinships().training
+    slots = []
+
+    class Slots(TrainingCallback):
+        def on_batch(self, epoch: int, batch, batch_loss: float, **kwargs) -> None:
+            slots.append((int(batch.valid.sum()), batch.valid.numel()))
+
+    loop = make_loop(factory, num_shards=1, num_negs_per_pos=4, automatic_memory_optimization=True)
+    loop.train(factory, num_epochs=1, batch_size=None, use_tqdm=False, callbacks=Slots())
+    assert len(slots) == 2  # the largest batch that fits (8,192) gives two steps ...
+    real, total = map(sum, zip(*slots))
+    assert real == factory.num_triples
+    assert 1 - real / total < 0.01  # ... of equal size, instead of 8,192 + 352 real triples
+
+
+def test_tuned_num_negs_per_pos_is_rounded_to_the_shards(small_factory: CoreTriplesFactory) -> None:
+    loop = make_loop(small_factory, num_shards=3, num_negs_per_pos=6)
+    loop.train(small_factory, num_epochs=1, batch_size=18, num_negs_per_pos=16, use_tqdm=False)
+    assert loop.config.num_negs_per_pos == 18
+
+
+def test_hpo_with_a_shard_count_that_is_not_a_power_of_two(dataset: Nations) -> None:
+    from pykeen.hpo import hpo_pipeline
+
+    result = hpo_pipeline(
+        dataset=dataset,
+        model="DistMult",
+        model_kwargs=dict(embedding_dim=4),
+        training_loop=BessTrainingLoop,
+        training_loop_kwargs=dict(num_shards=3),
+        training_kwargs=dict(num_epochs=1, use_tqdm=False),
+        evaluator="bess",
+        evaluation_kwargs=dict(use_tqdm=False),
+        n_trials=3,
+        sampler="random",
+        sampler_kwargs=dict(seed=3),
+    )
+    states = [trial.state.name for trial in result.study.trials]
+    assert states == ["COMPLETE"] * 3
+    assert any(trial.params["training.num_negs_per_pos"] % 3 for trial in result.study.trials)
+
+
+@pytest.mark.parametrize("model_name", ["DistMult", "ComplEx", "RotatE"])
+def test_initial_tables_are_pykeens_and_do_not_depend_on_the_sharding(dataset: Nations, model_name: str) -> None:
+    """The shard tables start from exactly what PyKEEN's own initialisation draws from the table's seed."""
+    from pykeen.models import model_resolver
+
+    from pykeen_bess.representation import INITIALIZATION_STREAM
+    from pykeen_bess.seeds import derive_seed
+
+    tables = []
+    for n_shard in (1, 3):
+        model = model_resolver.make(model_name, triples_factory=dataset.training, embedding_dim=6, random_seed=0)
+        loop = BessTrainingLoop(model=model, triples_factory=dataset.training, num_shards=n_shard, seed=11)
+        with loop.tables.installed(copy_weights=False):
+            model.reset_parameters_()
+            tables.append(loop.tables[0].full_table().clone())
+    torch.testing.assert_close(tables[0], tables[1], rtol=0, atol=0)
+    # PyKEEN's Embedding.reset_parameters under the table's seed draws the same values (same shapes, same fans)
+    embedding = model_resolver.make(
+        model_name, triples_factory=dataset.training, embedding_dim=6
+    ).entity_representations[0]
+    embedding.constrainer = None
+    with torch.random.fork_rng():
+        torch.manual_seed(derive_seed(11, INITIALIZATION_STREAM, 0))
+        embedding.reset_parameters()
+    torch.testing.assert_close(tables[0], embedding._embeddings.weight.detach(), rtol=0, atol=0)
+
+
+def test_whole_table_weight_regularizers_are_refused(dataset: Nations) -> None:
+    from pykeen.models import TransH
+
+    with pytest.raises(ValueError, match="regularizes the whole entity table"):
+        BessTrainingLoop(
+            model=TransH(triples_factory=dataset.training, embedding_dim=4), triples_factory=dataset.training
+        )
+    # with weight 0 (as the message says) it trains
+    model = TransH(
+        triples_factory=dataset.training, embedding_dim=4, regularizer="normlimit", regularizer_kwargs=dict(weight=0.0)
+    )
+    loop = BessTrainingLoop(model=model, triples_factory=dataset.training, num_shards=2)
+    assert len(loop.train(dataset.training, num_epochs=1, batch_size=256, use_tqdm=False)) == 1
+
+
+@pytest.mark.parametrize("name", __import__("pykeen_bess.training").training.SUPPORTED_MODEL_EXAMPLES)
+def test_the_models_named_as_supported_exist_and_train(dataset: Nations, name: str) -> None:
+    """Every model the error message names is a registered model that BESS accepts."""
+    from pykeen.models import model_resolver
+
+    model = model_resolver.make(name, triples_factory=dataset.training, random_seed=0)
+    loop = BessTrainingLoop(model=model, triples_factory=dataset.training, num_shards=2, num_negs_per_pos=4)
+    assert len(loop.train(dataset.training, num_epochs=1, batch_size=512, use_tqdm=False)) == 1
+
+
+def test_the_partition_cache_never_serves_stale_triples(small_factory: CoreTriplesFactory) -> None:
+    """The partition is rebuilt for changed triples: in place (same tensor) or a new tensor (whatever its id)."""
+    loop = make_loop(small_factory, num_shards=2, num_negs_per_pos=4)
+    triples = small_factory.mapped_triples.clone()
+    factory = CoreTriplesFactory.create(
+        mapped_triples=triples, num_entities=small_factory.num_entities, num_relations=small_factory.num_relations
+    )
+    first = loop.partition(factory)
+    assert loop.partition(factory) is first  # cached
+    with torch.no_grad():
+        triples[:5, 1] = (triples[:5, 1] + 1) % small_factory.num_relations  # changed in place: same tensor, same id
+    changed = loop.partition(factory)
+    assert changed is not first
+    assert torch.equal(changed.global_triples()[changed.triple_ids.argsort()], triples)
+    # another tensor with the same content is another tensor (never compared by id alone)
+    other = CoreTriplesFactory.create(
+        mapped_triples=triples.clone(),
+        num_entities=small_factory.num_entities,
+        num_relations=small_factory.num_relations,
+    )
+    assert loop.partition(other) is not changed
+
+
+def test_dataclasses_holding_tensors_compare_by_identity() -> None:
+    """Frozen dataclasses with tensors get no generated ``__eq__`` (comparing tensors would raise)."""
+    from pykeen_bess.evaluation.filtering import FilterIndex
+
+    sharding = EntitySharding.create(10, 2, seed=0)
+    partition = ShardPairPartition.from_triples(torch.tensor([[0, 0, 1], [2, 1, 3]]), sharding)
+    index = FilterIndex.from_triples(torch.tensor([[0, 0, 1]]), 10, 2)
+    for value, twin in (
+        (sharding, EntitySharding.create(10, 2, seed=0)),
+        (partition, ShardPairPartition.from_triples(torch.tensor([[0, 0, 1], [2, 1, 3]]), sharding)),
+        (index, FilterIndex.from_triples(torch.tensor([[0, 0, 1]]), 10, 2)),
+        (index.tail, index.tail),
+    ):
+        assert value == value
+        assert (value == twin) is (value is twin)
