@@ -182,7 +182,7 @@ def _install_lookup_fallback() -> None:
         from class_resolver import ClassResolver
     except ImportError:  # pragma: no cover - PyKEEN depends on class_resolver
         return
-    original = ClassResolver.lookup
+    original: Any = ClassResolver.lookup
 
     @functools.wraps(original)
     def lookup(self: Any, query: Any, default: Any = None) -> Any:

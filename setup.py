@@ -31,6 +31,8 @@ setup(
             "nbclient",
             "ipykernel",
             "matplotlib",
+            "ruff",
+            "mypy",
         ],
     },
     entry_points={

@@ -65,14 +65,14 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name in _RENAMED:
-        module, current = _RENAMED[name]
+        renamed, current = _RENAMED[name]
         warnings.warn(
             f"pykeen_bess.{name} is now pykeen_bess.{current} (the collective back end is the process topology; "
             f"'exchange' names the exchange scheme)",
             DeprecationWarning,
             stacklevel=2,
         )
-        return getattr(importlib.import_module(f".{module}", __name__), current)
+        return getattr(importlib.import_module(f".{renamed}", __name__), current)
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'pykeen_bess' has no attribute {name!r}")

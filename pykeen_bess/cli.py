@@ -333,7 +333,7 @@ def train(args: argparse.Namespace) -> dict[str, float]:
         from .distributed import save_to_directory
 
         save_to_directory(result, args.output)  # collective; rank 0 writes the full model
-    return result.metric_results.to_flat_dict()
+    return dict(result.metric_results.to_flat_dict())
 
 
 def _configure_logging(verbose: bool) -> None:

@@ -89,10 +89,12 @@ class InterHTInteraction(_OffsetNormInteraction):
         :param t: shape: ``(*batch_dims, d)``, twice: the tail's main and auxiliary vectors
         :return: shape: ``batch_dims``, the scores
         """
-        h, h_aux = h
-        t, t_aux = t
+        head, head_aux = h
+        tail, tail_aux = t
         u = self.offset
-        return negative_norm_of_sum(h * (t_aux + u), -t * (h_aux + u), r, p=self.p, power_norm=self.power_norm)
+        return negative_norm_of_sum(
+            head * (tail_aux + u), -tail * (head_aux + u), r, p=self.p, power_norm=self.power_norm
+        )
 
 
 @parse_docdata
@@ -145,14 +147,14 @@ class TranSInteraction(_OffsetNormInteraction):
         :param t: shape: ``(*batch_dims, d)``, twice: the tail's main and tilde vectors
         :return: shape: ``batch_dims``, the scores
         """
-        h, h_tilde = h
-        t, t_tilde = t
-        r, r_bar, r_hat = r
+        head, head_tilde = h
+        tail, tail_tilde = t
+        relation, r_bar, r_hat = r
         u = self.offset
         return negative_norm_of_sum(
-            h * (t_tilde + u + r_bar),
-            -t * (h_tilde + u - r_hat),
-            r,
+            head * (tail_tilde + u + r_bar),
+            -tail * (head_tilde + u - r_hat),
+            relation,
             p=self.p,
             power_norm=self.power_norm,
         )

@@ -80,11 +80,11 @@ def measure_peak(device: torch.device) -> Iterator[_Peak]:
         torch.cuda.synchronize(device)
         result.bytes = torch.cuda.max_memory_allocated(device) - baseline
         return
-    baseline = _read_status("VmRSS") if _reset_cpu_peak() else None
+    cpu_baseline = _read_status("VmRSS") if _reset_cpu_peak() else None
     yield result
     peak = _read_status("VmHWM")
-    if baseline is not None and peak is not None:
-        result.bytes = max(peak - baseline, 0)
+    if cpu_baseline is not None and peak is not None:
+        result.bytes = max(peak - cpu_baseline, 0)
 
 
 def available_memory(device: torch.device) -> int | None:

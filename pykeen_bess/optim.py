@@ -141,7 +141,7 @@ class BessOptimizer(Optimizer):
         return self.param_groups[self._num_dense_groups :]
 
     @torch.no_grad()
-    def step(self, closure: Any = None) -> None:
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """Update the dense parameters with the user's optimizer, the shard tables row-sparsely."""
         if closure is not None:
             raise ValueError("BessOptimizer does not support closures.")
@@ -162,6 +162,7 @@ class BessOptimizer(Optimizer):
                 else:
                     old = param.index_select(0, rows)
                     param.index_add_(0, rows, constraint(old.add(update, alpha=scale)).sub_(old))
+        return None
 
 
 def _sparse_defaults(optimizer_cls: type[Optimizer]) -> dict[str, Any]:

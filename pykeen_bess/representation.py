@@ -39,6 +39,9 @@ INITIALIZATION_STREAM = 1
 class ShardedEmbedding(Representation):
     """An entity embedding stored as the tables of the local shards."""
 
+    #: shape: ``[num_entities]``, the flat local row of every global entity, -1 where it is not held here
+    entity_rows: torch.Tensor
+
     def __init__(
         self,
         base: Embedding,

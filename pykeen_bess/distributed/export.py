@@ -65,7 +65,8 @@ def gathered_model(model: Any) -> Iterator[Any]:
         return
     try:
         for index, table, weights in full:
-            base = table.base_embedding
+            base: Any = table.base_embedding
+            assert weights is not None  # the main process holds the gathered table
             base._embeddings.weight.data = weights.to(table.weight.device)
             model.entity_representations[index] = base
         yield model

@@ -80,9 +80,10 @@ def check_targets(targets: Collection[str]) -> tuple[str, ...]:
 
 def check_ids(ids: Iterable[int] | torch.Tensor, upper: int, name: str) -> torch.Tensor:
     """Return sorted unique ids, checked to lie in ``[0, upper)`` and to be non-empty."""
-    ids = torch.as_tensor(ids if torch.is_tensor(ids) else list(ids), dtype=torch.long).view(-1).cpu().unique()
-    if ids.numel() == 0:
+    values = ids if isinstance(ids, torch.Tensor) else list(ids)
+    unique = torch.as_tensor(values, dtype=torch.long).view(-1).cpu().unique()
+    if unique.numel() == 0:
         raise ValueError(f"{name} is empty: there would be no candidates to rank.")
-    if int(ids.min()) < 0 or int(ids.max()) >= upper:
+    if int(unique.min()) < 0 or int(unique.max()) >= upper:
         raise ValueError(f"{name} contains ids outside [0, {upper}).")
-    return ids
+    return unique

@@ -11,14 +11,14 @@ high), ``finite`` (PyKEEN's number of options) and ``nan``; only these counts cr
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from pykeen.typing import LABEL_TAIL, RANK_OPTIMISTIC, RANK_PESSIMISTIC, RANK_REALISTIC
 
 if TYPE_CHECKING:
     from ..distributed import Topology
-    from .filtering import FilterIndex
+    from .filtering import FilterIndex, FilterSide
     from .sharded import ShardedScoring
 
 __all__ = [
@@ -172,7 +172,7 @@ def rank_batch(
     # pairs excluded from the shards' counts: the true entity and the known answers
     query_index, entities = torch.arange(batch.shape[0], device=batch.device), true
     if index is not None:
-        filtered_query, filtered_entity = index.filtered(target, known, relations)
+        filtered_query, filtered_entity = index.filtered(cast(FilterSide, target), known, relations)
         query_index = torch.cat([query_index, filtered_query.to(batch.device)])
         entities = torch.cat([entities, filtered_entity.to(batch.device)])
     query_index, entities = unique_pairs(query_index, entities, scoring.sharding.num_entities)

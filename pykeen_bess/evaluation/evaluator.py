@@ -51,13 +51,13 @@ import warnings
 import weakref
 from collections import ChainMap
 from collections.abc import Collection, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from pykeen.evaluation import RankBasedEvaluator
 from pykeen.evaluation.rank_based_evaluator import RankBasedMetricResults
 from pykeen.models import ERModel, Model
-from pykeen.typing import LABEL_HEAD, LABEL_TAIL, RANK_OPTIMISTIC, RANK_PESSIMISTIC, RANK_REALISTIC
+from pykeen.typing import LABEL_HEAD, LABEL_TAIL, RANK_OPTIMISTIC, RANK_PESSIMISTIC, RANK_REALISTIC, Target
 from tqdm.autonotebook import tqdm
 
 from ..distributed import ProbeTopology, join_torchrun_group
@@ -123,7 +123,7 @@ class BessEvaluator(RankBasedEvaluator):
         #: entries die with the model: a new model can never find an old model's sizes)
         self._block_sizes: weakref.WeakKeyDictionary[Model, dict[tuple, tuple[int, int]]] = weakref.WeakKeyDictionary()
 
-    def evaluate(  # type: ignore[override]
+    def evaluate(
         self,
         model: Model,
         mapped_triples: torch.Tensor,
@@ -167,7 +167,7 @@ class BessEvaluator(RankBasedEvaluator):
         if restrict_entities_to is not None:
             # PyKEEN's checks compare with Python sets: pass plain ints
             restrict_entities_to = check_ids(restrict_entities_to, model.num_entities, "restrict_entities_to").tolist()
-        return super().evaluate(
+        result = super().evaluate(
             model=model,
             mapped_triples=mapped_triples,
             batch_size=batch_size,
@@ -180,10 +180,11 @@ class BessEvaluator(RankBasedEvaluator):
             do_time_consuming_checks=do_time_consuming_checks,
             additional_filter_triples=additional_filter_triples,
             pre_filtered_triples=pre_filtered_triples,
-            targets=targets,
+            targets=cast(Collection[Target], targets),
         )
+        return cast(RankBasedMetricResults, result)
 
-    def _evaluate_on_device(  # type: ignore[override]
+    def _evaluate_on_device(
         self,
         model: Model,
         mapped_triples: torch.Tensor,
@@ -266,7 +267,7 @@ class BessEvaluator(RankBasedEvaluator):
         )
         with progress:
             for batch in mapped_triples.split(batch_size):
-                for target in targets:
+                for target in cast(tuple[Target, ...], targets):
                     ranks = rank_batch(scoring, index, batch, target, slice_size)
                     for rank_type in (RANK_OPTIMISTIC, RANK_REALISTIC, RANK_PESSIMISTIC):
                         self.ranks[target, rank_type].append(ranks[rank_type])

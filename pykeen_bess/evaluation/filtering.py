@@ -113,13 +113,16 @@ class FilterIndex:
         :returns: the index
         :raises ValueError: for malformed triples or ids outside the given ranges
         """
-        if not torch.is_tensor(triples):
-            triples = torch.cat([torch.as_tensor(t).view(-1, 3) for t in triples], dim=0) if len(triples) else None
-        if triples is None or triples.ndim != 2 or triples.shape[1] != 3:
+        joined: torch.Tensor | None
+        if isinstance(triples, torch.Tensor):
+            joined = triples
+        else:
+            joined = torch.cat([torch.as_tensor(t).view(-1, 3) for t in triples], dim=0) if len(triples) else None
+        if joined is None or joined.ndim != 2 or joined.shape[1] != 3:
             raise ValueError(
-                f"Expected known triples of shape [T, 3], got {None if triples is None else list(triples.shape)}."
+                f"Expected known triples of shape [T, 3], got {None if joined is None else list(joined.shape)}."
             )
-        triples = triples.detach().to(device="cpu", dtype=torch.long)
+        triples = joined.detach().to(device="cpu", dtype=torch.long)
         if num_entities is None:
             num_entities = int(torch.cat([triples[:, 0], triples[:, 2]]).max()) + 1 if len(triples) else 0
         if num_relations is None:

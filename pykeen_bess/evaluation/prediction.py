@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pandas as pd
@@ -36,7 +36,7 @@ from pykeen.typing import LABEL_HEAD, LABEL_RELATION, LABEL_TAIL
 from ..distributed import ProbeTopology, Topology
 from .checks import check_triples
 from .counting import unique_pairs
-from .filtering import FilterIndex
+from .filtering import FilterIndex, FilterSide
 from .sharded import ShardedScoring
 from .sizes import choose_block_sizes
 
@@ -207,7 +207,8 @@ def _top_k_batch(
     batch_size = batch.shape[0]
     queries = scoring.queries(target, known, relations, topology=topology)
     if index is not None:
-        query_index, entities = unique_pairs(*index.filtered(target, known, relations), scoring.sharding.num_entities)
+        pairs = index.filtered(cast(FilterSide, target), known, relations)
+        query_index, entities = unique_pairs(*pairs, scoring.sharding.num_entities)
     else:
         query_index = entities = torch.empty(0, dtype=torch.long)
     dtype = queries.features.real.dtype if queries.features.is_complex() else queries.features.dtype
@@ -264,11 +265,12 @@ def _query_ids(queries: Any, target: str, triples_factory: CoreTriplesFactory | 
         raise ValueError(f"queries must hold integer ids or labels, but have dtype {array.dtype}.")
     if triples_factory is None or not hasattr(triples_factory, "entity_to_id"):
         raise ValueError("Label queries need a triples_factory with labels (a pykeen.triples.TriplesFactory).")
+    labeled: Any = triples_factory
     entity_column, relation_column = (0, 1) if target == LABEL_TAIL else (1, 0)
     mapped = np.empty(array.shape, dtype=np.int64)
     for column, mapping, kind in (
-        (entity_column, triples_factory.entity_to_id, "entity"),
-        (relation_column, triples_factory.relation_to_id, "relation"),
+        (entity_column, labeled.entity_to_id, "entity"),
+        (relation_column, labeled.relation_to_id, "relation"),
     ):
         labels = pd.Series(array[:, column].astype(str))
         ids = labels.map(mapping)
@@ -304,10 +306,11 @@ def _to_frame(
     else:
         heads, relations, tails = predicted, fixed[:, 0], fixed[:, 1]
     columns: dict[str, Any] = {"query": query_index.numpy(), "head_id": heads}
-    has_labels = triples_factory is not None and hasattr(triples_factory, "entity_id_to_label")
+    labeled: Any = triples_factory
+    has_labels = labeled is not None and hasattr(labeled, "entity_id_to_label")
     if has_labels:
-        entity_labels = _label_array(triples_factory.entity_id_to_label, triples_factory.num_entities)
-        relation_labels = _label_array(triples_factory.relation_id_to_label, triples_factory.num_relations)
+        entity_labels = _label_array(labeled.entity_id_to_label, labeled.num_entities)
+        relation_labels = _label_array(labeled.relation_id_to_label, labeled.num_relations)
         columns["head_label"] = entity_labels[heads]
     columns["relation_id"] = relations
     if has_labels:

@@ -103,8 +103,8 @@ class ForwardRows(EntityRows):
 
 def module_device(module: torch.nn.Module) -> torch.device | None:
     """Return the device of a module's first parameter or buffer (None if it has neither)."""
-    for tensor in module.parameters():
-        return tensor.device
-    for tensor in module.buffers():
-        return tensor.device
+    for parameter in module.parameters():
+        return parameter.device
+    for buffer in module.buffers():
+        return buffer.device
     return None

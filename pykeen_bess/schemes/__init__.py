@@ -44,7 +44,9 @@ AUTO = "auto"
 
 #: the registered exchange schemes (looked up by name, e.g. ``"embedding"``, or class)
 scheme_resolver: ClassResolver[ExchangeScheme] = ClassResolver(
-    [EmbeddingMovingScheme, ScoreMovingScheme], base=ExchangeScheme, suffix="Scheme"
+    [EmbeddingMovingScheme, ScoreMovingScheme],
+    base=ExchangeScheme,  # type: ignore[type-abstract]
+    suffix="Scheme",
 )
 
 

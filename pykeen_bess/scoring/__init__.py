@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import Any, cast
 
 import torch
 from pykeen.nn.modules import ClampedInteraction, Interaction
@@ -148,7 +149,7 @@ def supported_interactions() -> list[str]:
 def representation_spec(representation: torch.nn.Module) -> tuple[tuple[int, ...], bool]:
     """Return ``(shape, is_complex)`` of a PyKEEN representation module."""
     is_complex = bool(getattr(representation, "is_complex", False))
-    return tuple(representation.shape), is_complex
+    return tuple(cast(Any, representation).shape), is_complex
 
 
 def get_scorer(

@@ -269,13 +269,12 @@ def chunked_pairwise(
     b_chunk = min(b, max(1, MAX_CHUNK_ELEMENTS // (per_pair * k_chunk)))
     if b_chunk == b and k_chunk == k:
         return pair_scores(query.unsqueeze(-2), candidates.unsqueeze(-3))
+    fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = pair_scores
     if checkpoint and torch.is_grad_enabled() and (query.requires_grad or candidates.requires_grad):
 
         def fn(q: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
             return torch.utils.checkpoint.checkpoint(pair_scores, q, c, use_reentrant=False)
 
-    else:
-        fn = pair_scores
     rows = []
     for b_start in range(0, b, b_chunk):
         q = query[..., b_start : b_start + b_chunk, :].unsqueeze(-2)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar, cast
 
 import torch
 import torch.utils.checkpoint
 from pykeen.nn.modules import (
+    Interaction,
     LineaREInteraction,
     PairREInteraction,
     RotatEInteraction,
@@ -44,12 +45,12 @@ class NormScorer(SharedCandidateScorer, ABC):
     @property
     def p(self) -> int | float | str:
         """The norm's ``p``."""
-        return self.interaction.p
+        return cast(Any, self.interaction).p
 
     @property
     def power_norm(self) -> bool:
         """Whether to return ``-||x||_p^p``."""
-        return self.interaction.power_norm
+        return bool(cast(Any, self.interaction).power_norm)
 
     @property
     def l2(self) -> bool:
@@ -243,7 +244,7 @@ class LineaREScorer(ProductSumScorer):
     Tails: ``q_0 = h r_h + r_m``, ``q_1 = -r_t``; heads: ``q_0 = r_m - t r_t``, ``q_1 = r_h``.
     """
 
-    interactions = (LineaREInteraction,)
+    interactions: ClassVar[tuple[type[Interaction], ...]] = (LineaREInteraction,)
 
     @property
     def u(self) -> float | None:
@@ -267,7 +268,7 @@ class TripleREScorer(LineaREScorer):
 
     @property
     def u(self) -> float | None:  # noqa: D102
-        return self.interaction.u
+        return cast(Any, self.interaction).u
 
 
 class InterHTScorer(ProductSumScorer):
@@ -282,11 +283,11 @@ class InterHTScorer(ProductSumScorer):
     def query_terms(  # noqa: D102
         self, side: Side, e: Sequence[torch.Tensor], r: torch.Tensor
     ) -> tuple[torch.Tensor, Sequence[torch.Tensor]]:
-        u = self.interaction.offset
-        e, e_aux = e
+        u = cast(Any, self.interaction).offset
+        entity, aux = e
         if side == "tail":
-            return u * e + r, [-(e_aux + u), e]
-        return r - u * e, [e_aux + u, -e]
+            return u * entity + r, [-(aux + u), entity]
+        return r - u * entity, [aux + u, -entity]
 
 
 class TranSScorer(ProductSumScorer):
@@ -301,9 +302,9 @@ class TranSScorer(ProductSumScorer):
     def query_terms(  # noqa: D102
         self, side: Side, e: Sequence[torch.Tensor], r: Sequence[torch.Tensor]
     ) -> tuple[torch.Tensor, Sequence[torch.Tensor]]:
-        u = self.interaction.offset
-        e, e_tilde = e
-        r, r_bar, r_hat = r
+        u = cast(Any, self.interaction).offset
+        entity, tilde = e
+        relation, r_bar, r_hat = r
         if side == "tail":
-            return e * (r_bar + u) + r, [-(e_tilde + u - r_hat), e]
-        return r - e * (u - r_hat), [e_tilde + u + r_bar, -e]
+            return entity * (r_bar + u) + relation, [-(tilde + u - r_hat), entity]
+        return relation - entity * (u - r_hat), [tilde + u + r_bar, -entity]

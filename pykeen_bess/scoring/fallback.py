@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 import torch.utils.checkpoint
@@ -162,5 +162,5 @@ class ClampedScorer(SharedCandidateScorer):
 
     def score(self, side: Side, query: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:  # noqa: D102
         scores = self.base.score(side, query, candidates)
-        clamp = self.interaction.clamp_score
+        clamp = cast(Any, self.interaction).clamp_score
         return scores if clamp is None else torch.clamp(scores, min=clamp[0], max=clamp[1])

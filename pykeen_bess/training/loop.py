@@ -13,12 +13,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import pathlib
-from collections.abc import Iterator, Mapping
-from typing import Any, ClassVar
+from collections.abc import Iterator
+from typing import Any, ClassVar, cast
 
 import torch
 from class_resolver import HintOrType, OptionalKwargs
-from pykeen.models import Model
+from pykeen.models import ERModel, Model
 from pykeen.sampling import NegativeSampler
 from pykeen.stoppers import Stopper
 from pykeen.training import SLCWATrainingLoop
@@ -65,7 +65,7 @@ class BessTrainingLoop(SLCWATrainingLoop):
     """
 
     #: The knobs HPO tunes (they are ``train()`` keyword arguments, see :meth:`train`)
-    hpo_default: ClassVar[Mapping[str, Mapping[str, Any]]] = dict(
+    hpo_default = dict(
         num_epochs=dict(type=int, low=100, high=1000, q=100),
         batch_size=dict(type=int, low=8, high=13, scale="power_two"),  # 256 ... 8192
         num_negs_per_pos=dict(type=int, low=4, high=8, scale="power_two"),  # 16 ... 256
@@ -131,6 +131,7 @@ class BessTrainingLoop(SLCWATrainingLoop):
         num_negs_per_pos = resolve_negative_sampler(negative_sampler, negative_sampler_kwargs, num_negs_per_pos)
         super().__init__(model=model, triples_factory=triples_factory, **kwargs)
         embeddings = check_model(model)
+        er_model = cast(ERModel, model)
         self.topology: Topology = make_topology(num_shards=num_shards, process_group=process_group)
         n_shard = self.topology.n_shard
         if n_shard > model.num_entities:
@@ -144,11 +145,11 @@ class BessTrainingLoop(SLCWATrainingLoop):
             n_shard, exchange, corruption, num_negs_per_pos, seed, sparse_updates, memory_budget
         )
         self.sharding = EntitySharding.create(model.num_entities, n_shard, seed=self.config.seed)
-        self.tables = ShardTables.create(model, embeddings, self.sharding, self.topology, self.config.seed)
+        self.tables = ShardTables.create(er_model, embeddings, self.sharding, self.topology, self.config.seed)
         self.scorer: SharedCandidateScorer = get_scorer(
-            model.interaction,
-            entity_representations=model.entity_representations,
-            relation_representations=model.relation_representations,
+            er_model.interaction,
+            entity_representations=er_model.entity_representations,
+            relation_representations=er_model.relation_representations,
         )
         # the optimizer the base class built (or the pipeline passed) defines class and hyper-parameters
         self.optimizer_cls = type(self.optimizer)
@@ -301,8 +302,10 @@ class BessTrainingLoop(SLCWATrainingLoop):
         self.tables.now_hold_weights()
         return result
 
-    def _create_training_data_loader(self, triples_factory: CoreTriplesFactory, **kwargs: Any) -> EpochBatches:
-        """Return the balanced batches of the epochs (``batch_size`` positives per step)."""
+    def _create_training_data_loader(  # type: ignore[override]
+        self, triples_factory: CoreTriplesFactory, **kwargs: Any
+    ) -> EpochBatches:
+        """Return the balanced batches of the epochs (``batch_size`` positives per step), not a data loader."""
         block_size = kwargs["batch_size"] // self.topology.n_shard**2
         return EpochBatches(self.make_sampler(self.partition(triples_factory), block_size), first_epoch=self._epoch + 1)
 
@@ -311,7 +314,7 @@ class BessTrainingLoop(SLCWATrainingLoop):
         """Return the slots of a block (PyKEEN's sub-batching splits them)."""
         return batch.block_size
 
-    def _process_batch(self, *args: Any, **kwargs: Any) -> torch.Tensor:  # type: ignore[override]
+    def _process_batch(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         raise NotImplementedError("A BESS step runs through pykeen_bess.training.step.StepRunner.")
 
     def _slice_size_search(self, **kwargs: Any) -> int:

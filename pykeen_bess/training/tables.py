@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from typing import cast
 
 import torch
 from pykeen.models import ERModel
@@ -118,9 +119,10 @@ class ShardTables:
             table.defer_constraints = True  # the loop constrains the updated rows itself
         if self.is_installed:
             return
+        representations = cast(torch.nn.ModuleList, self.model.entity_representations)
         for index, (embedding, table) in enumerate(zip(self.embeddings, self.tables)):
             table.to(embedding._embeddings.weight.device)
-            self.model.entity_representations[index] = table
+            representations[index] = table
         self.is_installed = True
         self.hold_weights = False
         if copy_weights:
@@ -158,13 +160,14 @@ class LocalShardTables(ShardTables):
     def uninstall(self) -> None:  # noqa: D102
         if not self.is_installed:
             return
+        representations = cast(torch.nn.ModuleList, self.model.entity_representations)
         for index, (embedding, table) in enumerate(zip(self.embeddings, self.tables)):
             table.defer_constraints = False
             if self.hold_weights:
                 table.copy_to(embedding)
-            self.model.entity_representations[index] = embedding
+            representations[index] = embedding
         # BessEvaluator evaluates with the training's sharding by default
-        self.model.bess_sharding = dict(num_shards=self.sharding.n_shard, seed=self.sharding.seed)
+        setattr(self.model, "bess_sharding", dict(num_shards=self.sharding.n_shard, seed=self.sharding.seed))  # noqa: B010
         self.is_installed = False
         self.hold_weights = False
 
