@@ -24,23 +24,23 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, topology: DistributedTopology, x: torch.Tensor) -> torch.Tensor:
         ctx.topology = topology
-        return topology.exchange_all_to_all(x)
+        return topology.all_to_all_primitive(x)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
-        return None, ctx.topology.exchange_all_to_all(grad)
+        return None, ctx.topology.all_to_all_primitive(grad)
 
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, topology: DistributedTopology, x: torch.Tensor) -> torch.Tensor:
         ctx.topology = topology
-        return topology.exchange_all_gather(x)
+        return topology.all_gather_primitive(x)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
         # grad[s] is this rank's gradient for rank s' slice: send it there, sum what arrives
-        return None, ctx.topology.exchange_all_to_all(grad).sum(dim=0)
+        return None, ctx.topology.all_to_all_primitive(grad).sum(dim=0)
 
 
 def all_to_all_differentiable(topology: DistributedTopology, x: torch.Tensor) -> torch.Tensor:

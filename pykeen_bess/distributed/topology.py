@@ -261,7 +261,7 @@ class DistributedTopology(Topology):
         dist.gather(local, gather_list=pieces, dst=self._global(0), group=self.group)
         return None if pieces is None else torch.stack(pieces)
 
-    def exchange_all_to_all(self, x: torch.Tensor) -> torch.Tensor:
+    def all_to_all_primitive(self, x: torch.Tensor) -> torch.Tensor:
         """``[n, ...] -> [n, ...]``: slice ``s`` goes to rank ``s`` (the primitive of :meth:`all_to_all`)."""
         x = x.contiguous()
         output = torch.empty_like(x)
@@ -269,7 +269,7 @@ class DistributedTopology(Topology):
         self.bytes_sent += x.numel() * x.element_size() * (self.n_shard - 1) // self.n_shard
         return output
 
-    def exchange_all_gather(self, x: torch.Tensor) -> torch.Tensor:
+    def all_gather_primitive(self, x: torch.Tensor) -> torch.Tensor:
         """``[...] -> [n, ...]`` (the primitive of :meth:`all_gather`)."""
         x = x.contiguous()
         output = [torch.empty_like(x) for _ in range(self.n_shard)]

@@ -1,5 +1,10 @@
 """Stage 5 of the pipeline: fast scoring of queries against *shared* candidates.
 
+Modules: :mod:`~pykeen_bess.scoring.base` (the scorer interface, shared math),
+:mod:`~pykeen_bess.scoring.products` (inner-product interactions),
+:mod:`~pykeen_bess.scoring.distances` (norm-based interactions), :mod:`~pykeen_bess.scoring.fallback`
+(the exact broadcast fallback, PyKEEN's clamping wrapper); :func:`get_scorer` picks the scorer.
+
 In BESS every positive of a block is scored against the same ``K`` negative entities, and in
 evaluation every query is scored against all entities of a shard. PyKEEN's interactions answer
 "B queries x K shared candidates" by broadcasting to a ``[B, K, d]`` intermediate, which is
@@ -15,7 +20,7 @@ evaluation every query is scored against all entities of a shard. PyKEEN's inter
 
 Queries and candidates are single tensors so that the exchange stage can move them between
 workers (score-moving all-gathers the queries). Scores equal PyKEEN's own interaction on the same
-parameters up to floating point rounding (see ``tests/test_scoring.py``).
+parameters up to floating point rounding (see ``tests/scoring/test_scoring.py``).
 
 Representations are passed exactly as :meth:`pykeen.models.ERModel._get_representations` returns
 them: one tensor, or a tuple of tensors for interactions with several entity or relation
