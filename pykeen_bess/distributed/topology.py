@@ -352,18 +352,22 @@ class ProbeTopology(Topology):
         return x.detach()
 
 
-def make_topology(num_shards: int | None = None, process_group: Any = None) -> Topology:
+def make_topology(num_shards: int | None = None, process_group: Any = None, *, in_process: bool = False) -> Topology:
     """Choose the topology: a process group (given, initialised, or ``torchrun``'s) or logical shards.
 
     :param num_shards: the number of shards; under a process group it must be None or the group's
         size (one shard per rank); else None means 1
     :param process_group: a ``torch.distributed`` process group (default: the initialised world,
         joining ``torchrun``'s first if this process was started by it)
+    :param in_process: hold all shards in this process even inside a process group (e.g. to
+        evaluate a model that is not sharded over the processes)
     :returns: the topology
     :raises ValueError: for an invalid ``num_shards``
     """
     from .launch import join_torchrun_group
 
+    if in_process:
+        return LocalTopology(1 if num_shards is None else num_shards)
     if process_group is None:
         join_torchrun_group()
     in_group = process_group is not None or (

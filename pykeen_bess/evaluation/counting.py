@@ -172,7 +172,7 @@ def rank_batch(
     # pairs excluded from the shards' counts: the true entity and the known answers
     query_index, entities = torch.arange(batch.shape[0], device=batch.device), true
     if index is not None:
-        filtered_query, filtered_entity = index.filtered(cast(FilterSide, target), known, relations)
+        filtered_query, filtered_entity = index.filtered(cast("FilterSide", target), known, relations)
         query_index = torch.cat([query_index, filtered_query.to(batch.device)])
         entities = torch.cat([entities, filtered_entity.to(batch.device)])
     query_index, entities = unique_pairs(query_index, entities, scoring.sharding.num_entities)

@@ -24,7 +24,7 @@ import torch
 from pykeen.models import ERModel, Model
 from pykeen.typing import LABEL_TAIL
 
-from ..distributed import DistributedTopology, LocalTopology, Topology
+from ..distributed import Topology, make_topology
 from ..representation import ShardedEmbedding
 from ..scoring import SharedCandidateScorer, Side, get_scorer
 from ..sharding import EntitySharding
@@ -386,14 +386,11 @@ def rows_and_topology(model: Model, num_shards: int | None, process_group: Any) 
     tables = [r for r in representations if isinstance(r, ShardedEmbedding)]
     if tables and len(tables) == len(representations) and num_shards in (None, tables[0].sharding.n_shard):
         rows: EntityRows = ShardTableRows(tables)
-        topology: Topology
         if tables[0].holds_all_shards:
-            topology = LocalTopology(rows.sharding.n_shard)
-        elif process_group is None and tables[0].topology is not None:
-            topology = tables[0].topology  # the topology the tables were trained in
-        else:
-            topology = DistributedTopology(process_group)
-        return rows, topology
+            return rows, make_topology(rows.sharding.n_shard, in_process=True)
+        if process_group is None and tables[0].topology is not None:
+            return rows, tables[0].topology  # the topology the tables were trained in
+        return rows, make_topology(process_group=process_group)
     if any(isinstance(r, ShardedEmbedding) and not r.holds_all_shards for r in representations):
         raise ValueError(
             "The model's entity tables are distributed over processes; evaluate it with its own sharding "
@@ -406,6 +403,6 @@ def rows_and_topology(model: Model, num_shards: int | None, process_group: Any) 
     if n > model.num_entities:
         raise ValueError(f"num_shards={n} is larger than the number of entities ({model.num_entities}).")
     sharding = EntitySharding.create(model.num_entities, n, seed=seed)
-    topology = LocalTopology(n)
+    topology = make_topology(n, in_process=True)  # every process scores all shards of a model it holds whole
     rows = ForwardRows(representations, sharding, topology.local_shards)
     return rows, topology

@@ -194,7 +194,7 @@ def run_epochs(
         try:
             loop.model.train()
             steps = tqdm(
-                iter(batches),
+                batches.epoch(epoch),
                 total=len(batches),
                 desc=f"Training batches on {loop.device}",
                 leave=False,

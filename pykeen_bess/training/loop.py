@@ -322,7 +322,11 @@ class BessTrainingLoop(SLCWATrainingLoop):
 
 
 class EpochBatches:
-    """The batches of consecutive epochs: each iteration yields the next epoch's steps."""
+    """The batches of consecutive epochs (what PyKEEN's data loader is to its loop).
+
+    :meth:`epoch` gives the steps of a given epoch; iterating gives those of the next epoch, from
+    ``first_epoch`` on, as iterating a data loader once per epoch does.
+    """
 
     def __init__(self, sampler: BessSampler, first_epoch: int):
         """Start at ``first_epoch`` (1-based)."""
@@ -332,6 +336,10 @@ class EpochBatches:
     def __len__(self) -> int:
         return len(self.sampler)
 
-    def __iter__(self) -> Iterator[BessBatch]:
-        epoch, self.next_epoch = self.next_epoch, self.next_epoch + 1
+    def epoch(self, epoch: int) -> Iterator[BessBatch]:
+        """Return the steps of ``epoch`` (1-based); the next iteration continues after it."""
+        self.next_epoch = epoch + 1
         return self.sampler.epoch(epoch)
+
+    def __iter__(self) -> Iterator[BessBatch]:
+        return self.epoch(self.next_epoch)
