@@ -356,7 +356,10 @@ class ShardedScoring:
                 if hi > lo:
                     scores[rows, (masked_column[lo:hi] - start).to(scores.device)] = float("nan")
                 num_masked = torch.bincount(rows, minlength=scores.shape[0])
-                yield ScoreBlock(position, start, ids, scores, num_masked, nonfinite)
+                block = ScoreBlock(position, start, ids, scores, num_masked, nonfinite)
+                del scores  # only the consumer holds the block: it is freed before the next one is scored
+                yield block
+                del block
                 blocks += 1
                 if max_blocks is not None and blocks >= max_blocks:
                     return
