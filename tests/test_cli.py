@@ -62,10 +62,15 @@ def test_bad_json_options_are_usage_errors(capsys: pytest.CaptureFixture) -> Non
     assert "not valid JSON" in capsys.readouterr().err
 
 
-def test_dense_updates_allow_any_optimizer(capsys: pytest.CaptureFixture) -> None:
-    code, out, err = run(capsys, *FAST, "--optimizer", "rmsprop", "--dense-updates")
+def test_dense_updates_allow_any_optimizer_and_the_model_is_saved(
+    capsys: pytest.CaptureFixture, tmp_path: pathlib.Path
+) -> None:
+    code, out, err = run(
+        capsys, *FAST, "--optimizer", "rmsprop", "--dense-updates", "--output", str(tmp_path / "model")
+    )
     assert code == 0, err
     assert 0 < json.loads(out)["both.realistic.inverse_harmonic_mean_rank"] <= 1
+    assert (tmp_path / "model" / "trained_model.pkl").is_file()
 
 
 def test_checkpoints_early_stopping_and_evaluator_options(

@@ -2,7 +2,8 @@
 
 Usage: ``python distributed_worker.py '<json config>'`` with ``RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR`` and ``MASTER_PORT`` in the environment (as ``torchrun`` sets them). The rank
-trains, evaluates and writes what the test compares to ``{output}/rank{r}.pt``.
+trains, evaluates and writes what the test compares to ``{output}/rank{r}.pt``; a config with
+``"runs"`` runs several scenarios in one process group (one launch, one start-up).
 """
 
 from __future__ import annotations
@@ -84,13 +85,11 @@ def build_loop(config: dict[str, Any], factory: CoreTriplesFactory) -> BessTrain
     )
 
 
-def main() -> None:
-    config = json.loads(sys.argv[1])
-    output = pathlib.Path(config["output"])
-    init_from_environment()
-    rank = dist.get_rank()
+def run(config: dict[str, Any], output: pathlib.Path, rank: int) -> None:
+    """Train (and evaluate, export) one scenario as this rank; write ``{output}/rank{r}.pt``."""
+    output.mkdir(parents=True, exist_ok=True)
     if config.get("rank_overrides") and str(rank) in config["rank_overrides"]:
-        config.update(config["rank_overrides"][str(rank)])
+        config = {**config, **config["rank_overrides"][str(rank)]}
     factory, dataset = small_factory(config.get("num_triples", 300))
     loop = build_loop(config, factory)
     recorder = Recorder(die_at=config.get("die_at") if rank in config.get("die_ranks", []) else None)
@@ -133,6 +132,20 @@ def main() -> None:
     if config.get("export"):
         export_model(loop.model, output / "model.pt")
     torch.save(result, output / f"rank{rank}.pt")
+
+
+def main() -> None:
+    """Run one scenario (``{"output": ..., **settings}``) or several in one group (``{"runs": {name: ...}}``)."""
+    config = json.loads(sys.argv[1])
+    output = pathlib.Path(config["output"])
+    init_from_environment()
+    rank = dist.get_rank()
+    if "runs" in config:  # several scenarios, one after the other, each in its own folder
+        for name, scenario in config["runs"].items():
+            run(scenario, output / name, rank)
+            dist.barrier()
+    else:
+        run(config, output, rank)
     dist.barrier()
     dist.destroy_process_group()
 

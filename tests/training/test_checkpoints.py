@@ -26,3 +26,27 @@ def test_the_pointer_holds_what_pipeline_and_stoppers_read(tmp_path: pathlib.Pat
     assert EarlyStopper.load_summary_dict_from_training_loop_checkpoint(path) == stopper_dict
     assert read_pointer(path)["version"] == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.pt", "run.pt.v1.rank0-of-1"]
+
+
+def test_a_single_process_refuses_a_distributed_checkpoint_through_pipeline(tmp_path: pathlib.Path) -> None:
+    """pipeline() reads the pointer's random seed, then the loop explains instead of failing with a KeyError."""
+    import pytest
+    from pykeen.pipeline import pipeline
+
+    save_distributed_checkpoint(
+        tmp_path / "run.pt",
+        LocalTopology(1),
+        lambda file: torch.save({"epoch": 1}, file),
+        epoch=1,
+        seed=0,
+        random_seed=7,
+    )
+    with pytest.raises(ValueError, match="is a checkpoint of a torch.distributed run"):
+        pipeline(
+            dataset="nations",
+            model="DistMult",
+            training_loop="bess",
+            training_kwargs=dict(
+                num_epochs=1, checkpoint_directory=str(tmp_path), checkpoint_name="run.pt", use_tqdm=False
+            ),
+        )
