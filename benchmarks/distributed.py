@@ -1,11 +1,13 @@
 """Distributed BESS on gloo: throughput, bytes moved per step and peak memory per rank.
 
-For every number of ranks (``--ranks``, default 1 2 4) and both exchange schemes, one epoch of
-DistMult (dimension 256, 64 negatives per positive, batch 512) is trained on WN18RR with one
-process per rank on this machine (gloo on loopback; 1 rank means a single process without a
-process group). Each rank measures the bytes its collectives sent to other ranks (forward and
-backward) and its peak resident memory; the table compares the bytes with the cost model of
-:func:`pykeen_bess.schemes.exchange_cost` (forward bytes, doubled for the backward pass).
+For every layout ``--layouts`` (``SHARDSxREPLICAS``, default 1x1 2x1 4x1 2x2 1x4; the world size
+is their product) and both exchange schemes, one epoch of DistMult (dimension 256, 64 negatives
+per positive, global batch 512) is trained on WN18RR with one process per rank on this machine
+(gloo on loopback; 1x1 means a single process without a process group). Each rank measures the
+bytes its shard collectives sent to other ranks (forward and backward), the bytes it sent to its
+replicas to sum the shard's gradients, and its peak resident memory; the table compares the bytes
+with the cost models of :func:`pykeen_bess.schemes.exchange_cost` (forward bytes, doubled for the
+backward pass) and :func:`pykeen_bess.schemes.replica_cost` (an upper bound).
 
     python benchmarks/distributed.py --data ../shared/data/wn18rr
 
@@ -35,7 +37,7 @@ def worker(args: argparse.Namespace) -> None:
     from pykeen.triples import TriplesFactory
 
     from pykeen_bess.distributed import init_from_environment
-    from pykeen_bess.schemes import exchange_cost, query_width
+    from pykeen_bess.schemes import exchange_cost, query_width, replica_cost
     from pykeen_bess.training import BessTrainingLoop
 
     torch.set_num_threads(args.threads)
@@ -47,7 +49,8 @@ def worker(args: argparse.Namespace) -> None:
     loop = BessTrainingLoop(
         model=model,
         triples_factory=factory,
-        num_shards=None if args.world_size > 1 else 1,
+        num_shards=args.shards,
+        replicas=args.replicas if args.world_size > 1 else None,
         exchange=args.exchange,
         num_negs_per_pos=args.negatives,
         optimizer="adam",
@@ -57,42 +60,52 @@ def worker(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     loop.train(factory, num_epochs=1, batch_size=args.batch_size, use_tqdm=False)
     seconds = time.perf_counter() - start
-    n = loop.topology.n_shard
+    topology = loop.topology
+    n = topology.n_shard
     block_size = -(-args.batch_size // n**2)
     steps = len(loop.make_sampler(loop.partition(factory), block_size))
+    first, last = topology.replica_slots(block_size)
+    entity_width = sum(t.row_width for t in loop.tables)
     predicted = 2 * exchange_cost(
         args.exchange,
         n,
-        block_size,
+        last - first,
         args.negatives,
-        sum(t.row_width for t in loop.tables),
+        entity_width,
         query_width(loop.scorer, loop.model, loop.tables),
         element_size=4,
+    )
+    predicted_replica = replica_cost(
+        n, topology.replicas, last - first, args.negatives, entity_width, loop.sharding.shard_size, element_size=4
     )
     result = dict(
         rank=loop.topology.rank,
         seconds=seconds,
         triples=factory.num_triples,
         steps=steps,
-        bytes_per_step=getattr(loop.topology, "bytes_sent", 0) / steps,
+        bytes_per_step=getattr(topology, "bytes_sent", 0) / steps,
         predicted_bytes_per_step=predicted,
+        replica_bytes_per_step=getattr(topology, "replica_bytes_sent", 0) / steps,
+        predicted_replica_bytes_per_step=predicted_replica,
         peak_rss=_peak_rss(),
     )
     (args.output / f"rank{result['rank']}.json").write_text(json.dumps(result))
 
 
-def launch(args: argparse.Namespace, world_size: int, exchange: str, output: pathlib.Path) -> list[dict]:
+def launch(args: argparse.Namespace, shards: int, replicas: int, exchange: str, output: pathlib.Path) -> list[dict]:
     """Run one configuration with one process per rank (the shared harness); return the ranks' measurements."""
     from pykeen_bess.distributed import harness
 
+    world_size = shards * replicas
     command = [__file__, "--worker", "--data", str(args.data), "--output", str(output), "--exchange", exchange]
-    command += ["--world-size", str(world_size), "--backend", args.backend, "--dim", str(args.dim)]
+    command += ["--world-size", str(world_size), "--shards", str(shards), "--replicas", str(replicas)]
+    command += ["--backend", args.backend, "--dim", str(args.dim)]
     command += ["--negatives", str(args.negatives), "--batch-size", str(args.batch_size)]
     threads = max(1, args.cores // world_size)
     command += ["--threads", str(threads)]
     results = harness.launch(world_size, command, timeout=3600, collective_timeout=600, threads=threads)
     if not results.ok:
-        raise RuntimeError(f"a rank of {world_size} x {exchange} failed:\n{results.report()}")
+        raise RuntimeError(f"a rank of {shards}x{replicas} {exchange} failed:\n{results.report()}")
     return [json.loads((output / f"rank{rank}.json").read_text()) for rank in range(world_size)]
 
 
@@ -100,7 +113,9 @@ def main() -> None:
     """Run all configurations and print the table."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", type=pathlib.Path, required=True, help="the WN18RR directory")
-    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument(
+        "--layouts", nargs="+", default=["1x1", "2x1", "4x1", "2x2", "1x4"], help="SHARDSxREPLICAS per run"
+    )
     parser.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--negatives", type=int, default=64)
@@ -111,38 +126,44 @@ def main() -> None:
     parser.add_argument("--output", type=pathlib.Path, help=argparse.SUPPRESS)
     parser.add_argument("--exchange", default="embedding", help=argparse.SUPPRESS)
     parser.add_argument("--world-size", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--shards", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--replicas", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args)
         return
     rows = []
-    for world_size in args.ranks:
+    for layout in args.layouts:
+        shards, replicas = (int(x) for x in layout.lower().split("x"))
         for exchange in ("embedding", "score"):
             with tempfile.TemporaryDirectory() as directory:
-                results = launch(args, world_size, exchange, pathlib.Path(directory))
+                results = launch(args, shards, replicas, exchange, pathlib.Path(directory))
             seconds = max(r["seconds"] for r in results)
             rows.append(
                 dict(
-                    ranks=world_size,
+                    layout=f"{shards} x {replicas}",
                     exchange=exchange,
                     throughput=results[0]["triples"] / seconds,
                     bytes=sum(r["bytes_per_step"] for r in results) / len(results),
                     predicted=results[0]["predicted_bytes_per_step"],
+                    replica_bytes=sum(r["replica_bytes_per_step"] for r in results) / len(results),
+                    replica_predicted=results[0]["predicted_replica_bytes_per_step"],
                     peak=max(r["peak_rss"] for r in results) / 2**20,
                 )
             )
             print(rows[-1], flush=True)
     print()
     print(
-        f"| ranks ({args.backend}) | exchange | triples/s | bytes sent per step and rank (measured) | cost model "
-        "| peak RSS per rank (MiB) |"
+        f"| shards x replicas ({args.backend}) | exchange | triples/s | shard bytes per step and rank (measured) "
+        "| cost model | replica bytes per step and rank (measured) | cost model (at most) | peak RSS per rank (MiB) |"
     )
-    print("|---:|---|---:|---:|---:|---:|")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         print(
-            f"| {row['ranks']} | {row['exchange']} | {row['throughput']:,.0f} | {row['bytes']:,.0f} | "
-            f"{row['predicted']:,.0f} | {row['peak']:,.0f} |"
+            f"| {row['layout']} | {row['exchange']} | {row['throughput']:,.0f} | {row['bytes']:,.0f} | "
+            f"{row['predicted']:,.0f} | {row['replica_bytes']:,.0f} | {row['replica_predicted']:,.0f} | "
+            f"{row['peak']:,.0f} |"
         )
 
 

@@ -86,14 +86,16 @@ class RowGather:
     rows: torch.Tensor
     #: one leaf per shard table, shape: ``[U, row_width]``
     leaves: list[torch.Tensor]
-    #: shape: ``[L(i), n(j), b]``, index into ``rows`` of the head of every slot of blocks ``(l, *)``
+    #: shape: ``[L(i), n(j), b]``, index into ``rows`` of the head of every gathered slot of blocks ``(l, *)``
     heads: torch.Tensor
-    #: shape: ``[L(j), n(i), b]``, index into ``rows`` of the tail of every slot of blocks ``(*, l)``
+    #: shape: ``[L(j), n(i), b]``, index into ``rows`` of the tail of every gathered slot of blocks ``(*, l)``
     tails: torch.Tensor
     #: shape: ``[L(k), n(i), n(j), m]``, index into ``rows`` of this shard's negatives of every block
     negatives: torch.Tensor
     #: the position of the first real row (1 if there is a dummy row, else 0), known on the host
     first_real: int
+    #: the first slot of the blocks the rows were gathered for (``heads`` / ``tails`` start there)
+    first_slot: int = 0
 
     @property
     def real_rows(self) -> torch.Tensor:

@@ -128,6 +128,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--negatives", type=int, help="negatives per positive, a multiple of the shard count (default: 64)"
     )
     bess.add_argument(
+        "--replicas",
+        type=int,
+        help="under torchrun: the ranks holding each shard (num_shards * replicas = world size) (default: 1)",
+    )
+    bess.add_argument(
+        "--replica-grouping",
+        choices=["orthogonal", "consecutive", "all", "none"],
+        help="how replicas are laid out over the ranks (default with replicas: orthogonal)",
+    )
+    bess.add_argument(
+        "--checkpoint-retrieval",
+        choices=["one_per_group", "all_replicas"],
+        help="one checkpoint file per shard (default) or one per replica",
+    )
+    bess.add_argument(
         "--dense-updates",
         action="store_true",
         help="update the entity tables densely (any optimizer, slower) instead of row-sparsely",
@@ -270,12 +285,19 @@ def pipeline_kwargs(args: argparse.Namespace, in_group: bool = False) -> dict[st
         set_("device", settings["device"])
 
     # BESS
+    replicated = "replicas" in settings or "replica_grouping" in settings
     if "num_shards" in settings:
-        if in_group:
-            raise UsageError("--num-shards cannot be set under torchrun: every rank holds one shard.")
+        if in_group and not replicated:
+            raise UsageError(
+                "--num-shards under torchrun needs --replicas (num_shards * replicas = the world size); without "
+                "replicas every rank holds one shard."
+            )
         set_("training_loop_kwargs", settings["num_shards"], "num_shards")
     elif not in_group and "num_shards" not in kwargs.get("training_loop_kwargs", {}):
         set_("training_loop_kwargs", 2, "num_shards")
+    for flag in ("replicas", "replica_grouping", "checkpoint_retrieval"):
+        if flag in settings:
+            set_("training_loop_kwargs", settings[flag], flag)
     for flag, key in (("exchange", "exchange"), ("corruption", "corruption")):
         if flag in settings:
             set_("training_loop_kwargs", settings[flag], key)

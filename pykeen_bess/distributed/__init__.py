@@ -2,11 +2,14 @@
 
 * :mod:`~pykeen_bess.distributed.topology`: :class:`Topology` (which shards a process holds, and
   every collective between processes) with its back ends :class:`LocalTopology` (``n`` logical
-  shards in one process), :class:`DistributedTopology` (one shard per rank of a
-  ``torch.distributed`` group) and :class:`ProbeTopology` (no communication, for memory probes),
-  chosen by :func:`make_topology`. Together with :mod:`~pykeen_bess.distributed.launch` it is the
-  only code that calls ``torch.distributed``; the training loop, the exchange schemes and the
-  evaluator are written once against it.
+  shards in one process), :class:`DistributedTopology` (:mod:`~pykeen_bess.distributed.process_group`:
+  one shard per rank of a ``torch.distributed`` group, each shard optionally held by several
+  replicas) and :class:`ProbeTopology` (no communication, for memory probes), chosen by
+  :func:`make_topology`. Together with :mod:`~pykeen_bess.distributed.launch` they are the only
+  code that calls ``torch.distributed``; the training loop, the exchange schemes and the evaluator
+  are written once against it.
+* :mod:`~pykeen_bess.distributed.groups`: :class:`RankLayout`, which rank holds which shard and
+  replica (the replica groupings ``none``, ``all``, ``consecutive``, ``orthogonal``).
 * :mod:`~pykeen_bess.distributed.launch`: joining the group ``torchrun`` describes.
 * :mod:`~pykeen_bess.distributed.export`: gathering a sharded model to save it.
 * :mod:`~pykeen_bess.distributed.harness`: starting several ranks on one machine (tests, benchmarks).
@@ -14,14 +17,19 @@
 
 from .export import export_model, gathered_model, save_to_directory
 from .launch import default_timeout, in_torchrun, init_from_environment, is_main_process, join_torchrun_group
-from .topology import DistributedTopology, LocalTopology, ProbeTopology, Topology, make_topology
+from .groups import GROUPINGS, RankLayout, describe_differences
+from .process_group import DistributedTopology
+from .topology import LocalTopology, ProbeTopology, Topology, make_topology
 
 __all__ = [
+    "GROUPINGS",
     "DistributedTopology",
     "LocalTopology",
     "ProbeTopology",
+    "RankLayout",
     "Topology",
     "default_timeout",
+    "describe_differences",
     "export_model",
     "gathered_model",
     "in_torchrun",

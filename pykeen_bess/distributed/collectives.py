@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from .topology import DistributedTopology
+    from .process_group import DistributedTopology
 
 __all__ = [
     "all_gather_differentiable",

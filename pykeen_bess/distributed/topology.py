@@ -27,21 +27,19 @@ A process holds ``L`` of the ``n_shard`` shards ("local shards"). Two kinds of c
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
-from .collectives import all_gather_differentiable, all_to_all_differentiable
 
 __all__ = [
-    "DistributedTopology",
     "LocalTopology",
     "ProbeTopology",
     "ReduceOp",
     "Topology",
+    "check_leading",
     "make_topology",
 ]
 
@@ -94,6 +92,27 @@ class Topology(ABC):
         """Where small bookkeeping tensors (losses, counts, flags) must be for the collectives."""
         return torch.device("cpu")
 
+    @property
+    def replicas(self) -> int:
+        """The number of processes holding each shard (1: no replicas)."""
+        return 1
+
+    @property
+    def replica(self) -> int:
+        """Which replica of its shards this process is (0 without replicas)."""
+        return 0
+
+    def replica_slots(self, block_size: int) -> tuple[int, int]:
+        """Return the slots ``[start, stop)`` of every block this replica trains.
+
+        The replicas of a shard split every block's slot axis into consecutive parts (the last may be
+        shorter or empty), so that they train different positives of the same global plan and a step
+        of all replicas is one step of the plan.
+        """
+        part = -(-block_size // self.replicas)
+        start = min(self.replica * part, block_size)
+        return start, min(start + part, block_size)
+
     def local_index(self) -> torch.Tensor:
         """Return the local shard ids as a long tensor of shape ``[L]``."""
         return torch.as_tensor(self.local_shards, dtype=torch.long)
@@ -145,6 +164,28 @@ class Topology(ABC):
         """
         return x.detach().clone()
 
+    def shard_all_reduce(self, x: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
+        """Reduce over the processes of this replica, one per shard (all processes without replicas).
+
+        :param x: any shape and dtype, complex included
+        :param op: ``"sum"`` or ``"max"``
+        :returns: the reduction, same shape, dtype and device as ``x``
+        """
+        return self.all_reduce(x, op)
+
+    def replica_reduce_rows(self, rows: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sum row-sparse values over the replicas of this process' shard (the identity without replicas).
+
+        :param rows: shape: ``[U]``, unique rows
+        :param values: shape: ``[U, D]``
+        :returns: the union of all replicas' rows, sorted, and their summed values
+        """
+        return rows, values
+
+    def replica_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum a dense tensor over the replicas of this process' shard (a copy without replicas)."""
+        return x.detach().clone()
+
     def all_reduce_coalesced(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Sum many tensors over the processes with one collective per dtype (not in place).
 
@@ -185,148 +226,20 @@ class LocalTopology(Topology):
         self.local_shards = tuple(range(self.n_shard))
 
     def all_to_all(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
-        _check_leading(x, self.n_shard, self.n_shard)
+        check_leading(x, self.n_shard, self.n_shard)
         return x.transpose(0, 1)
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
-        _check_leading(x, self.n_shard)
+        check_leading(x, self.n_shard)
         # every local shard sees all shards' tensors; expand keeps this a view and sums gradients
         return x.unsqueeze(0).expand(self.n_shard, *x.shape)
 
     def gather_shards(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
-        _check_leading(x, self.n_shard)
+        check_leading(x, self.n_shard)
         return x.detach()
 
     def __repr__(self) -> str:
         return f"{self.__class__.__name__}(n_shard={self.n_shard})"
-
-
-class DistributedTopology(Topology):
-    """One shard per rank of a ``torch.distributed`` process group (gloo on CPU, NCCL on GPU).
-
-    :attr:`bytes_sent` counts the payload the shard collectives of this process sent to other
-    ranks (forward and backward).
-    """
-
-    def __init__(self, group: dist.ProcessGroup | None = None):
-        """Use an initialised process group (default: the world)."""
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("DistributedTopology needs an initialised torch.distributed process group.")
-        self.group = group
-        self.n_shard = dist.get_world_size(group)
-        self._rank = dist.get_rank(group)
-        self.local_shards = (self._rank,)
-        self._device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if dist.get_backend(group) == "nccl"
-            else torch.device("cpu")
-        )
-        #: bytes sent to other ranks by the shard collectives of this topology
-        self.bytes_sent = 0
-
-    @property
-    def is_distributed(self) -> bool:  # noqa: D102
-        return self.n_shard > 1
-
-    @property
-    def rank(self) -> int:  # noqa: D102
-        return self._rank
-
-    @property
-    def world_size(self) -> int:  # noqa: D102
-        return self.n_shard
-
-    @property
-    def device(self) -> torch.device:  # noqa: D102
-        return self._device
-
-    def _global(self, rank: int) -> int:
-        """Return the global rank of a rank of this topology's group."""
-        return rank if self.group is None else dist.get_global_rank(self.group, rank)
-
-    # -- shard axis ------------------------------------------------------------------------------
-
-    def all_to_all(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
-        _check_leading(x, 1, self.n_shard)
-        return all_to_all_differentiable(self, x[0]).unsqueeze(0)
-
-    def all_gather(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
-        _check_leading(x, 1)
-        return all_gather_differentiable(self, x[0]).unsqueeze(0)
-
-    def gather_shards(self, x: torch.Tensor) -> torch.Tensor | None:  # noqa: D102
-        _check_leading(x, 1)
-        local = x[0].detach().contiguous()
-        pieces = [torch.empty_like(local) for _ in range(self.n_shard)] if self._rank == 0 else None
-        dist.gather(local, gather_list=pieces, dst=self._global(0), group=self.group)
-        return None if pieces is None else torch.stack(pieces)
-
-    def all_to_all_primitive(self, x: torch.Tensor) -> torch.Tensor:
-        """``[n, ...] -> [n, ...]``: slice ``s`` goes to rank ``s`` (the primitive of :meth:`all_to_all`)."""
-        x = x.contiguous()
-        output = torch.empty_like(x)
-        dist.all_to_all_single(output, x, group=self.group)
-        self.bytes_sent += x.numel() * x.element_size() * (self.n_shard - 1) // self.n_shard
-        return output
-
-    def all_gather_primitive(self, x: torch.Tensor) -> torch.Tensor:
-        """``[...] -> [n, ...]`` (the primitive of :meth:`all_gather`)."""
-        x = x.contiguous()
-        output = [torch.empty_like(x) for _ in range(self.n_shard)]
-        dist.all_gather(output, x, group=self.group)
-        self.bytes_sent += x.numel() * x.element_size() * (self.n_shard - 1)
-        return torch.stack(output)
-
-    # -- processes -------------------------------------------------------------------------------
-
-    def all_reduce(self, x: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:  # noqa: D102
-        complex_ = x.is_complex()
-        y = (torch.view_as_real(x) if complex_ else x).detach().to(self._device, copy=True)
-        dist.all_reduce(y, op=_reduce_op(op), group=self.group)
-        y = y.to(x.device)
-        return torch.view_as_complex(y) if complex_ else y
-
-    def all_reduce_coalesced(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:  # noqa: D102
-        buckets: dict[torch.dtype, list[int]] = defaultdict(list)
-        views = [torch.view_as_real(t) if t.is_complex() else t for t in tensors]
-        for index, view in enumerate(views):
-            buckets[view.dtype].append(index)
-        result: list[torch.Tensor | None] = [None] * len(tensors)
-        for indices in buckets.values():
-            flat = torch.cat([views[i].detach().reshape(-1).to(self._device) for i in indices])
-            dist.all_reduce(flat, group=self.group)
-            offset = 0
-            for i in indices:
-                size = views[i].numel()
-                value = flat[offset : offset + size].view(views[i].shape).to(tensors[i].device)
-                result[i] = torch.view_as_complex(value) if tensors[i].is_complex() else value
-                offset += size
-        return result  # type: ignore[return-value]
-
-    def broadcast_(self, x: torch.Tensor, source: int = 0) -> torch.Tensor:  # noqa: D102
-        if x.device == self._device:
-            dist.broadcast(x.data, src=self._global(source), group=self.group)
-            return x
-        staged = x.detach().to(self._device)
-        dist.broadcast(staged, src=self._global(source), group=self.group)
-        x.data.copy_(staged)
-        return x
-
-    def broadcast_object(self, value: Any, source: int = 0) -> Any:  # noqa: D102
-        values = [value if self._rank == source else None]
-        dist.broadcast_object_list(values, src=self._global(source), group=self.group)
-        return values[0]
-
-    def all_gather_object(self, value: Any) -> list[Any]:  # noqa: D102
-        values: list[Any] = [None] * self.n_shard
-        dist.all_gather_object(values, value, group=self.group)
-        return values
-
-    def barrier(self) -> None:  # noqa: D102
-        dist.barrier(group=self.group)
-
-    def __repr__(self) -> str:
-        return f"{self.__class__.__name__}(rank={self._rank}, n_shard={self.n_shard})"
 
 
 class ProbeTopology(Topology):
@@ -338,9 +251,19 @@ class ProbeTopology(Topology):
     """
 
     def __init__(self, topology: Topology):
-        """Mirror ``topology``'s layout."""
+        """Mirror ``topology``'s layout (shards and replicas)."""
         self.n_shard = topology.n_shard
         self.local_shards = topology.local_shards
+        self._replicas = topology.replicas
+        self._replica = topology.replica
+
+    @property
+    def replicas(self) -> int:  # noqa: D102
+        return self._replicas
+
+    @property
+    def replica(self) -> int:  # noqa: D102
+        return self._replica
 
     def all_to_all(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
         return x.clone()
@@ -352,46 +275,104 @@ class ProbeTopology(Topology):
         return x.detach()
 
 
-def make_topology(num_shards: int | None = None, process_group: Any = None, *, in_process: bool = False) -> Topology:
+def make_topology(
+    num_shards: int | None = None,
+    process_group: Any = None,
+    *,
+    replicas: int | None = None,
+    replica_grouping: str | None = None,
+    in_process: bool = False,
+) -> Topology:
     """Choose the topology: a process group (given, initialised, or ``torchrun``'s) or logical shards.
 
-    :param num_shards: the number of shards; under a process group it must be None or the group's
-        size (one shard per rank); else None means 1
+    :param num_shards: the number of shards; under a process group None means the group's size
+        divided by ``replicas``; in one process None means 1
     :param process_group: a ``torch.distributed`` process group (default: the initialised world,
-        joining ``torchrun``'s first if this process was started by it)
+        joining ``torchrun``'s first if this process was started by it), or a
+        :class:`torch.distributed.device_mesh.DeviceMesh` with the dimensions ``("replica", "shard")``
+    :param replicas: the processes holding each shard (default: 1, or what the mesh says)
+    :param replica_grouping: how the replicas are laid out over the ranks (see
+        :mod:`pykeen_bess.distributed.groups`)
     :param in_process: hold all shards in this process even inside a process group (e.g. to
         evaluate a model that is not sharded over the processes)
     :returns: the topology
-    :raises ValueError: for an invalid ``num_shards``
+    :raises ValueError: for settings that do not fit the processes
     """
+    from .groups import RankLayout
     from .launch import join_torchrun_group
+    from .process_group import DistributedTopology
 
     if in_process:
         return LocalTopology(1 if num_shards is None else num_shards)
+    if _is_device_mesh(process_group):
+        return _mesh_topology(process_group, num_shards, replicas, replica_grouping)
     if process_group is None:
         join_torchrun_group()
     in_group = process_group is not None or (
         dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     )
     if in_group:
-        topology = DistributedTopology(process_group)
-        if num_shards is not None and num_shards != topology.n_shard:
+        world_size = dist.get_world_size(process_group)
+        # before any subgroup is created: ranks that disagree would wait for each other forever
+        DistributedTopology.check_same_settings(
+            process_group, dict(num_shards=num_shards, replicas=replicas, replica_grouping=replica_grouping)
+        )
+        if replicas is None and replica_grouping is None and num_shards not in (None, world_size):
             raise ValueError(
-                f"num_shards={num_shards} differs from the process group's size {topology.n_shard}; under "
-                f"torch.distributed every rank holds exactly one shard (leave num_shards unset)."
+                f"num_shards={num_shards} differs from the process group's size {world_size}; under "
+                f"torch.distributed every rank holds one shard (leave num_shards unset), or give replicas="
+                f"{max(1, world_size // num_shards)} so that num_shards * replicas == {world_size}."
             )
-        return topology
+        layout = RankLayout.create(world_size, num_shards, replicas, replica_grouping)
+        return DistributedTopology(process_group, layout)
+    if (replicas or 1) > 1 or replica_grouping not in (None, "none"):
+        raise ValueError(
+            f"replicas={replicas}, replica_grouping={replica_grouping!r} need a process group of several ranks "
+            f"(torchrun); in one process every shard is held once."
+        )
     return LocalTopology(1 if num_shards is None else num_shards)
 
 
-def _reduce_op(op: ReduceOp) -> Any:
-    if op == "sum":
-        return dist.ReduceOp.SUM
-    if op == "max":
-        return dist.ReduceOp.MAX
-    raise ValueError(f"Unknown reduction {op!r}; expected 'sum' or 'max'.")
+def _is_device_mesh(value: Any) -> bool:
+    return value is not None and type(value).__name__ == "DeviceMesh" and hasattr(value, "mesh_dim_names")
 
 
-def _check_leading(x: torch.Tensor, *sizes: int) -> None:
+def _mesh_topology(mesh: Any, num_shards: int | None, replicas: int | None, grouping: str | None) -> Topology:
+    """Return the topology of a device mesh with the dimensions ``("replica", "shard")`` (in either order)."""
+    from .groups import RankLayout
+    from .process_group import DistributedTopology
+
+    names = tuple(mesh.mesh_dim_names or ())
+    if sorted(names) != ["replica", "shard"]:
+        raise ValueError(
+            f"A device mesh for BESS needs exactly the dimensions ('replica', 'shard'), but has {names}; e.g. "
+            f"init_device_mesh('cpu', (replicas, shards), mesh_dim_names=('replica', 'shard'))."
+        )
+    ranks = mesh.mesh if names == ("replica", "shard") else mesh.mesh.t()
+    mesh_replicas, mesh_shards = ranks.shape
+    if (num_shards or mesh_shards) != mesh_shards or (replicas or mesh_replicas) != mesh_replicas:
+        raise ValueError(
+            f"The mesh has {mesh_shards} shards x {mesh_replicas} replicas, not num_shards={num_shards}, "
+            f"replicas={replicas}."
+        )
+    world = torch.arange(ranks.numel()).to(ranks)
+    if torch.equal(ranks, world.view(mesh_replicas, mesh_shards)):
+        layout_grouping = "orthogonal" if mesh_replicas > 1 else "none"
+    elif torch.equal(ranks, world.view(mesh_shards, mesh_replicas).t()):
+        layout_grouping = "consecutive" if mesh_shards > 1 else "all"
+    else:
+        raise ValueError(f"The mesh's ranks {ranks.tolist()} are laid out neither orthogonally nor consecutively.")
+    if mesh_shards == 1:
+        layout_grouping = "all"
+    if grouping is not None and grouping != layout_grouping:
+        raise ValueError(f"The mesh lays its replicas out {layout_grouping!r}, not replica_grouping={grouping!r}.")
+    layout = RankLayout.create(int(ranks.numel()), mesh_shards, mesh_replicas, layout_grouping)
+    return DistributedTopology(
+        None, layout, shard_group=mesh.get_group("shard"), replica_group=mesh.get_group("replica")
+    )
+
+
+def check_leading(x: torch.Tensor, *sizes: int) -> None:
+    """Raise an error unless ``x`` has the given leading dimensions."""
     if tuple(x.shape[: len(sizes)]) != tuple(sizes):
         raise ValueError(f"Expected leading dimensions {list(sizes)}, got shape {list(x.shape)}.")

@@ -189,7 +189,7 @@ def rank_batch(
     counts, nonfinite = count(exact=False)
     if bool(nonfinite):  # one read per batch; blocks with NaN or infinite scores need exact counts
         counts, _ = count(exact=True)
-    counts = RankCounts.from_stacked(topology.all_reduce(counts.stack()))
+    counts = RankCounts.from_stacked(topology.shard_all_reduce(counts.stack()))
     ranks = ranks_from_counts(counts, true_scores, scoring.is_candidate(true.to(true_scores.device)))
     result: dict[str, Any] = {key: value.cpu().numpy() for key, value in ranks.items()}
     result["nan_candidates"] = int(counts.nan.sum())

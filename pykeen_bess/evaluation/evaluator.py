@@ -15,7 +15,7 @@ over the candidates that are neither filtered (known triples, see :mod:`pykeen_b
 nor the true entity itself. Filtered candidates are masked by index (``index_put`` of NaN, which
 no comparison counts) from ``(query, entity)`` pairs, never by a dense mask
 (:meth:`~pykeen_bess.evaluation.sharded.ShardedScoring.score_blocks`). The counts of all shards are
-summed (:meth:`~pykeen_bess.distributed.Topology.all_reduce`, so under ``torch.distributed`` only
+summed (:meth:`~pykeen_bess.distributed.Topology.shard_all_reduce`, so under ``torch.distributed`` only
 ``[4, B]`` integers per batch cross processes), and the true entity's own contribution is added
 explicitly, exactly as PyKEEN's :meth:`pykeen.evaluation.ranks.Ranks.from_scores` sees it after
 :func:`pykeen.evaluation.evaluator.filter_scores_` restored its column
@@ -265,16 +265,28 @@ class BessEvaluator(RankBasedEvaluator):
                 {"desc": f"Evaluating on {device}", "total": num_triples, "unit": "triple", "unit_scale": True},
             )
         )
+        topology = scoring.topology
+        # replicas split the batches: replica q ranks batches q, q + R, ... with its shards
+        ranked: dict[int, dict[str, dict[str, Any]]] = {}
         with progress:
-            for batch in mapped_triples.split(batch_size):
-                for target in cast(tuple[Target, ...], targets):
-                    ranks = rank_batch(scoring, index, batch, target, slice_size)
-                    for rank_type in (RANK_OPTIMISTIC, RANK_REALISTIC, RANK_PESSIMISTIC):
-                        self.ranks[target, rank_type].append(ranks[rank_type])
-                    self.num_candidates[target].append(ranks["options"])
-                    nan_candidates += ranks["nan_candidates"]
-                    nan_true += ranks["nan_true"]
+            for number, batch in enumerate(mapped_triples.split(batch_size)):
+                if number % topology.replicas != topology.replica:
+                    continue
+                ranked[number] = {
+                    target: rank_batch(scoring, index, batch, target, slice_size)
+                    for target in cast(tuple[Target, ...], targets)
+                }
                 progress.update(batch.shape[0])
+        if topology.replicas > 1:  # every process gets every replica's ranks
+            for other in topology.all_gather_object(ranked):
+                ranked.update(other)
+        for number in sorted(ranked):
+            for target, ranks in ranked[number].items():
+                for rank_type in (RANK_OPTIMISTIC, RANK_REALISTIC, RANK_PESSIMISTIC):
+                    self.ranks[cast(Target, target), rank_type].append(ranks[rank_type])
+                self.num_candidates[cast(Target, target)].append(ranks["options"])
+                nan_candidates += ranks["nan_candidates"]
+                nan_true += ranks["nan_true"]
         self.num_entities = scoring.num_candidates
         if nan_candidates or nan_true:
             warnings.warn(

@@ -231,7 +231,7 @@ def _top_k_batch(
     # [L, B, k] -> every shard's lists [n, B, k] -> one merge
     gathered_scores = topology.all_gather(torch.stack(local_scores))[0]
     gathered_ids = topology.all_gather(torch.stack(local_ids))[0]
-    nan_total = int(topology.all_reduce(nan_count.view(1))[0])
+    nan_total = int(topology.shard_all_reduce(nan_count.view(1))[0])
     merged_scores, merged_ids = merge_top_k(
         gathered_scores.permute(1, 0, 2).reshape(batch_size, -1),
         gathered_ids.permute(1, 0, 2).reshape(batch_size, -1),

@@ -225,7 +225,7 @@ class ShardedScoring:
                 continue
             for out, values in zip(result, self.rows.rows(position, local[owned])):
                 out[owned.to(out.device)] = values
-        return [topology.all_reduce(x) for x in result]
+        return [topology.shard_all_reduce(x) for x in result]
 
     def queries(
         self, target: str, known: torch.Tensor, relations: torch.Tensor, topology: Topology | None = None

@@ -35,6 +35,7 @@ __all__ = [
     "choose_scheme",
     "exchange_cost",
     "query_width",
+    "replica_cost",
     "scheme_names",
     "scheme_resolver",
 ]
@@ -73,6 +74,46 @@ def exchange_cost(
     :raises ValueError: for an unknown scheme
     """
     return resolve_scheme(scheme).cost(n_shard, block_size, num_negs_per_pos, entity_width, query_width, element_size)
+
+
+def replica_cost(
+    n_shard: int,
+    replicas: int,
+    replica_block_size: int,
+    num_negs_per_pos: int,
+    entity_width: int,
+    shard_size: int,
+    element_size: int = 4,
+    sparse: bool = True,
+) -> int:
+    """Return the bytes one process sends to its replicas per step to sum its shard's gradients (at most).
+
+    With row-sparse updates every replica all-gathers its touched rows (ids, 8 bytes each) and their
+    gradients (``D`` values each) to the ``R - 1`` others
+    (:meth:`~pykeen_bess.distributed.DistributedTopology.replica_reduce_rows`). A replica touches at
+    most ``U = min(S, 2 n b' + n K)`` rows of its shard of ``S`` rows: the heads and tails of its
+    ``b'`` slots in the ``n`` blocks of its row and column, and its share of every block's ``K``
+    negatives; duplicates make the measured bytes smaller. Dense updates all-reduce the whole shard
+    table, ``2 (R - 1) / R * S * D`` values (ring all-reduce), and all-gather the touched rows (to
+    constrain them after the update) with a 4-byte flag each. The exchange inside the shard group
+    (:func:`exchange_cost`) comes on top, with ``b'`` slots per block.
+
+    :param n_shard: ``n``
+    :param replicas: ``R``
+    :param replica_block_size: ``b'``, the slots of every block one replica trains
+    :param num_negs_per_pos: ``K``, negatives per block and positive
+    :param entity_width: ``D``, packed values per entity row
+    :param shard_size: ``S``, rows of a shard table
+    :param element_size: bytes per value
+    :param sparse: row-sparse (default) or dense updates
+    :returns: bytes sent per process and step
+    """
+    if replicas == 1:
+        return 0
+    rows = min(shard_size, 2 * n_shard * replica_block_size + n_shard * num_negs_per_pos)
+    if not sparse:
+        return 2 * (replicas - 1) * shard_size * entity_width * element_size // replicas + (replicas - 1) * rows * 12
+    return (replicas - 1) * rows * (8 + entity_width * element_size)
 
 
 def resolve_scheme(scheme: str | type[ExchangeScheme]) -> type[ExchangeScheme]:

@@ -103,21 +103,25 @@ class ExchangeScheme(ABC):
 
     # -- gathering -------------------------------------------------------------------------------
 
-    def gather(self, batch: BessBatch) -> RowGather:
-        """Look up the rows this process owns and needs for the step, as leaves.
+    def gather(self, batch: BessBatch, start: int = 0, stop: int | None = None) -> RowGather:
+        """Look up the rows this process owns and needs for the slots ``start:stop`` of a step, as leaves.
 
         :param batch: the global plan of the step
+        :param start: the first slot this process trains (replicas split the slot axis)
+        :param stop: the end of its slots (default: the block size)
         :returns: the rows and index tensors into them
         """
         topology = self.topology
+        stop = batch.block_size if stop is None else stop
         size = self.tables[0].sharding.shard_size
         offset = (torch.arange(topology.n_local) * size).view(-1, 1, 1)
-        heads, tails, negatives = batch.heads, batch.tails, batch.negatives
-        if not bool(batch.valid.all()):  # the plan is on the CPU: no device synchronisation
-            # padding slots use the dummy row -1; negatives of blocks without real positives too
-            heads = torch.where(batch.valid, heads, -1)
-            tails = torch.where(batch.valid, tails, -1)
-            negatives = torch.where(batch.valid.any(dim=-1).unsqueeze(0).unsqueeze(-1), negatives, -1)
+        valid = batch.valid[..., start:stop]
+        heads, tails, negatives = batch.heads[..., start:stop], batch.tails[..., start:stop], batch.negatives
+        if not bool(valid.all()):  # the plan is on the CPU: no device synchronisation
+            # padding slots use the dummy row -1; negatives of blocks without real positives here too
+            heads = torch.where(valid, heads, -1)
+            tails = torch.where(valid, tails, -1)
+            negatives = torch.where(valid.any(dim=-1).unsqueeze(0).unsqueeze(-1), negatives, -1)
         # heads of blocks (l, *), tails of blocks (*, l), this shard's negatives of all blocks
         head_rows = _offset_rows(topology.select_local(heads, 0), offset)
         tail_rows = _offset_rows(topology.select_local(tails, 1).transpose(0, 1), offset)
@@ -141,6 +145,7 @@ class ExchangeScheme(ABC):
             tails=tail_index.view(tail_rows.shape),
             negatives=negative_index.view(negative_rows.shape),
             first_real=first_real,
+            first_slot=start,
         )
 
     def set_row_gradients(self, gathered: RowGather, dense: bool = False) -> None:
@@ -179,6 +184,7 @@ class ExchangeScheme(ABC):
         n = topology.n_shard
         stop = batch.block_size if stop is None else stop
         slots = slice(start, stop)
+        gathered_slots = slice(start - gathered.first_slot, stop - gathered.first_slot)
         device = self.tables[0].weight.device
         local_valid = topology.select_local(batch.valid[..., slots], 0).reshape(-1)  # on the CPU
         valid_index = None if bool(local_valid.all()) else local_valid.nonzero().view(-1).to(device)
@@ -189,13 +195,13 @@ class ExchangeScheme(ABC):
         # positives: heads stay, tails move to the heads' shard
         heads = self.lookup.entities(
             normalized,
-            gathered.heads[..., slots],
+            gathered.heads[..., gathered_slots],
             regularization,
             self.lookup.role_weights(head=topology.select_local(weights.head, 0)),
         )
         tails_out = self.lookup.entities(
             normalized,
-            gathered.tails[..., slots],
+            gathered.tails[..., gathered_slots],
             regularization,
             self.lookup.role_weights(tail=topology.select_local(weights.tail, 1).transpose(0, 1)),
         )

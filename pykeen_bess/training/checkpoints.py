@@ -3,21 +3,12 @@
 * :class:`FileCheckpointStore` (one process): PyKEEN's own single-file checkpoint, written to a
   temporary file of this process and renamed over the old one, so a crash while writing keeps the
   previous checkpoint. Resuming continues identically (same losses as an uninterrupted run).
-* :class:`RankCheckpointStore` (a process group): every rank writes its own file of a new version
-  next to the old one; once all have, rank 0 replaces the pointer file, and only then are the old
-  versions removed. Resuming on the same number of ranks loads each rank's file; on another number
-  of ranks the tables and their optimizer state are resharded.
-
-Files of a distributed checkpoint ``NAME`` (in a directory all ranks share, as PyTorch-BigGraph's):
-
-* ``NAME.v{version}.rank{r}-of-{n}``: written by rank ``r``: PyKEEN's checkpoint dictionary for that
-  rank (its shard of every entity table and of the optimizer state, the replicated parameters and
-  their optimizer state, the epoch, losses, random states, stopper state);
-* ``NAME``: written last, by rank 0: a small pointer ``{"format", "version", "world_size", "epoch",
-  "seed", "random_seed", "stopper_dict"}``. The last two are the fields PyKEEN itself reads from
-  the file named ``checkpoint_name`` before the training loop loads it (``pipeline()`` takes the
-  random seed from it, an early stopper its state), so a distributed checkpoint resumes through
-  ``pipeline()`` like a single-file one.
+* :class:`RankCheckpointStore` (a process group): versioned files per shard and a pointer written
+  last (:mod:`~pykeen_bess.training.checkpoint_files`), in one of the two retrieval modes of seed 004:
+  ``"one_per_group"`` (the first replica of each shard writes its file; resumable on any numbers of
+  shards and replicas) or ``"all_replicas"`` (every process writes its own file; resuming checks that
+  the replicas of each shard hold the same values). Resuming on the same number of shards loads each
+  shard's file; on another number of shards the tables and their optimizer state are resharded.
 
 Both write PyKEEN's checkpoint dictionary through :meth:`pykeen.training.TrainingLoop._save_state`
 and read it through :meth:`~pykeen.training.TrainingLoop._load_state`, so everything PyKEEN keeps
@@ -26,13 +17,13 @@ and read it through :meth:`~pykeen.training.TrainingLoop._load_state`, so everyt
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import pathlib
-import re
 import tempfile
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -40,25 +31,27 @@ from pykeen.stoppers import Stopper
 from pykeen.training.training_loop import TrainingLoop
 from pykeen.triples import CoreTriplesFactory
 
-from ..distributed import Topology
-from ..sharding import EntitySharding
+from .checkpoint_files import (
+    latest_own_version,
+    pointer_file,
+    pointer_shards,
+    read_pointer,
+    reshard_rank_state,
+    save_distributed_checkpoint,
+    shard_file,
+)
 
 __all__ = [
-    "POINTER_FORMAT",
+    "CHECKPOINT_RETRIEVALS",
     "CheckpointStore",
     "FileCheckpointStore",
     "RankCheckpointStore",
-    "latest_own_version",
-    "rank_file",
-    "read_pointer",
-    "reshard_rank_state",
-    "save_distributed_checkpoint",
 ]
 
 logger = logging.getLogger(__name__)
 
-#: the ``format`` value of a distributed checkpoint's pointer file
-POINTER_FORMAT = "pykeen-bess-distributed-checkpoint"
+#: the retrieval modes of distributed checkpoints (``checkpoint_retrieval=``)
+CHECKPOINT_RETRIEVALS = ("one_per_group", "all_replicas")
 
 
 class CheckpointStore(ABC):
@@ -132,7 +125,12 @@ class FileCheckpointStore(CheckpointStore):
 
 
 class RankCheckpointStore(CheckpointStore):
-    """Versioned per-rank files and a pointer written last (one shard per rank)."""
+    """Versioned files per shard (or per replica) and a pointer written last."""
+
+    def __init__(self, loop: Any, all_replicas: bool = False):
+        """Serve ``loop``; ``all_replicas``: every process writes its own file."""
+        super().__init__(loop)
+        self.all_replicas = all_replicas
 
     def save(  # noqa: D102
         self,
@@ -156,43 +154,73 @@ class RankCheckpointStore(CheckpointStore):
             seed=self.loop.config.seed,
             random_seed=self.loop.model._random_seed,
             stopper_dict=stopper.get_summary_dict() if stopper is not None else None,
+            all_replicas=self.all_replicas,
         )
 
     def rank_file(self, path: pathlib.Path) -> pathlib.Path | None:
-        """Return this rank's file of the checkpoint at ``path`` (same world size), None if it must be resharded."""
+        """Return this process' file of the checkpoint at ``path`` (same shards), None if it must be resharded."""
         topology = self.loop.topology
-        rank, world_size = topology.rank, topology.n_shard
+        shard, n_shard = topology.local_shards[0], topology.n_shard
         pointer = read_pointer(path)
-        if pointer is None:
-            version = latest_own_version(path, rank, world_size)
+        if pointer is None:  # no pointer (yet): the newest file of this shard, or a plain PyKEEN file
+            version = latest_own_version(path, shard, n_shard)
             if version is None:
-                return path if path.is_file() else None  # a plain PyKEEN checkpoint file
-            return rank_file(path, version, rank, world_size)
-        if pointer["world_size"] == world_size:
-            return rank_file(path, pointer["version"], rank, world_size)
-        return None
+                return path if path.is_file() else None
+            return shard_file(path, version, shard, n_shard)
+        if pointer_shards(pointer) != n_shard:
+            return None
+        same_replicas = int(pointer.get("replicas", 1)) == topology.replicas
+        return pointer_file(path, pointer, shard, replica=topology.replica if same_replicas else 0)
 
     def load(self, path: pathlib.Path, triples_factory: CoreTriplesFactory | None = None) -> Any:  # noqa: D102
         path = pathlib.Path(path)
+        pointer = read_pointer(path)
         file = self.rank_file(path)
         if file is not None:
-            return self.read_state(file, triples_factory)
-        pointer = read_pointer(path)
-        if pointer is None:
-            raise FileNotFoundError(f"No checkpoint for rank {self.loop.topology.rank} at {path}.")
-        seed = self.loop.config.seed
-        if int(pointer.get("seed", seed)) != seed:
-            raise ValueError(
-                f"Checkpoint {path} was written with sharding seed {pointer['seed']}, this run uses {seed}: pass "
-                f"seed={pointer['seed']} to resume it."
-            )
-        return self._load_resharded(path, pointer, triples_factory)
+            result = self.read_state(file, triples_factory)
+        elif pointer is None:
+            raise FileNotFoundError(f"No checkpoint for shard {self.loop.topology.local_shards[0]} at {path}.")
+        else:
+            seed = self.loop.config.seed
+            if int(pointer.get("seed", seed)) != seed:
+                raise ValueError(
+                    f"Checkpoint {path} was written with sharding seed {pointer['seed']}, this run uses {seed}: pass "
+                    f"seed={pointer['seed']} to resume it."
+                )
+            result = self._load_resharded(path, pointer, triples_factory)
+        if pointer is not None and pointer.get("retrieval") == "all_replicas":
+            self.verify_replicas_agree(path)
+        return result
+
+    def verify_replicas_agree(self, path: pathlib.Path) -> None:
+        """Check that the replicas of every shard hold the same tables and optimizer state (collective).
+
+        :raises ValueError: naming the shard and the ranks whose values differ
+        """
+        topology = self.loop.topology
+        digest = hashlib.sha1()
+        for weight in self.loop.tables.weights():
+            digest.update(weight.detach().cpu().contiguous().numpy().tobytes())
+            for value in self.loop.optimizer.state.get(weight, {}).values():
+                if torch.is_tensor(value):
+                    digest.update(value.detach().cpu().contiguous().numpy().tobytes())
+        entries = topology.all_gather_object((topology.local_shards[0], digest.hexdigest()))
+        by_shard: dict[int, dict[str, list[int]]] = {}
+        for rank, (shard, value) in enumerate(entries):
+            by_shard.setdefault(shard, {}).setdefault(value, []).append(rank)
+        for shard, values in sorted(by_shard.items()):
+            if len(values) > 1:
+                groups = "; ".join(f"ranks {ranks}" for ranks in values.values())
+                raise ValueError(
+                    f"The replicas of shard {shard} in checkpoint {path} hold different values ({groups}): a replica's "
+                    f"file was changed or written by another run."
+                )
 
     def _load_resharded(self, path: pathlib.Path, pointer: Mapping[str, Any], triples_factory: Any) -> Any:
-        """Load a checkpoint written by another number of ranks, resharding the entity tables."""
+        """Load a checkpoint written with another number of shards, resharding the entity tables."""
         loop = self.loop
         logger.warning(
-            "Resharding checkpoint %s from %d to %d ranks.", path, pointer["world_size"], loop.topology.n_shard
+            "Resharding checkpoint %s from %d to %d shards.", path, pointer_shards(pointer), loop.topology.n_shard
         )
         table_ids = {id(weight) for weight in loop.tables.weights()}
         table_keys = [name for name, param in loop.model.named_parameters() if id(param) in table_ids]
@@ -200,173 +228,15 @@ class RankCheckpointStore(CheckpointStore):
         table_indices = [index for index, param in enumerate(params) if id(param) in table_ids]
         state = reshard_rank_state(
             path=path,
-            version=int(pointer["version"]),
-            old_world_size=int(pointer["world_size"]),
+            pointer=pointer,
             seed=loop.config.seed,
             sharding=loop.sharding,
-            rank=loop.topology.rank,
+            shard=loop.topology.local_shards[0],
             table_keys=table_keys,
             table_param_indices=table_indices,
         )
-        state["checksum"] = loop.checksum  # the representation of the shard tables names the world size
+        state["checksum"] = loop.checksum  # the representation of the shard tables names the number of shards
         with tempfile.TemporaryDirectory() as directory:
-            file = pathlib.Path(directory, "resharded.pt")
+            file = pathlib.Path(directory, f"resharded-{os.getpid()}.pt")
             torch.save(state, file)
             return self.read_state(file, triples_factory)
-
-
-# -- the files of a distributed checkpoint --------------------------------------------------------
-
-
-def rank_file(path: pathlib.Path, version: int, rank: int, world_size: int) -> pathlib.Path:
-    """Return the file of one rank of one checkpoint version."""
-    return path.with_name(f"{path.name}.v{version}.rank{rank}-of-{world_size}")
-
-
-def _versions(path: pathlib.Path, rank: int, world_size: int) -> list[int]:
-    pattern = re.compile(rf"^{re.escape(path.name)}\.v(\d+)\.rank{rank}-of-{world_size}$")
-    if not path.parent.is_dir():
-        return []
-    return sorted(int(m.group(1)) for p in path.parent.iterdir() if (m := pattern.match(p.name)))
-
-
-def latest_own_version(path: pathlib.Path, rank: int, world_size: int) -> int | None:
-    """Return the newest version this rank has written for ``path`` (None if none)."""
-    versions = _versions(path, rank, world_size)
-    return versions[-1] if versions else None
-
-
-def read_pointer(path: pathlib.Path) -> dict[str, Any] | None:
-    """Return the pointer stored at ``path``, or None if ``path`` is not a pointer file."""
-    if not path.is_file():
-        return None
-    content = torch.load(path, weights_only=False)
-    if isinstance(content, dict) and content.get("format") == POINTER_FORMAT:
-        return content
-    return None
-
-
-def save_distributed_checkpoint(
-    path: pathlib.Path,
-    topology: Topology,
-    write_rank_file: Callable[[pathlib.Path], None],
-    epoch: int,
-    seed: int,
-    random_seed: int | None = None,
-    stopper_dict: Mapping[str, Any] | None = None,
-) -> pathlib.Path:
-    """Write a new version of a distributed checkpoint (collective: every rank calls it).
-
-    :param path: the checkpoint's pointer path
-    :param topology: the process topology (rank, number of ranks, barrier, all-reduce)
-    :param write_rank_file: writes this rank's state to the given file
-    :param epoch: the epoch the checkpoint holds (stored in the pointer for humans)
-    :param seed: the seed of the entity sharding (needed to reshard)
-    :param random_seed: the model's random seed (what ``pipeline()`` reads back when resuming)
-    :param stopper_dict: the early stopper's summary (what PyKEEN's stopper reads back)
-    :returns: this rank's file of the new version
-    """
-    rank, world_size = topology.rank, topology.n_shard
-    local = latest_own_version(path, rank, world_size) or 0
-    pointer = read_pointer(path) if rank == 0 else None
-    if pointer is not None:
-        local = max(local, int(pointer["version"]))
-    version = int(topology.all_reduce(torch.tensor([local], dtype=torch.long), op="max")[0]) + 1
-    target = rank_file(path, version, rank, world_size)
-    temporary = target.with_name(f"{target.name}.tmp-{os.getpid()}")
-    write_rank_file(temporary)
-    os.replace(temporary, target)
-    topology.barrier()
-    if rank == 0:
-        temporary_pointer = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-        pointer = dict(
-            format=POINTER_FORMAT,
-            version=version,
-            world_size=world_size,
-            epoch=epoch,
-            seed=seed,
-            random_seed=random_seed,
-            stopper_dict=dict(stopper_dict or {}),
-        )
-        torch.save(pointer, temporary_pointer)
-        os.replace(temporary_pointer, path)
-    topology.barrier()
-    for old in _versions(path, rank, world_size):
-        if old < version:
-            rank_file(path, old, rank, world_size).unlink(missing_ok=True)
-    logger.info("rank %d wrote checkpoint version %d (epoch %d) to %s", rank, version, epoch, target)
-    return target
-
-
-def reshard_rank_state(
-    path: pathlib.Path,
-    version: int,
-    old_world_size: int,
-    seed: int,
-    sharding: EntitySharding,
-    rank: int,
-    table_keys: list[str],
-    table_param_indices: list[int],
-) -> dict[str, Any]:
-    """Build this rank's checkpoint dictionary for a new world size from the old ranks' files.
-
-    The replicated state is taken from the old rank 0; every entity table (``table_keys`` in the
-    model's state dict) and its row-wise optimizer state (parameters ``table_param_indices`` of the
-    optimizer's state dict) are rebuilt for this rank's shard of the new sharding, reading one old
-    file at a time.
-
-    :param path: the pointer path
-    :param version: the version to read
-    :param old_world_size: the world size that wrote it
-    :param seed: the seed of the (old and new) sharding
-    :param sharding: the new sharding
-    :param rank: this rank (its shard of the new sharding)
-    :param table_keys: the state-dict keys of the entity tables
-    :param table_param_indices: the optimizer parameter indices of the entity tables
-    :returns: a PyKEEN checkpoint dictionary for this rank
-    :raises FileNotFoundError: if an old rank's file is missing
-    """
-    old_sharding = EntitySharding.create(sharding.num_entities, old_world_size, seed=seed)
-    new_global = sharding.shard_entities[rank]  # [S_new], -1 for padding
-    state: dict[str, Any] | None = None
-    for old_rank in range(old_world_size):
-        file = rank_file(path, version, old_rank, old_world_size)
-        if not file.is_file():
-            raise FileNotFoundError(
-                f"Cannot reshard checkpoint {path} from {old_world_size} to {sharding.n_shard} ranks: {file} is "
-                f"missing (all ranks' files must be in the same, shared directory)."
-            )
-        old = torch.load(file, weights_only=False)
-        old_global = old_sharding.shard_entities[old_rank]  # [S_old]
-        # rows of the new shard held by this old shard: new local row -> old local row
-        position = torch.full((sharding.num_entities,), -1, dtype=torch.long)
-        position[old_global[old_global >= 0]] = torch.nonzero(old_global >= 0).view(-1)
-        real = new_global >= 0
-        source = torch.full_like(new_global, -1)
-        source[real] = position[new_global[real]]
-        take = source >= 0
-        if state is None:
-            # the replicated state of old rank 0, with empty tables of the new shard size
-            state = dict(old)
-            state["model_state_dict"] = dict(old["model_state_dict"])
-            state["optimizer_state_dict"] = dict(old["optimizer_state_dict"])
-            state["optimizer_state_dict"]["state"] = {
-                index: dict(value) for index, value in old["optimizer_state_dict"]["state"].items()
-            }
-            for key in table_keys:
-                width = old["model_state_dict"][key].shape[1]
-                state["model_state_dict"][key] = old["model_state_dict"][key].new_zeros(sharding.shard_size, width)
-            optimizer_state = state["optimizer_state_dict"]["state"]
-            for index in table_param_indices:
-                for name, value in list(optimizer_state.get(index, {}).items()):
-                    if torch.is_tensor(value) and value.ndim == 2:
-                        optimizer_state[index][name] = value.new_zeros(sharding.shard_size, value.shape[1])
-        for key in table_keys:
-            state["model_state_dict"][key][take] = old["model_state_dict"][key][source[take]]
-        for index in table_param_indices:
-            for name, value in old["optimizer_state_dict"]["state"].get(index, {}).items():
-                if torch.is_tensor(value) and value.ndim == 2:
-                    state["optimizer_state_dict"]["state"][index][name][take] = value[source[take]]
-        del old
-    assert state is not None
-    return state

@@ -23,7 +23,7 @@ from pykeen.sampling import BasicNegativeSampler, NegativeSampler, negative_samp
 from pykeen.triples import CoreTriplesFactory
 from pykeen.utils import get_batchnorm_modules
 
-from ..distributed import Topology
+from ..distributed import Topology, describe_differences
 from ..sampling import CORRUPTIONS, Corruption
 from ..schemes import AUTO, ExchangeScheme, resolve_scheme
 
@@ -268,6 +268,8 @@ def run_configuration(loop: Any, triples_factory: CoreTriplesFactory, **train_kw
         optimizer_kwargs=sorted((k, repr(v)) for k, v in loop.optimizer_kwargs.items()),
         lr_scheduler=type(loop.lr_scheduler).__name__ if loop.lr_scheduler is not None else None,
         num_shards=loop.topology.n_shard,
+        replicas=loop.topology.replicas,
+        replica_grouping=getattr(getattr(loop.topology, "layout", None), "grouping", "none"),
         exchange=config.scheme_name,
         corruption=config.corruption,
         num_negs_per_pos=config.num_negs_per_pos,
@@ -287,18 +289,11 @@ def verify_same_configuration(topology: Topology, config: Mapping[str, str]) -> 
     if not topology.is_distributed:
         return
     configs = topology.all_gather_object(dict(config))
-    differences = {
-        key: [c.get(key) for c in configs]
-        for key in sorted(set().union(*configs))
-        if len({c.get(key) for c in configs}) > 1
-    }
-    if not differences:
+    lines = describe_differences(configs)
+    if not lines:
         return
-    lines = "\n".join(
-        f"  {key}: " + ", ".join(f"rank {r}={v}" for r, v in enumerate(values)) for key, values in differences.items()
-    )
     hint = ""
-    if differences.keys() & {"batch_size", "num_epochs", "num_negs_per_pos"}:
+    if any(f"  {key}:" in lines for key in ("batch_size", "num_epochs", "num_negs_per_pos")):
         hint = (
             "\nUnder hpo_pipeline every rank must draw the same trials: give all ranks the same sampler seed, "
             "e.g. hpo_pipeline(..., sampler='random', sampler_kwargs=dict(seed=0))."

@@ -33,7 +33,7 @@ from ..sampling import BessSampler, Corruption
 from ..schemes import ExchangeScheme, choose_scheme, query_width
 from ..scoring import SharedCandidateScorer, get_scorer
 from ..sharding import EntitySharding
-from .checkpoints import CheckpointStore, FileCheckpointStore, RankCheckpointStore
+from .checkpoints import CHECKPOINT_RETRIEVALS, CheckpointStore, FileCheckpointStore, RankCheckpointStore
 from .config import (
     BessConfig,
     check_integer,
@@ -85,6 +85,9 @@ class BessTrainingLoop(SLCWATrainingLoop):
         seed: int | None = None,
         sparse_updates: bool = True,
         process_group: Any = None,
+        replicas: int | None = None,
+        replica_grouping: str | None = None,
+        checkpoint_retrieval: str = "one_per_group",
         memory_budget: int | None = None,
         negative_sampler: HintOrType[NegativeSampler] = None,
         negative_sampler_kwargs: OptionalKwargs = None,
@@ -112,7 +115,16 @@ class BessTrainingLoop(SLCWATrainingLoop):
             set False to use any optimizer densely
         :param process_group: a ``torch.distributed`` process group to train in (default: the
             world group if one is initialised with more than one rank; under ``torchrun`` it is
-            joined first)
+            joined first), or a device mesh with the dimensions ``("replica", "shard")``
+        :param replicas: the processes holding each shard (data parallelism over replicas of the
+            shards; ``num_shards * replicas`` = the world size); default 1
+        :param replica_grouping: how the replicas are laid out over the ranks: ``"orthogonal"``
+            (default with replicas: the shards of one replica are consecutive ranks), ``"consecutive"``
+            (the replicas of one shard are consecutive ranks), ``"all"`` (one shard, every rank a
+            replica) or ``"none"`` (no replicas); see :mod:`pykeen_bess.distributed.groups`
+        :param checkpoint_retrieval: ``"one_per_group"`` (one file per shard, written by its first
+            replica; resumable on any numbers of shards and replicas) or ``"all_replicas"`` (every
+            process writes its own file; resuming checks that the replicas agree)
         :param memory_budget: bytes a memory probe may use on the CPU (default: half the memory
             available when the search starts); see :mod:`pykeen_bess.memory`
         :param negative_sampler: must be None or PyKEEN's basic sampler: BESS draws its own
@@ -132,8 +144,13 @@ class BessTrainingLoop(SLCWATrainingLoop):
         super().__init__(model=model, triples_factory=triples_factory, **kwargs)
         embeddings = check_model(model)
         er_model = cast(ERModel, model)
-        self.topology: Topology = make_topology(num_shards=num_shards, process_group=process_group)
+        self.topology: Topology = make_topology(
+            num_shards=num_shards, process_group=process_group, replicas=replicas, replica_grouping=replica_grouping
+        )
         n_shard = self.topology.n_shard
+        layout = getattr(self.topology, "layout", None)
+        if layout is not None and self.topology.is_main_process:
+            logger.info("BESS ranks:\n%s", layout.describe())
         if n_shard > model.num_entities:
             raise ValueError(f"num_shards={n_shard} is larger than the number of entities ({model.num_entities}).")
         if seed is None:
@@ -157,8 +174,14 @@ class BessTrainingLoop(SLCWATrainingLoop):
         self.optimizer = self.build_optimizer()
         if self.lr_scheduler is not None:
             self.lr_scheduler = self.rebuild_lr_scheduler()
+        if checkpoint_retrieval not in CHECKPOINT_RETRIEVALS:
+            raise ValueError(
+                f"Unknown checkpoint_retrieval={checkpoint_retrieval!r}; expected one of {CHECKPOINT_RETRIEVALS}."
+            )
         self.checkpoints: CheckpointStore = (
-            RankCheckpointStore(self) if self.topology.is_distributed else FileCheckpointStore(self)
+            RankCheckpointStore(self, all_replicas=checkpoint_retrieval == "all_replicas")
+            if self.topology.is_distributed
+            else FileCheckpointStore(self)
         )
         self.sizes = StepSizes(self)
         self._partition: tuple[torch.Tensor, int, ShardPairPartition] | None = None

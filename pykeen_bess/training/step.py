@@ -28,6 +28,7 @@ from pykeen.training.callbacks import TrainingCallback
 from ..batch import BessBatch, RowGather
 from ..distributed import Topology
 from ..loss import block_loss
+from ..optim import row_sparse_grad
 from ..schemes import ExchangeScheme
 from .tables import ShardTables
 
@@ -71,11 +72,21 @@ class StepRunner:
         self.post_forward_pass = post_forward_pass
         #: the rows of the step being run
         self.rows: RowGather | None = None
+        #: the local rows the step updates (of all replicas of the shard), shape: ``[U]``; set by
+        #: :meth:`hand_off_gradients`
+        self.updated_rows: torch.Tensor | None = None
 
     def hand_off_gradients(self) -> None:
-        """Give the step's row gradients to the shard tables and sum the replicated gradients over the processes."""
+        """Give the step's row gradients to the shard tables and sum gradients over the processes.
+
+        Row gradients are summed over the replicas of each shard, the replicated parameters'
+        gradients over all processes.
+        """
         if self.rows is not None:
             self.scheme.set_row_gradients(self.rows, dense=not self.sparse_updates)
+        self.updated_rows = self.rows.real_rows if self.rows is not None else None
+        if self.topology.replicas > 1:
+            self._sum_over_replicas()
         parameters = self.tables.replicated_parameters()
         if not self.topology.is_distributed or not parameters:
             return
@@ -85,19 +96,45 @@ class StepRunner:
         for parameter, flag, grad in zip(parameters, present.tolist(), summed):
             parameter.grad = grad if flag > 0 else None
 
+    def _sum_over_replicas(self) -> None:
+        """Sum every shard table's gradient over the replicas of the shard (every replica takes part)."""
+        if not self.sparse_updates:  # the rows to constrain after a dense update: those of every replica
+            rows = self.updated_rows
+            if rows is None:
+                rows = torch.zeros(0, dtype=torch.long, device=self.tables[0].weight.device)
+            flags = torch.ones((rows.numel(), 1), dtype=torch.float32, device=rows.device)
+            self.updated_rows = self.topology.replica_reduce_rows(rows, flags)[0]
+        for table in self.tables:
+            weight = table.weight
+            if not self.sparse_updates:
+                grad = weight.grad if weight.grad is not None else torch.zeros_like(weight)
+                weight.grad = self.topology.replica_all_reduce(grad)
+                continue
+            if weight.grad is None:
+                rows = torch.zeros(0, dtype=torch.long, device=weight.device)
+                values = weight.new_zeros((0, weight.shape[1]))
+            else:
+                grad = weight.grad.coalesce()
+                rows, values = grad._indices()[0], grad._values()
+            rows, values = self.topology.replica_reduce_rows(rows, values)
+            weight.grad = row_sparse_grad(weight, rows, values) if rows.numel() else None
+
     def forward_backward(self, batch: BessBatch, sub_block_size: int, label_smoothing: float) -> torch.Tensor:
-        """Run forward and backward of all sub-batches of a step.
+        """Run forward and backward of all sub-batches of this process' part of a step.
+
+        The part is this replica's slots of every block (all slots without replicas), in sub-batches.
 
         :param batch: the step's plan
         :param sub_block_size: slots per block and sub-batch
         :param label_smoothing: PyKEEN's label smoothing
         :returns: this process' share of the step loss, a float64 scalar on the topology's device
         """
-        self.rows = rows = self.scheme.gather(batch)
+        first, last = self.topology.replica_slots(batch.block_size)
+        self.rows = rows = self.scheme.gather(batch, first, last)
         total = torch.zeros((), dtype=torch.float64, device=self.topology.device)
         num_valid = batch.num_valid
-        for start in range(0, batch.block_size, sub_block_size):
-            stop = min(start + sub_block_size, batch.block_size)
+        for start in range(first, last, sub_block_size):
+            stop = min(start + sub_block_size, last)
             scores = self.scheme.scores(batch, rows, start, stop)
             loss = block_loss(
                 self.loss,
@@ -146,13 +183,14 @@ class GlobalNormClippingCallback(TrainingCallback):
         if math.isinf(p):
             local = _reduce([g.abs().max() for g in sharded if g.numel()], torch.amax, device)
             shared = _reduce([g.abs().max() for g in replicated if g.numel()], torch.amax, device)
-            total = torch.maximum(self.topology.all_reduce(local, op="max"), shared)
+            # each shard once: the replicas of a shard hold the same (summed) gradient
+            total = torch.maximum(self.topology.shard_all_reduce(local, op="max"), shared)
         else:
             local = _reduce([torch.linalg.vector_norm(g, p, dtype=torch.float64) ** p for g in sharded], sum, device)
             shared = _reduce(
                 [torch.linalg.vector_norm(g, p, dtype=torch.float64) ** p for g in replicated], sum, device
             )
-            total = (self.topology.all_reduce(local) + shared) ** (1.0 / p)
+            total = (self.topology.shard_all_reduce(local) + shared) ** (1.0 / p)
         coefficient = torch.clamp(self.max_norm / (total + 1e-6), max=1.0)
         for grad in [*sharded, *replicated]:
             grad.mul_(coefficient.to(grad.dtype))
@@ -210,11 +248,11 @@ class BessOptimizerCallback(TrainingCallback):
         for callback in self.pre_step_callbacks:
             callback.pre_step(epoch=epoch, **kwargs)
         self.optimizer.step()
-        if self.constrain_rows and self.runner.rows is not None:
-            self.tables.constrain(self.runner.rows.real_rows)
+        if self.constrain_rows and self.runner.updated_rows is not None:
+            self.tables.constrain(self.runner.updated_rows)
         self.model.post_parameter_update()
         self.optimizer.zero_grad(set_to_none=True)
-        self.runner.rows = None
+        self.runner.rows = self.runner.updated_rows = None
 
 
 def _values(grad: torch.Tensor) -> torch.Tensor:

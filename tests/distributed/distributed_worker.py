@@ -8,6 +8,7 @@ trains, evaluates and writes what the test compares to ``{output}/rank{r}.pt``; 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pathlib
@@ -37,18 +38,35 @@ def small_factory(num_triples: int) -> tuple[CoreTriplesFactory, Nations]:
     return factory, dataset
 
 
-class Recorder(TrainingCallback):
-    """Records every step's loss; optionally kills this process at a given step."""
+def state_digest(loop: BessTrainingLoop) -> str:
+    """A digest of this process' shard tables and their optimizer state (equal digests: bitwise equal)."""
+    digest = hashlib.sha1()
+    for weight in loop.tables.weights():
+        digest.update(weight.detach().contiguous().numpy().tobytes())
+        for value in loop.optimizer.state.get(weight, {}).values():
+            if torch.is_tensor(value):
+                digest.update(value.detach().contiguous().numpy().tobytes())
+    return digest.hexdigest()
 
-    def __init__(self, die_at: tuple[int, int] | None = None) -> None:
+
+class Recorder(TrainingCallback):
+    """Records every step's loss (and optionally the tables' digest after it); can kill this process at a step."""
+
+    def __init__(self, die_at: tuple[int, int] | None = None, digests: bool = False) -> None:
         super().__init__()
         self.losses: list[float] = []
+        self.digests: list[str] = []
+        self.record_digests = digests
         self.die_at = die_at
 
     def on_batch(self, epoch: int, batch: Any, batch_loss: float, **kwargs: Any) -> None:
         self.losses.append(batch_loss)
         if self.die_at is not None and (epoch, batch.step) == tuple(self.die_at):
             os._exit(17)  # a crash: no clean-up, no exception handling
+
+    def post_batch(self, epoch: int, batch: Any, **kwargs: Any) -> None:
+        if self.record_digests:  # after the optimizer step
+            self.digests.append(state_digest(self.training_loop))
 
 
 class DistMultWithExtra(DistMult):
@@ -72,15 +90,27 @@ def build_loop(config: dict[str, Any], factory: CoreTriplesFactory) -> BessTrain
     cls = DistMultWithExtra if config.get("extra_parameter") else DistMult
     model = cls(triples_factory=factory, embedding_dim=8, random_seed=0, loss="softplus").double()
     optimizer = config.get("optimizer", "adagrad")
+    process_group = None
+    if config.get("mesh"):  # a user-made device mesh, dimensions in the order the config gives
+        from torch.distributed.device_mesh import init_device_mesh
+
+        names = tuple(config["mesh"])
+        sizes = dict(replica=config["replicas"], shard=config["num_shards"])
+        process_group = init_device_mesh("cpu", tuple(sizes[n] for n in names), mesh_dim_names=names)
+    layout = {} if config.get("mesh") else {k: config[k] for k in ("replicas", "replica_grouping") if k in config}
     return BessTrainingLoop(
         model=model,
         triples_factory=factory,
         num_shards=config.get("num_shards"),
+        process_group=process_group,
+        **layout,
+        checkpoint_retrieval=config.get("checkpoint_retrieval", "one_per_group"),
+        sparse_updates=config.get("sparse_updates", True),
         exchange=config.get("exchange", "embedding"),
         num_negs_per_pos=config["num_negs_per_pos"],
         seed=5,
         optimizer=optimizer,
-        optimizer_kwargs=dict(lr=0.1 if optimizer == "adagrad" else 0.05),
+        optimizer_kwargs=dict(lr=0.1 if optimizer in ("adagrad", "sgd") else 0.05),
         automatic_memory_optimization=False,
     )
 
@@ -91,10 +121,13 @@ def run(config: dict[str, Any], output: pathlib.Path, rank: int) -> None:
     if config.get("rank_overrides") and str(rank) in config["rank_overrides"]:
         config = {**config, **config["rank_overrides"][str(rank)]}
     factory, dataset = small_factory(config.get("num_triples", 300))
-    loop = build_loop(config, factory)
-    recorder = Recorder(die_at=config.get("die_at") if rank in config.get("die_ranks", []) else None)
+    recorder = Recorder(
+        die_at=config.get("die_at") if rank in config.get("die_ranks", []) else None,
+        digests=config.get("digests", False),
+    )
     result: dict[str, Any] = {}
     try:
+        loop = build_loop(config, factory)
         losses = loop.train(
             factory,
             num_epochs=config["num_epochs"],
@@ -105,17 +138,37 @@ def run(config: dict[str, Any], output: pathlib.Path, rank: int) -> None:
             checkpoint_directory=config.get("checkpoint_directory"),
             checkpoint_name=config.get("checkpoint_name"),
             checkpoint_frequency=0 if config.get("checkpoint_name") else None,
+            gradient_clipping_max_norm=config.get("gradient_clipping_max_norm"),
         )
     except Exception as error:
         result["error"] = f"{type(error).__name__}: {error}"
         torch.save(result, output / f"rank{rank}.pt")
+        if config.get("expect_error"):  # the next scenario of the launch goes on
+            return
         raise
     table = loop.tables[0]
+    topology = loop.topology
+    shard = topology.local_shards[0]
+    groups = {}
+    for name in ("shard_group", "replica_group"):
+        group = getattr(topology, name, None)
+        if name == "shard_group" and group is None:
+            group = dist.group.WORLD  # without replicas the shard group is the world
+        groups[name] = dist.get_process_group_ranks(group) if group is not None else None
     result.update(
         epoch_losses=losses,
         step_losses=recorder.losses,
+        digests=recorder.digests,
+        shard=shard,
+        replica=topology.replica,
+        groups=groups,
         table=table.shard_tables()[0].detach().clone(),
-        global_ids=table.sharding.shard_entities[rank].clone(),
+        optimizer_state={
+            key: value.clone()
+            for key, value in loop.optimizer.state.get(table.weight, {}).items()
+            if torch.is_tensor(value) and value.ndim == 2
+        },
+        global_ids=table.sharding.shard_entities[shard].clone(),
         relation=loop.model.relation_representations[0]._embeddings.weight.detach().clone(),
         entity_parameter_numel=sum(p.numel() for r in loop.model.entity_representations for p in r.parameters()),
     )
@@ -129,6 +182,16 @@ def run(config: dict[str, Any], output: pathlib.Path, rank: int) -> None:
             use_tqdm=False,
         )
         result["metrics"] = metrics.to_flat_dict()
+    if config.get("predict"):  # the 5 best tails of the first 7 test queries, with the training triples filtered
+        from pykeen_bess import predict_top_k
+
+        frame = predict_top_k(
+            loop.model,
+            dataset.testing.mapped_triples[:7, :2],
+            k=5,
+            filter_triples=dataset.training.mapped_triples,
+        )
+        result["top_k"] = frame[["query", "tail_id", "rank", "score"]].to_dict("list")
     if config.get("export"):
         export_model(loop.model, output / "model.pt")
     torch.save(result, output / f"rank{rank}.pt")

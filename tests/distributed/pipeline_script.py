@@ -2,11 +2,13 @@
 
 The tests run it under ``torchrun`` and in one process. Settings come from the environment:
 ``OUTPUT`` (directory for ``rank{r}.json``), ``CHECKPOINT_DIRECTORY``, ``NUM_SHARDS`` (unset: the
-loop's default), ``DIE_AT_EPOCH`` / ``DIE_RANK`` (this rank exits abruptly at the first step of that
-epoch, as a crash would).
+loop's default), ``REPLICAS`` and ``REPLICA_GROUPING`` (unset: none), ``DIE_AT_EPOCH`` / ``DIE_RANK``
+(this rank exits abruptly at the first step of that epoch, as a crash would), ``LOG`` (set: show
+pykeen-bess' INFO messages).
 """
 
 import json
+import logging
 import os
 import pathlib
 
@@ -33,6 +35,13 @@ if os.environ.get("DIE_AT_EPOCH") and rank == int(os.environ.get("DIE_RANK", "0"
 training_loop_kwargs = dict(exchange="embedding")
 if os.environ.get("NUM_SHARDS"):
     training_loop_kwargs["num_shards"] = int(os.environ["NUM_SHARDS"])
+if os.environ.get("REPLICAS"):
+    training_loop_kwargs["replicas"] = int(os.environ["REPLICAS"])
+if os.environ.get("REPLICA_GROUPING"):
+    training_loop_kwargs["replica_grouping"] = os.environ["REPLICA_GROUPING"]
+if os.environ.get("LOG"):
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("pykeen_bess").setLevel(logging.INFO)
 
 result = pipeline(
     dataset="nations",
@@ -65,6 +74,7 @@ output.mkdir(parents=True, exist_ok=True)
             losses=result.losses,
             metrics=result.metric_results.to_flat_dict(),
             num_shards=loop.topology.n_shard,
+            replicas=loop.topology.replicas,
             distributed=loop.topology.is_distributed,
             entity_rows=int(next(result.model.entity_representations[0].parameters()).shape[0]),
         )

@@ -70,6 +70,7 @@ def local_reference(config: dict[str, Any], num_shards: int):
         sub_batch_size=config.get("sub_batch_size"),
         use_tqdm=False,
         callbacks=Record(),
+        gradient_clipping_max_norm=config.get("gradient_clipping_max_norm"),
     )
     return loop, epoch_losses, losses, dataset
 

@@ -8,7 +8,7 @@ import torch
 from pykeen.stoppers import EarlyStopper
 
 from pykeen_bess.distributed import LocalTopology
-from pykeen_bess.training.checkpoints import read_pointer, save_distributed_checkpoint
+from pykeen_bess.training.checkpoint_files import read_pointer, save_distributed_checkpoint
 
 
 def test_the_pointer_holds_what_pipeline_and_stoppers_read(tmp_path: pathlib.Path) -> None:

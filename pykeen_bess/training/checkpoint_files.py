@@ -1,0 +1,232 @@
+"""The files of a distributed checkpoint: versions, the pointer written last, resharding.
+
+A distributed checkpoint ``NAME`` lives in a directory all ranks share (as PyTorch-BigGraph's):
+
+* ``NAME.v{version}.rank{s}-of-{n}``: shard ``s`` of ``n`` (with one replica per shard: rank ``s``),
+  written by the shard's first replica (``checkpoint_retrieval="one_per_group"``): PyKEEN's
+  checkpoint dictionary of that process (its shard of every entity table and of the optimizer
+  state, the replicated parameters and their optimizer state, the epoch, losses, random states,
+  stopper state);
+* ``NAME.v{version}.rank{s}-of-{n}.replica{q}-of-{R}``: the same, written by every replica
+  (``checkpoint_retrieval="all_replicas"``);
+* ``NAME``: written last, by rank 0: a small pointer ``{"format", "version", "world_size" (the number of
+  shards), "replicas", "retrieval", "epoch", "seed", "random_seed", "stopper_dict"}``. The last two are
+  the fields PyKEEN itself reads from the file named ``checkpoint_name`` before the training loop
+  loads it (``pipeline()`` takes the random seed from it, an early stopper its state), so a
+  distributed checkpoint resumes through ``pipeline()`` like a single-file one.
+
+A new version is written next to the old one; only after every process has finished does rank 0
+replace the pointer (atomically), and only then are the previous version's files removed, so a
+crash while writing never loses the previous checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pathlib
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from ..distributed import Topology
+from ..sharding import EntitySharding
+
+__all__ = [
+    "POINTER_FORMAT",
+    "latest_own_version",
+    "pointer_file",
+    "pointer_shards",
+    "read_pointer",
+    "reshard_rank_state",
+    "save_distributed_checkpoint",
+    "shard_file",
+]
+
+logger = logging.getLogger(__name__)
+
+#: the ``format`` value of a distributed checkpoint's pointer file
+POINTER_FORMAT = "pykeen-bess-distributed-checkpoint"
+
+
+def shard_file(
+    path: pathlib.Path, version: int, shard: int, n_shard: int, replica: int | None = None, replicas: int = 1
+) -> pathlib.Path:
+    """Return the file of one shard (and, if every replica writes one, one replica) of a checkpoint version."""
+    name = f"{path.name}.v{version}.rank{shard}-of-{n_shard}"
+    if replica is not None:
+        name += f".replica{replica}-of-{replicas}"
+    return path.with_name(name)
+
+
+def pointer_shards(pointer: Mapping[str, Any]) -> int:
+    """Return the number of shards of the checkpoint a pointer describes."""
+    return int(pointer["world_size"])
+
+
+def pointer_file(path: pathlib.Path, pointer: Mapping[str, Any], shard: int, replica: int = 0) -> pathlib.Path:
+    """Return the file of a shard in the checkpoint a pointer describes (a replica's, if every replica wrote one)."""
+    if pointer.get("retrieval") == "all_replicas":
+        return shard_file(path, int(pointer["version"]), shard, pointer_shards(pointer), replica, pointer["replicas"])
+    return shard_file(path, int(pointer["version"]), shard, pointer_shards(pointer))
+
+
+def _versions(path: pathlib.Path, shard: int, n_shard: int, replica: int | None = None, replicas: int = 1) -> list[int]:
+    suffix = "" if replica is None else rf"\.replica{replica}-of-{replicas}"
+    pattern = re.compile(rf"^{re.escape(path.name)}\.v(\d+)\.rank{shard}-of-{n_shard}{suffix}$")
+    if not path.parent.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in path.parent.iterdir() if (m := pattern.match(p.name)))
+
+
+def latest_own_version(
+    path: pathlib.Path, shard: int, n_shard: int, replica: int | None = None, replicas: int = 1
+) -> int | None:
+    """Return the newest version written for a shard (and replica) of ``path`` (None if none)."""
+    versions = _versions(path, shard, n_shard, replica, replicas)
+    return versions[-1] if versions else None
+
+
+def read_pointer(path: pathlib.Path) -> dict[str, Any] | None:
+    """Return the pointer stored at ``path``, or None if ``path`` is not a pointer file."""
+    if not path.is_file():
+        return None
+    content = torch.load(path, weights_only=False)
+    if isinstance(content, dict) and content.get("format") == POINTER_FORMAT:
+        return content
+    return None
+
+
+def save_distributed_checkpoint(
+    path: pathlib.Path,
+    topology: Topology,
+    write_rank_file: Callable[[pathlib.Path], None],
+    epoch: int,
+    seed: int,
+    random_seed: int | None = None,
+    stopper_dict: Mapping[str, Any] | None = None,
+    all_replicas: bool = False,
+) -> pathlib.Path | None:
+    """Write a new version of a distributed checkpoint (collective: every process calls it).
+
+    :param path: the checkpoint's pointer path
+    :param topology: the process topology (shard, replica, barrier, all-reduce)
+    :param write_rank_file: writes this process' state to the given file
+    :param epoch: the epoch the checkpoint holds (stored in the pointer for humans)
+    :param seed: the seed of the entity sharding (needed to reshard)
+    :param random_seed: the model's random seed (what ``pipeline()`` reads back when resuming)
+    :param stopper_dict: the early stopper's summary (what PyKEEN's stopper reads back)
+    :param all_replicas: every replica writes its own file (else the first replica of each shard)
+    :returns: this process' file of the new version (None if it writes none)
+    """
+    shard, n_shard, replicas = topology.local_shards[0], topology.n_shard, topology.replicas
+    replica = topology.replica if all_replicas else None
+    writes = all_replicas or topology.replica == 0
+    local = (latest_own_version(path, shard, n_shard, replica, replicas) or 0) if writes else 0
+    pointer = read_pointer(path) if topology.is_main_process else None
+    if pointer is not None:
+        local = max(local, int(pointer["version"]))
+    version = int(topology.all_reduce(torch.tensor([local], dtype=torch.long), op="max")[0]) + 1
+    target = shard_file(path, version, shard, n_shard, replica, replicas) if writes else None
+    if target is not None:
+        temporary = target.with_name(f"{target.name}.tmp-{os.getpid()}")
+        write_rank_file(temporary)
+        os.replace(temporary, target)
+    topology.barrier()
+    if topology.is_main_process:
+        temporary_pointer = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+        pointer = dict(
+            format=POINTER_FORMAT,
+            version=version,
+            world_size=n_shard,
+            replicas=replicas,
+            retrieval="all_replicas" if all_replicas else "one_per_group",
+            epoch=epoch,
+            seed=seed,
+            random_seed=random_seed,
+            stopper_dict=dict(stopper_dict or {}),
+        )
+        torch.save(pointer, temporary_pointer)
+        os.replace(temporary_pointer, path)
+    topology.barrier()
+    if writes:
+        for old in _versions(path, shard, n_shard, replica, replicas):
+            if old < version:
+                shard_file(path, old, shard, n_shard, replica, replicas).unlink(missing_ok=True)
+        logger.info("shard %d wrote checkpoint version %d (epoch %d) to %s", shard, version, epoch, target)
+    return target
+
+
+def reshard_rank_state(
+    path: pathlib.Path,
+    pointer: Mapping[str, Any],
+    seed: int,
+    sharding: EntitySharding,
+    shard: int,
+    table_keys: list[str],
+    table_param_indices: list[int],
+) -> dict[str, Any]:
+    """Build one shard's checkpoint dictionary for another number of shards from the old shards' files.
+
+    The replicated state is taken from the old shard 0; every entity table (``table_keys`` in the
+    model's state dict) and its row-wise optimizer state (parameters ``table_param_indices`` of the
+    optimizer's state dict) are rebuilt for the shard of the new sharding, reading one old file at a
+    time (the first replica's, if every replica wrote one).
+
+    :param path: the pointer path
+    :param pointer: the pointer (version, number of shards, replicas, retrieval mode)
+    :param seed: the seed of the (old and new) sharding
+    :param sharding: the new sharding
+    :param shard: the shard of the new sharding to build
+    :param table_keys: the state-dict keys of the entity tables
+    :param table_param_indices: the optimizer parameter indices of the entity tables
+    :returns: a PyKEEN checkpoint dictionary for the shard
+    :raises FileNotFoundError: if an old shard's file is missing
+    """
+    old_shards = pointer_shards(pointer)
+    old_sharding = EntitySharding.create(sharding.num_entities, old_shards, seed=seed)
+    new_global = sharding.shard_entities[shard]  # [S_new], -1 for padding
+    state: dict[str, Any] | None = None
+    for old_shard in range(old_shards):
+        file = pointer_file(path, pointer, old_shard, replica=0)
+        if not file.is_file():
+            raise FileNotFoundError(
+                f"Cannot reshard checkpoint {path} from {old_shards} to {sharding.n_shard} shards: {file} is "
+                f"missing (all ranks' files must be in the same, shared directory)."
+            )
+        old = torch.load(file, weights_only=False)
+        old_global = old_sharding.shard_entities[old_shard]  # [S_old]
+        # rows of the new shard held by this old shard: new local row -> old local row
+        position = torch.full((sharding.num_entities,), -1, dtype=torch.long)
+        position[old_global[old_global >= 0]] = torch.nonzero(old_global >= 0).view(-1)
+        real = new_global >= 0
+        source = torch.full_like(new_global, -1)
+        source[real] = position[new_global[real]]
+        take = source >= 0
+        if state is None:
+            # the replicated state of old rank 0, with empty tables of the new shard size
+            state = dict(old)
+            state["model_state_dict"] = dict(old["model_state_dict"])
+            state["optimizer_state_dict"] = dict(old["optimizer_state_dict"])
+            state["optimizer_state_dict"]["state"] = {
+                index: dict(value) for index, value in old["optimizer_state_dict"]["state"].items()
+            }
+            for key in table_keys:
+                width = old["model_state_dict"][key].shape[1]
+                state["model_state_dict"][key] = old["model_state_dict"][key].new_zeros(sharding.shard_size, width)
+            optimizer_state = state["optimizer_state_dict"]["state"]
+            for index in table_param_indices:
+                for name, value in list(optimizer_state.get(index, {}).items()):
+                    if torch.is_tensor(value) and value.ndim == 2:
+                        optimizer_state[index][name] = value.new_zeros(sharding.shard_size, value.shape[1])
+        for key in table_keys:
+            state["model_state_dict"][key][take] = old["model_state_dict"][key][source[take]]
+        for index in table_param_indices:
+            for name, value in old["optimizer_state_dict"]["state"].get(index, {}).items():
+                if torch.is_tensor(value) and value.ndim == 2:
+                    state["optimizer_state_dict"]["state"][index][name][take] = value[source[take]]
+        del old
+    assert state is not None
+    return state
