@@ -135,3 +135,28 @@ def test_config_file_amended_by_flags(capsys: pytest.CaptureFixture, tmp_path: p
     path.write_text(json.dumps(dict(pipeline=dict(config["pipeline"], training_loop="slcwa"))))
     code, _, err = run(capsys, "--config", str(path))
     assert code == 2 and "trains with BESS only" in err
+
+
+def test_replica_flags(capsys: pytest.CaptureFixture, tmp_path: pathlib.Path) -> None:
+    args = build_parser().parse_args(
+        ["train", "--num-shards", "2", "--replicas", "2", "--replica-grouping", "consecutive"]
+        + ["--checkpoint-retrieval", "all_replicas"]
+    )
+    assert pipeline_kwargs(args)["training_loop_kwargs"] == dict(
+        num_shards=2,
+        replicas=2,
+        replica_grouping="consecutive",
+        checkpoint_retrieval="all_replicas",
+        exchange="embedding",
+        corruption="ht",
+    )
+    # the same from a configuration file
+    config = tmp_path / "config.json"
+    loop_kwargs = dict(num_shards=1, replicas=4, replica_grouping="all", checkpoint_retrieval="all_replicas")
+    config.write_text(json.dumps(dict(pipeline=dict(dataset="nations", training_loop_kwargs=loop_kwargs))))
+    kwargs = pipeline_kwargs(build_parser().parse_args(["train", "--config", str(config)]))
+    assert kwargs["training_loop_kwargs"] == loop_kwargs
+    # outside torchrun there is no process group to hold replicas: one line, exit status 2, before training
+    code, out, err = run(capsys, *FAST, "--replicas", "2", "--output", str(tmp_path / "out"))
+    assert code == 2 and out == ""
+    assert "need a process group of several ranks (torchrun)" in err and "Traceback" not in err

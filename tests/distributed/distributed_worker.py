@@ -161,6 +161,8 @@ def run(config: dict[str, Any], output: pathlib.Path, rank: int) -> None:
         digests=recorder.digests,
         shard=shard,
         replica=topology.replica,
+        replica_bytes=getattr(topology, "replica_bytes_sent", 0),
+        shard_size=loop.sharding.shard_size,
         groups=groups,
         table=table.shard_tables()[0].detach().clone(),
         optimizer_state={

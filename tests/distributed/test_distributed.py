@@ -201,36 +201,6 @@ def test_a_killed_rank_makes_the_others_fail_fast(tmp_path: pathlib.Path) -> Non
     assert seconds < 90  # they did not hang
 
 
-def test_checkpoint_resume_across_a_kill_and_resharding(tmp_path: pathlib.Path) -> None:
-    common = dict(BASE, num_epochs=4, checkpoint_directory=str(tmp_path / "checkpoints"))
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    uninterrupted = run_ok(2, dict(common, output=str(tmp_path / "a"), checkpoint_name="a.pt"))
-    # all ranks crash in epoch 3, after the checkpoint of epoch 2 was written
-    codes, _, _ = launch(
-        2, dict(common, output=str(tmp_path / "b"), checkpoint_name="b.pt", die_ranks=[0, 1], die_at=[3, 0])
-    )
-    assert codes == [17, 17]
-    checkpoints = tmp_path / "checkpoints"
-    assert sorted(p.name for p in checkpoints.iterdir() if p.name.startswith("b.pt")) == [
-        "b.pt",
-        "b.pt.v2.rank0-of-2",
-        "b.pt.v2.rank1-of-2",
-    ]
-    resumed = run_ok(2, dict(common, output=str(tmp_path / "b"), checkpoint_name="b.pt"))
-    steps_per_epoch = len(uninterrupted[0]["step_losses"]) // 4
-    assert resumed[0]["step_losses"] == pytest.approx(uninterrupted[0]["step_losses"][2 * steps_per_epoch :], rel=1e-9)
-    assert resumed[0]["epoch_losses"] == pytest.approx(uninterrupted[0]["epoch_losses"], rel=1e-9)
-    num_entities = 14
-    torch.testing.assert_close(assemble(resumed, num_entities), assemble(uninterrupted, num_entities))
-
-    # the final checkpoint of the 2-rank run, loaded by 4 ranks: resharded, nothing left to train
-    (tmp_path / "c").mkdir()
-    resharded = run_ok(4, dict(common, output=str(tmp_path / "c"), checkpoint_name="a.pt", batch_size=64))
-    assert resharded[0]["step_losses"] == []
-    torch.testing.assert_close(assemble(resharded, num_entities), assemble(uninterrupted, num_entities))
-
-
 def test_torchrun_command_line(tmp_path: pathlib.Path) -> None:
     result = harness.torchrun(
         2,
@@ -281,7 +251,7 @@ def read_ranks(directory: pathlib.Path, world_size: int) -> list[dict[str, Any]]
 
 
 def test_an_unmodified_pipeline_script_under_torchrun_resumes_after_a_kill(tmp_path: pathlib.Path) -> None:
-    """The README's kind of script, without init_from_environment(): one world, resumable through pipeline()."""
+    """The README's kind of script, without init_from_environment(): one world (also with replicas), resumable."""
     uninterrupted = run_script(tmp_path, "full", 2)
     assert uninterrupted.returncode == 0, uninterrupted.stderr
     full = read_ranks(tmp_path / "full", 2)
@@ -295,6 +265,18 @@ def test_an_unmodified_pipeline_script_under_torchrun_resumes_after_a_kill(tmp_p
     reference = read_ranks(tmp_path / "local", 1)[0]
     assert full[0]["losses"] == pytest.approx(reference["losses"], rel=1e-5)
     assert full[0]["metrics"] == pytest.approx(reference["metrics"], rel=1e-5, abs=1e-7)
+
+    # 2 shards x 2 replicas (training_loop_kwargs=dict(num_shards=2, replicas=2)): the same as 2 logical shards
+    replicated = run_script(tmp_path, "replicated", 4, NUM_SHARDS="2", REPLICAS="2", LOG="1")
+    assert replicated.returncode == 0, replicated.stderr[-3000:]
+    ranks = read_ranks(tmp_path / "replicated", 4)
+    assert [(r["num_shards"], r["replicas"]) for r in ranks] == [(2, 2)] * 4
+    assert all(r["losses"] == ranks[0]["losses"] and r["metrics"] == ranks[0]["metrics"] for r in ranks)
+    assert ranks[0]["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+    assert ranks[0]["metrics"] == pytest.approx(reference["metrics"], rel=1e-5, abs=1e-7)
+    # the rank table is logged once, at the start
+    assert replicated.stderr.count("4 ranks = 2 shards x 2 replicas (replica_grouping='orthogonal')") == 1
+    assert "rank | shard | replica" in replicated.stderr
 
     # rank 1 crashes at the start of epoch 3 (after the checkpoint of epoch 2); torchrun stops the world
     crashed = run_script(tmp_path, "resumed", 2, DIE_AT_EPOCH="3", DIE_RANK="1")
