@@ -13,7 +13,7 @@ nothing of PyKEEN) therefore arranges for the plugin to register itself later, i
 2. **A lookup fallback.** The hook only sees PyKEEN modules whose import *starts* after it was
    installed; when the entry point runs inside the import of the outermost PyKEEN module (e.g.
    ``import pykeen.training`` as a program's first PyKEEN import), no module may finish loading
-   afterwards. So a failing string lookup in one of those four resolvers
+   afterwards. So a failing string lookup in one of those five resolvers
    (``training_loop_resolver.lookup("bess")``, also through ``make`` and ``pipeline()``) registers
    the plugin and retries, once PyKEEN is not mid-import. The fallback removes itself as soon as
    the plugin is registered.
@@ -54,6 +54,7 @@ RESOLVERS: tuple[tuple[str, str], ...] = (
     ("pykeen.evaluation", "evaluator_resolver"),
     ("pykeen.nn.modules", "interaction_resolver"),
     ("pykeen.models", "model_resolver"),
+    ("pykeen.optimizers", "optimizer_resolver"),
 )
 #: PyKEEN modules that hold the resolvers the plugin registers into
 REQUIRED_MODULES: tuple[str, ...] = tuple(sorted({module for module, _ in RESOLVERS}))

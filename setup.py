@@ -55,6 +55,9 @@ setup(
             "interht = pykeen_bess.models:InterHT",
             "trans = pykeen_bess.models:TranS",
         ],
+        "pykeen.optimizers": [
+            "rowwise_adagrad = pykeen_bess.optim:RowwiseAdagrad",
+        ],
         "console_scripts": [
             "pykeen-bess = pykeen_bess.cli:main",
         ],

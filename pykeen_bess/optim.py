@@ -18,6 +18,9 @@ throughput, so :class:`BessOptimizer` combines
   Adagrad    ``torch.optim.Adagrad`` with a sparse gradient: the squared-gradient sum of a row
              grows only when it is touched; ``lr_decay`` follows the global step count
   SGD        ``torch.optim.SGD`` with a sparse gradient (plain SGD)
+  Rowwise-   :class:`RowwiseAdagrad` (``optimizer="rowwise_adagrad"``): Adagrad with one
+  Adagrad    accumulator per row, the mean of the row's squared gradient (PyTorch-BigGraph's
+             ``RowAdagrad``); its state is one float per row instead of one per value
   ========== ================================================================================
 
   Options that have no row-sparse meaning (weight decay, AMSGrad, momentum) raise an error;
@@ -40,9 +43,80 @@ import torch
 from torch.optim import SGD, Adagrad, Adam, Optimizer, SparseAdam
 
 __all__ = [
-    "BessOptimizer",
     "SPARSE_RULES",
+    "BessOptimizer",
+    "RowwiseAdagrad",
 ]
+
+
+class RowwiseAdagrad(Optimizer):
+    """Adagrad with one accumulator per row: PyTorch-BigGraph's ``RowAdagrad``, for embedding tables.
+
+    For a parameter with rows (2 or more dimensions, rows along the first), step ``t`` with
+    gradient ``g`` (the rows a sparse gradient touches, all rows of a dense one) does::
+
+        sum[r] += mean(g[r] ** 2)                       # one float of state per row
+        p[r]   -= lr / (1 + (t - 1) * lr_decay) * g[r] / (sqrt(sum[r]) + eps)
+
+    so a table's optimizer state is ``4 * rows`` bytes (0.4 GB for 100M rows) instead of
+    Adam's two full copies of the table. Parameters without rows (0 or 1 dimensions) keep one
+    accumulator per value (plain Adagrad); complex parameters count as their real view. Rows of a
+    dense gradient that are all zero are left unchanged, as with a sparse gradient. Registered in
+    PyKEEN's ``optimizer_resolver`` as ``"rowwise_adagrad"``; the BESS training loop updates shard
+    tables with the same rule, row-sparsely.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-2,
+        lr_decay: float = 0.0,
+        eps: float = 1e-10,
+        initial_accumulator_value: float = 0.0,
+        maximize: bool = False,
+    ):
+        """Create the optimizer.
+
+        :param params: the parameters (or parameter groups)
+        :param lr: the learning rate
+        :param lr_decay: the learning-rate decay per step
+        :param eps: added to the square root of the accumulator
+        :param initial_accumulator_value: the accumulators' start value
+        :param maximize: maximize the objective instead of minimizing it
+        :raises ValueError: for negative values
+        """
+        for name, value in (("lr", lr), ("lr_decay", lr_decay), ("eps", eps)):
+            if not value >= 0:
+                raise ValueError(f"RowwiseAdagrad needs {name} >= 0, not {value!r}.")
+        if not initial_accumulator_value >= 0:
+            raise ValueError(f"RowwiseAdagrad needs initial_accumulator_value >= 0, not {initial_accumulator_value!r}.")
+        defaults = dict(
+            lr=lr, lr_decay=lr_decay, eps=eps, initial_accumulator_value=initial_accumulator_value, maximize=maximize
+        )
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Update every parameter with a gradient."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                if param.grad.is_sparse:
+                    rows, values = _sparse_rows(param.grad)
+                    update, scale = _rowwise_adagrad(rows, values, self.state[param], group, param)
+                    param.index_add_(0, rows, update, alpha=scale)
+                else:  # complex parameters as their real view: rows of real values
+                    real = torch.view_as_real(param) if param.is_complex() else param
+                    grad = torch.view_as_real(param.grad) if param.grad.is_complex() else param.grad
+                    update, scale = _rowwise_adagrad(None, grad, self.state[param], group, real)
+                    real.add_(update, alpha=scale)
+        return loss
+
 
 #: the row-sparse rule used for each supported optimizer class
 SPARSE_RULES: dict[type[Optimizer], str] = {
@@ -50,6 +124,7 @@ SPARSE_RULES: dict[type[Optimizer], str] = {
     SparseAdam: "adam",
     Adagrad: "adagrad",
     SGD: "sgd",
+    RowwiseAdagrad: "rowwise_adagrad",
 }
 
 #: hyper-parameters that must have these values for a row-sparse rule
@@ -57,6 +132,7 @@ _UNSUPPORTED_OPTIONS: dict[str, dict[str, Any]] = {
     "adam": dict(weight_decay=0, amsgrad=False),
     "adagrad": dict(weight_decay=0),
     "sgd": dict(momentum=0, weight_decay=0, nesterov=False),
+    "rowwise_adagrad": {},
 }
 
 
@@ -170,7 +246,7 @@ def _sparse_defaults(optimizer_cls: type[Optimizer]) -> dict[str, Any]:
     rule = SPARSE_RULES[optimizer_cls]
     if rule == "adam":
         return dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, maximize=False)
-    if rule == "adagrad":
+    if rule in ("adagrad", "rowwise_adagrad"):
         return dict(lr=1e-2, lr_decay=0, eps=1e-10, initial_accumulator_value=0, maximize=False)
     return dict(lr=1e-3, maximize=False)
 
@@ -229,6 +305,39 @@ def _adagrad(
     return grad / squares.sqrt_().add_(group["eps"]), -clr
 
 
+def _rowwise_adagrad(
+    rows: torch.Tensor | None, grad: torch.Tensor, state: dict, group: dict, param: torch.Tensor
+) -> tuple[torch.Tensor, float]:
+    """Row-wise Adagrad on the touched rows (all rows if ``rows`` is None); returns (update, scale).
+
+    :param rows: shape: ``[U]``, unique rows, or None for a dense gradient
+    :param grad: shape: ``[U, ...]`` (``param.shape`` for a dense gradient)
+    """
+    row_wise = param.dim() >= 2
+    if not state:
+        state["step"] = torch.zeros((), dtype=torch.float32)
+        shape = param.shape[:1] if row_wise else param.shape
+        state["sum"] = torch.full(shape, group["initial_accumulator_value"], dtype=param.dtype, device=param.device)
+    state["step"] += 1
+    step = float(state["step"])
+    if group["maximize"]:
+        grad = -grad
+    clr = group["lr"] / (1 + (step - 1) * group["lr_decay"])
+    squared = grad * grad
+    if row_wise:
+        squared = squared.mean(dim=tuple(range(1, grad.dim())))
+    if rows is None:
+        state["sum"].add_(squared)
+        squares = state["sum"].clone()
+    else:
+        state["sum"].index_add_(0, rows, squared)
+        squares = state["sum"].index_select(0, rows)
+    std = squares.sqrt_().add_(group["eps"])
+    if row_wise:
+        std = std.view(-1, *([1] * (grad.dim() - 1)))
+    return grad / std, -clr
+
+
 def _sgd(
     rows: torch.Tensor, grad: torch.Tensor, state: dict, group: dict, param: torch.Tensor
 ) -> tuple[torch.Tensor, float]:
@@ -240,6 +349,7 @@ _APPLY = {
     "adam": _adam,
     "adagrad": _adagrad,
     "sgd": _sgd,
+    "rowwise_adagrad": _rowwise_adagrad,
 }
 
 

@@ -37,6 +37,7 @@ ENTRY_POINT_GROUPS: dict[str, tuple[str, str]] = {
     "pykeen.evaluators": ("pykeen.evaluation", "evaluator_resolver"),
     "pykeen.interactions": ("pykeen.nn.modules", "interaction_resolver"),
     "pykeen.models": ("pykeen.models", "model_resolver"),
+    "pykeen.optimizers": ("pykeen.optimizers", "optimizer_resolver"),
 }
 
 _lock = threading.RLock()
@@ -49,6 +50,7 @@ def _plugin_classes() -> dict[str, Sequence[type]]:
     from .evaluation import BessEvaluator
     from .interactions import InterHTInteraction, TranSInteraction
     from .models import InterHT, TranS
+    from .optim import RowwiseAdagrad
     from .training import BessTrainingLoop
 
     return {
@@ -56,6 +58,7 @@ def _plugin_classes() -> dict[str, Sequence[type]]:
         "pykeen.evaluators": [BessEvaluator],
         "pykeen.interactions": [InterHTInteraction, TranSInteraction],
         "pykeen.models": [InterHT, TranS],
+        "pykeen.optimizers": [RowwiseAdagrad],
     }
 
 
@@ -78,10 +81,10 @@ def _register_class(resolver: Any, cls: type) -> None:
 
 
 def register() -> None:
-    """Register the plugin's training loop, evaluator, interactions and models (idempotent).
+    """Register the plugin's training loop, evaluator, interactions, models and optimizer (idempotent).
 
     :raises class_resolver.RegistrationNameConflict: if another class is registered under one
-        of the plugin's keys (``bess``, ``interht``, ``trans``)
+        of the plugin's keys (``bess``, ``interht``, ``trans``, ``rowwiseadagrad``)
     """
     global _registered, _registering
     with _lock:

@@ -123,3 +123,76 @@ def test_dense_fallback_accepts_any_optimizer() -> None:
     table.grad = torch.ones_like(table)
     optimizer.step()
     assert not optimizer.sparse_groups
+
+
+def _pbg_row_adagrad(table: torch.Tensor, steps: list, lr: float, lr_decay: float, initial: float, eps: float):
+    """PyTorch-BigGraph's RowAdagrad rule, written out per row (the reference)."""
+    table = table.clone()
+    sums = torch.full((table.shape[0],), initial, dtype=table.dtype)
+    for step, (touched, values, _) in enumerate(steps, start=1):
+        clr = lr / (1 + (step - 1) * lr_decay)
+        for row, grad in zip(touched.tolist(), values):
+            sums[row] += (grad * grad).mean()
+            table[row] -= clr * grad / (sums[row].sqrt() + eps)
+    return table, sums
+
+
+def test_rowwise_adagrad_is_pytorch_biggraphs_rule_dense_sparse_and_row_sparse() -> None:
+    from pykeen_bess.optim import RowwiseAdagrad
+
+    kwargs = dict(lr=0.1, lr_decay=0.01, initial_accumulator_value=0.1, eps=1e-8)
+    start = torch.randn(12, 3, dtype=torch.float64)
+    steps = list(_steps())
+    expected, expected_sums = _pbg_row_adagrad(
+        start, steps, **{k.replace("_accumulator_value", ""): v for k, v in kwargs.items()}
+    )
+    dense_grads = torch.nn.Parameter(start.clone())  # a dense gradient, zero on untouched rows
+    sparse_grads = torch.nn.Parameter(start.clone())  # a sparse gradient
+    bess_table = torch.nn.Parameter(start.clone())  # BessOptimizer's row-sparse rule
+    dense_optimizer = RowwiseAdagrad([dense_grads], **kwargs)
+    sparse_optimizer = RowwiseAdagrad([sparse_grads], **kwargs)
+    bess = BessOptimizer(RowwiseAdagrad, dense_params=[], table_params=[bess_table], hyperparameters=kwargs)
+    for touched, values, _ in steps:
+        dense_grads.grad = torch.zeros_like(start).index_add_(0, touched, values)
+        sparse_grads.grad = torch.sparse_coo_tensor(touched.unsqueeze(0), values, start.shape)
+        bess_table.grad = row_sparse_grad(bess_table, touched, values)
+        for optimizer in (dense_optimizer, sparse_optimizer, bess):
+            optimizer.step()
+    for parameter, optimizer in ((dense_grads, dense_optimizer), (sparse_grads, sparse_optimizer), (bess_table, bess)):
+        torch.testing.assert_close(parameter.detach(), expected, rtol=1e-12, atol=1e-12)
+        # one float of state per row
+        torch.testing.assert_close(optimizer.state[parameter]["sum"], expected_sums, rtol=1e-12, atol=1e-12)
+        assert optimizer.state[parameter]["sum"].shape == (12,)
+
+
+def test_rowwise_adagrad_without_rows_is_adagrad_and_complex_is_its_real_view() -> None:
+    from pykeen_bess.optim import RowwiseAdagrad
+
+    vector = torch.nn.Parameter(torch.randn(5, dtype=torch.float64))
+    reference = torch.nn.Parameter(vector.detach().clone())
+    table = torch.nn.Parameter(torch.randn(4, 3, dtype=torch.complex128))
+    real = torch.nn.Parameter(torch.view_as_real(table.detach()).clone().view(4, 6))
+    optimizers = [RowwiseAdagrad([vector, table], lr=0.1), torch.optim.Adagrad([reference], lr=0.1)]
+    optimizers.append(RowwiseAdagrad([real], lr=0.1))
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        grad = torch.randn(5, generator=generator, dtype=torch.float64)
+        vector.grad, reference.grad = grad.clone(), grad.clone()
+        complex_grad = torch.randn(4, 3, generator=generator, dtype=torch.complex128)
+        table.grad = complex_grad
+        real.grad = torch.view_as_real(complex_grad).reshape(4, 6).clone()
+        for optimizer in optimizers:
+            optimizer.step()
+    torch.testing.assert_close(vector, reference, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(torch.view_as_real(table.detach()).reshape(4, 6), real.detach(), rtol=1e-12, atol=1e-12)
+
+
+def test_rowwise_adagrad_by_name_and_bad_values() -> None:
+    import pykeen_bess  # noqa: F401 - registers the optimizer
+    from pykeen.optimizers import optimizer_resolver
+
+    from pykeen_bess.optim import RowwiseAdagrad
+
+    assert optimizer_resolver.lookup("rowwise_adagrad") is RowwiseAdagrad
+    with pytest.raises(ValueError, match="lr >= 0"):
+        RowwiseAdagrad([torch.nn.Parameter(torch.zeros(2, 2))], lr=-1.0)

@@ -17,13 +17,15 @@ from pykeen.training import training_loop_resolver
 from pykeen.evaluation import evaluator_resolver
 from pykeen.nn.modules import interaction_resolver
 from pykeen.models import model_resolver
-import pykeen_bess.training, pykeen_bess.evaluation, pykeen_bess.interactions, pykeen_bess.models
+from pykeen.optimizers import optimizer_resolver
+import pykeen_bess.training, pykeen_bess.evaluation, pykeen_bess.interactions, pykeen_bess.models, pykeen_bess.optim
 assert training_loop_resolver.lookup("bess") is pykeen_bess.training.BessTrainingLoop
 assert evaluator_resolver.lookup("bess") is pykeen_bess.evaluation.BessEvaluator
 assert interaction_resolver.lookup("interht") is pykeen_bess.interactions.InterHTInteraction
 assert interaction_resolver.lookup("trans") is pykeen_bess.interactions.TranSInteraction
 assert model_resolver.lookup("interht") is pykeen_bess.models.InterHT
 assert model_resolver.lookup("trans") is pykeen_bess.models.TranS
+assert optimizer_resolver.lookup("rowwise_adagrad") is pykeen_bess.optim.RowwiseAdagrad
 print("OK")
 """
 
@@ -46,6 +48,8 @@ LOOKUPS = [
     ("pykeen.models", "model_resolver", "interht", "pykeen_bess.models", "InterHT"),
     ("pykeen.models", "model_resolver", "trans", "pykeen_bess.models", "TranS"),
 ]
+#: importing ``pykeen.optimizers`` alone loads no entry point: checked after the others (see the README)
+LAST_LOOKUP = ("pykeen.optimizers", "optimizer_resolver", "rowwise_adagrad", "pykeen_bess.optim", "RowwiseAdagrad")
 
 
 def lookup_program(first_import: str, rotation: int) -> str:
@@ -55,7 +59,7 @@ def lookup_program(first_import: str, rotation: int) -> str:
     and the order of the lookups is rotated so that each resolver is the first one looked up.
     """
     lines = [first_import, "import importlib"]
-    for module, resolver, key, plugin_module, cls in LOOKUPS[rotation:] + LOOKUPS[:rotation]:
+    for module, resolver, key, plugin_module, cls in [*LOOKUPS[rotation:], *LOOKUPS[:rotation], LAST_LOOKUP]:
         lines += [
             f"found = importlib.import_module({module!r}).{resolver}.lookup({key!r})",
             f"assert found is getattr(importlib.import_module({plugin_module!r}), {cls!r}), found",

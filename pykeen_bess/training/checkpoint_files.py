@@ -171,8 +171,9 @@ def reshard_rank_state(
     """Build one shard's checkpoint dictionary for another number of shards from the old shards' files.
 
     The replicated state is taken from the old shard 0; every entity table (``table_keys`` in the
-    model's state dict) and its row-wise optimizer state (parameters ``table_param_indices`` of the
-    optimizer's state dict) are rebuilt for the shard of the new sharding, reading one old file at a
+    model's state dict) and its row-wise optimizer state (the tensors with one entry or row per
+    table row, e.g. Adam's moments ``[S, D]`` or row-wise Adagrad's sums ``[S]``, of parameters
+    ``table_param_indices`` of the optimizer's state dict) are rebuilt for the shard of the new sharding, reading one old file at a
     time (the first replica's, if every replica wrote one).
 
     :param path: the pointer path
@@ -219,14 +220,19 @@ def reshard_rank_state(
             optimizer_state = state["optimizer_state_dict"]["state"]
             for index in table_param_indices:
                 for name, value in list(optimizer_state.get(index, {}).items()):
-                    if torch.is_tensor(value) and value.ndim == 2:
-                        optimizer_state[index][name] = value.new_zeros(sharding.shard_size, value.shape[1])
+                    if _is_row_state(value, old_sharding.shard_size):
+                        optimizer_state[index][name] = value.new_zeros(sharding.shard_size, *value.shape[1:])
         for key in table_keys:
             state["model_state_dict"][key][take] = old["model_state_dict"][key][source[take]]
         for index in table_param_indices:
             for name, value in old["optimizer_state_dict"]["state"].get(index, {}).items():
-                if torch.is_tensor(value) and value.ndim == 2:
+                if _is_row_state(value, old_sharding.shard_size):
                     state["optimizer_state_dict"]["state"][index][name][take] = value[source[take]]
         del old
     assert state is not None
     return state
+
+
+def _is_row_state(value: Any, shard_size: int) -> bool:
+    """Whether an optimizer state value holds one entry (or row) per row of a shard table."""
+    return torch.is_tensor(value) and value.ndim >= 1 and value.shape[0] == shard_size

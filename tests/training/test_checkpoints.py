@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pathlib
 
+import pytest
 import torch
 from pykeen.stoppers import EarlyStopper
 
@@ -50,3 +51,37 @@ def test_a_single_process_refuses_a_distributed_checkpoint_through_pipeline(tmp_
                 num_epochs=1, checkpoint_directory=str(tmp_path), checkpoint_name="run.pt", use_tqdm=False
             ),
         )
+
+
+@pytest.mark.parametrize("new_shards", [1, 3, 4])
+def test_resharding_moves_every_row_wise_state(tmp_path: pathlib.Path, new_shards: int) -> None:
+    """Tables and per-row optimizer state (Adam's ``[S, D]`` moments, row-wise Adagrad's ``[S]``) move with entities."""
+    from pykeen_bess.sharding import EntitySharding
+    from pykeen_bess.training.checkpoint_files import reshard_rank_state, shard_file
+
+    num_entities, seed, path = 10, 3, tmp_path / "ck.pt"
+    old = EntitySharding.create(num_entities, 2, seed=seed)
+    for shard in range(2):
+        ids = old.shard_entities[shard].to(torch.float64)  # each row holds its global id (-1: padding)
+        state = dict(
+            model_state_dict=dict(entity=ids.view(-1, 1).repeat(1, 2), relation=torch.ones(3, 2)),
+            optimizer_state_dict=dict(
+                state={0: dict(step=torch.tensor(7.0), sum=10 * ids, exp_avg=ids.view(-1, 1).repeat(1, 2))},
+                param_groups=[],
+            ),
+        )
+        torch.save(state, shard_file(path, 1, shard, 2))
+    pointer = dict(version=1, world_size=2, replicas=1, retrieval="one_per_group", seed=seed)
+    new = EntitySharding.create(num_entities, new_shards, seed=seed)
+    for shard in range(new_shards):
+        state = reshard_rank_state(path, pointer, seed, new, shard, table_keys=["entity"], table_param_indices=[0])
+        ids = new.shard_entities[shard]
+        real = ids >= 0
+        expected = ids[real].to(torch.float64)
+        torch.testing.assert_close(state["model_state_dict"]["entity"][real], expected.view(-1, 1).repeat(1, 2))
+        optimizer_state = state["optimizer_state_dict"]["state"][0]
+        torch.testing.assert_close(optimizer_state["sum"][real], 10 * expected)
+        torch.testing.assert_close(optimizer_state["exp_avg"][real], expected.view(-1, 1).repeat(1, 2))
+        assert optimizer_state["sum"].shape == (new.shard_size,)
+        assert float(optimizer_state["step"]) == 7.0
+        torch.testing.assert_close(state["model_state_dict"]["relation"], torch.ones(3, 2))

@@ -66,20 +66,28 @@ def make_loop(factory: CoreTriplesFactory, model_cls=DistMult, model_kwargs=None
 
 
 @pytest.mark.parametrize(
-    ("n_shard", "exchange", "clip"),
-    [(1, "embedding", None), (3, "embedding", None), (3, "score", None), (3, "embedding", 0.05)],
+    ("n_shard", "exchange", "clip", "optimizer_name"),
+    [
+        (1, "embedding", None, "adagrad"),
+        (3, "embedding", None, "adagrad"),
+        (3, "score", None, "adagrad"),
+        (3, "embedding", 0.05, "adagrad"),
+        (3, "embedding", None, "rowwise_adagrad"),
+    ],
 )
 def test_training_equals_dense_reference(
-    small_factory: CoreTriplesFactory, n_shard: int, exchange: str, clip: float | None
+    small_factory: CoreTriplesFactory, n_shard: int, exchange: str, clip: float | None, optimizer_name: str
 ) -> None:
     """Sharded training, row-sparse updates, constraints and clipping equal a dense global-id implementation."""
+    from pykeen.optimizers import optimizer_resolver
+
     loop = make_loop(
         small_factory,
         num_shards=n_shard,
         exchange=exchange,
         num_negs_per_pos=2 * n_shard,
         seed=5,
-        optimizer="adagrad",
+        optimizer=optimizer_name,
         optimizer_kwargs=dict(lr=0.1),
     )
     model = loop.model
@@ -101,7 +109,7 @@ def test_training_equals_dense_reference(
     with torch.no_grad():
         entity.copy_(recorder.initial["entity"])
         relation.copy_(recorder.initial["relation"])
-    optimizer = torch.optim.Adagrad([entity, relation], lr=0.1)
+    optimizer = optimizer_resolver.lookup(optimizer_name)([entity, relation], lr=0.1)
     sharding = EntitySharding.create(small_factory.num_entities, n_shard, seed=5)
     sampler = BessSampler(
         ShardPairPartition.from_triples(small_factory.mapped_triples, sharding),
@@ -133,6 +141,9 @@ def test_training_equals_dense_reference(
     assert recorder.losses == pytest.approx(losses, rel=1e-9, abs=1e-12)
     torch.testing.assert_close(model.entity_representations[0]._embeddings.weight, entity, rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(model.relation_representations[0]._embeddings.weight, relation, rtol=1e-9, atol=1e-12)
+    if optimizer_name == "rowwise_adagrad":  # one float of state per row of a shard table
+        table = loop.tables[0].weight
+        assert loop.optimizer.state[table]["sum"].shape == (table.shape[0],)
 
 
 def test_sub_batching_gives_the_same_result(small_factory: CoreTriplesFactory) -> None:
