@@ -287,18 +287,23 @@ def _adam(
     return exp_avg.div_(exp_avg_sq.sqrt_().add_(group["eps"])), -step_size
 
 
+def _adagrad_step(grad: torch.Tensor, state: dict, group: dict) -> tuple[torch.Tensor, float]:
+    """Count a step of an Adagrad rule; return the (sign-adjusted) gradient and the decayed learning rate."""
+    if "step" not in state:
+        state["step"] = torch.zeros((), dtype=torch.float32)
+    state["step"] += 1
+    step = float(state["step"])
+    clr = group["lr"] / (1 + (step - 1) * group["lr_decay"])
+    return (-grad if group["maximize"] else grad), clr
+
+
 def _adagrad(
     rows: torch.Tensor, grad: torch.Tensor, state: dict, group: dict, param: torch.Tensor
 ) -> tuple[torch.Tensor, float]:
     """Row-sparse Adagrad (``torch.optim.Adagrad`` with a sparse gradient); returns (update, scale)."""
     if not state:
-        state["step"] = torch.zeros((), dtype=torch.float32)
         state["sum"] = torch.full_like(param, group["initial_accumulator_value"])
-    state["step"] += 1
-    step = float(state["step"])
-    if group["maximize"]:
-        grad = -grad
-    clr = group["lr"] / (1 + (step - 1) * group["lr_decay"])
+    grad, clr = _adagrad_step(grad, state, group)
     squared = grad * grad
     state["sum"].index_add_(0, rows, squared)
     squares = state["sum"].index_select(0, rows)
@@ -315,14 +320,9 @@ def _rowwise_adagrad(
     """
     row_wise = param.dim() >= 2
     if not state:
-        state["step"] = torch.zeros((), dtype=torch.float32)
         shape = param.shape[:1] if row_wise else param.shape
         state["sum"] = torch.full(shape, group["initial_accumulator_value"], dtype=param.dtype, device=param.device)
-    state["step"] += 1
-    step = float(state["step"])
-    if group["maximize"]:
-        grad = -grad
-    clr = group["lr"] / (1 + (step - 1) * group["lr_decay"])
+    grad, clr = _adagrad_step(grad, state, group)
     squared = grad * grad
     if row_wise:
         squared = squared.mean(dim=tuple(range(1, grad.dim())))

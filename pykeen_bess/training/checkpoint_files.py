@@ -173,8 +173,8 @@ def reshard_rank_state(
     The replicated state is taken from the old shard 0; every entity table (``table_keys`` in the
     model's state dict) and its row-wise optimizer state (the tensors with one entry or row per
     table row, e.g. Adam's moments ``[S, D]`` or row-wise Adagrad's sums ``[S]``, of parameters
-    ``table_param_indices`` of the optimizer's state dict) are rebuilt for the shard of the new sharding, reading one old file at a
-    time (the first replica's, if every replica wrote one).
+    ``table_param_indices`` of the optimizer's state dict) are rebuilt for the shard of the new
+    sharding, reading one old file at a time (the first replica's, if every replica wrote one).
 
     :param path: the pointer path
     :param pointer: the pointer (version, number of shards, replicas, retrieval mode)

@@ -93,15 +93,21 @@ SCENARIOS = {
 }
 
 
-def launch_scenarios(world_size: int, output: pathlib.Path) -> dict[str, list[dict[str, Any]]]:
-    """Run all scenarios of a world size in one launch; return each scenario's rank results."""
-    runs = SCENARIOS[world_size]
-    codes, errors, _ = launch(world_size, dict(output=str(output), runs=runs))
+def run_launch(
+    world_size: int, output: pathlib.Path, runs: dict[str, dict[str, Any]], timeout: float = 300
+) -> dict[str, list[dict[str, Any]]]:
+    """Run several scenarios in one launch (one process group); return each scenario's rank results."""
+    codes, errors, _ = launch(world_size, dict(output=str(output), runs=runs), timeout=timeout)
     assert codes == [0] * world_size, "\n\n".join(errors)
     return {
         name: [torch.load(output / name / f"rank{rank}.pt", weights_only=False) for rank in range(world_size)]
         for name in runs
     }
+
+
+def launch_scenarios(world_size: int, output: pathlib.Path) -> dict[str, list[dict[str, Any]]]:
+    """Run all scenarios of a world size in one launch; return each scenario's rank results."""
+    return run_launch(world_size, output, SCENARIOS[world_size])
 
 
 @pytest.fixture(scope="module")

@@ -104,3 +104,28 @@ def test_replicas_need_a_process_group() -> None:
 def test_differences_name_the_setting_and_every_rank() -> None:
     assert describe_differences([dict(a=1, b=2), dict(a=1, b=2)]) == ""
     assert describe_differences([dict(a=1, b=2), dict(a=1, b=3)]) == "  b: rank 0=2, rank 1=3"
+
+
+class DeviceMesh:
+    """Stands in for torch.distributed.device_mesh.DeviceMesh: the layout checks run before any collective."""
+
+    def __init__(self, ranks: list[list[int]], names: tuple[str, ...] | None) -> None:
+        import torch
+
+        self.mesh = torch.tensor(ranks)
+        self.mesh_dim_names = names
+
+
+@pytest.mark.parametrize(
+    ("mesh", "kwargs", "message"),
+    [
+        (DeviceMesh([[0, 1], [2, 3]], ("dp", "shard")), {}, r"exactly the dimensions \('replica', 'shard'\)"),
+        (DeviceMesh([[0, 1], [2, 3]], None), {}, "exactly the dimensions"),
+        (DeviceMesh([[0, 2], [3, 1]], ("replica", "shard")), {}, "neither orthogonally nor consecutively"),
+        (DeviceMesh([[0, 1], [2, 3]], ("replica", "shard")), dict(num_shards=4), "not num_shards=4"),
+        (DeviceMesh([[0, 1], [2, 3]], ("replica", "shard")), dict(replica_grouping="consecutive"), "'orthogonal'"),
+    ],
+)
+def test_a_device_mesh_must_name_and_lay_out_its_dimensions(mesh: DeviceMesh, kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        make_topology(process_group=mesh, **kwargs)

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 from test_distributed import BASE, assemble, launch, local_reference
+from test_distributed import run_launch as run_launch_with_timeout
 
 pytestmark = pytest.mark.slow
 
@@ -64,12 +65,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
 
 
 def run_launch(world_size: int, output: pathlib.Path, runs: dict[str, dict[str, Any]]) -> dict[str, list[dict]]:
-    codes, errors, _ = launch(world_size, dict(output=str(output), runs=runs), timeout=600)
-    assert codes == [0] * world_size, "\n\n".join(errors)
-    return {
-        name: [torch.load(output / name / f"rank{rank}.pt", weights_only=False) for rank in range(world_size)]
-        for name in runs
-    }
+    return run_launch_with_timeout(world_size, output, runs, timeout=600)
 
 
 @pytest.fixture(scope="module")
