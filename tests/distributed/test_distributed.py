@@ -122,10 +122,12 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return dict(launch_scenarios(4, output), output=output)
 
 
-@pytest.mark.parametrize(("world_size", "exchange"), [(2, "embedding"), (2, "score"), (4, "embedding"), (4, "score")])
-def test_ranks_equal_logical_shards(request: pytest.FixtureRequest, world_size: int, exchange: str) -> None:
-    results = request.getfixturevalue("two_ranks" if world_size == 2 else "four_ranks")[exchange]
-    loop, epoch_losses, step_losses, _ = local_reference(SCENARIOS[world_size][exchange], world_size)
+def check_equals_local_reference(results: list[dict[str, Any]], config: dict[str, Any], num_shards: int):
+    """The ranks' losses, assembled entity table and relations equal one process with ``num_shards`` logical shards.
+
+    :returns: the reference loop and dataset
+    """
+    loop, epoch_losses, step_losses, dataset = local_reference(config, num_shards)
     for result in results:  # every rank reports the same (global) losses
         assert result["step_losses"] == pytest.approx(step_losses, rel=1e-9)
         assert result["epoch_losses"] == pytest.approx(epoch_losses, rel=1e-9)
@@ -136,6 +138,13 @@ def test_ranks_equal_logical_shards(request: pytest.FixtureRequest, world_size: 
     )
     for result in results:
         torch.testing.assert_close(result["relation"], model.relation_representations[0]._embeddings.weight)
+    return loop, dataset
+
+
+@pytest.mark.parametrize(("world_size", "exchange"), [(2, "embedding"), (2, "score"), (4, "embedding"), (4, "score")])
+def test_ranks_equal_logical_shards(request: pytest.FixtureRequest, world_size: int, exchange: str) -> None:
+    results = request.getfixturevalue("two_ranks" if world_size == 2 else "four_ranks")[exchange]
+    loop, _ = check_equals_local_reference(results, SCENARIOS[world_size][exchange], world_size)
     # each rank holds only its shard of the entity table
     shard_size = loop.sharding.shard_size
     for result in results:

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_distributed import BASE, assemble, launch, local_reference
+from test_distributed import BASE, assemble, check_equals_local_reference, launch
 from test_distributed import run_launch as run_launch_with_timeout
 
 pytestmark = pytest.mark.slow
@@ -95,16 +95,7 @@ def check_replicas_identical(results: list[dict[str, Any]]) -> None:
 def check_equals_reference(name: str, results: list[dict[str, Any]]):
     config = SCENARIOS[name]
     single = {k: v for k, v in config.items() if k not in ("replicas", "replica_grouping", "mesh")}
-    loop, epoch_losses, step_losses, dataset = local_reference(single, config["num_shards"])
-    for result in results:  # every rank reports the global losses of the single-process run
-        assert result["step_losses"] == pytest.approx(step_losses, rel=1e-9)
-        assert result["epoch_losses"] == pytest.approx(epoch_losses, rel=1e-9)
-    model = loop.model
-    torch.testing.assert_close(
-        assemble(results, model.num_entities), model.entity_representations[0]._embeddings.weight
-    )
-    for result in results:
-        torch.testing.assert_close(result["relation"], model.relation_representations[0]._embeddings.weight)
+    loop, dataset = check_equals_local_reference(results, single, config["num_shards"])
     # the optimizer state of every shard equals the reference's rows of the same entities
     reference_state = loop.optimizer.state.get(loop.tables[0].weight, {})
     for result in results:
