@@ -143,6 +143,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="one checkpoint file per shard (default) or one per replica",
     )
     bess.add_argument(
+        "--storage",
+        choices=["device", "host", "mmap"],
+        help="where the entity tables and their optimizer state live: the model's device (default), host memory, "
+        "or .npy files under --storage-path",
+    )
+    bess.add_argument("--storage-path", help="the (existing) directory of --storage mmap's files")
+    bess.add_argument(
         "--dense-updates",
         action="store_true",
         help="update the entity tables densely (any optimizer, slower) instead of row-sparsely",
@@ -295,7 +302,7 @@ def pipeline_kwargs(args: argparse.Namespace, in_group: bool = False) -> dict[st
         set_("training_loop_kwargs", settings["num_shards"], "num_shards")
     elif not in_group and "num_shards" not in kwargs.get("training_loop_kwargs", {}):
         set_("training_loop_kwargs", 2, "num_shards")
-    for flag in ("replicas", "replica_grouping", "checkpoint_retrieval"):
+    for flag in ("replicas", "replica_grouping", "checkpoint_retrieval", "storage", "storage_path"):
         if flag in settings:
             set_("training_loop_kwargs", settings[flag], flag)
     for flag, key in (("exchange", "exchange"), ("corruption", "corruption")):

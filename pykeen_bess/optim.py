@@ -31,22 +31,49 @@ The training loop hands the gradient of a shard table to the optimizer as a *coa
 ``grad`` (unique rows, summed values). :class:`BessOptimizer` is a ``torch.optim.Optimizer``:
 learning-rate schedulers, ``state_dict`` / ``load_state_dict`` and PyKEEN's checkpoints work
 unchanged; its parameter groups are the dense groups followed by one group of shard tables.
+
+Each rule is one pure function of a step's rows ``[U, W]``, their gradient, the rows of the
+rule's state tensors, the hyper-parameters and the step count (:data:`RULES`, state tensors by
+:func:`state_shapes`). :class:`BessOptimizer` reads those rows from the table's storage tier
+(:mod:`pykeen_bess.storage`: the device, host memory or files), applies the rule on the compute
+device and writes rows and state back, so every tier runs the same arithmetic. A table kept
+outside the model is represented in the optimizer by a handle (an empty parameter carrying the
+step count); its state tensors stay in its tier, never in the optimizer's ``state``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Protocol
 
 import torch
 from torch.optim import SGD, Adagrad, Adam, Optimizer, SparseAdam
 
 __all__ = [
+    "RULES",
     "SPARSE_RULES",
+    "StoredTable",
     "BessOptimizer",
     "RowwiseAdagrad",
 ]
+
+
+class StoredTable(Protocol):
+    """A shard table as the row rules see it (:class:`~pykeen_bess.representation.ShardedEmbedding`)."""
+
+    #: shape: ``[R, W]``, the rows, in the storage tier
+    weight: torch.Tensor
+    #: the storage tier (:class:`~pykeen_bess.storage.TableStorage`)
+    storage: Any
+    #: the row rule's state tensors of a table outside the model (e.g. ``exp_avg`` ``[R, W]``), in the tier
+    row_state: dict[str, torch.Tensor]
+    #: the row-sparse gradient ``[R, W]`` of a table outside the model (on the compute device)
+    gradient: torch.Tensor | None
+    #: shape: ``[U, W]``, the current values of the rows the gradient touches, if already read (else None)
+    touched_values: torch.Tensor | None
+    #: the table's name among the files of its tier
+    label: str
 
 
 class RowwiseAdagrad(Optimizer):
@@ -106,15 +133,26 @@ class RowwiseAdagrad(Optimizer):
             for param in group["params"]:
                 if param.grad is None:
                     continue
+                state = self.state[param]
+                real = torch.view_as_real(param) if param.is_complex() else param  # complex: its real view
+                if "sum" not in state:
+                    shape = state_shapes("rowwise_adagrad", real.shape, group)["sum"][0]
+                    state["sum"] = torch.full(
+                        shape, group["initial_accumulator_value"], dtype=real.dtype, device=param.device
+                    )
+                step = count_step(state)
                 if param.grad.is_sparse:
                     rows, values = _sparse_rows(param.grad)
-                    update, scale = _rowwise_adagrad(rows, values, self.state[param], group, param)
-                    param.index_add_(0, rows, update, alpha=scale)
+                    weight, new = _rowwise_adagrad(
+                        param.index_select(0, rows), values, {"sum": state["sum"].index_select(0, rows)}, group, step
+                    )
+                    param.index_copy_(0, rows, weight)
+                    state["sum"].index_copy_(0, rows, new["sum"])
                 else:  # complex parameters as their real view: rows of real values
-                    real = torch.view_as_real(param) if param.is_complex() else param
                     grad = torch.view_as_real(param.grad) if param.grad.is_complex() else param.grad
-                    update, scale = _rowwise_adagrad(None, grad, self.state[param], group, real)
-                    real.add_(update, alpha=scale)
+                    weight, new = _rowwise_adagrad(real, grad, {"sum": state["sum"]}, group, step)
+                    real.copy_(weight)
+                    state["sum"] = new["sum"]
         return loss
 
 
@@ -153,6 +191,7 @@ class BessOptimizer(Optimizer):
         hyperparameters: Mapping[str, Any] | None = None,
         sparse_updates: bool = True,
         row_constraints: Mapping[torch.nn.Parameter, Callable[[torch.Tensor], torch.Tensor]] | None = None,
+        tables: Mapping[torch.nn.Parameter, StoredTable] | None = None,
     ):
         """Create the optimizer.
 
@@ -164,9 +203,13 @@ class BessOptimizer(Optimizer):
             updated densely by ``optimizer_cls`` like every other parameter
         :param row_constraints: per shard table, a function applied to the updated rows
             ``[U, D]`` within each row-sparse update (e.g. a projection to unit norm)
+        :param tables: per entry of ``table_params``, the stored table it stands for: its rows and
+            row state are read and written through the table's storage tier (for a table kept
+            outside the model, the entry is a handle: an empty parameter that carries the step count)
         :raises ValueError: if the optimizer (or one of its options) has no row-sparse rule
         """
         self._row_constraints = {id(param): constraint for param, constraint in (row_constraints or {}).items()}
+        self._tables = {id(param): table for param, table in (tables or {}).items()}
         hyperparameters = dict(hyperparameters or {})
         dense_params = [p for p in dense_params if p.requires_grad]
         table_params = [p for p in table_params if p.requires_grad]
@@ -205,6 +248,26 @@ class BessOptimizer(Optimizer):
         if not groups:
             raise ValueError("The model has no trainable parameters.")
         super().__init__(groups, defaults=dict(hyperparameters))
+        for group in self.sparse_groups:  # tables outside the model: fresh row state in their tier, now
+            for param in group["params"]:
+                table = self._tables.get(id(param))
+                if table is None or table.storage.is_parameter:
+                    continue
+                for tensor in table.row_state.values():
+                    table.storage.release(tensor)
+                table.row_state.clear()
+                for name, (shape, fill) in state_shapes(group["rule"], table.weight.shape, group).items():
+                    table.row_state[name] = table.storage.place(
+                        f"{table.label}.{name}", shape, table.weight.dtype, fill
+                    )
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset the gradients of all parameters and of the tables kept outside the model."""
+        super().zero_grad(set_to_none=set_to_none)
+        for table in self._tables.values():
+            table.touched_values = None
+            if not table.storage.is_parameter:
+                table.gradient = None
 
     @property
     def dense_groups(self) -> list[dict[str, Any]]:
@@ -228,17 +291,56 @@ class BessOptimizer(Optimizer):
             self._dense.step()
         for group in self.sparse_groups:
             for param in group["params"]:
-                if param.grad is None:
-                    continue
-                rows, values = _sparse_rows(param.grad)
-                update, scale = _APPLY[group["rule"]](rows, values, self.state[param], group, param)
-                constraint = self._row_constraints.get(id(param))
-                if constraint is None:
-                    param.index_add_(0, rows, update, alpha=scale)
-                else:
-                    old = param.index_select(0, rows)
-                    param.index_add_(0, rows, constraint(old.add(update, alpha=scale)).sub_(old))
+                self._update_rows(param, group)
         return None
+
+    def _update_rows(self, param: torch.nn.Parameter, group: dict[str, Any]) -> None:
+        """Apply a group's row rule to the rows of one table the step touched.
+
+        A table kept in a storage tier outside the model (host memory, files) is represented in
+        the group by a handle; its rows, state rows and gradient are those of the stored table, read
+        to the compute device and written back through its tier. Every other table is the
+        parameter itself, with its state in this optimizer's state.
+        """
+        table = self._tables.get(id(param))
+        stored = table is not None and not table.storage.is_parameter
+        state = self.state[param]
+        grad = table.gradient if stored else param.grad  # type: ignore[union-attr]
+        if grad is None:
+            return
+        rows, values = _sparse_rows(grad)
+        rule = group["rule"]
+        weight: torch.Tensor = table.weight if stored else param  # type: ignore[union-attr]
+        row_state: dict[str, Any] = table.row_state if stored else state  # type: ignore[union-attr]
+        storage = table.storage if table is not None else None
+        shapes = state_shapes(rule, weight.shape, group)
+        for name, (shape, fill) in shapes.items():
+            if name not in row_state:
+                row_state[name] = (
+                    storage.place(f"{table.label}.{name}", shape, weight.dtype, fill)  # type: ignore[union-attr]
+                    if storage is not None
+                    else torch.full(shape, fill, dtype=weight.dtype, device=weight.device)
+                )
+        step = count_step(state)
+        if storage is None:
+            old = weight.index_select(0, rows)
+            state_rows = {name: row_state[name].index_select(0, rows) for name in shapes}
+        else:
+            cached = table.touched_values if table is not None else None
+            old = cached if cached is not None else storage.read(weight, rows)
+            state_rows = {name: storage.read(row_state[name], rows) for name in shapes}
+        new, new_state = RULES[rule](old, values, state_rows, group, step)
+        constraint = self._row_constraints.get(id(param))
+        if constraint is not None:
+            new = constraint(new)
+        if storage is None:
+            weight.index_copy_(0, rows, new)
+            for name in shapes:
+                row_state[name].index_copy_(0, rows, new_state[name])
+        else:
+            storage.write(weight, rows, new)
+            for name in shapes:
+                storage.write(row_state[name], rows, new_state[name])
 
 
 def _sparse_defaults(optimizer_cls: type[Optimizer]) -> dict[str, Any]:
@@ -260,97 +362,95 @@ def _sparse_rows(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return grad._indices()[0], grad._values()
 
 
+# -- the row rules: pure functions of rows, gradients, state rows, hyper-parameters and the step ----
+#
+# A rule takes the rows ``[U, *]`` of a table, their gradient, the rows of its state tensors and
+# the step count, and returns the new rows and state rows; it never sees the table itself, so the
+# same rule updates a table on the device, in host memory or in files (pykeen_bess.storage).
+
+
+def state_shapes(rule: str, shape: Sequence[int], group: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], float]]:
+    """Return the state tensors a rule keeps for a parameter of ``shape``: name -> (shape, initial value)."""
+    shape = tuple(shape)
+    if rule == "adam":
+        return {"exp_avg": (shape, 0.0), "exp_avg_sq": (shape, 0.0)}
+    if rule == "adagrad":
+        return {"sum": (shape, float(group["initial_accumulator_value"]))}
+    if rule == "rowwise_adagrad":
+        row_shape = shape[:1] if len(shape) >= 2 else shape
+        return {"sum": (row_shape, float(group["initial_accumulator_value"]))}
+    return {}
+
+
 def _adam(
-    rows: torch.Tensor, grad: torch.Tensor, state: dict, group: dict, param: torch.Tensor
-) -> tuple[torch.Tensor, float]:
-    """Lazy Adam on the touched rows (``torch.optim.SparseAdam`` semantics); returns (update, scale)."""
-    if not state:
-        state["step"] = torch.zeros((), dtype=torch.float32)
-        state["exp_avg"] = torch.zeros_like(param)
-        state["exp_avg_sq"] = torch.zeros_like(param)
-    state["step"] += 1
-    step = float(state["step"])
+    weight: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor], group: Mapping[str, Any], step: float
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Lazy Adam on rows (``torch.optim.SparseAdam`` semantics, bias correction by the global step)."""
     beta1, beta2 = group["betas"]
     if group["maximize"]:
         grad = -grad
-    # as SparseAdam: add the changes of the touched rows (rows are unique; index_add_ is the
-    # fastest scatter on the CPU)
-    exp_avg = state["exp_avg"].index_select(0, rows)
-    exp_avg_sq = state["exp_avg_sq"].index_select(0, rows)
-    exp_avg_change = (grad - exp_avg).mul_(1 - beta1)
-    exp_avg_sq_change = (grad * grad).sub_(exp_avg_sq).mul_(1 - beta2)
-    state["exp_avg"].index_add_(0, rows, exp_avg_change)
-    state["exp_avg_sq"].index_add_(0, rows, exp_avg_sq_change)
-    exp_avg.add_(exp_avg_change)
-    exp_avg_sq.add_(exp_avg_sq_change)
+    exp_avg = state["exp_avg"] + (grad - state["exp_avg"]).mul_(1 - beta1)
+    exp_avg_sq = state["exp_avg_sq"] + (grad * grad).sub_(state["exp_avg_sq"]).mul_(1 - beta2)
     step_size = group["lr"] * math.sqrt(1 - beta2**step) / (1 - beta1**step)
-    return exp_avg.div_(exp_avg_sq.sqrt_().add_(group["eps"])), -step_size
+    update = exp_avg / exp_avg_sq.sqrt().add_(group["eps"])
+    return weight.add(update, alpha=-step_size), {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
 
 
-def _adagrad_step(grad: torch.Tensor, state: dict, group: dict) -> tuple[torch.Tensor, float]:
-    """Count a step of an Adagrad rule; return the (sign-adjusted) gradient and the decayed learning rate."""
-    if "step" not in state:
-        state["step"] = torch.zeros((), dtype=torch.float32)
-    state["step"] += 1
-    step = float(state["step"])
-    clr = group["lr"] / (1 + (step - 1) * group["lr_decay"])
-    return (-grad if group["maximize"] else grad), clr
+def _adagrad_lr(group: Mapping[str, Any], step: float) -> float:
+    """Return the learning rate of an Adagrad rule at ``step`` (``lr_decay``)."""
+    return group["lr"] / (1 + (step - 1) * group["lr_decay"])
 
 
 def _adagrad(
-    rows: torch.Tensor, grad: torch.Tensor, state: dict, group: dict, param: torch.Tensor
-) -> tuple[torch.Tensor, float]:
-    """Row-sparse Adagrad (``torch.optim.Adagrad`` with a sparse gradient); returns (update, scale)."""
-    if not state:
-        state["sum"] = torch.full_like(param, group["initial_accumulator_value"])
-    grad, clr = _adagrad_step(grad, state, group)
-    squared = grad * grad
-    state["sum"].index_add_(0, rows, squared)
-    squares = state["sum"].index_select(0, rows)
-    return grad / squares.sqrt_().add_(group["eps"]), -clr
+    weight: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor], group: Mapping[str, Any], step: float
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Adagrad on rows (``torch.optim.Adagrad`` with a sparse gradient)."""
+    if group["maximize"]:
+        grad = -grad
+    squares = state["sum"] + grad * grad
+    update = grad / squares.sqrt().add_(group["eps"])
+    return weight.add(update, alpha=-_adagrad_lr(group, step)), {"sum": squares}
 
 
 def _rowwise_adagrad(
-    rows: torch.Tensor | None, grad: torch.Tensor, state: dict, group: dict, param: torch.Tensor
-) -> tuple[torch.Tensor, float]:
-    """Row-wise Adagrad on the touched rows (all rows if ``rows`` is None); returns (update, scale).
-
-    :param rows: shape: ``[U]``, unique rows, or None for a dense gradient
-    :param grad: shape: ``[U, ...]`` (``param.shape`` for a dense gradient)
-    """
-    row_wise = param.dim() >= 2
-    if not state:
-        shape = param.shape[:1] if row_wise else param.shape
-        state["sum"] = torch.full(shape, group["initial_accumulator_value"], dtype=param.dtype, device=param.device)
-    grad, clr = _adagrad_step(grad, state, group)
+    weight: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor], group: Mapping[str, Any], step: float
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Row-wise Adagrad on rows ``[U, ...]`` (state ``sum``: ``[U]``); without rows (0-1 dimensions) plain Adagrad."""
+    if group["maximize"]:
+        grad = -grad
     squared = grad * grad
+    row_wise = weight.dim() >= 2
     if row_wise:
         squared = squared.mean(dim=tuple(range(1, grad.dim())))
-    if rows is None:
-        state["sum"].add_(squared)
-        squares = state["sum"].clone()
-    else:
-        state["sum"].index_add_(0, rows, squared)
-        squares = state["sum"].index_select(0, rows)
-    std = squares.sqrt_().add_(group["eps"])
+    squares = state["sum"] + squared
+    std = squares.sqrt().add_(group["eps"])
     if row_wise:
         std = std.view(-1, *([1] * (grad.dim() - 1)))
-    return grad / std, -clr
+    return weight.add(grad / std, alpha=-_adagrad_lr(group, step)), {"sum": squares}
 
 
 def _sgd(
-    rows: torch.Tensor, grad: torch.Tensor, state: dict, group: dict, param: torch.Tensor
-) -> tuple[torch.Tensor, float]:
-    """Row-sparse plain SGD; returns (update, scale)."""
-    return grad, group["lr"] if group["maximize"] else -group["lr"]
+    weight: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor], group: Mapping[str, Any], step: float
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Plain SGD on rows."""
+    return weight.add(grad, alpha=group["lr"] if group["maximize"] else -group["lr"]), {}
 
 
-_APPLY = {
+#: the row rules by name
+RULES: dict[str, Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]] = {
     "adam": _adam,
     "adagrad": _adagrad,
     "sgd": _sgd,
     "rowwise_adagrad": _rowwise_adagrad,
 }
+
+
+def count_step(state: dict[str, Any]) -> float:
+    """Count one step in a parameter's optimizer state; return the new count."""
+    if "step" not in state:
+        state["step"] = torch.zeros((), dtype=torch.float32)
+    state["step"] += 1
+    return float(state["step"])
 
 
 def row_sparse_grad(param: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

@@ -2,10 +2,17 @@
 
 :class:`ShardedEmbedding` replaces a model's :class:`pykeen.nn.Embedding` while BESS trains it.
 It keeps the embedding's normalizer, regularizer, dropout, constrainer and initializer, but stores
-only the rows of the shards this process holds, as one parameter of shape
+only the rows of the shards this process holds, as one table of shape
 ``[L * shard_size, row_width]`` (``L`` local shards; complex embeddings as real pairs). Row
 ``l * shard_size + local_id`` belongs to local shard ``l``. Padding rows are zero and never
 trained.
+
+Where the table lives is its storage tier (:mod:`pykeen_bess.storage`): on the model's device as a
+parameter of the model (``"device"``, the default), or outside the model in host memory or files
+(``"host"``, ``"mmap"``), where :attr:`ShardedEmbedding.weight` is a plain tensor of the tier that
+neither ``model.parameters()`` nor ``model.to()`` sees; rows are read to the compute device when
+used (:meth:`ShardedEmbedding.read_rows`), and the training loop's optimizer writes updated rows
+back through the tier.
 
 When all shards are local (one process), the module is a complete PyKEEN representation:
 :meth:`forward` accepts global entity ids, so the model can be evaluated or queried while it is
@@ -15,6 +22,7 @@ sharded. Under a process group each rank holds one shard and global lookups rais
 
 from __future__ import annotations
 
+import pathlib
 import pickle
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -26,6 +34,7 @@ from torch import nn
 
 from .seeds import derive_seed
 from .sharding import EntitySharding
+from .storage import DeviceStorage, MmapStorage, TableStorage
 
 __all__ = [
     "ShardedEmbedding",
@@ -41,6 +50,8 @@ class ShardedEmbedding(Representation):
 
     #: shape: ``[num_entities]``, the flat local row of every global entity, -1 where it is not held here
     entity_rows: torch.Tensor
+    #: shape: ``[L * shard_size, row_width]``, the table (a parameter of the model, or a tensor of its storage tier)
+    weight: torch.Tensor
 
     def __init__(
         self,
@@ -49,6 +60,7 @@ class ShardedEmbedding(Representation):
         local_shards: Sequence[int],
         seed: int = 0,
         table_index: int = 0,
+        storage: TableStorage | None = None,
     ):
         """Create the (uninitialised) shard tables for an embedding.
 
@@ -58,6 +70,7 @@ class ShardedEmbedding(Representation):
         :param local_shards: the shards held by this process
         :param seed: the run's seed (the initial values depend on it and on ``table_index`` only)
         :param table_index: the position of the table among the model's entity representations
+        :param storage: the storage tier of the table (default: a parameter on the embedding's device)
         :raises ValueError: if the embedding does not match the sharding
         """
         if base.max_id != sharding.num_entities:
@@ -80,12 +93,31 @@ class ShardedEmbedding(Representation):
         self.defer_constraints = False
         template = base._embeddings.weight
         self.row_width = template.shape[1]
-        self.weight = nn.Parameter(
-            torch.zeros(
-                self.n_local * sharding.shard_size, self.row_width, dtype=template.dtype, device=template.device
-            ),
-            requires_grad=template.requires_grad,
-        )
+        if storage is None:
+            storage = DeviceStorage()
+            storage.compute_device = template.device
+        #: the storage tier of the table
+        self.storage = storage
+        #: whether the table is trained
+        self.trainable = bool(template.requires_grad)
+        first, last = self.local_shards[0], self.local_shards[-1]
+        #: the table's name among the tensors of its tier (file names of ``storage="mmap"``)
+        self.label = f"table{self.table_index}.shards{first}-{last}-of{sharding.n_shard}"
+        shape = (self.n_local * sharding.shard_size, self.row_width)
+        #: the row rule's state of a table outside the model (see :class:`pykeen_bess.optim.StoredTable`)
+        self.row_state: dict[str, torch.Tensor] = {}
+        self._gradient: torch.Tensor | None = None
+        #: shape: ``[U, W]``, the current values of the rows :attr:`gradient` touches, on the compute device,
+        #: if the step already read them (None: the optimizer reads them)
+        self.touched_values: torch.Tensor | None = None
+        if storage.is_parameter:
+            self.weight = nn.Parameter(
+                torch.zeros(shape, dtype=template.dtype, device=template.device), requires_grad=self.trainable
+            )
+        else:  # a plain tensor of the tier: not a parameter or buffer of the model
+            self.weight = storage.place(self.label, shape, template.dtype)
+            #: what the optimizer's parameter group holds for a table outside the model (carries the step count)
+            object.__setattr__(self, "handle", nn.Parameter(torch.zeros(0, dtype=template.dtype)))
         # flat local row of every global entity, -1 where the entity is not held here
         position = torch.full((sharding.n_shard,), -1, dtype=torch.long)
         position[list(self.local_shards)] = torch.arange(self.n_local)
@@ -95,7 +127,15 @@ class ShardedEmbedding(Representation):
             local_position * sharding.shard_size + sharding.entity_local,
             torch.full_like(local_position, -1),
         )
-        self.register_buffer("entity_rows", rows, persistent=False)
+        if storage.is_parameter:
+            self.register_buffer("entity_rows", rows, persistent=False)
+        else:  # with the table, outside the model
+            self.entity_rows = rows
+        #: while a checkpoint is written: the directory its copies of a table's files go to; while one is
+        #: read: the checkpoint's folder (set by the checkpoint store)
+        self.snapshot_directory: pathlib.Path | None = None
+        self.register_state_dict_post_hook(_add_stored_table)
+        self.register_load_state_dict_pre_hook(_load_stored_table)
         # the embedding this table replaces (not a submodule: its parameters are not the model's)
         object.__setattr__(self, "base_embedding", base)
         #: the process topology of the shards (set by the training loop; not pickled); None: the default one
@@ -112,6 +152,37 @@ class ShardedEmbedding(Representation):
     def holds_all_shards(self) -> bool:
         """Whether every entity is held by this process."""
         return self.n_local == self.sharding.n_shard
+
+    @property
+    def compute_device(self) -> torch.device:
+        """The device rows are read to and scored on (the model's device)."""
+        return self.weight.device if self.storage.is_parameter else self.storage.compute_device
+
+    @property
+    def gradient(self) -> torch.Tensor | None:
+        """The table's gradient (row-sparse ``[R, W]`` while training; for a parameter, its ``grad``)."""
+        return self.weight.grad if self.storage.is_parameter else self._gradient
+
+    @gradient.setter
+    def gradient(self, value: torch.Tensor | None) -> None:
+        if self.storage.is_parameter:
+            self.weight.grad = value
+        else:
+            self._gradient = value
+
+    @property
+    def optimizer_parameter(self) -> torch.nn.Parameter:
+        """What stands for the table in the optimizer: the parameter, or the handle of a table outside the model."""
+        return self.weight if self.storage.is_parameter else self.handle  # type: ignore[return-value]
+
+    def read_rows(self, rows: torch.Tensor | slice) -> torch.Tensor:
+        """Read flat rows ``[U]`` (or a slice) of the table to the compute device, detached (counted by the tier).
+
+        :returns: shape: ``[U, row_width]``
+        """
+        if isinstance(rows, slice):
+            rows = torch.arange(rows.start, rows.stop)
+        return self.storage.read(self.weight, rows)
 
     def shard_tables(self) -> torch.Tensor:
         """Return the storage as ``[L, shard_size, row_width]`` (a view)."""
@@ -149,9 +220,11 @@ class ShardedEmbedding(Representation):
         if indices is None:
             if not self.holds_all_shards:
                 raise ValueError("Only a process holding all shards can return the full entity table.")
-            indices = torch.arange(self.max_id, device=self.weight.device)
+            indices = torch.arange(self.max_id)
         rows = self.rows_of(indices)
-        return self.view_rows(self.weight[rows])
+        if self.storage.is_parameter:
+            return self.view_rows(self.weight[rows])
+        return self.view_rows(self.read_rows(rows))
 
     def reset_parameters(self) -> None:
         """Initialise the local shards exactly as PyKEEN initialises the full table, from this table's seed.
@@ -246,3 +319,83 @@ class ShardedEmbedding(Representation):
         """Write the shard tables back into a plain embedding (all shards local)."""
         with torch.no_grad():
             embedding._embeddings.weight.data = self.full_table().to(embedding._embeddings.weight.device).clone()
+
+
+#: the state-dict key (after the module's prefix) of a table kept outside the model
+STORED_TABLE_KEY = "stored_table"
+
+
+def _add_stored_table(module: ShardedEmbedding, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+    """Add a table kept outside the model (and its optimizer row state) to the model's state dict.
+
+    Host memory: the tensors themselves. Files: while a checkpoint is written (the store sets
+    :attr:`ShardedEmbedding.snapshot_directory`), copies of the flushed files in that directory,
+    referenced by name; otherwise the live files, by path.
+    """
+    storage = module.storage
+    if storage.is_parameter:
+        return
+    tensors = {"weight": module.weight, **{f"state.{name}": value for name, value in module.row_state.items()}}
+    entry: dict[str, Any] = {"tier": storage.name, "label": module.label, "shape": tuple(module.weight.shape)}
+    if not isinstance(storage, MmapStorage):
+        entry["tensors"] = tensors
+    else:
+        directory = module.snapshot_directory
+        entry["files"] = {
+            key: (storage.snapshot(value, directory) if directory is not None else str(storage.file_of(value)))
+            for key, value in tensors.items()
+        }
+        entry["directory"] = directory.name if directory is not None else None
+    state_dict[prefix + STORED_TABLE_KEY] = entry
+
+
+def _load_stored_table(
+    module: ShardedEmbedding,
+    state_dict: dict,
+    prefix: str,
+    local_metadata: Any,
+    strict: bool,
+    missing_keys: list,
+    unexpected_keys: list,
+    error_msgs: list,
+) -> None:
+    """Load a table kept outside the model from a state dict (the inverse of :func:`_add_stored_table`)."""
+    entry = state_dict.pop(prefix + STORED_TABLE_KEY, None)
+    storage = module.storage
+    written = "device" if entry is None else entry["tier"]
+    if (entry is None) != storage.is_parameter or (entry is not None and entry["tier"] != storage.name):
+        if entry is None and prefix + "weight" not in state_dict:
+            return  # not a checkpoint of this table at all (PyKEEN reports the missing keys)
+        raise ValueError(
+            f"This checkpoint keeps the entity tables with storage={written!r}; resume it with the same storage "
+            f"(this run uses storage={storage.name!r})."
+        )
+    if entry is None:
+        return
+    if tuple(entry["shape"]) != tuple(module.weight.shape):
+        raise ValueError(
+            f"The checkpoint's table {entry['label']} has shape {entry['shape']}, not {tuple(module.weight.shape)}."
+        )
+    targets = {"weight": module.weight, **{f"state.{name}": value for name, value in module.row_state.items()}}
+    sources = entry.get("tensors") or entry["files"]
+    if set(sources) != set(targets):
+        raise ValueError(
+            f"The checkpoint's table {entry['label']} has optimizer state {sorted(sources)}, this run "
+            f"{sorted(targets)} (another optimizer?)."
+        )
+    for key, target in targets.items():
+        source = sources[key]
+        if isinstance(source, str):
+            assert isinstance(storage, MmapStorage)
+            if entry["directory"] is None:  # the live files of a state dict taken outside a checkpoint
+                file = pathlib.Path(source)
+            elif module.snapshot_directory is None:
+                raise ValueError(
+                    f"The table files of {entry['label']} are in a checkpoint; load it with the training loop."
+                )
+            else:  # a checkpoint's copy, in a directory next to the checkpoint
+                file = module.snapshot_directory / entry["directory"] / source
+            storage.restore(target, file)
+        else:
+            with torch.no_grad():
+                target.copy_(source)

@@ -160,3 +160,18 @@ def test_replica_flags(capsys: pytest.CaptureFixture, tmp_path: pathlib.Path) ->
     code, out, err = run(capsys, *FAST, "--replicas", "2", "--output", str(tmp_path / "out"))
     assert code == 2 and out == ""
     assert "need a process group of several ranks (torchrun)" in err and "Traceback" not in err
+
+
+def test_storage_flags_train_with_tables_in_files(capsys: pytest.CaptureFixture, tmp_path: pathlib.Path) -> None:
+    args = build_parser().parse_args(["train", "--storage", "mmap", "--storage-path", str(tmp_path)])
+    loop_kwargs = pipeline_kwargs(args)["training_loop_kwargs"]
+    assert loop_kwargs["storage"] == "mmap" and loop_kwargs["storage_path"] == str(tmp_path)
+    tables = tmp_path / "tables"
+    tables.mkdir()
+    code, out, err = run(capsys, *FAST, "--storage", "mmap", "--storage-path", str(tables))
+    assert code == 0, err
+    assert 0 < json.loads(out)["both.realistic.inverse_harmonic_mean_rank"] <= 1
+    assert sorted(p.name for p in tables.iterdir())  # the tables (and their state) were files
+    # a missing directory: one line, exit status 2
+    code, out, err = run(capsys, *FAST, "--storage", "mmap", "--storage-path", str(tmp_path / "missing"))
+    assert code == 2 and "is not a directory" in err and "Traceback" not in err

@@ -45,8 +45,9 @@ class EntityRows(ABC):
 class ShardTableRows(EntityRows):
     """Rows read directly from a model's :class:`ShardedEmbedding` tables (no full-table copy).
 
-    A slice of local ids is a view of the table; the representation's normalizer is applied as
-    :meth:`pykeen.nn.representation.Representation.forward` would.
+    A slice of local ids is a view of the table (for a table in host memory or files, the slice is
+    read to the compute device, so candidates stream slice by slice); the representation's
+    normalizer is applied as :meth:`pykeen.nn.representation.Representation.forward` would.
     """
 
     def __init__(self, tables: Sequence[ShardedEmbedding]):
@@ -64,7 +65,12 @@ class ShardTableRows(EntityRows):
         result = []
         for table in self.tables:
             weight = table.weight.detach()
-            if isinstance(local, slice):
+            if not table.storage.is_parameter:  # host memory or files: read the rows to the compute device
+                if isinstance(local, slice):
+                    stored = table.read_rows(slice(offset + local.start, offset + local.stop))
+                else:
+                    stored = table.read_rows(local.cpu() + offset)
+            elif isinstance(local, slice):
                 stored = weight[offset + local.start : offset + local.stop]
             else:
                 stored = weight.index_select(0, local.to(weight.device) + offset)

@@ -142,8 +142,8 @@ def choose_scheme(
 def query_width(scorer: SharedCandidateScorer, model: ERModel, tables: Sequence[ShardedEmbedding]) -> int:
     """Return the number of values of a query (the mean over both sides) for a model's scorer."""
     with torch.no_grad():
-        entities = [table.view_rows(table.weight[:1]) for table in tables]
-        first_relation = torch.zeros(1, dtype=torch.long, device=tables[0].weight.device)
+        entities = [table.view_rows(table.weight[:1].detach().to(table.compute_device)) for table in tables]
+        first_relation = torch.zeros(1, dtype=torch.long, device=tables[0].compute_device)
         relations = [representation(indices=first_relation) for representation in model.relation_representations]
         relation = relations[0] if len(relations) == 1 else tuple(relations)
         widths = []

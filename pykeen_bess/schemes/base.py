@@ -129,15 +129,13 @@ class ExchangeScheme(ABC):
         wanted = torch.cat([head_rows.reshape(-1), tail_rows.reshape(-1), negative_rows.reshape(-1)])
         rows, inverse = torch.unique(wanted, return_inverse=True)
         first_real = int(rows.numel() > 0 and int(rows[0]) < 0)  # on the CPU
-        device = self.tables[0].weight.device
+        lookup = rows.clamp_min(0)
+        # each table's storage tier reads the rows to the compute device
+        leaves = [table.read_rows(lookup).requires_grad_(table.trainable) for table in self.tables]
+        device = self.tables[0].compute_device
         rows, inverse = rows.to(device), inverse.to(device)
         sizes = [head_rows.numel(), tail_rows.numel(), negative_rows.numel()]
         head_index, tail_index, negative_index = inverse.split(sizes)
-        lookup = rows.clamp_min(0)
-        leaves = [
-            table.weight.detach().index_select(0, lookup).requires_grad_(table.weight.requires_grad)
-            for table in self.tables
-        ]
         return RowGather(
             rows=rows,
             leaves=leaves,
@@ -159,10 +157,12 @@ class ExchangeScheme(ABC):
         for table, leaf in zip(self.tables, gathered.leaves):
             if leaf.grad is None:
                 continue
-            if dense:
+            if dense:  # tables that are parameters only (checked by the loop)
                 table.weight.grad = torch.zeros_like(table.weight).index_add_(0, rows, leaf.grad[first:])
             else:
-                table.weight.grad = row_sparse_grad(table.weight, rows, leaf.grad[first:])
+                table.gradient = row_sparse_grad(table.weight, rows, leaf.grad[first:])
+                # the rows' current values, already on the compute device: the optimizer need not read them again
+                table.touched_values = leaf.detach()[first:]
 
     # -- scoring ---------------------------------------------------------------------------------
 
@@ -185,7 +185,7 @@ class ExchangeScheme(ABC):
         stop = batch.block_size if stop is None else stop
         slots = slice(start, stop)
         gathered_slots = slice(start - gathered.first_slot, stop - gathered.first_slot)
-        device = self.tables[0].weight.device
+        device = self.tables[0].compute_device
         local_valid = topology.select_local(batch.valid[..., slots], 0).reshape(-1)  # on the CPU
         valid_index = None if bool(local_valid.all()) else local_valid.nonzero().view(-1).to(device)
         weights = regularization_weights(batch, start, stop)

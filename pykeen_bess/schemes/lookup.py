@@ -95,7 +95,7 @@ class RowLookup:
 
     def relations(self, indices: torch.Tensor, weights: torch.Tensor, regularization: Accumulator) -> Any:
         """Look up the relation representations of ``[L, n, b']`` relation ids (``weights``: same shape, CPU)."""
-        indices = indices.to(self.tables[0].weight.device)
+        indices = indices.to(self.tables[0].compute_device)
         parts = []
         for representation in self.model.relation_representations:
             x = representation._plain_forward(indices=indices)

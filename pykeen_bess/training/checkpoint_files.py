@@ -15,6 +15,9 @@ A distributed checkpoint ``NAME`` lives in a directory all ranks share (as PyTor
   loads it (``pipeline()`` takes the random seed from it, an early stopper its state), so a
   distributed checkpoint resumes through ``pipeline()`` like a single-file one.
 
+Tables kept in files (``storage="mmap"``) are copied, flushed and synced, into a directory next to
+each shard's file (``NAME.v{version}.rank{s}-of-{n}.tmp-{pid}.tables``), which the file names.
+
 A new version is written next to the old one; only after every process has finished does rank 0
 replace the pointer (atomically), and only then are the previous version's files removed, so a
 crash while writing never loses the previous checkpoint.
@@ -22,10 +25,12 @@ crash while writing never loses the previous checkpoint.
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 import pathlib
 import re
+import shutil
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -154,7 +159,10 @@ def save_distributed_checkpoint(
     if writes:
         for old in _versions(path, shard, n_shard, replica, replicas):
             if old < version:
-                shard_file(path, old, shard, n_shard, replica, replicas).unlink(missing_ok=True)
+                old_file = shard_file(path, old, shard, n_shard, replica, replicas)
+                old_file.unlink(missing_ok=True)
+                for tables in old_file.parent.glob(f"{glob.escape(old_file.name)}.tmp-*.tables"):
+                    shutil.rmtree(tables, ignore_errors=True)  # copies of tables in files (storage="mmap")
         logger.info("shard %d wrote checkpoint version %d (epoch %d) to %s", shard, version, epoch, target)
     return target
 

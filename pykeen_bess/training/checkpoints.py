@@ -17,11 +17,14 @@ and read it through :meth:`~pykeen.training.TrainingLoop._load_state`, so everyt
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import logging
 import os
 import pathlib
+import shutil
 import tempfile
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import Any
@@ -43,6 +46,7 @@ from .checkpoint_files import (
 
 __all__ = [
     "CHECKPOINT_RETRIEVALS",
+    "tables_directory",
     "CheckpointStore",
     "FileCheckpointStore",
     "RankCheckpointStore",
@@ -52,6 +56,11 @@ logger = logging.getLogger(__name__)
 
 #: the retrieval modes of distributed checkpoints (``checkpoint_retrieval=``)
 CHECKPOINT_RETRIEVALS = ("one_per_group", "all_replicas")
+
+
+def tables_directory(file: pathlib.Path) -> pathlib.Path:
+    """Return the directory that holds the copies of table files (``storage="mmap"``) of a checkpoint file."""
+    return file.with_name(f"{file.name}.tables")
 
 
 class CheckpointStore(ABC):
@@ -68,18 +77,28 @@ class CheckpointStore(ABC):
         best_epoch_model_file_path: pathlib.Path | None,
         triples_factory: CoreTriplesFactory | None,
     ) -> None:
-        """Write PyKEEN's checkpoint dictionary of this process to ``path`` (no atomicity)."""
-        TrainingLoop._save_state(
-            self.loop,
-            path=path,
-            stopper=stopper,
-            best_epoch_model_checkpoint_file_path=best_epoch_model_file_path,
-            triples_factory=triples_factory,
-        )
+        """Write PyKEEN's checkpoint dictionary of this process to ``path`` (no atomicity).
+
+        Tables in files are copied into ``tables_directory`` (created here; see :func:`tables_directory`).
+        """
+        tables = self.loop.tables
+        directory = tables_directory(path) if tables.keeps_files else None
+        if directory is not None:
+            shutil.rmtree(directory, ignore_errors=True)  # a leftover of an interrupted write
+            directory.mkdir()
+        with tables.checkpoint_files(directory):
+            TrainingLoop._save_state(
+                self.loop,
+                path=path,
+                stopper=stopper,
+                best_epoch_model_checkpoint_file_path=best_epoch_model_file_path,
+                triples_factory=triples_factory,
+            )
 
     def read_state(self, path: pathlib.Path, triples_factory: CoreTriplesFactory | None) -> Any:
         """Load PyKEEN's checkpoint dictionary of this process from ``path``."""
-        return TrainingLoop._load_state(self.loop, path=path, triples_factory=triples_factory)
+        with self.loop.tables.checkpoint_files(pathlib.Path(path).parent):
+            return TrainingLoop._load_state(self.loop, path=path, triples_factory=triples_factory)
 
     @abstractmethod
     def save(
@@ -107,13 +126,22 @@ class FileCheckpointStore(CheckpointStore):
         triples_factory: CoreTriplesFactory | None = None,
     ) -> None:
         path = pathlib.Path(path)
-        # a name of this process' own: two processes writing one checkpoint must not share a temporary file
-        temporary = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+        # a name of this process' own: two processes writing one checkpoint must not share a temporary file;
+        # tables in files go to a directory named after it, kept only once the checkpoint file is in place
+        temporary = path.with_name(f"{path.name}.tmp-{os.getpid()}-{time.time_ns()}")
         try:
             self.write_state(temporary, stopper, best_epoch_model_file_path, triples_factory)
             os.replace(temporary, path)
+        except BaseException:
+            shutil.rmtree(tables_directory(temporary), ignore_errors=True)
+            raise
         finally:
             temporary.unlink(missing_ok=True)
+        if self.loop.tables.keeps_files:  # the previous versions' table files
+            keep = tables_directory(temporary).name
+            for old in path.parent.glob(f"{glob.escape(path.name)}.tmp-*.tables"):
+                if old.name != keep:
+                    shutil.rmtree(old, ignore_errors=True)
 
     def load(self, path: pathlib.Path, triples_factory: CoreTriplesFactory | None = None) -> Any:  # noqa: D102
         if read_pointer(pathlib.Path(path)) is not None:
@@ -199,9 +227,10 @@ class RankCheckpointStore(CheckpointStore):
         """
         topology = self.loop.topology
         digest = hashlib.sha1()
-        for weight in self.loop.tables.weights():
-            digest.update(weight.detach().cpu().contiguous().numpy().tobytes())
-            for value in self.loop.optimizer.state.get(weight, {}).values():
+        for table in self.loop.tables:
+            digest.update(table.weight.detach().cpu().contiguous().numpy().tobytes())
+            state = dict(self.loop.optimizer.state.get(table.optimizer_parameter, {}), **table.row_state)
+            for _, value in sorted(state.items()):
                 if torch.is_tensor(value):
                     digest.update(value.detach().cpu().contiguous().numpy().tobytes())
         entries = topology.all_gather_object((topology.local_shards[0], digest.hexdigest()))
@@ -222,6 +251,12 @@ class RankCheckpointStore(CheckpointStore):
         logger.warning(
             "Resharding checkpoint %s from %d to %d shards.", path, pointer_shards(pointer), loop.topology.n_shard
         )
+        if not loop.tables.storage.is_parameter:
+            raise ValueError(
+                f"Checkpoint {path} has {pointer_shards(pointer)} shards, this run {loop.topology.n_shard}: resharding "
+                f"tables kept with storage={loop.tables.storage.name!r} is not supported yet. Resume with "
+                f"{pointer_shards(pointer)} shards."
+            )
         table_ids = {id(weight) for weight in loop.tables.weights()}
         table_keys = [name for name, param in loop.model.named_parameters() if id(param) in table_ids]
         params = [param for group in loop.optimizer.param_groups for param in group["params"]]

@@ -157,7 +157,7 @@ def run_epochs(
         sub_block_size = block_size
 
     batches = loop._create_training_data_loader(triples_factory, batch_size=block_size * topology.n_shard**2)
-    runner = loop.make_runner(block_size)
+    runner = loop.runner = loop.make_runner(block_size)
     pre_step: list[TrainingCallback] = []
     if gradient_clipping_max_norm is not None:
         pre_step.append(
@@ -183,6 +183,19 @@ def run_epochs(
             batches.sampler.negatives_per_shard,
             type(runner.scheme).get_name(),
             100 * batches.sampler.padding_fraction,
+        )
+        # a step's rows: heads and tails of the local blocks, the local shards' negatives of all blocks
+        n, local = topology.n_shard, topology.n_local
+        step_rows = min(
+            local * (2 * n * block_size + n * n * batches.sampler.negatives_per_shard), loop.memory_plan.rows
+        )
+        logger.info(
+            "BESS storage %s: at most %d unique rows per step and table set, %.1f MiB moved from the tier per "
+            "step (and back); %s",
+            loop.tables.storage.describe(),
+            step_rows,
+            loop.memory_plan.step_bytes(step_rows) / 2**20,
+            loop.memory_plan.describe(),
         )
 
     show_epochs = use_tqdm and main and not only_size_probing

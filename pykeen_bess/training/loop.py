@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import pathlib
 from collections.abc import Iterator
 from typing import Any, ClassVar, cast
@@ -33,6 +34,7 @@ from ..sampling import BessSampler, Corruption
 from ..schemes import ExchangeScheme, choose_scheme, query_width
 from ..scoring import SharedCandidateScorer, get_scorer
 from ..sharding import EntitySharding
+from ..storage import TableStorage, make_storage
 from .checkpoints import CHECKPOINT_RETRIEVALS, CheckpointStore, FileCheckpointStore, RankCheckpointStore
 from .config import (
     BessConfig,
@@ -45,7 +47,7 @@ from .config import (
 from .epochs import run_epochs
 from .sizes import StepSizes
 from .step import StepRunner
-from .tables import ShardTables
+from .tables import create_tables
 
 __all__ = [
     "BessTrainingLoop",
@@ -89,6 +91,9 @@ class BessTrainingLoop(SLCWATrainingLoop):
         replica_grouping: str | None = None,
         checkpoint_retrieval: str = "one_per_group",
         memory_budget: int | None = None,
+        storage: HintOrType[TableStorage] = None,
+        storage_path: str | os.PathLike | None = None,
+        storage_kwargs: OptionalKwargs = None,
         negative_sampler: HintOrType[NegativeSampler] = None,
         negative_sampler_kwargs: OptionalKwargs = None,
         **kwargs: Any,
@@ -127,6 +132,13 @@ class BessTrainingLoop(SLCWATrainingLoop):
             process writes its own file; resuming checks that the replicas agree)
         :param memory_budget: bytes a memory probe may use on the CPU (default: half the memory
             available when the search starts); see :mod:`pykeen_bess.memory`
+        :param storage: where this process keeps its shard tables and their optimizer state
+            (:mod:`pykeen_bess.storage`): ``"device"`` (default; parameters on the model's device),
+            ``"host"`` (host memory; each step moves its rows to the model's device and back) or
+            ``"mmap"`` (``.npy`` memory maps under ``storage_path``); or a
+            :class:`~pykeen_bess.storage.TableStorage`
+        :param storage_path: the directory of ``storage="mmap"``'s files
+        :param storage_kwargs: further arguments of the storage class (e.g. ``overwrite=True``)
         :param negative_sampler: must be None or PyKEEN's basic sampler: BESS draws its own
             balanced, shared negatives
         :param negative_sampler_kwargs: only ``num_negs_per_pos`` is meaningful
@@ -162,7 +174,10 @@ class BessTrainingLoop(SLCWATrainingLoop):
             n_shard, exchange, corruption, num_negs_per_pos, seed, sparse_updates, memory_budget
         )
         self.sharding = EntitySharding.create(model.num_entities, n_shard, seed=self.config.seed)
-        self.tables = ShardTables.create(er_model, embeddings, self.sharding, self.topology, self.config.seed)
+        table_storage = make_storage(storage, storage_path, storage_kwargs)
+        self.tables, self.memory_plan = create_tables(
+            er_model, embeddings, self.sharding, self.topology, self.config.seed, self.optimizer, table_storage
+        )
         self.scorer: SharedCandidateScorer = get_scorer(
             er_model.interaction,
             entity_representations=er_model.entity_representations,
@@ -184,6 +199,8 @@ class BessTrainingLoop(SLCWATrainingLoop):
             else FileCheckpointStore(self)
         )
         self.sizes = StepSizes(self)
+        #: the step runner of the current (or last) training
+        self.runner: StepRunner | None = None
         self._partition: tuple[torch.Tensor, int, ShardPairPartition] | None = None
         logger.info(
             "BESS: %s; exchange=%s, corruption=%s", self.sharding.describe(), self.config.scheme_name, corruption
@@ -193,15 +210,7 @@ class BessTrainingLoop(SLCWATrainingLoop):
 
     def build_optimizer(self) -> BessOptimizer:
         """Build the user's optimizer for the replicated parameters, with row-sparse rules for the shard tables."""
-        return BessOptimizer(
-            self.optimizer_cls,
-            dense_params=self.tables.replicated_parameters(),
-            table_params=self.tables.weights(),
-            hyperparameters=self.optimizer_kwargs,
-            sparse_updates=self.config.sparse_updates,
-            # constraints (e.g. unit norm) are applied to the updated rows within the update
-            row_constraints={table.weight: table.constrain_values for table in self.tables if table.constrainer},
-        )
+        return self.tables.make_optimizer(self.optimizer_cls, self.optimizer_kwargs, self.config.sparse_updates)
 
     def rebuild_lr_scheduler(self) -> Any:
         """Build the learning-rate scheduler again, for the current optimizer."""

@@ -101,7 +101,7 @@ class StepRunner:
         if not self.sparse_updates:  # the rows to constrain after a dense update: those of every replica
             rows = self.updated_rows
             if rows is None:
-                rows = torch.zeros(0, dtype=torch.long, device=self.tables[0].weight.device)
+                rows = torch.zeros(0, dtype=torch.long, device=self.tables[0].compute_device)
             flags = torch.ones((rows.numel(), 1), dtype=torch.float32, device=rows.device)
             self.updated_rows = self.topology.replica_reduce_rows(rows, flags)[0]
         for table in self.tables:
@@ -110,14 +110,15 @@ class StepRunner:
                 grad = weight.grad if weight.grad is not None else torch.zeros_like(weight)
                 weight.grad = self.topology.replica_all_reduce(grad)
                 continue
-            if weight.grad is None:
-                rows = torch.zeros(0, dtype=torch.long, device=weight.device)
-                values = weight.new_zeros((0, weight.shape[1]))
+            if table.gradient is None:
+                rows = torch.zeros(0, dtype=torch.long, device=table.compute_device)
+                values = torch.zeros((0, weight.shape[1]), dtype=weight.dtype, device=table.compute_device)
             else:
-                grad = weight.grad.coalesce()
+                grad = table.gradient.coalesce()
                 rows, values = grad._indices()[0], grad._values()
             rows, values = self.topology.replica_reduce_rows(rows, values)
-            weight.grad = row_sparse_grad(weight, rows, values) if rows.numel() else None
+            table.gradient = row_sparse_grad(weight, rows, values) if rows.numel() else None
+            table.touched_values = None  # the union of the replicas' rows: read by the optimizer
 
     def forward_backward(self, batch: BessBatch, sub_block_size: int, label_smoothing: float) -> torch.Tensor:
         """Run forward and backward of all sub-batches of this process' part of a step.
@@ -174,7 +175,7 @@ class GlobalNormClippingCallback(TrainingCallback):
         self.norm_type = float(norm_type or 2.0)
 
     def pre_step(self, **kwargs: Any) -> None:  # noqa: D102
-        sharded = [_values(table.weight.grad) for table in self.tables if table.weight.grad is not None]
+        sharded = [_values(table.gradient) for table in self.tables if table.gradient is not None]
         replicated = [p.grad for p in self.tables.replicated_parameters() if p.grad is not None]
         if not sharded and not replicated:
             return
@@ -206,7 +207,7 @@ class ValueClippingCallback(TrainingCallback):
         self.max_abs_value = float(max_abs_value)
 
     def pre_step(self, **kwargs: Any) -> None:  # noqa: D102
-        grads = [_values(table.weight.grad) for table in self.tables if table.weight.grad is not None]
+        grads = [_values(table.gradient) for table in self.tables if table.gradient is not None]
         grads += [p.grad for p in self.tables.replicated_parameters() if p.grad is not None]
         for grad in grads:
             grad.clamp_(-self.max_abs_value, self.max_abs_value)

@@ -7,7 +7,10 @@ manager). What happens afterwards is the one thing that differs between the back
 * :class:`LocalShardTables` (one process holds every shard): the tables are written back into the
   original embeddings, so the trained model is an ordinary PyKEEN model;
 * :class:`DistributedShardTables` (each process holds some shards): no process holds the full
-  table, so the model stays sharded (see :mod:`pykeen_bess.distributed.export`).
+  table, so the model stays sharded (see :mod:`pykeen_bess.distributed.export`);
+* :class:`StoredShardTables` (one process holds every shard, in host memory or files,
+  :mod:`pykeen_bess.storage`): the tables stay in their tier and in the model, which answers
+  every lookup by reading rows to its device (the full table need not fit there).
 
 While the tables are installed they own the weights; the full original tables are released once
 the shard tables hold valid weights (an error before that loses nothing).
@@ -16,6 +19,8 @@ the shard tables hold valid weights (an error before that loses nothing).
 from __future__ import annotations
 
 import contextlib
+import logging
+import pathlib
 from collections.abc import Iterator, Sequence
 from typing import cast
 
@@ -24,14 +29,44 @@ from pykeen.models import ERModel
 from pykeen.nn.representation import Embedding
 
 from ..distributed import Topology
+from ..optim import BessOptimizer
 from ..representation import ShardedEmbedding
 from ..sharding import EntitySharding
+from ..storage import DeviceStorage, MemoryPlan, TableStorage
 
 __all__ = [
     "DistributedShardTables",
     "LocalShardTables",
     "ShardTables",
+    "StoredShardTables",
+    "create_tables",
 ]
+
+logger = logging.getLogger(__name__)
+
+
+def create_tables(
+    model: ERModel,
+    embeddings: Sequence[Embedding],
+    sharding: EntitySharding,
+    topology: Topology,
+    seed: int,
+    optimizer: torch.optim.Optimizer,
+    storage: TableStorage,
+) -> tuple[ShardTables, MemoryPlan]:
+    """Plan the shard tables, check that the storage tier can hold them, then create them.
+
+    :returns: the tables and the memory plan (bytes per entity, tables and optimizer state)
+    :raises MemoryError: with advice, if the tier cannot hold the tables and their optimizer state
+    """
+    plan = MemoryPlan.create(embeddings, topology.n_local * sharding.shard_size, optimizer)
+    logger.info("BESS storage %s: %s", storage.describe(), plan.describe())
+    storage.compute_device = embeddings[0]._embeddings.weight.device
+    try:
+        storage.check_capacity(plan.table_bytes + plan.state_bytes)
+    except MemoryError as error:
+        raise MemoryError(f"{error} (optimizer: {type(optimizer).__name__}; {plan.describe()})") from None
+    return ShardTables.create(model, embeddings, sharding, topology, seed, storage=storage), plan
 
 
 class ShardTables:
@@ -44,6 +79,7 @@ class ShardTables:
         sharding: EntitySharding,
         topology: Topology,
         seed: int,
+        storage: TableStorage | None = None,
     ):
         """Create (uninitialised) shard tables for the embeddings.
 
@@ -52,11 +88,16 @@ class ShardTables:
         :param sharding: the entity sharding
         :param topology: the process topology (its local shards are held here)
         :param seed: the run's seed (initial values)
+        :param storage: where the tables live (default: parameters on the model's device)
         """
         self.model = model
         self.embeddings = list(embeddings)
+        if storage is None:
+            storage = DeviceStorage()
+        storage.compute_device = self.embeddings[0]._embeddings.weight.device
+        self.storage = storage
         self.tables = [
-            ShardedEmbedding(embedding, sharding, topology.local_shards, seed=seed, table_index=index)
+            ShardedEmbedding(embedding, sharding, topology.local_shards, seed=seed, table_index=index, storage=storage)
             for index, embedding in enumerate(self.embeddings)
         ]
         for table in self.tables:
@@ -74,10 +115,17 @@ class ShardTables:
         sharding: EntitySharding,
         topology: Topology,
         seed: int,
+        storage: TableStorage | None = None,
     ) -> ShardTables:
-        """Choose the back end by whether this process holds every shard."""
-        kind = LocalShardTables if topology.holds_all_shards else DistributedShardTables
-        return kind(model, embeddings, sharding, topology, seed)
+        """Choose the back end by whether this process holds every shard and where the tables live."""
+        kind: type[ShardTables]
+        if not topology.holds_all_shards:
+            kind = DistributedShardTables
+        elif storage is not None and not storage.is_parameter:
+            kind = StoredShardTables
+        else:
+            kind = LocalShardTables
+        return kind(model, embeddings, sharding, topology, seed, storage)
 
     def __iter__(self) -> Iterator[ShardedEmbedding]:
         return iter(self.tables)
@@ -88,9 +136,36 @@ class ShardTables:
     def __getitem__(self, index: int) -> ShardedEmbedding:
         return self.tables[index]
 
-    def weights(self) -> list[torch.nn.Parameter]:
-        """Return the tables' parameters."""
+    def weights(self) -> list[torch.Tensor]:
+        """Return the tables' weights (parameters of the model, or tensors of their storage tier)."""
         return [table.weight for table in self.tables]
+
+    def make_optimizer(
+        self, optimizer_cls: type[torch.optim.Optimizer], hyperparameters: dict, sparse_updates: bool
+    ) -> BessOptimizer:
+        """Build the user's optimizer for the replicated parameters, with row-sparse rules for the tables.
+
+        :raises ValueError: for dense updates of tables outside the model
+        """
+        if not self.storage.is_parameter and not sparse_updates:
+            raise ValueError(
+                f"storage={self.storage.name!r} needs row-sparse updates (sparse_updates=True): a dense update "
+                f"would touch every row of the tables every step."
+            )
+        return BessOptimizer(
+            optimizer_cls,
+            dense_params=self.replicated_parameters(),
+            table_params=self.optimizer_parameters(),
+            hyperparameters=hyperparameters,
+            sparse_updates=sparse_updates,
+            # constraints (e.g. unit norm) are applied to the updated rows within the update
+            row_constraints={table.optimizer_parameter: table.constrain_values for table in self if table.constrainer},
+            tables={table.optimizer_parameter: table for table in self},
+        )
+
+    def optimizer_parameters(self) -> list[torch.nn.Parameter]:
+        """Return what stands for each table in the optimizer (the parameter, or the handle of a stored table)."""
+        return [table.optimizer_parameter for table in self.tables]
 
     def replicated_parameters(self) -> list[torch.nn.Parameter]:
         """Return the model's trainable parameters that are not entity tables (replicated on every process)."""
@@ -120,10 +195,13 @@ class ShardTables:
         if self.is_installed:
             return
         representations = cast(torch.nn.ModuleList, self.model.entity_representations)
+        self.storage.compute_device = self.embeddings[0]._embeddings.weight.device
         for index, (embedding, table) in enumerate(zip(self.embeddings, self.tables)):
             table.to(embedding._embeddings.weight.device)
             representations[index] = table
         self.is_installed = True
+        if self.hold_weights and not self.storage.is_parameter:
+            return  # a stored table kept its weights in the model after the last training
         self.hold_weights = False
         if copy_weights:
             for embedding, table in zip(self.embeddings, self.tables):
@@ -138,6 +216,22 @@ class ShardTables:
             weight = embedding._embeddings.weight
             weight.data = weight.data.new_empty(0, table.row_width)
         self.hold_weights = True
+
+    @property
+    def keeps_files(self) -> bool:
+        """Whether the tables live in files (checkpoints copy them into a directory next to the checkpoint)."""
+        return hasattr(self.storage, "snapshot")
+
+    @contextlib.contextmanager
+    def checkpoint_files(self, directory: pathlib.Path | None) -> Iterator[None]:
+        """While a checkpoint is written (read): copy table files into (read them from) ``directory``."""
+        for table in self.tables:
+            table.snapshot_directory = directory
+        try:
+            yield
+        finally:
+            for table in self.tables:
+                table.snapshot_directory = None
 
     def constrain_all(self) -> None:
         """Apply the tables' constraints to every real row (after a reset)."""
@@ -178,3 +272,19 @@ class DistributedShardTables(ShardTables):
     def uninstall(self) -> None:  # noqa: D102
         for table in self.tables:
             table.defer_constraints = False
+
+
+class StoredShardTables(ShardTables):
+    """All shards in one process, in host memory or files: the tables stay in the model after training.
+
+    Copying them into a plain embedding would need the full table on the model's device (or, for
+    files, in memory), which is what the storage tier avoids. The model keeps the shard tables:
+    every lookup (evaluation, ``predict_target``, scoring) reads the rows it needs to the model's
+    device, and :class:`pykeen_bess.BessEvaluator` streams candidate slices.
+    """
+
+    def uninstall(self) -> None:  # noqa: D102
+        for table in self.tables:
+            table.defer_constraints = False
+        setattr(self.model, "bess_sharding", dict(num_shards=self.sharding.n_shard, seed=self.sharding.seed))  # noqa: B010
+        self.is_installed = False

@@ -41,9 +41,11 @@ def small_factory(num_triples: int) -> tuple[CoreTriplesFactory, Nations]:
 def state_digest(loop: BessTrainingLoop) -> str:
     """A digest of this process' shard tables and their optimizer state (equal digests: bitwise equal)."""
     digest = hashlib.sha1()
-    for weight in loop.tables.weights():
-        digest.update(weight.detach().contiguous().numpy().tobytes())
-        for value in loop.optimizer.state.get(weight, {}).values():
+    for table in loop.tables:
+        digest.update(table.weight.detach().contiguous().numpy().tobytes())
+        # the row state, wherever the storage tier keeps it (the optimizer's state or the tier), and the step count
+        state = {**loop.optimizer.state.get(table.optimizer_parameter, {}), **table.row_state}
+        for _, value in sorted(state.items()):
             if torch.is_tensor(value):
                 digest.update(value.detach().contiguous().numpy().tobytes())
     return digest.hexdigest()
@@ -110,8 +112,11 @@ def build_loop(config: dict[str, Any], factory: CoreTriplesFactory) -> BessTrain
         num_negs_per_pos=config["num_negs_per_pos"],
         seed=5,
         optimizer=optimizer,
-        optimizer_kwargs=dict(lr=0.1 if optimizer in ("adagrad", "sgd") else 0.05),
+        optimizer_kwargs=dict(lr=0.1 if optimizer in ("adagrad", "sgd", "rowwise_adagrad") else 0.05),
         automatic_memory_optimization=False,
+        storage=config.get("storage"),
+        storage_path=config.get("storage_path"),
+        storage_kwargs=config.get("storage_kwargs"),
     )
 
 
@@ -167,7 +172,7 @@ def run(config: dict[str, Any], output: pathlib.Path, rank: int) -> None:
         table=table.shard_tables()[0].detach().clone(),
         optimizer_state={
             key: value.clone()
-            for key, value in loop.optimizer.state.get(table.weight, {}).items()
+            for key, value in {**loop.optimizer.state.get(table.optimizer_parameter, {}), **table.row_state}.items()
             if torch.is_tensor(value) and value.ndim == 2
         },
         global_ids=table.sharding.shard_entities[shard].clone(),

@@ -1,0 +1,154 @@
+"""Storage tiers: the same BESS training with the tables on the device, in host memory and in files.
+
+For every tier (``--tiers``, default device host mmap) and optimizer (``--optimizers``, default
+adam rowwise_adagrad), one fresh process trains ``--epochs`` epochs of DistMult (dimension 256,
+64 negatives per positive, batch 512, ``--shards`` logical shards) on the given graph and reports
+triples per second (steady epochs: the first is left out when there are several), the bytes moved
+between the tier and the compute device per step (the tier's counters), the peak resident memory
+(``VmHWM``) and the anonymous resident memory after training (``RssAnon``: for files, the table is
+page cache, not anonymous memory), and the filtered MRR on ``--eval-triples`` test triples.
+On this CPU-only machine "device" is the CPU too: the rows of host and file tiers are copied per
+step although compute and storage share the memory, which is the overhead the table shows.
+
+    python benchmarks/storage.py --data ../shared/data/wn18rr
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as file:
+        for line in file:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return -1
+
+
+def worker(args: argparse.Namespace) -> None:
+    """Train on one tier in this process and print the measurements as JSON."""
+    import torch
+    from pykeen.models import DistMult
+    from pykeen.training import TrainingCallback
+    from pykeen.triples import TriplesFactory
+
+    from pykeen_bess.evaluation import BessEvaluator
+    from pykeen_bess.training import BessTrainingLoop
+
+    torch.set_num_threads(args.threads)
+    training = TriplesFactory.from_path(args.data / "train.txt")
+    testing = TriplesFactory.from_path(
+        args.data / "test.txt", entity_to_id=training.entity_to_id, relation_to_id=training.relation_to_id
+    )
+    model = DistMult(triples_factory=training, embedding_dim=args.dim, random_seed=0, regularizer=None)
+    with tempfile.TemporaryDirectory(dir=args.storage_dir) as directory:
+        loop = BessTrainingLoop(
+            model=model,
+            triples_factory=training,
+            num_shards=args.shards,
+            num_negs_per_pos=args.negatives,
+            optimizer=args.optimizer,
+            optimizer_kwargs=dict(lr=0.1 if args.optimizer == "rowwise_adagrad" else 1e-3),
+            automatic_memory_optimization=False,
+            seed=0,
+            storage=args.tier,
+            storage_path=directory if args.tier == "mmap" else None,
+        )
+        storage = loop.tables.storage
+        times: list[float] = []
+        steps: list[int] = []
+
+        class Clock(TrainingCallback):
+            def pre_epoch(self, **kwargs):  # type: ignore[no-untyped-def]
+                self.start = time.perf_counter()
+
+            def on_batch(self, **kwargs):  # type: ignore[no-untyped-def]
+                steps.append(1)
+
+            def post_epoch(self, **kwargs):  # type: ignore[no-untyped-def]
+                times.append(time.perf_counter() - self.start)
+
+        loop.train(training, num_epochs=args.epochs, batch_size=args.batch_size, use_tqdm=False, callbacks=Clock())
+        steady = times[1:] if len(times) > 1 else times
+        triples = training.num_triples
+        moved = storage.traffic.bytes_read / len(steps)
+        start = time.perf_counter()
+        metrics = BessEvaluator().evaluate(
+            loop.model,
+            testing.mapped_triples[: args.eval_triples],
+            additional_filter_triples=[training.mapped_triples],
+            use_tqdm=False,
+        )
+        evaluation = time.perf_counter() - start
+        print(
+            json.dumps(
+                dict(
+                    triples_per_s=triples * len(steady) / sum(steady),
+                    bytes_per_step=moved,
+                    peak_rss=_status("VmHWM"),
+                    anonymous=_status("RssAnon"),
+                    mrr=metrics.get_metric("both.realistic.inverse_harmonic_mean_rank"),
+                    evaluation_s=evaluation,
+                    plan=loop.memory_plan.describe(),
+                )
+            )
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", type=pathlib.Path, required=True, help="a folder with train.txt and test.txt")
+    parser.add_argument("--tiers", nargs="+", default=["device", "host", "mmap"])
+    parser.add_argument("--optimizers", nargs="+", default=["adam", "rowwise_adagrad"])
+    parser.add_argument("--shards", type=int, default=1)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--negatives", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=512)
+    parser.add_argument("--eval-triples", type=int, default=500)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--storage-dir", default=None, help="where the mmap tier's files go (default: the temp dir)")
+    parser.add_argument("--worker", nargs=2, metavar=("TIER", "OPTIMIZER"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        args.tier, args.optimizer = args.worker
+        worker(args)
+        return
+    rows = []
+    for optimizer in args.optimizers:
+        for tier in args.tiers:
+            command = [sys.executable, __file__, "--worker", tier, optimizer]
+            for name in ("data", "shards", "epochs", "dim", "negatives", "batch_size", "eval_triples", "threads"):
+                command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+            if args.storage_dir:
+                command += ["--storage-dir", args.storage_dir]
+            output = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+            result = json.loads(output.strip().splitlines()[-1])
+            rows.append((optimizer, tier, result))
+            print(f"{optimizer} {tier}: {result['plan']}", file=sys.stderr)
+    setting = f"DistMult d{args.dim}, {args.negatives} negatives, batch {args.batch_size}, n={args.shards}"
+    print(f"\n{args.data.name}, {setting}")
+    print(
+        "| optimizer | storage | triples/s | vs device | MiB moved per step | peak RSS (MiB) | RssAnon after (MiB) "
+        "| eval s | MRR |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for optimizer, tier, result in rows:
+        device = next(r for o, t, r in rows if o == optimizer and t == "device") if "device" in args.tiers else result
+        print(
+            f"| {optimizer} | {tier} | {result['triples_per_s']:,.0f} | "
+            f"{result['triples_per_s'] / device['triples_per_s']:.2f}x | {result['bytes_per_step'] / 2**20:.2f} | "
+            f"{result['peak_rss'] / 2**20:,.0f} | {result['anonymous'] / 2**20:,.0f} | {result['evaluation_s']:.1f} | "
+            f"{result['mrr']:.3f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,393 @@
+"""Storage tiers (device, host memory, files): the same training bitwise, exact traffic, checkpoints, bad input."""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from pykeen.datasets import Nations
+from pykeen.models import DistMult
+from pykeen.training import TrainingCallback
+from pykeen.triples import CoreTriplesFactory
+
+from pykeen_bess import storage as storage_module
+from pykeen_bess.evaluation import BessEvaluator
+from pykeen_bess.representation import ShardedEmbedding
+from pykeen_bess.storage import MmapStorage, make_storage
+from pykeen_bess.training import BessTrainingLoop
+
+TIERS = ["device", "host", "mmap"]
+
+
+@pytest.fixture(scope="module")
+def nations() -> Nations:
+    return Nations()
+
+
+def factory_of(dataset: Nations, num_triples: int = 400) -> CoreTriplesFactory:
+    return CoreTriplesFactory.create(
+        mapped_triples=dataset.training.mapped_triples[:num_triples],
+        num_entities=dataset.num_entities,
+        num_relations=dataset.num_relations,
+    )
+
+
+class StepRecorder(TrainingCallback):
+    """Every step's loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.losses: list[float] = []
+
+    def on_batch(self, epoch: int, batch: Any, batch_loss: float, **kwargs: Any) -> None:
+        self.losses.append(batch_loss)
+
+
+def make_loop(
+    factory: CoreTriplesFactory,
+    tier: str,
+    path: pathlib.Path,
+    num_shards: int = 3,
+    optimizer: str = "adam",
+    exchange: str = "embedding",
+    model_cls: type = DistMult,
+    **kwargs: Any,
+) -> BessTrainingLoop:
+    model = model_cls(triples_factory=factory, embedding_dim=8, random_seed=0)
+    storage_kwargs = dict(storage_path=path, storage_kwargs=dict(overwrite=True)) if tier == "mmap" else {}
+    return BessTrainingLoop(
+        model=model,
+        triples_factory=factory,
+        num_shards=num_shards,
+        num_negs_per_pos=6,
+        exchange=exchange,
+        seed=3,
+        optimizer=optimizer,
+        optimizer_kwargs=dict(lr=0.05),
+        automatic_memory_optimization=False,
+        storage=tier,
+        **storage_kwargs,
+        **kwargs,
+    )
+
+
+def train(loop: BessTrainingLoop, factory: CoreTriplesFactory, **kwargs: Any) -> list[float]:
+    recorder = StepRecorder()
+    loop.train(factory, num_epochs=2, batch_size=72, use_tqdm=False, callbacks=recorder, **kwargs)
+    return recorder.losses
+
+
+def table_state(loop: BessTrainingLoop) -> dict[str, torch.Tensor]:
+    """The shard table and its row state, wherever the tier keeps them."""
+    table = loop.tables[0]
+    state = {**loop.optimizer.state.get(table.optimizer_parameter, {}), **table.row_state}
+    result = {"weight": table.weight.detach().clone()}
+    result.update({f"state.{k}": v.detach().clone() for k, v in state.items() if torch.is_tensor(v) and v.ndim >= 1})
+    return result
+
+
+@pytest.mark.parametrize("num_shards", [1, 3])
+@pytest.mark.parametrize("exchange", ["embedding", "score"])
+@pytest.mark.parametrize("optimizer", ["adam", "adagrad", "sgd", "rowwise_adagrad"])
+def test_tiers_train_bitwise_alike(nations, tmp_path, num_shards, exchange, optimizer) -> None:
+    factory = factory_of(nations)
+    results = {}
+    for tier in TIERS:
+        loop = make_loop(factory, tier, tmp_path, num_shards=num_shards, optimizer=optimizer, exchange=exchange)
+        losses = train(loop, factory)
+        results[tier] = (losses, table_state(loop), loop.model.relation_representations[0]._embeddings.weight.detach())
+    device_losses, device_state, device_relations = results["device"]
+    assert len(device_losses) > 4
+    for tier in ("host", "mmap"):
+        losses, state, relations = results[tier]
+        assert losses == device_losses, tier  # bitwise
+        assert state.keys() == device_state.keys()
+        for key, value in device_state.items():
+            assert torch.equal(state[key], value), (tier, key)
+        assert torch.equal(relations, device_relations)
+
+
+def test_stored_tables_are_not_reachable_from_the_model_or_the_optimizer(nations, tmp_path) -> None:
+    factory = factory_of(nations)
+    for tier in ("host", "mmap"):
+        loop = make_loop(factory, tier, tmp_path, num_shards=1)
+        train(loop, factory)
+        rows = loop.tables[0].weight.shape[0]
+        assert rows == nations.num_entities
+        tensors = [*loop.model.parameters(), *loop.model.buffers()]
+        for state in loop.optimizer.state.values():
+            tensors += [value for value in state.values() if torch.is_tensor(value)]
+        assert tensors
+        assert all(t.ndim == 0 or t.shape[0] != rows for t in tensors), [tuple(t.shape) for t in tensors]
+        # model.to() leaves the tables in their tier
+        table = loop.tables[0]
+        before = table.weight
+        loop.model.to("cpu")
+        assert table.weight is before and not isinstance(table.weight, torch.nn.Parameter)
+
+
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("optimizer", ["adam", "rowwise_adagrad", "sgd"])
+def test_traffic_per_step_is_unique_rows_times_row_and_state_bytes(nations, tmp_path, tier, optimizer) -> None:
+    factory = factory_of(nations)
+    loop = make_loop(factory, tier, tmp_path, optimizer=optimizer)
+    storage = loop.tables.storage
+    steps: list[dict[str, int]] = []
+
+    class Traffic(TrainingCallback):
+        """Records each step's traffic from one step's start to the next one's (after its update)."""
+
+        def finish(self) -> None:
+            if steps and "read" not in steps[-1]:
+                steps[-1].update(read=storage.traffic.bytes_read, written=storage.traffic.bytes_written)
+            storage.traffic.reset()
+
+        def pre_batch(self, **kwargs: Any) -> None:
+            self.finish()
+
+        def on_batch(self, epoch: int, batch: Any, batch_loss: float, **kwargs: Any) -> None:
+            rows = self.training_loop.runner.rows
+            steps.append(dict(gathered=rows.rows.numel(), real=rows.real_rows.numel()))
+
+        def post_train(self, **kwargs: Any) -> None:
+            self.finish()
+
+    loop.train(factory, num_epochs=1, batch_size=72, use_tqdm=False, callbacks=Traffic())
+    width, size = 8, 4
+    state_width = {"adam": 2 * width, "rowwise_adagrad": 1, "sgd": 0}[optimizer]
+    assert len(steps) > 3
+    for step in steps:
+        # the step reads its gathered rows (with the dummy row of padding slots, if any) and the state of the
+        # updated rows, and writes back the updated rows and their state
+        assert step["read"] == (step["gathered"] * width + step["real"] * state_width) * size, step
+        assert step["written"] == step["real"] * (width + state_width) * size, step
+    # so a step without padding moves unique rows x (width + state width) each way
+    assert any(step["gathered"] == step["real"] for step in steps)
+
+
+def test_evaluation_and_prediction_read_rows_from_every_tier(nations, tmp_path) -> None:
+    from pykeen_bess import predict_top_k
+
+    factory = factory_of(nations)
+    results = {}
+    for tier in TIERS:
+        loop = make_loop(factory, tier, tmp_path)
+        train(loop, factory)
+        model = loop.model
+        if tier != "device":  # the tables stay in their tier and in the model
+            assert isinstance(model.entity_representations[0], ShardedEmbedding)
+            assert model.entity_representations[0].weight is loop.tables[0].weight
+        metrics = BessEvaluator(batch_size=16).evaluate(
+            model,
+            nations.testing.mapped_triples,
+            additional_filter_triples=[nations.training.mapped_triples],
+            use_tqdm=False,
+        )
+        top = predict_top_k(model, nations.testing.mapped_triples[:5, :2], k=3)
+        scores = model.score_hrt(nations.testing.mapped_triples[:5])
+        results[tier] = (metrics.to_flat_dict(), top[["tail_id", "score"]].to_numpy(), scores.detach())
+    for tier in ("host", "mmap"):
+        assert results[tier][0] == results["device"][0]
+        np.testing.assert_array_equal(results[tier][1], results["device"][1])
+        assert torch.equal(results[tier][2], results["device"][2])
+
+
+def test_continued_training_keeps_the_stored_tables(nations, tmp_path) -> None:
+    factory = factory_of(nations)
+    losses = {}
+    for tier in ("device", "host"):
+        loop = make_loop(factory, tier, tmp_path)
+        first = train(loop, factory)
+        second = train(loop, factory, continue_training=True)
+        losses[tier] = first + second
+    assert losses["host"] == losses["device"]
+
+
+def train_with_checkpoints(loop: BessTrainingLoop, factory: CoreTriplesFactory, epochs: int, path: pathlib.Path):
+    recorder = StepRecorder()
+    loop.train(
+        factory,
+        num_epochs=epochs,
+        batch_size=72,
+        use_tqdm=False,
+        callbacks=recorder,
+        checkpoint_directory=path,
+        checkpoint_name="run.pt",
+        checkpoint_frequency=0,
+    )
+    return recorder.losses
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_checkpoints_resume_identically(nations, tmp_path, tier) -> None:
+    factory = factory_of(nations)
+    (tmp_path / "a").mkdir()
+    full = train(make_loop(factory, tier, tmp_path / "a"), factory)
+    path, storage_dir = tmp_path / "ck", tmp_path / "b"
+    path.mkdir()
+    storage_dir.mkdir()
+    first = train_with_checkpoints(make_loop(factory, tier, storage_dir), factory, 1, path)
+    if tier == "mmap":  # the checkpoint holds copies of the files, not pickled tables
+        (copies,) = [p for p in path.iterdir() if p.name.endswith(".tables")]
+        assert sorted(p.name for p in copies.iterdir()) == sorted(p.name for p in storage_dir.iterdir())
+        entry = torch.load(path / "run.pt", weights_only=False)["model_state_dict"][
+            "entity_representations.0.stored_table"
+        ]
+        assert "tensors" not in entry and entry["directory"] == copies.name
+        assert sorted(entry["files"].values()) == sorted(p.name for p in copies.iterdir())
+    rest = train_with_checkpoints(make_loop(factory, tier, storage_dir), factory, 2, path)
+    assert first + rest == full
+    if tier == "mmap":  # one version of the copies is kept
+        assert len([p for p in path.iterdir() if p.name.endswith(".tables")]) == 1
+
+
+def test_resuming_with_another_storage_is_refused(nations, tmp_path) -> None:
+    factory = factory_of(nations)
+    train_with_checkpoints(make_loop(factory, "host", tmp_path), factory, 1, tmp_path)
+    with pytest.raises(ValueError, match="storage='host'; resume it with the same storage"):
+        train_with_checkpoints(make_loop(factory, "device", tmp_path), factory, 2, tmp_path)
+
+
+KILLED_CHECKPOINT = textwrap.dedent(
+    """
+    import os, sys, pathlib
+    sys.path.insert(0, {tests!r})
+    from training.test_storage import factory_of, make_loop
+    from pykeen.datasets import Nations
+    from pykeen_bess.storage import MmapStorage
+
+    snapshot = MmapStorage.snapshot
+    calls = []
+    def dying_snapshot(self, tensor, directory):
+        calls.append(1)
+        if len(calls) > 3:  # in the second checkpoint, after copying its first file
+            os._exit(9)
+        return snapshot(self, tensor, directory)
+    MmapStorage.snapshot = dying_snapshot
+    factory = factory_of(Nations())
+    loop = make_loop(factory, "mmap", pathlib.Path({storage!r}))
+    loop.train(factory, num_epochs=2, batch_size=72, use_tqdm=False, checkpoint_directory={checkpoints!r},
+               checkpoint_name="run.pt", checkpoint_frequency=0)
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_kill_during_a_checkpoint_keeps_the_previous_one_loadable(nations, tmp_path) -> None:
+    factory = factory_of(nations)
+    (tmp_path / "full").mkdir()
+    full = train(make_loop(factory, "mmap", tmp_path / "full"), factory)
+    storage, checkpoints = tmp_path / "storage", tmp_path / "checkpoints"
+    storage.mkdir()
+    checkpoints.mkdir()
+    script = KILLED_CHECKPOINT.format(
+        tests=str(pathlib.Path(__file__).parents[1]), storage=str(storage), checkpoints=str(checkpoints)
+    )
+    process = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert process.returncode == 9, process.stderr[-3000:]
+    # the epoch-1 checkpoint is intact (the interrupted copy is not referenced by it); resuming continues identically
+    loop = make_loop(factory, "mmap", storage)
+    rest = train_with_checkpoints(loop, factory, 2, checkpoints)
+    assert loop._epoch == 2
+    assert len(rest) == len(full) // 2
+    assert rest == full[len(full) - len(rest) :]
+
+
+class _Usage:
+    def __init__(self, free: int) -> None:
+        self.free = free
+
+
+def test_bad_storage_settings_fail_before_training(nations, tmp_path, monkeypatch) -> None:
+    factory = factory_of(nations)
+    with pytest.raises(ValueError, match="Unknown storage='disk'"):
+        make_loop(factory, "disk", tmp_path)
+    with pytest.raises(ValueError, match="pass storage_path"):
+        make_storage("mmap")
+    with pytest.raises(FileNotFoundError, match="not a directory"):
+        make_storage("mmap", tmp_path / "missing")
+    with pytest.raises(ValueError, match="keeps no files"):
+        make_storage("host", tmp_path)
+    with pytest.raises(ValueError, match="needs row-sparse updates"):
+        make_loop(factory, "host", tmp_path, sparse_updates=False)
+    # files of an earlier run are not overwritten silently
+    MmapStorage(tmp_path).place("table", (3, 2), torch.float32)
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        MmapStorage(tmp_path).place("table", (3, 2), torch.float32)
+    with pytest.raises(TypeError, match="supports"):
+        MmapStorage(tmp_path).place("other", (3, 2), torch.bfloat16)
+    # not writable (os.access, which root always passes: its answer is simulated)
+    monkeypatch.setattr(storage_module.os, "access", lambda path, mode: False)
+    with pytest.raises(PermissionError, match="not writable"):
+        make_storage("mmap", tmp_path)
+    monkeypatch.undo()
+    # not enough disk, not enough host memory: refused with advice, before a table file exists
+    monkeypatch.setattr(storage_module.shutil, "disk_usage", lambda path: _Usage(100))
+    with pytest.raises(MemoryError, match="of disk.*rowwise_adagrad"):
+        make_loop(factory, "mmap", tmp_path)
+    monkeypatch.setattr(storage_module, "available_host_memory", lambda: 1000)
+    with pytest.raises(MemoryError, match="host memory.*storage='mmap'"):
+        make_loop(factory, "host", tmp_path)
+    assert not list(tmp_path.glob("table0*"))
+
+
+def test_memory_plan_states_bytes_per_entity(nations, tmp_path) -> None:
+    factory = factory_of(nations)
+    adam = make_loop(factory, "host", tmp_path, optimizer="adam").memory_plan
+    rowwise = make_loop(factory, "host", tmp_path, optimizer="rowwise_adagrad").memory_plan
+    assert (adam.row_bytes, adam.state_row_bytes) == (32, 64)
+    assert (rowwise.row_bytes, rowwise.state_row_bytes) == (32, 4)
+    assert rowwise.table_bytes == 15 * 32 and rowwise.bytes_per_entity == 36
+
+
+RSS_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch
+    from pykeen.models import DistMult
+    from pykeen.triples import CoreTriplesFactory
+    from pykeen_bess.training import BessTrainingLoop
+
+    num_entities, dimension = 300_000, int(sys.argv[1])
+    generator = torch.Generator().manual_seed(0)
+    triples = torch.stack([torch.randint(num_entities, (2000,), generator=generator),
+                           torch.randint(5, (2000,), generator=generator),
+                           torch.randint(num_entities, (2000,), generator=generator)], dim=1)
+    factory = CoreTriplesFactory.create(triples, num_entities=num_entities, num_relations=5)
+    model = DistMult(triples_factory=factory, embedding_dim=dimension, random_seed=0, regularizer=None)
+    loop = BessTrainingLoop(model=model, triples_factory=factory, num_shards=2, storage="mmap",
+                            storage_path=sys.argv[2], optimizer="rowwise_adagrad", automatic_memory_optimization=False)
+    loop.train(factory, num_epochs=1, batch_size=500, use_tqdm=False)
+    for line in open("/proc/self/status"):
+        if line.startswith("RssAnon:"):
+            print(int(line.split()[1]) * 1024)
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not pathlib.Path("/proc/self/status").exists(), reason="needs Linux's /proc")
+def test_mmap_anonymous_memory_does_not_grow_with_the_table(tmp_path) -> None:
+    """Tables 10x apart (300k entities, 32 or 320 dimensions): the anonymous memory after training is the same.
+
+    (What does grow with the number of entities are the sharding's index tensors, a few int64 per entity.)
+    """
+    anonymous = {}
+    for dimension in (32, 320):
+        directory = tmp_path / str(dimension)
+        directory.mkdir()
+        process = subprocess.run(
+            [sys.executable, "-c", RSS_SCRIPT, str(dimension), str(directory)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert process.returncode == 0, process.stderr[-3000:]
+        anonymous[dimension] = int(process.stdout.split()[-1])
+    table_growth = 300_000 * (320 - 32) * 4  # 346 MB more table
+    assert anonymous[320] - anonymous[32] < 0.05 * table_growth, anonymous
