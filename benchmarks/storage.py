@@ -66,14 +66,19 @@ def worker(args: argparse.Namespace) -> None:
         steps: list[int] = []
 
         class Clock(TrainingCallback):
-            def pre_epoch(self, **kwargs):  # type: ignore[no-untyped-def]
+            """Epoch times: from the end of the previous epoch (of the training's start) to the end of this one."""
+
+            def __init__(self) -> None:
+                super().__init__()
                 self.start = time.perf_counter()
 
             def on_batch(self, **kwargs):  # type: ignore[no-untyped-def]
                 steps.append(1)
 
             def post_epoch(self, **kwargs):  # type: ignore[no-untyped-def]
-                times.append(time.perf_counter() - self.start)
+                now = time.perf_counter()
+                times.append(now - self.start)
+                self.start = now
 
         loop.train(training, num_epochs=args.epochs, batch_size=args.batch_size, use_tqdm=False, callbacks=Clock())
         steady = times[1:] if len(times) > 1 else times
