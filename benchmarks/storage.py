@@ -11,12 +11,24 @@ On this CPU-only machine "device" is the CPU too: the rows of host and file tier
 step although compute and storage share the memory, which is the overhead the table shows.
 
     python benchmarks/storage.py --data ../shared/data/wn18rr
+
+``--large ENTITIES`` instead trains a generated graph whose table does not fit this machine's
+memory, e.g. ``--large 60000000 --dim 128`` (31 GB of float32 table) with ``storage="mmap"`` and
+row-wise Adagrad under ``--storage-dir``: the model is built on the meta device (PyKEEN's
+constructor would otherwise allocate the full table), the tables are initialised chunk by chunk,
+``--large-steps`` steps of ``--batch-size`` uniformly drawn triples are trained, and
+``--eval-triples`` held-out triples are ranked against every entity (filtered). It reports the
+time of each stage, steps per second, the process' peak resident, anonymous and file-backed
+memory, and the bytes it read from and wrote to the disk (``/proc/self/io``).
+
+    python benchmarks/storage.py --large 60000000 --dim 128 --storage-dir /work/big --eval-triples 300
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import pathlib
 import subprocess
 import sys
@@ -107,9 +119,120 @@ def worker(args: argparse.Namespace) -> None:
         )
 
 
+def _io() -> dict[str, int]:
+    with open("/proc/self/io") as file:
+        return {key: int(value) for key, value in (line.split(": ") for line in file)}
+
+
+def _gib(after: dict[str, int], before: dict[str, int], key: str) -> str:
+    return f"{(after[key] - before[key]) / 2**30:.1f}"
+
+
+def large(args: argparse.Namespace) -> None:
+    """Train and evaluate a generated graph whose table exceeds the machine's memory, in files."""
+    import torch
+    from pykeen.models import DistMult
+    from pykeen.training import TrainingCallback
+    from pykeen.triples import CoreTriplesFactory
+
+    from pykeen_bess.evaluation import BessEvaluator
+    from pykeen_bess.training import BessTrainingLoop
+
+    torch.set_num_threads(args.threads)
+    stages: list[tuple[str, float, str]] = []
+    clock = time.perf_counter()
+
+    def stage(name: str, detail: str = "") -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        stages.append((name, now - clock, detail))
+        print(f"{name}: {now - clock:.1f} s {detail}", file=sys.stderr, flush=True)
+        clock = now
+
+    num_entities, num_relations = args.large, 100
+    generator = torch.Generator().manual_seed(0)
+    num_triples = args.large_steps * args.batch_size + args.eval_triples
+    triples = torch.stack(
+        [
+            torch.randint(num_entities, (num_triples,), generator=generator),
+            torch.randint(num_relations, (num_triples,), generator=generator),
+            torch.randint(num_entities, (num_triples,), generator=generator),
+        ],
+        dim=1,
+    )
+    training = CoreTriplesFactory.create(triples[args.eval_triples :], num_entities, num_relations)
+    testing = triples[: args.eval_triples]
+    with torch.device("meta"):  # no full entity table in memory
+        model = DistMult(triples_factory=training, embedding_dim=args.dim, random_seed=0, regularizer=None)
+    stage("graph and model")
+    directory = tempfile.mkdtemp(dir=args.storage_dir)
+    loop = BessTrainingLoop(
+        model=model,
+        triples_factory=training,
+        num_shards=args.shards,
+        num_negs_per_pos=args.negatives,
+        optimizer="rowwise_adagrad",
+        optimizer_kwargs=dict(lr=0.1),
+        automatic_memory_optimization=False,
+        seed=0,
+        storage="mmap",
+        storage_path=directory,
+    )
+    stage("loop (files created)", loop.memory_plan.describe())
+    times: list[float] = []
+
+    counters: list[dict[str, int]] = []
+
+    class Steps(TrainingCallback):
+        def on_batch(self, **kwargs):  # type: ignore[no-untyped-def]
+            times.append(time.perf_counter())
+            if len(times) == 1:
+                counters.append(_io())
+
+    before = _io()
+    loop.train(training, num_epochs=1, batch_size=args.batch_size, use_tqdm=False, callbacks=Steps())
+    after = _io()
+    nonlocal_clock = clock
+    stages.append(
+        (
+            "initialise the tables (in chunks above 1 GiB), write them to the files",
+            times[0] - nonlocal_clock,
+            f"disk written {_gib(counters[0], before, 'write_bytes')} GiB",
+        )
+    )
+    steady = (len(times) - 11) / (times[-1] - times[10]) if len(times) > 20 else float("nan")
+    clock = times[0]
+    stage(
+        f"{len(times)} training steps",
+        f"{steady:.1f} steps/s after the first 10 ({steady * args.batch_size:,.0f} triples/s); disk read "
+        f"{_gib(after, counters[0], 'read_bytes')} GiB, written {_gib(after, counters[0], 'write_bytes')} GiB",
+    )
+    stage(
+        "memory after training",
+        f"RssAnon {_status('RssAnon') / 2**30:.2f} GiB, RssFile {_status('RssFile') / 2**30:.2f} GiB",
+    )
+    before = _io()
+    metrics = BessEvaluator(batch_size=args.eval_triples).evaluate(
+        loop.model, testing, additional_filter_triples=[training.mapped_triples], use_tqdm=False
+    )
+    after = _io()
+    stage(
+        f"filtered evaluation of {args.eval_triples} triples x {num_entities:,} entities",
+        f"MRR {metrics.get_metric('mrr'):.2e} (random ranking: {(math.log(num_entities) + 0.58) / num_entities:.1e}); "
+        f"disk read {_gib(after, before, 'read_bytes')} GiB",
+    )
+    print(f"\n{num_entities:,} entities x {args.dim} dimensions, storage='mmap', row-wise Adagrad, n={args.shards}")
+    print(f"peak resident {_status('VmHWM') / 2**30:.2f} GiB, anonymous now {_status('RssAnon') / 2**30:.2f} GiB")
+    print("| stage | seconds | detail |\n|---|---|---|")
+    for name, seconds, detail in stages:
+        print(f"| {name} | {seconds:.1f} | {detail} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data", type=pathlib.Path, required=True, help="a folder with train.txt and test.txt")
+    parser.add_argument("--data", type=pathlib.Path, help="a folder with train.txt and test.txt")
+    parser.add_argument("--large", type=int, help="entities of a generated graph trained with storage='mmap'")
+    parser.add_argument("--large-steps", type=int, default=200, help="training steps of --large")
     parser.add_argument("--tiers", nargs="+", default=["device", "host", "mmap"])
     parser.add_argument("--optimizers", nargs="+", default=["adam", "rowwise_adagrad"])
     parser.add_argument("--shards", type=int, default=1)
@@ -126,6 +249,11 @@ def main() -> None:
         args.tier, args.optimizer = args.worker
         worker(args)
         return
+    if args.large:
+        large(args)
+        return
+    if args.data is None:
+        parser.error("--data is required (or --large)")
     rows = []
     for optimizer in args.optimizers:
         for tier in args.tiers:

@@ -43,6 +43,10 @@ __all__ = [
 
 #: the purpose key of the initial values' random stream (see :func:`~pykeen_bess.seeds.derive_seed`)
 INITIALIZATION_STREAM = 1
+#: tables in host memory or files larger than this (as a full table) are initialised chunk by chunk
+FULL_DRAW_BYTES = 1 << 30
+#: entities per chunk of a chunked initialisation
+INITIALIZATION_CHUNK_ROWS = 1 << 20
 
 
 class ShardedEmbedding(Representation):
@@ -61,6 +65,7 @@ class ShardedEmbedding(Representation):
         seed: int = 0,
         table_index: int = 0,
         storage: TableStorage | None = None,
+        label_suffix: str = "",
     ):
         """Create the (uninitialised) shard tables for an embedding.
 
@@ -71,6 +76,7 @@ class ShardedEmbedding(Representation):
         :param seed: the run's seed (the initial values depend on it and on ``table_index`` only)
         :param table_index: the position of the table among the model's entity representations
         :param storage: the storage tier of the table (default: a parameter on the embedding's device)
+        :param label_suffix: appended to the table's name in its tier (e.g. the replica of a shard)
         :raises ValueError: if the embedding does not match the sharding
         """
         if base.max_id != sharding.num_entities:
@@ -102,7 +108,7 @@ class ShardedEmbedding(Representation):
         self.trainable = bool(template.requires_grad)
         first, last = self.local_shards[0], self.local_shards[-1]
         #: the table's name among the tensors of its tier (file names of ``storage="mmap"``)
-        self.label = f"table{self.table_index}.shards{first}-{last}-of{sharding.n_shard}"
+        self.label = f"table{self.table_index}.shards{first}-{last}-of{sharding.n_shard}{label_suffix}"
         shape = (self.n_local * sharding.shard_size, self.row_width)
         #: the row rule's state of a table outside the model (see :class:`pykeen_bess.optim.StoredTable`)
         self.row_state: dict[str, torch.Tensor] = {}
@@ -110,6 +116,8 @@ class ShardedEmbedding(Representation):
         #: shape: ``[U, W]``, the current values of the rows :attr:`gradient` touches, on the compute device,
         #: if the step already read them (None: the optimizer reads them)
         self.touched_values: torch.Tensor | None = None
+        #: whether every row was constrained since the last reset (a chunked reset constrains as it writes)
+        self.rows_constrained = False
         if storage.is_parameter:
             self.weight = nn.Parameter(
                 torch.zeros(shape, dtype=template.dtype, device=template.device), requires_grad=self.trainable
@@ -181,7 +189,7 @@ class ShardedEmbedding(Representation):
         :returns: shape: ``[U, row_width]``
         """
         if isinstance(rows, slice):
-            rows = torch.arange(rows.start, rows.stop)
+            return self.storage.read_slice(self.weight, rows)
         return self.storage.read(self.weight, rows)
 
     def shard_tables(self) -> torch.Tensor:
@@ -237,23 +245,84 @@ class ShardedEmbedding(Representation):
         entity starts from the same values whatever the number of shards or processes, and the
         distribution is PyKEEN's. The full table exists only during this call. A
         :class:`~pykeen.nn.init.PretrainedInitializer` is sharded instead of re-drawn.
+
+        A table in host memory or files whose full table would exceed :data:`FULL_DRAW_BYTES` is
+        drawn chunk by chunk instead (:meth:`reset_in_chunks`), so memory never holds it whole.
         """
         with torch.no_grad():
-            self.shard_tables().zero_()
             if isinstance(self.initializer, PretrainedInitializer):
                 self.copy_from_tensor(self.initializer.tensor)
                 return
+            full_bytes = self.max_id * self.row_width * self.weight.element_size()
+            if not self.storage.is_parameter and full_bytes > FULL_DRAW_BYTES:
+                self.reset_in_chunks()
+                return
+            self.shard_tables().zero_()
             with torch.random.fork_rng(devices=[self.weight.device] if self.weight.is_cuda else []):
                 torch.manual_seed(derive_seed(self.seed, INITIALIZATION_STREAM, self.table_index))
                 full = torch.empty(self.max_id, *self.row_shape, dtype=self.weight.dtype, device=self.weight.device)
                 full = self.initializer(full)
             self.copy_from_tensor(full.reshape(self.max_id, self.row_width))
 
+    def reset_in_chunks(self, chunk_rows: int | None = None) -> None:
+        """Initialise the local shards chunk by chunk of rows (tables too large to draw at once).
+
+        Chunk ``c`` of shard ``s`` (its local rows ``c * chunk_rows`` to ``(c + 1) * chunk_rows``) is
+        drawn by the initializer on a ``[chunk, *row_shape]`` tensor under a generator seeded by
+        :attr:`seed`, :attr:`table_index`, the number of shards, ``s`` and ``c``, and written in row
+        order (sequential writes, which a table in files needs). So an entity's initial values do
+        not depend on how many processes hold the shards, but, unlike :meth:`reset_parameters`' full
+        draw, they do depend on the number of shards; initializers whose scale depends on the
+        table's shape (Xavier's) see the chunk's. The constrainer is applied to each chunk as it is
+        written, so the pass over all rows that follows a reset is skipped (one pass over the table,
+        not two). Padding rows are set to zero. Shows a progress bar.
+        """
+        from tqdm.auto import tqdm
+
+        chunk_rows = chunk_rows or INITIALIZATION_CHUNK_ROWS
+        size = self.sharding.shard_size
+        chunks = [(p, s, c) for p, s in enumerate(self.local_shards) for c in range(0, size, chunk_rows)]
+        with torch.no_grad():
+            for position, shard, start in tqdm(chunks, desc=f"Initialising {self.label}", unit="chunk", leave=False):
+                stop = min(start + chunk_rows, size)
+                key = (
+                    self.seed,
+                    INITIALIZATION_STREAM,
+                    self.table_index,
+                    self.sharding.n_shard,
+                    shard,
+                    start // chunk_rows,
+                )
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(derive_seed(*key))
+                    values = self.initializer(torch.empty(stop - start, *self.row_shape, dtype=self.weight.dtype))
+                values = self.constrain_values(values.reshape(stop - start, self.row_width))
+                padding = self.sharding.shard_entities[shard, start:stop] < 0
+                if bool(padding.any()):
+                    values[padding] = 0
+                self.weight[position * size + start : position * size + stop] = values
+        self.rows_constrained = True
+
     def post_parameter_update(self) -> None:
         """Apply the constrainer to all local rows (unless the training loop defers it)."""
         if self.defer_constraints or self.constrainer is None:
             return
-        self.constrain_rows(self.real_rows())
+        self.constrain_all_rows()
+
+    def constrain_all_rows(self, chunk_rows: int | None = None) -> None:
+        """Apply the constrainer to every real row, chunk by chunk of consecutive rows (padding stays zero)."""
+        if self.constrainer is None or self.rows_constrained:
+            self.rows_constrained = False  # a chunked reset constrained every row as it wrote it
+            return
+        chunk_rows = chunk_rows or INITIALIZATION_CHUNK_ROWS
+        real = (self.sharding.shard_entities.view(self.sharding.n_shard, -1)[list(self.local_shards)] >= 0).view(-1)
+        with torch.no_grad():
+            for start in range(0, self.weight.shape[0], chunk_rows):
+                stop = min(start + chunk_rows, self.weight.shape[0])
+                mask = real[start:stop].to(self.weight.device)
+                values = self.weight[start:stop]
+                constrained = self.constrain_values(values.to(self.compute_device)).to(values.device)
+                values.copy_(torch.where(mask.unsqueeze(1), constrained, values))
 
     def constrain_rows(self, rows: torch.Tensor) -> None:
         """Apply the constrainer to the given flat rows, in place."""

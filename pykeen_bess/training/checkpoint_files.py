@@ -31,9 +31,10 @@ import os
 import pathlib
 import re
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..distributed import Topology
@@ -46,6 +47,7 @@ __all__ = [
     "pointer_shards",
     "read_pointer",
     "reshard_rank_state",
+    "reshard_stored_tables",
     "save_distributed_checkpoint",
     "shard_file",
 ]
@@ -239,6 +241,71 @@ def reshard_rank_state(
         del old
     assert state is not None
     return state
+
+
+def reshard_stored_tables(
+    path: pathlib.Path,
+    pointer: Mapping[str, Any],
+    seed: int,
+    sharding: EntitySharding,
+    shard: int,
+    tables: Sequence[Any],
+) -> None:
+    """Fill one process' tables kept in host memory or files (and their row state) from another number of shards.
+
+    Reads the old shards' files one at a time (a ``"host"`` table from the file itself, a ``"mmap"``
+    table from its copies next to the file, memory-mapped) and writes the rows of the new shard
+    into the live tables of the tier; padding rows become zero.
+
+    :param path: the pointer path
+    :param pointer: the pointer
+    :param seed: the seed of the (old and new) sharding
+    :param sharding: the new sharding
+    :param shard: the shard of the new sharding this process holds (its tables hold only it)
+    :param tables: the process' :class:`~pykeen_bess.representation.ShardedEmbedding` tables, in the
+        order of the model's entity representations
+    :raises FileNotFoundError: if an old shard's file or table copy is missing
+    :raises ValueError: if the checkpoint's tables were kept in another storage tier
+    """
+    old_shards = pointer_shards(pointer)
+    old_sharding = EntitySharding.create(sharding.num_entities, old_shards, seed=seed)
+    new_global = sharding.shard_entities[shard]
+    real = new_global >= 0
+    with torch.no_grad():
+        for table in tables:
+            table.weight[~real] = 0
+        for old_shard in range(old_shards):
+            file = pointer_file(path, pointer, old_shard, replica=0)
+            if not file.is_file():
+                raise FileNotFoundError(f"Cannot reshard checkpoint {path}: {file} is missing.")
+            old = torch.load(file, weights_only=False)
+            old_global = old_sharding.shard_entities[old_shard]
+            position = torch.full((sharding.num_entities,), -1, dtype=torch.long)
+            position[old_global[old_global >= 0]] = torch.nonzero(old_global >= 0).view(-1)
+            source = torch.full_like(new_global, -1)
+            source[real] = position[new_global[real]]
+            take = (source >= 0).nonzero().view(-1)
+            for index, table in enumerate(tables):
+                entry = old["model_state_dict"].get(f"entity_representations.{index}.stored_table")
+                if entry is None or entry["tier"] != table.storage.name:
+                    written = "device" if entry is None else entry["tier"]
+                    raise ValueError(
+                        f"Checkpoint {path} keeps the entity tables with storage={written!r}; resume it with the "
+                        f"same storage (this run uses storage={table.storage.name!r})."
+                    )
+                targets = {"weight": table.weight, **{f"state.{k}": v for k, v in table.row_state.items()}}
+                for key, target in targets.items():
+                    if "tensors" in entry:
+                        values = entry["tensors"][key][source[take]]
+                    else:
+                        copy = path.parent / entry["directory"] / entry["files"][key]
+                        if not copy.is_file():
+                            raise FileNotFoundError(f"Cannot reshard checkpoint {path}: {copy} is missing.")
+                        values = torch.from_numpy(np.load(copy, mmap_mode="r")[source[take].numpy()])
+                    target[take] = values.to(target.dtype)
+            del old
+    for table in tables:
+        table.storage.flush()
 
 
 def _is_row_state(value: Any, shard_size: int) -> bool:

@@ -40,6 +40,7 @@ from .checkpoint_files import (
     pointer_shards,
     read_pointer,
     reshard_rank_state,
+    reshard_stored_tables,
     save_distributed_checkpoint,
     shard_file,
 )
@@ -251,12 +252,22 @@ class RankCheckpointStore(CheckpointStore):
         logger.warning(
             "Resharding checkpoint %s from %d to %d shards.", path, pointer_shards(pointer), loop.topology.n_shard
         )
-        if not loop.tables.storage.is_parameter:
-            raise ValueError(
-                f"Checkpoint {path} has {pointer_shards(pointer)} shards, this run {loop.topology.n_shard}: resharding "
-                f"tables kept with storage={loop.tables.storage.name!r} is not supported yet. Resume with "
-                f"{pointer_shards(pointer)} shards."
+        if not loop.tables.storage.is_parameter:  # the tables' rows go straight into the tier
+            shard = loop.topology.local_shards[0]
+            reshard_stored_tables(path, pointer, loop.config.seed, loop.sharding, shard, loop.tables.tables)
+            state = reshard_rank_state(
+                path=path,
+                pointer=pointer,
+                seed=loop.config.seed,
+                sharding=loop.sharding,
+                shard=shard,
+                table_keys=[],
+                table_param_indices=[],
             )
+            model_state = state["model_state_dict"]
+            for key in [key for key in model_state if key.endswith(".stored_table")]:
+                del model_state[key]  # already loaded (the tables of the old shard 0)
+            return self._read_resharded(state, triples_factory)
         table_ids = {id(weight) for weight in loop.tables.weights()}
         table_keys = [name for name, param in loop.model.named_parameters() if id(param) in table_ids]
         params = [param for group in loop.optimizer.param_groups for param in group["params"]]
@@ -270,7 +281,11 @@ class RankCheckpointStore(CheckpointStore):
             table_keys=table_keys,
             table_param_indices=table_indices,
         )
-        state["checksum"] = loop.checksum  # the representation of the shard tables names the number of shards
+        return self._read_resharded(state, triples_factory)
+
+    def _read_resharded(self, state: dict[str, Any], triples_factory: Any) -> Any:
+        """Load a resharded checkpoint dictionary through PyKEEN's ``_load_state``."""
+        state["checksum"] = self.loop.checksum  # the representation of the shard tables names the number of shards
         with tempfile.TemporaryDirectory() as directory:
             file = pathlib.Path(directory, f"resharded-{os.getpid()}.pt")
             torch.save(state, file)

@@ -47,7 +47,7 @@ from .config import (
 from .epochs import run_epochs
 from .sizes import StepSizes
 from .step import StepRunner
-from .tables import create_tables
+from .tables import create_tables, materialize
 
 __all__ = [
     "BessTrainingLoop",
@@ -154,6 +154,9 @@ class BessTrainingLoop(SLCWATrainingLoop):
             raise NotImplementedError("BessTrainingLoop supports transductive training only (mode=None).")
         num_negs_per_pos = resolve_negative_sampler(negative_sampler, negative_sampler_kwargs, num_negs_per_pos)
         super().__init__(model=model, triples_factory=triples_factory, **kwargs)
+        table_storage = make_storage(storage, storage_path, storage_kwargs)
+        if any(parameter.is_meta for parameter in model.parameters()):  # built without its full tables
+            materialize(model, table_storage)
         embeddings = check_model(model)
         er_model = cast(ERModel, model)
         self.topology: Topology = make_topology(
@@ -174,7 +177,6 @@ class BessTrainingLoop(SLCWATrainingLoop):
             n_shard, exchange, corruption, num_negs_per_pos, seed, sparse_updates, memory_budget
         )
         self.sharding = EntitySharding.create(model.num_entities, n_shard, seed=self.config.seed)
-        table_storage = make_storage(storage, storage_path, storage_kwargs)
         self.tables, self.memory_plan = create_tables(
             er_model, embeddings, self.sharding, self.topology, self.config.seed, self.optimizer, table_storage
         )

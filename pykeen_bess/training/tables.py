@@ -40,6 +40,7 @@ __all__ = [
     "ShardTables",
     "StoredShardTables",
     "create_tables",
+    "materialize",
 ]
 
 logger = logging.getLogger(__name__)
@@ -69,6 +70,39 @@ def create_tables(
     return ShardTables.create(model, embeddings, sharding, topology, seed, storage=storage), plan
 
 
+def materialize(model: torch.nn.Module, storage: TableStorage) -> None:
+    """Give a model built on the meta device real parameters on the CPU, except its full entity tables.
+
+    Building the model under ``with torch.device("meta"):`` keeps PyKEEN's constructor from
+    allocating and initialising the full entity tables. Here the entity embeddings keep a
+    ``[0, d]`` placeholder (the shard tables, allocated by the storage tier, replace them); every
+    other parameter is allocated uninitialised and initialised when training starts
+    (``model.reset_parameters_()``, as every fresh training does).
+
+    :raises ValueError: for the device tier (its tables are parameters of the model), and for a
+        model with buffers (their values, e.g. a regularizer's weight, were never computed on the
+        meta device)
+    """
+    if storage.is_parameter:
+        raise ValueError(
+            "The model was built on the meta device (its entity tables have no memory): train it with "
+            "storage='host' or storage='mmap', whose tiers allocate the shard tables."
+        )
+    buffers = [name for name, buffer in model.named_buffers() if buffer.is_meta]
+    if buffers:
+        raise ValueError(
+            f"The model was built on the meta device, where its buffers {buffers} have no values (e.g. a "
+            f"regularizer's weight). Build it without them (e.g. regularizer=None) or on the CPU."
+        )
+    for embedding in getattr(model, "entity_representations", []):
+        if not isinstance(embedding, Embedding):
+            continue
+        weight = embedding._embeddings.weight
+        weight.data = torch.empty(0, weight.shape[1], dtype=weight.dtype, device="meta")
+    model.to_empty(device="cpu")
+    logger.info("Materialised the meta-device model on the CPU (its entity tables live in storage=%r).", storage.name)
+
+
 class ShardTables:
     """The shard tables of a model's entity embeddings, and their installation in the model."""
 
@@ -96,8 +130,18 @@ class ShardTables:
             storage = DeviceStorage()
         storage.compute_device = self.embeddings[0]._embeddings.weight.device
         self.storage = storage
+        # the replicas of a shard keep their own copies (e.g. files in a shared storage_path)
+        suffix = f".replica{topology.replica}-of{topology.replicas}" if topology.replicas > 1 else ""
         self.tables = [
-            ShardedEmbedding(embedding, sharding, topology.local_shards, seed=seed, table_index=index, storage=storage)
+            ShardedEmbedding(
+                embedding,
+                sharding,
+                topology.local_shards,
+                seed=seed,
+                table_index=index,
+                storage=storage,
+                label_suffix=suffix,
+            )
             for index, embedding in enumerate(self.embeddings)
         ]
         for table in self.tables:
@@ -236,7 +280,7 @@ class ShardTables:
     def constrain_all(self) -> None:
         """Apply the tables' constraints to every real row (after a reset)."""
         for table in self.tables:
-            table.constrain_rows(table.real_rows())
+            table.constrain_all_rows()
 
     def constrain(self, rows: torch.Tensor) -> None:
         """Apply the tables' constraints to the given flat rows (after a dense update)."""

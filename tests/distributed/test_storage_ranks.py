@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_distributed import BASE, check_equals_local_reference, run_launch
+from test_distributed import BASE, assemble, check_equals_local_reference, run_launch
 
 TIERS = ["device", "host", "mmap"]
 
@@ -34,7 +34,19 @@ def test_two_gloo_ranks_train_bitwise_alike_on_every_tier(tmp_path) -> None:
     )
     runs["checkpoint"] = dict(resume, num_epochs=1)
     runs["resume"] = dict(resume, num_epochs=2)
+    # resharding: the two-shard checkpoint (epoch 2) loaded as one shard with two replicas (nothing left to train)
+    runs["reshard"] = dict(resume, num_epochs=2, num_shards=1, replicas=2)
     results = run_launch(2, tmp_path / "out", runs)
+    full_table = assemble(results["resume"], 14)
+    for rank in range(2):
+        assert results["reshard"][rank]["step_losses"] == []
+        rows = results["reshard"][rank]["global_ids"]
+        torch.testing.assert_close(results["reshard"][rank]["table"][rows >= 0], full_table[rows[rows >= 0]])
+        for key in ("exp_avg", "exp_avg_sq"):  # the optimizer's row state moved with the rows
+            state = assemble([dict(r, table=r["optimizer_state"][key]) for r in results["resume"]], 14)
+            torch.testing.assert_close(
+                results["reshard"][rank]["optimizer_state"][key][rows >= 0], state[rows[rows >= 0]]
+            )
     for rank in range(2):
         full, first, rest = (results[name][rank]["step_losses"] for name in ("adam-device", "checkpoint", "resume"))
         assert first + rest == full

@@ -391,3 +391,66 @@ def test_mmap_anonymous_memory_does_not_grow_with_the_table(tmp_path) -> None:
         anonymous[dimension] = int(process.stdout.split()[-1])
     table_growth = 300_000 * (320 - 32) * 4  # 346 MB more table
     assert anonymous[320] - anonymous[32] < 0.05 * table_growth, anonymous
+
+
+def test_large_stored_tables_are_initialised_chunk_by_chunk(nations, tmp_path, monkeypatch) -> None:
+    """Above the full-draw limit host and file tables are drawn per chunk of rows: deterministic, tiers alike."""
+    import pykeen_bess.representation as representation
+
+    monkeypatch.setattr(representation, "FULL_DRAW_BYTES", 0)
+    monkeypatch.setattr(representation, "INITIALIZATION_CHUNK_ROWS", 2)
+    factory = factory_of(nations)
+    tables = {}
+    for tier in ("host", "mmap"):
+        loop = make_loop(factory, tier, tmp_path, num_shards=3)
+        table = loop.tables[0]
+        drawn: list[tuple[int, ...]] = []
+
+        def initializer(x: torch.Tensor, drawn: list = drawn) -> torch.Tensor:
+            drawn.append(tuple(x.shape))
+            return x.normal_()
+
+        monkeypatch.setattr(table, "initializer", initializer)
+        table.reset_parameters()
+        assert drawn == [(2, 8), (2, 8), (1, 8)] * 3  # 3 shards of 5 rows in chunks of 2: never the full table
+        tables[tier] = table.weight.clone()
+        padding = table.sharding.shard_entities.view(-1) < 0
+        assert bool((tables[tier][padding] == 0).all()) and bool((tables[tier][~padding] != 0).all())
+        # the same values again (seeded by the run's seed, the table, the shard and the chunk)
+        table.reset_parameters()
+        assert torch.equal(table.weight, tables[tier])
+    assert torch.equal(tables["host"], tables["mmap"])
+
+
+def test_a_model_built_on_the_meta_device_trains_with_stored_tables(nations, tmp_path) -> None:
+    """PyKEEN's constructor allocates no full table on the meta device; host and file tiers allocate the shards."""
+    factory = factory_of(nations)
+    losses = {}
+    for tier in TIERS:
+        with torch.device("meta"):
+            model = DistMult(triples_factory=factory, embedding_dim=8, random_seed=0, regularizer=None)
+        storage = dict(storage_path=tmp_path, storage_kwargs=dict(overwrite=True)) if tier == "mmap" else {}
+        if tier == "device":
+            with pytest.raises(ValueError, match="storage='host' or storage='mmap'"):
+                BessTrainingLoop(model=model, triples_factory=factory, storage=tier)
+            continue
+        loop = BessTrainingLoop(
+            model=model, triples_factory=factory, storage=tier, num_shards=3, num_negs_per_pos=6, seed=3, **storage
+        )
+        assert loop.tables[0].weight.shape[0] == 15  # the shard tables
+        assert model.entity_representations[0]._embeddings.weight.shape[0] == 0  # no full table
+        losses[tier] = train(loop, factory)
+        assert all(not p.is_meta for p in model.parameters())
+    assert losses["host"] == losses["mmap"] and losses["host"][-1] < losses["host"][0]
+    with torch.device("meta"):
+        model = DistMult(triples_factory=factory, embedding_dim=8, random_seed=0)  # a regularizer with a weight
+    with pytest.raises(ValueError, match="buffers"):
+        BessTrainingLoop(model=model, triples_factory=factory, storage="host")
+
+
+def test_the_memory_search_runs_with_stored_tables(nations, tmp_path) -> None:
+    factory = factory_of(nations)
+    loop = make_loop(factory, "mmap", tmp_path, memory_budget=2**30)
+    loop.automatic_memory_optimization = True
+    losses = loop.train(factory, num_epochs=2, batch_size=None, use_tqdm=False)
+    assert len(losses) == 2 and all(loss > 0 for loss in losses)
