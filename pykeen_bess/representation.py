@@ -38,6 +38,8 @@ from .storage import DeviceStorage, MmapStorage, TableStorage
 
 __all__ = [
     "ShardedEmbedding",
+    "constrain_all_rows",
+    "reset_in_chunks",
 ]
 
 
@@ -255,7 +257,7 @@ class ShardedEmbedding(Representation):
                 return
             full_bytes = self.max_id * self.row_width * self.weight.element_size()
             if not self.storage.is_parameter and full_bytes > FULL_DRAW_BYTES:
-                self.reset_in_chunks()
+                reset_in_chunks(self)
                 return
             self.shard_tables().zero_()
             with torch.random.fork_rng(devices=[self.weight.device] if self.weight.is_cuda else []):
@@ -264,65 +266,11 @@ class ShardedEmbedding(Representation):
                 full = self.initializer(full)
             self.copy_from_tensor(full.reshape(self.max_id, self.row_width))
 
-    def reset_in_chunks(self, chunk_rows: int | None = None) -> None:
-        """Initialise the local shards chunk by chunk of rows (tables too large to draw at once).
-
-        Chunk ``c`` of shard ``s`` (its local rows ``c * chunk_rows`` to ``(c + 1) * chunk_rows``) is
-        drawn by the initializer on a ``[chunk, *row_shape]`` tensor under a generator seeded by
-        :attr:`seed`, :attr:`table_index`, the number of shards, ``s`` and ``c``, and written in row
-        order (sequential writes, which a table in files needs). So an entity's initial values do
-        not depend on how many processes hold the shards, but, unlike :meth:`reset_parameters`' full
-        draw, they do depend on the number of shards; initializers whose scale depends on the
-        table's shape (Xavier's) see the chunk's. The constrainer is applied to each chunk as it is
-        written, so the pass over all rows that follows a reset is skipped (one pass over the table,
-        not two). Padding rows are set to zero. Shows a progress bar.
-        """
-        from tqdm.auto import tqdm
-
-        chunk_rows = chunk_rows or INITIALIZATION_CHUNK_ROWS
-        size = self.sharding.shard_size
-        chunks = [(p, s, c) for p, s in enumerate(self.local_shards) for c in range(0, size, chunk_rows)]
-        with torch.no_grad():
-            for position, shard, start in tqdm(chunks, desc=f"Initialising {self.label}", unit="chunk", leave=False):
-                stop = min(start + chunk_rows, size)
-                key = (
-                    self.seed,
-                    INITIALIZATION_STREAM,
-                    self.table_index,
-                    self.sharding.n_shard,
-                    shard,
-                    start // chunk_rows,
-                )
-                with torch.random.fork_rng(devices=[]):
-                    torch.manual_seed(derive_seed(*key))
-                    values = self.initializer(torch.empty(stop - start, *self.row_shape, dtype=self.weight.dtype))
-                values = self.constrain_values(values.reshape(stop - start, self.row_width))
-                padding = self.sharding.shard_entities[shard, start:stop] < 0
-                if bool(padding.any()):
-                    values[padding] = 0
-                self.weight[position * size + start : position * size + stop] = values
-        self.rows_constrained = True
-
     def post_parameter_update(self) -> None:
         """Apply the constrainer to all local rows (unless the training loop defers it)."""
         if self.defer_constraints or self.constrainer is None:
             return
-        self.constrain_all_rows()
-
-    def constrain_all_rows(self, chunk_rows: int | None = None) -> None:
-        """Apply the constrainer to every real row, chunk by chunk of consecutive rows (padding stays zero)."""
-        if self.constrainer is None or self.rows_constrained:
-            self.rows_constrained = False  # a chunked reset constrained every row as it wrote it
-            return
-        chunk_rows = chunk_rows or INITIALIZATION_CHUNK_ROWS
-        real = (self.sharding.shard_entities.view(self.sharding.n_shard, -1)[list(self.local_shards)] >= 0).view(-1)
-        with torch.no_grad():
-            for start in range(0, self.weight.shape[0], chunk_rows):
-                stop = min(start + chunk_rows, self.weight.shape[0])
-                mask = real[start:stop].to(self.weight.device)
-                values = self.weight[start:stop]
-                constrained = self.constrain_values(values.to(self.compute_device)).to(values.device)
-                values.copy_(torch.where(mask.unsqueeze(1), constrained, values))
+        constrain_all_rows(self)
 
     def constrain_rows(self, rows: torch.Tensor) -> None:
         """Apply the constrainer to the given flat rows, in place."""
@@ -388,6 +336,63 @@ class ShardedEmbedding(Representation):
         """Write the shard tables back into a plain embedding (all shards local)."""
         with torch.no_grad():
             embedding._embeddings.weight.data = self.full_table().to(embedding._embeddings.weight.device).clone()
+
+
+def reset_in_chunks(table: ShardedEmbedding, chunk_rows: int | None = None) -> None:
+    """Initialise a table's local shards chunk by chunk of rows (tables too large to draw at once).
+
+    Chunk ``c`` of shard ``s`` (its local rows ``c * chunk_rows`` to ``(c + 1) * chunk_rows``) is
+    drawn by the initializer on a ``[chunk, *row_shape]`` tensor under a generator seeded by the
+    table's seed and index, the number of shards, ``s`` and ``c``, and written in row order
+    (sequential writes, which a table in files needs). So an entity's initial values do not
+    depend on how many processes hold the shards, but, unlike the full draw of
+    :meth:`ShardedEmbedding.reset_parameters`, they do depend on the number of shards;
+    initializers whose scale depends on the table's shape (Xavier's) see the chunk's. The
+    constrainer is applied to each chunk as it is written, so the pass over all rows that
+    follows a reset is skipped (one pass over the table, not two). Padding rows are set to zero.
+    Shows a progress bar.
+    """
+    from tqdm.auto import tqdm
+
+    chunk_rows = chunk_rows or INITIALIZATION_CHUNK_ROWS
+    size = table.sharding.shard_size
+    chunks = [(p, s, c) for p, s in enumerate(table.local_shards) for c in range(0, size, chunk_rows)]
+    with torch.no_grad():
+        for position, shard, start in tqdm(chunks, desc=f"Initialising {table.label}", unit="chunk", leave=False):
+            stop = min(start + chunk_rows, size)
+            key = (
+                table.seed,
+                INITIALIZATION_STREAM,
+                table.table_index,
+                table.sharding.n_shard,
+                shard,
+                start // chunk_rows,
+            )
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(derive_seed(*key))
+                values = table.initializer(torch.empty(stop - start, *table.row_shape, dtype=table.weight.dtype))
+            values = table.constrain_values(values.reshape(stop - start, table.row_width))
+            padding = table.sharding.shard_entities[shard, start:stop] < 0
+            if bool(padding.any()):
+                values[padding] = 0
+            table.weight[position * size + start : position * size + stop] = values
+    table.rows_constrained = True
+
+
+def constrain_all_rows(table: ShardedEmbedding, chunk_rows: int | None = None) -> None:
+    """Apply a table's constrainer to every real row, chunk by chunk of consecutive rows (padding stays zero)."""
+    if table.constrainer is None or table.rows_constrained:
+        table.rows_constrained = False  # a chunked reset constrained every row as it wrote it
+        return
+    chunk_rows = chunk_rows or INITIALIZATION_CHUNK_ROWS
+    real = (table.sharding.shard_entities.view(table.sharding.n_shard, -1)[list(table.local_shards)] >= 0).view(-1)
+    with torch.no_grad():
+        for start in range(0, table.weight.shape[0], chunk_rows):
+            stop = min(start + chunk_rows, table.weight.shape[0])
+            mask = real[start:stop].to(table.weight.device)
+            values = table.weight[start:stop]
+            constrained = table.constrain_values(values.to(table.compute_device)).to(values.device)
+            values.copy_(torch.where(mask.unsqueeze(1), constrained, values))
 
 
 #: the state-dict key (after the module's prefix) of a table kept outside the model

@@ -46,7 +46,6 @@ from class_resolver import ClassResolver
 __all__ = [
     "DeviceStorage",
     "HostStorage",
-    "MemoryPlan",
     "MmapStorage",
     "StorageTraffic",
     "TableStorage",
@@ -459,64 +458,3 @@ def make_storage(
             raise ValueError(f"storage_path is the directory of storage='mmap'; storage={cls.name!r} keeps no files.")
         kwargs["storage_path"] = storage_path
     return cls(**kwargs)
-
-
-@dataclasses.dataclass(frozen=True)
-class MemoryPlan:
-    """What one process' shard tables and their optimizer state take, stated before anything is allocated."""
-
-    #: rows of each table held by the process (its shards, padding included)
-    rows: int
-    #: bytes of one row of every table together (weights)
-    row_bytes: int
-    #: bytes of the optimizer's row state of one row of every table (0: none, e.g. SGD)
-    state_row_bytes: int
-    #: the number of row-state values per table value (Adam 2, Adagrad 1, row-wise Adagrad ``1 / W``)
-    state_tensors: int
-
-    @classmethod
-    def create(cls, embeddings: Sequence[Any], rows_per_table: int, optimizer: Any) -> MemoryPlan:
-        """Plan the tables of ``embeddings`` (PyKEEN embeddings) with ``rows_per_table`` rows each."""
-        from .optim import SPARSE_RULES, _sparse_defaults, state_shapes
-
-        row_bytes = state_row_bytes = tensors = 0
-        rule = SPARSE_RULES.get(type(optimizer))
-        group = dict(_sparse_defaults(type(optimizer))) if rule is not None else {}
-        for embedding in embeddings:
-            weight = embedding._embeddings.weight
-            width, size = int(weight.shape[1]), weight.element_size()
-            row_bytes += width * size
-            if rule is not None:
-                shapes = state_shapes(rule, (1, width), group)
-                tensors = len(shapes)
-                state_row_bytes += sum(int(np.prod(shape)) * size for shape, _ in shapes.values())
-        return cls(
-            rows=int(rows_per_table), row_bytes=row_bytes, state_row_bytes=state_row_bytes, state_tensors=tensors
-        )
-
-    @property
-    def table_bytes(self) -> int:
-        """Bytes of the tables."""
-        return self.rows * self.row_bytes
-
-    @property
-    def state_bytes(self) -> int:
-        """Bytes of the optimizer's row state."""
-        return self.rows * self.state_row_bytes
-
-    @property
-    def bytes_per_entity(self) -> int:
-        """Bytes per entity row (weights and optimizer state)."""
-        return self.row_bytes + self.state_row_bytes
-
-    def step_bytes(self, unique_rows: int) -> int:
-        """Bytes a step moves from the tier to the compute device (and back) for ``unique_rows`` rows."""
-        return unique_rows * self.bytes_per_entity
-
-    def describe(self) -> str:
-        """One line for the log."""
-        return (
-            f"{self.rows:,} rows per table, {self.bytes_per_entity} bytes per entity "
-            f"({self.row_bytes} weights + {self.state_row_bytes} optimizer state), "
-            f"{_gib(self.table_bytes)} tables + {_gib(self.state_bytes)} optimizer state"
-        )

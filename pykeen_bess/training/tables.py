@@ -30,9 +30,10 @@ from pykeen.nn.representation import Embedding
 
 from ..distributed import Topology
 from ..optim import BessOptimizer
-from ..representation import ShardedEmbedding
+from ..representation import ShardedEmbedding, constrain_all_rows
+from .plan import MemoryPlan
 from ..sharding import EntitySharding
-from ..storage import DeviceStorage, MemoryPlan, TableStorage
+from ..storage import DeviceStorage, TableStorage
 
 __all__ = [
     "DistributedShardTables",
@@ -280,7 +281,7 @@ class ShardTables:
     def constrain_all(self) -> None:
         """Apply the tables' constraints to every real row (after a reset)."""
         for table in self.tables:
-            table.constrain_all_rows()
+            constrain_all_rows(table)
 
     def constrain(self, rows: torch.Tensor) -> None:
         """Apply the tables' constraints to the given flat rows (after a dense update)."""

@@ -16,9 +16,12 @@ def test_two_gloo_ranks_train_bitwise_alike_on_every_tier(tmp_path) -> None:
     storage_path.mkdir()
     base = dict(BASE, batch_size=16, digests=True, evaluate=True)
     runs = {}
-    for optimizer, exchange in (("adam", "embedding"), ("rowwise_adagrad", "score")):
+    optimizers = (("adam", "embedding"), ("rowwise_adagrad", "score"), ("adagrad", "score"), ("sgd", "embedding"))
+    for optimizer, exchange in optimizers:
         for tier in TIERS:
             extra = dict(storage_path=str(storage_path), storage_kwargs=dict(overwrite=True)) if tier == "mmap" else {}
+            if optimizer == "adam":  # also: top-k prediction and the export of the sharded model
+                extra.update(predict=True, export=True)
             runs[f"{optimizer}-{tier}"] = dict(base, optimizer=optimizer, exchange=exchange, storage=tier, **extra)
     # checkpoints: one epoch with a checkpoint, then a run to two epochs that resumes it (each rank copies its files)
     checkpoints = tmp_path / "checkpoints"
@@ -36,7 +39,7 @@ def test_two_gloo_ranks_train_bitwise_alike_on_every_tier(tmp_path) -> None:
     runs["resume"] = dict(resume, num_epochs=2)
     # resharding: the two-shard checkpoint (epoch 2) loaded as one shard with two replicas (nothing left to train)
     runs["reshard"] = dict(resume, num_epochs=2, num_shards=1, replicas=2)
-    results = run_launch(2, tmp_path / "out", runs)
+    results = run_launch(2, tmp_path / "out", runs, timeout=600)
     full_table = assemble(results["resume"], 14)
     for rank in range(2):
         assert results["reshard"][rank]["step_losses"] == []
@@ -53,7 +56,15 @@ def test_two_gloo_ranks_train_bitwise_alike_on_every_tier(tmp_path) -> None:
         assert results["resume"][rank]["digests"] == results["adam-device"][rank]["digests"][len(first) :]
     names = sorted(p.name for p in checkpoints.iterdir())
     assert len([n for n in names if n.endswith(".tables")]) == 2 and "run.pt" in names  # the last version, per rank
-    for optimizer in ("adam", "rowwise_adagrad"):
+    out = tmp_path / "out"
+    exported = {tier: torch.load(out / f"adam-{tier}" / "model.pt", weights_only=False) for tier in TIERS}
+    for tier in ("host", "mmap"):
+        for rank in range(2):
+            assert results[f"adam-{tier}"][rank]["top_k"] == results["adam-device"][rank]["top_k"]
+        for ours, reference in zip(exported[tier].parameters(), exported["device"].parameters()):
+            assert torch.equal(ours, reference)
+        assert exported[tier].entity_representations[0]._embeddings.weight.shape[0] == 14  # a full, ordinary model
+    for optimizer, _ in optimizers:
         device = results[f"{optimizer}-device"]
         for tier in ("host", "mmap"):
             stored = results[f"{optimizer}-{tier}"]
