@@ -50,6 +50,8 @@ from typing import Any, Protocol
 import torch
 from torch.optim import SGD, Adagrad, Adam, Optimizer, SparseAdam
 
+from .storage import DeviceStorage
+
 __all__ = [
     "RULES",
     "SPARSE_RULES",
@@ -312,35 +314,27 @@ class BessOptimizer(Optimizer):
         rule = group["rule"]
         weight: torch.Tensor = table.weight if stored else param  # type: ignore[union-attr]
         row_state: dict[str, Any] = table.row_state if stored else state  # type: ignore[union-attr]
-        storage = table.storage if table is not None else None
+        # a parameter without a table is read and written like the device tier
+        storage = table.storage if table is not None else _PARAMETER_STORAGE
         shapes = state_shapes(rule, weight.shape, group)
         for name, (shape, fill) in shapes.items():
-            if name not in row_state:
-                row_state[name] = (
-                    storage.place(f"{table.label}.{name}", shape, weight.dtype, fill)  # type: ignore[union-attr]
-                    if storage is not None
-                    else torch.full(shape, fill, dtype=weight.dtype, device=weight.device)
-                )
+            if name not in row_state:  # a parameter's state, created at its first step (stored tables': in __init__)
+                row_state[name] = torch.full(shape, fill, dtype=weight.dtype, device=weight.device)
         step = count_step(state)
-        if storage is None:
-            old = weight.index_select(0, rows)
-            state_rows = {name: row_state[name].index_select(0, rows) for name in shapes}
-        else:
-            cached = table.touched_values if table is not None else None
-            old = cached if cached is not None else storage.read(weight, rows)
-            state_rows = {name: storage.read(row_state[name], rows) for name in shapes}
+        cached = table.touched_values if table is not None else None
+        old = cached if cached is not None else storage.read(weight, rows)
+        state_rows = {name: storage.read(row_state[name], rows) for name in shapes}
         new, new_state = RULES[rule](old, values, state_rows, group, step)
         constraint = self._row_constraints.get(id(param))
         if constraint is not None:
             new = constraint(new)
-        if storage is None:
-            weight.index_copy_(0, rows, new)
-            for name in shapes:
-                row_state[name].index_copy_(0, rows, new_state[name])
-        else:
-            storage.write(weight, rows, new)
-            for name in shapes:
-                storage.write(row_state[name], rows, new_state[name])
+        storage.write(weight, rows, new)
+        for name in shapes:
+            storage.write(row_state[name], rows, new_state[name])
+
+
+#: reads and writes the rows of parameters the optimizer updates without a shard table
+_PARAMETER_STORAGE = DeviceStorage()
 
 
 def _sparse_defaults(optimizer_cls: type[Optimizer]) -> dict[str, Any]:

@@ -169,6 +169,9 @@ class DeviceStorage(TableStorage):
     def storage_device(self) -> torch.device:  # noqa: D102
         return self.compute_device
 
+    def _gather(self, tensor: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return tensor.index_select(0, rows)  # on the device the arithmetic runs on
+
     def place(self, label: str, shape: Sequence[int], dtype: torch.dtype, fill: float = 0.0) -> torch.Tensor:  # noqa: D102
         return torch.full(tuple(shape), fill, dtype=dtype, device=self.compute_device)
 

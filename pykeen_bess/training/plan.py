@@ -13,14 +13,11 @@ from typing import Any
 import numpy as np
 
 from ..optim import SPARSE_RULES, _sparse_defaults, state_shapes
+from ..storage import _gib
 
 __all__ = [
     "MemoryPlan",
 ]
-
-
-def _gib(num_bytes: float) -> str:
-    return f"{num_bytes / 2**30:.2f} GiB"
 
 
 @dataclasses.dataclass(frozen=True)
