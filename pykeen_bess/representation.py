@@ -14,10 +14,11 @@ neither ``model.parameters()`` nor ``model.to()`` sees; rows are read to the com
 used (:meth:`ShardedEmbedding.read_rows`), and the training loop's optimizer writes updated rows
 back through the tier.
 
-When all shards are local (one process), the module is a complete PyKEEN representation:
-:meth:`forward` accepts global entity ids, so the model can be evaluated or queried while it is
-sharded. Under a process group each rank holds one shard and global lookups raise; the table's
-:attr:`ShardedEmbedding.topology` gathers the shards for export (:mod:`pykeen_bess.distributed.export`).
+The module is a complete PyKEEN representation: :meth:`forward` accepts global entity ids, so the
+model can be evaluated or queried while it is sharded. Under a process group each rank holds one
+shard and a lookup is a collective token lookup over the table's :attr:`ShardedEmbedding.topology`
+(:mod:`pykeen_bess.distributed.lookup`: ids to their owners, rows back, differentiably), which
+also gathers the shards for export (:mod:`pykeen_bess.distributed.export`).
 """
 
 from __future__ import annotations
@@ -150,6 +151,9 @@ class ShardedEmbedding(Representation):
         object.__setattr__(self, "base_embedding", base)
         #: the process topology of the shards (set by the training loop; not pickled); None: the default one
         self.topology: Any = None
+        #: how rows held by other processes are looked up (``"routed"`` or ``"gathered"``, see
+        #: :mod:`pykeen_bess.distributed.lookup`)
+        self.token_lookup = "routed"
 
     # -- layout ------------------------------------------------------------------------------
 
@@ -198,21 +202,6 @@ class ShardedEmbedding(Representation):
         """Return the storage as ``[L, shard_size, row_width]`` (a view)."""
         return self.weight.view(self.n_local, self.sharding.shard_size, self.row_width)
 
-    def rows_of(self, entities: torch.Tensor) -> torch.Tensor:
-        """Map global entity ids to flat local rows.
-
-        :param entities: shape: ``s``, global ids
-        :returns: shape: ``s``, rows of :attr:`weight`
-        :raises ValueError: if some entity is held by another process
-        """
-        rows = self.entity_rows[entities.to(self.entity_rows.device)]
-        if not self.holds_all_shards and bool((rows < 0).any()):
-            raise ValueError(
-                "Entities held by other ranks were looked up. A distributed sharded model can only be queried "
-                "for local entities; use pykeen_bess.BessEvaluator or export the full model first."
-            )
-        return rows
-
     def real_rows(self) -> torch.Tensor:
         """Return the flat rows that hold an entity (no padding), shape ``[n_real]``."""
         return self.entity_rows[self.entity_rows >= 0]
@@ -227,14 +216,17 @@ class ShardedEmbedding(Representation):
         return x
 
     def _plain_forward(self, indices: torch.Tensor | None = None) -> torch.Tensor:
+        """Return the rows of global entity ids (default: all), also from shards held by other processes.
+
+        Under a process group this is a collective of the shard group
+        (:func:`~pykeen_bess.distributed.lookup.lookup_entities` with the variant :attr:`token_lookup`):
+        every rank must call it, each with its own ids.
+        """
+        from .distributed.lookup import lookup_entities
+
         if indices is None:
-            if not self.holds_all_shards:
-                raise ValueError("Only a process holding all shards can return the full entity table.")
             indices = torch.arange(self.max_id)
-        rows = self.rows_of(indices)
-        if self.storage.is_parameter:
-            return self.view_rows(self.weight[rows])
-        return self.view_rows(self.read_rows(rows))
+        return self.view_rows(lookup_entities(self, indices, self.token_lookup))
 
     def reset_parameters(self) -> None:
         """Initialise the local shards exactly as PyKEEN initialises the full table, from this table's seed.

@@ -1,6 +1,7 @@
 """Differentiable shard collectives of :class:`~pykeen_bess.distributed.topology.DistributedTopology`.
 
-* all-to-all: its backward is the all-to-all of the gradients;
+* all-to-all: its backward is the all-to-all of the gradients (also with uneven splits, whose
+  backward swaps the send and receive sizes);
 * all-gather: its backward sends each rank's gradient for rank ``s``' slice to rank ``s``, which sums
   what arrives (an all-to-all, which gloo supports, unlike reduce-scatter).
 """
@@ -17,6 +18,7 @@ if TYPE_CHECKING:
 __all__ = [
     "all_gather_differentiable",
     "all_to_all_differentiable",
+    "all_to_all_uneven_differentiable",
 ]
 
 
@@ -29,6 +31,19 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
         return None, ctx.topology.all_to_all_primitive(grad)
+
+
+class _AllToAllUneven(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, topology: DistributedTopology, x: torch.Tensor, send: list[int], receive: list[int]
+    ) -> torch.Tensor:
+        ctx.topology, ctx.send, ctx.receive = topology, send, receive
+        return topology.all_to_all_uneven_primitive(x, send, receive)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor, None, None]:
+        return None, ctx.topology.all_to_all_uneven_primitive(grad, ctx.receive, ctx.send), None, None
 
 
 class _AllGather(torch.autograd.Function):
@@ -51,3 +66,10 @@ def all_to_all_differentiable(topology: DistributedTopology, x: torch.Tensor) ->
 def all_gather_differentiable(topology: DistributedTopology, x: torch.Tensor) -> torch.Tensor:
     """``[...] -> [n, ...]``: every rank's tensor; differentiable."""
     return _AllGather.apply(topology, x)
+
+
+def all_to_all_uneven_differentiable(
+    topology: DistributedTopology, x: torch.Tensor, send: list[int], receive: list[int]
+) -> torch.Tensor:
+    """``[sum(send), ...] -> [sum(receive), ...]``: ``send[s]`` rows go to rank ``s``; differentiable."""
+    return _AllToAllUneven.apply(topology, x, send, receive)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .collectives import all_gather_differentiable, all_to_all_differentiable
+from .collectives import all_gather_differentiable, all_to_all_differentiable, all_to_all_uneven_differentiable
 from .groups import RankLayout, describe_differences
 from .topology import ReduceOp, Topology, check_leading
 
@@ -157,6 +157,31 @@ class DistributedTopology(Topology):
         dist.all_to_all_single(output, x, group=self.shard_group)
         self.bytes_sent += x.numel() * x.element_size() * (self.n_shard - 1) // self.n_shard
         return output
+
+    def all_to_all_uneven(  # noqa: D102
+        self, x: torch.Tensor, send_sizes: Sequence[int], receive_sizes: Sequence[int] | None = None
+    ) -> tuple[torch.Tensor, list[int]]:
+        send = [int(size) for size in send_sizes]
+        if len(send) != self.n_shard or x.shape[0] != sum(send):
+            raise ValueError(f"Expected {self.n_shard} sizes summing to {x.shape[0]}, got {send}.")
+        if receive_sizes is None:
+            sizes = torch.tensor(send, dtype=torch.long, device=self._device)
+            received = torch.empty_like(sizes)
+            dist.all_to_all_single(received, sizes, group=self.shard_group)
+            receive = received.tolist()
+        else:
+            receive = [int(size) for size in receive_sizes]
+        return all_to_all_uneven_differentiable(self, x, send, receive), receive
+
+    def all_to_all_uneven_primitive(self, x: torch.Tensor, send: list[int], receive: list[int]) -> torch.Tensor:
+        """``[sum(send), ...] -> [sum(receive), ...]`` (the primitive of :meth:`all_to_all_uneven`)."""
+        staged = x.contiguous().to(self._device)
+        output = staged.new_empty((sum(receive), *x.shape[1:]))
+        dist.all_to_all_single(output, staged, receive, send, group=self.shard_group)
+        own = self.local_shards[0]
+        row = staged[0].numel() * staged.element_size() if staged.shape[0] else 0
+        self.bytes_sent += (sum(send) - send[own]) * row
+        return output.to(x.device)
 
     def all_gather_primitive(self, x: torch.Tensor) -> torch.Tensor:
         """``[...] -> [n, ...]`` (the primitive of :meth:`all_gather`)."""

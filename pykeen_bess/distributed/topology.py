@@ -16,6 +16,9 @@ A process holds ``L`` of the ``n_shard`` shards ("local shards"). Two kinds of c
     local shard ``l``;
   - :meth:`Topology.all_gather`: ``[L, ...] -> [L, n, ...]``; ``y[l, s] = x`` of shard ``s``;
   - :meth:`Topology.gather_shards`: ``[L, ...] -> [n, ...]`` on the main process (export);
+  - :meth:`Topology.all_to_all_uneven`: ``[sum_s c_s, ...] -> [sum_s c'_s, ...]`` with a different
+    number of rows for every shard (one local shard only; the collective token lookup,
+    :mod:`pykeen_bess.distributed.lookup`);
 
 * **over the processes** (not differentiable): :meth:`~Topology.all_reduce` (sum or maximum,
   complex tensors as their real view), :meth:`~Topology.all_reduce_coalesced` (many tensors in one
@@ -152,6 +155,33 @@ class Topology(ABC):
         :param x: shape: ``[L, ...]``, the same trailing shape on every process
         :returns: shape: ``[n, ...]`` in shard order on the main process, None on the others
         """
+
+    def all_to_all_uneven(
+        self, x: torch.Tensor, send_sizes: Sequence[int], receive_sizes: Sequence[int] | None = None
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Send ``send_sizes[s]`` consecutive rows of ``x`` to shard ``s`` (differentiable; one local shard).
+
+        :param x: shape: ``[sum(send_sizes), ...]``, the rows for shard 0, then shard 1, ...
+        :param send_sizes: the number of rows for each of the ``n`` shards
+        :param receive_sizes: the number of rows each shard sends here, if known (else exchanged first)
+        :returns: shape: ``[sum(receive_sizes), ...]``, the rows every shard sent here, in shard order,
+            and ``receive_sizes``
+        :raises NotImplementedError: for a process holding several shards (it needs no messages)
+        """
+        if self.n_local == 1 and self.n_shard == 1:
+            return x, [int(send_sizes[0])]
+        raise NotImplementedError(f"{type(self).__name__} holds {self.n_local} shards: look the rows up locally.")
+
+    def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum every shard's message for each local shard (differentiable; the backward is an all-gather).
+
+        Implemented as an all-to-all followed by a sum in shard order: on gloo
+        ``reduce_scatter_tensor`` is a full all-reduce, the all-to-all sends ``n`` times less.
+
+        :param x: shape: ``[L, n, ...]``, ``x[l, s]`` is local shard ``l``'s part for shard ``s``
+        :returns: shape: ``[L, ...]``, ``y[l] = sum_s x_s[l]`` over the shards ``s``
+        """
+        return self.all_to_all(x).sum(dim=1)
 
     # -- over the processes ----------------------------------------------------------------------
 
