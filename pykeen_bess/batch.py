@@ -116,6 +116,9 @@ class BlockScores:
     valid_index: torch.Tensor | None
     #: the weighted regularization term of this slice (see :func:`regularization_weights`)
     regularization: torch.Tensor | float
+    #: the part of :attr:`regularization` every process computes for its share of replicated
+    #: parameters while the rest is whole on every process (the encoding scheme; 0 otherwise)
+    replicated_regularization: torch.Tensor | float = 0.0
 
     @property
     def num_valid(self) -> int:

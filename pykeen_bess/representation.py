@@ -40,6 +40,7 @@ from .storage import DeviceStorage, MmapStorage, TableStorage
 __all__ = [
     "ShardedEmbedding",
     "constrain_all_rows",
+    "draw_full_table",
     "reset_in_chunks",
 ]
 
@@ -252,11 +253,7 @@ class ShardedEmbedding(Representation):
                 reset_in_chunks(self)
                 return
             self.shard_tables().zero_()
-            with torch.random.fork_rng(devices=[self.weight.device] if self.weight.is_cuda else []):
-                torch.manual_seed(derive_seed(self.seed, INITIALIZATION_STREAM, self.table_index))
-                full = torch.empty(self.max_id, *self.row_shape, dtype=self.weight.dtype, device=self.weight.device)
-                full = self.initializer(full)
-            self.copy_from_tensor(full.reshape(self.max_id, self.row_width))
+            self.copy_from_tensor(draw_full_table(self, self.seed, self.table_index, self.weight.device))
 
     def post_parameter_update(self) -> None:
         """Apply the constrainer to all local rows (unless the training loop defers it)."""
@@ -328,6 +325,27 @@ class ShardedEmbedding(Representation):
         """Write the shard tables back into a plain embedding (all shards local)."""
         with torch.no_grad():
             embedding._embeddings.weight.data = self.full_table().to(embedding._embeddings.weight.device).clone()
+
+
+def draw_full_table(
+    embedding: Embedding | ShardedEmbedding, seed: int, table_index: int, device: torch.device | None = None
+) -> torch.Tensor:
+    """Draw the initial values of a whole entity table, ``[num_entities, row_width]`` in global order.
+
+    The embedding's initializer fills a ``[num_entities, *row_shape]`` tensor (the stored real
+    layout) under a generator seeded by the run's seed and the table's index alone, so the values
+    do not depend on how the table is split (rows or columns, processes).
+    """
+    if isinstance(embedding, ShardedEmbedding):
+        row_shape, dtype = embedding.row_shape, embedding.weight.dtype
+    else:
+        row_shape, dtype = tuple(embedding._shape), embedding._embeddings.weight.dtype
+        device = device or embedding._embeddings.weight.device
+    device = torch.device("cpu") if device is None else device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(derive_seed(seed, INITIALIZATION_STREAM, table_index))
+        full = embedding.initializer(torch.empty(embedding.max_id, *row_shape, dtype=dtype, device=device))
+    return full.reshape(embedding.max_id, -1)
 
 
 def reset_in_chunks(table: ShardedEmbedding, chunk_rows: int | None = None) -> None:

@@ -4,7 +4,8 @@
   every collective between processes) with its back ends :class:`LocalTopology` (``n`` logical
   shards in one process), :class:`DistributedTopology` (:mod:`~pykeen_bess.distributed.process_group`:
   one shard per rank of a ``torch.distributed`` group, each shard optionally held by several
-  replicas) and :class:`ProbeTopology` (no communication, for memory probes), chosen by
+  replicas; :class:`ColumnTopology`: one column part of every row per rank, the encoding
+  partition) and :class:`ProbeTopology` (no communication, for memory probes), chosen by
   :func:`make_topology`. Together with :mod:`~pykeen_bess.distributed.launch` they are the only
   code that calls ``torch.distributed``; the training loop, the exchange schemes and the evaluator
   are written once against it.
@@ -18,11 +19,12 @@
 from .export import export_model, gathered_model, save_to_directory
 from .launch import default_timeout, in_torchrun, init_from_environment, is_main_process, join_torchrun_group
 from .groups import GROUPINGS, RankLayout, describe_differences
-from .process_group import DistributedTopology
+from .process_group import ColumnTopology, DistributedTopology
 from .topology import LocalTopology, ProbeTopology, Topology, make_topology
 
 __all__ = [
     "GROUPINGS",
+    "ColumnTopology",
     "DistributedTopology",
     "LocalTopology",
     "ProbeTopology",

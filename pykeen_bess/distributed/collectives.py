@@ -2,6 +2,8 @@
 
 * all-to-all: its backward is the all-to-all of the gradients (also with uneven splits, whose
   backward swaps the send and receive sizes);
+* all-reduce sum over the column parts: its backward is the identity (every part's partial result
+  enters the sum once, so its gradient is the sum's gradient);
 * all-gather: its backward sends each rank's gradient for rank ``s``' slice to rank ``s``, which sums
   what arrives (an all-to-all, which gloo supports, unlike reduce-scatter).
 """
@@ -13,10 +15,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from .process_group import DistributedTopology
+    from .process_group import ColumnTopology, DistributedTopology
 
 __all__ = [
     "all_gather_differentiable",
+    "all_reduce_identity_backward",
     "all_to_all_differentiable",
     "all_to_all_uneven_differentiable",
 ]
@@ -46,6 +49,16 @@ class _AllToAllUneven(torch.autograd.Function):
         return None, ctx.topology.all_to_all_uneven_primitive(grad, ctx.receive, ctx.send), None, None
 
 
+class _AllReduceSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, topology: ColumnTopology, x: torch.Tensor) -> torch.Tensor:
+        return topology.column_all_reduce_primitive(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
+        return None, grad
+
+
 class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, topology: DistributedTopology, x: torch.Tensor) -> torch.Tensor:
@@ -73,3 +86,8 @@ def all_to_all_uneven_differentiable(
 ) -> torch.Tensor:
     """``[sum(send), ...] -> [sum(receive), ...]``: ``send[s]`` rows go to rank ``s``; differentiable."""
     return _AllToAllUneven.apply(topology, x, send, receive)
+
+
+def all_reduce_identity_backward(topology: ColumnTopology, x: torch.Tensor) -> torch.Tensor:
+    """Sum ``x`` over the ranks; the backward passes the gradient through unchanged (column sums)."""
+    return _AllReduceSum.apply(topology, x)

@@ -22,11 +22,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .collectives import all_gather_differentiable, all_to_all_differentiable, all_to_all_uneven_differentiable
+from .collectives import (
+    all_gather_differentiable,
+    all_reduce_identity_backward,
+    all_to_all_differentiable,
+    all_to_all_uneven_differentiable,
+)
 from .groups import RankLayout, describe_differences
 from .topology import ReduceOp, Topology, check_leading
 
 __all__ = [
+    "ColumnTopology",
     "DistributedTopology",
 ]
 
@@ -296,6 +302,57 @@ class DistributedTopology(Topology):
             f"{self.__class__.__name__}(rank={self._rank}, n_shard={self.n_shard}, replicas={self.replicas}, "
             f"grouping={self.layout.grouping!r})"
         )
+
+
+class ColumnTopology(DistributedTopology):
+    """The encoding partition on a process group: every rank holds all rows, rank ``r`` column part ``r``.
+
+    The row axis has one shard, held by every rank, so the shard collectives are local; what the
+    ranks share is the column axis: :meth:`column_sum` all-reduces partial results (backward: the
+    identity), and sums of table quantities (:meth:`shard_all_reduce`, e.g. gradient norms for
+    clipping) run over all ranks, each holding different columns. :attr:`bytes_sent` counts the
+    column sums as a ring all-reduce sends them, ``2 (c - 1) / c`` times the payload.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None):
+        """Use an initialised process group (default: the world); one column part per rank."""
+        super().__init__(group)
+        self.n_shard = 1
+        self.local_shards = (0,)
+        self.n_column = self.layout.world_size
+        self.local_columns = (self._rank,)
+
+    def all_to_all(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        check_leading(x, 1, 1)
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        check_leading(x, 1)
+        return x.unsqueeze(1)
+
+    def gather_shards(self, x: torch.Tensor) -> torch.Tensor | None:  # noqa: D102
+        check_leading(x, 1)
+        return x.detach() if self._rank == 0 else None
+
+    def shard_all_reduce(self, x: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:  # noqa: D102
+        return self._all_reduce(x, op, self.group)  # the table's columns are spread over all ranks
+
+    def column_sum(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        check_leading(x, 1)
+        return all_reduce_identity_backward(self, x[0])
+
+    def row_topology(self) -> DistributedTopology:
+        """Return the token topology of the same ranks (rank ``r`` holds row shard ``r``; no new group)."""
+        return DistributedTopology(self.group)
+
+    def column_all_reduce_primitive(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over the ranks (the primitive of :meth:`column_sum`), counting a ring all-reduce's bytes."""
+        y = self._all_reduce(x, "sum", self.group)
+        self.bytes_sent += 2 * (self.n_column - 1) * x.numel() * x.element_size() // self.n_column
+        return y
+
+    def __repr__(self) -> str:
+        return f"{self.__class__.__name__}(rank={self._rank}, n_column={self.n_column})"
 
 
 def reduce_op(op: ReduceOp) -> Any:

@@ -20,6 +20,11 @@ A process holds ``L`` of the ``n_shard`` shards ("local shards"). Two kinds of c
     number of rows for every shard (one local shard only; the collective token lookup,
     :mod:`pykeen_bess.distributed.lookup`);
 
+* **along the column axis** (the encoding partition, :mod:`pykeen_bess.encoding`): a process holds
+  ``Lc`` of the ``n_column`` column parts of every row; :meth:`Topology.column_sum` sums partial
+  results ``[Lc, ...] -> [...]`` over all parts, differentiably (its backward is the identity on
+  every part). Token (row) topologies have one column part.
+
 * **over the processes** (not differentiable): :meth:`~Topology.all_reduce` (sum or maximum,
   complex tensors as their real view), :meth:`~Topology.all_reduce_coalesced` (many tensors in one
   call per dtype), :meth:`~Topology.broadcast_`, :meth:`~Topology.broadcast_object`,
@@ -57,6 +62,10 @@ class Topology(ABC):
     n_shard: int
     #: the shards held by this process, in the order of the leading local axis
     local_shards: tuple[int, ...]
+    #: the number of column parts of every row (the encoding partition; 1: whole rows)
+    n_column: int = 1
+    #: the column parts held by this process
+    local_columns: tuple[int, ...] = (0,)
 
     # -- layout ----------------------------------------------------------------------------------
 
@@ -183,6 +192,22 @@ class Topology(ABC):
         """
         return self.all_to_all(x).sum(dim=1)
 
+    # -- along the column axis (differentiable) --------------------------------------------------
+
+    @property
+    def holds_all_columns(self) -> bool:
+        """Whether this process holds every column part of its rows."""
+        return len(self.local_columns) == self.n_column
+
+    def column_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum partial results over all column parts (differentiable; the backward is the identity).
+
+        :param x: shape: ``[Lc, ...]``, the results of the local column parts
+        :returns: shape: ``[...]``, the sum over all ``n_column`` parts (on every process)
+        """
+        check_leading(x, len(self.local_columns))
+        return x.sum(dim=0)
+
     # -- over the processes ----------------------------------------------------------------------
 
     def all_reduce(self, x: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
@@ -246,14 +271,17 @@ class Topology(ABC):
 
 
 class LocalTopology(Topology):
-    """All ``n`` shards in one process: the shard collectives are transposes and broadcasts."""
+    """All ``n`` shards (and all column parts) in one process: the shard collectives are transposes and broadcasts."""
 
-    def __init__(self, n_shard: int):
-        """Hold ``n_shard`` logical shards."""
-        if isinstance(n_shard, bool) or not isinstance(n_shard, int) or n_shard < 1:
-            raise ValueError(f"num_shards must be a positive integer, but is {n_shard!r}.")
+    def __init__(self, n_shard: int, n_column: int = 1):
+        """Hold ``n_shard`` logical shards of rows split in ``n_column`` logical column parts."""
+        for name, value in (("num_shards", n_shard), ("the number of column parts", n_column)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, but is {value!r}.")
         self.n_shard = int(n_shard)
         self.local_shards = tuple(range(self.n_shard))
+        self.n_column = int(n_column)
+        self.local_columns = tuple(range(self.n_column))
 
     def all_to_all(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
         check_leading(x, self.n_shard, self.n_shard)
@@ -269,7 +297,8 @@ class LocalTopology(Topology):
         return x.detach()
 
     def __repr__(self) -> str:
-        return f"{self.__class__.__name__}(n_shard={self.n_shard})"
+        columns = f", n_column={self.n_column}" if self.n_column > 1 else ""
+        return f"{self.__class__.__name__}(n_shard={self.n_shard}{columns})"
 
 
 class ProbeTopology(Topology):
@@ -284,6 +313,8 @@ class ProbeTopology(Topology):
         """Mirror ``topology``'s layout (shards and replicas)."""
         self.n_shard = topology.n_shard
         self.local_shards = topology.local_shards
+        self.n_column = topology.n_column
+        self.local_columns = topology.local_columns
         self._replicas = topology.replicas
         self._replica = topology.replica
 
@@ -312,6 +343,7 @@ def make_topology(
     replicas: int | None = None,
     replica_grouping: str | None = None,
     in_process: bool = False,
+    columns: bool = False,
 ) -> Topology:
     """Choose the topology: a process group (given, initialised, or ``torchrun``'s) or logical shards.
 
@@ -325,15 +357,30 @@ def make_topology(
         :mod:`pykeen_bess.distributed.groups`)
     :param in_process: hold all shards in this process even inside a process group (e.g. to
         evaluate a model that is not sharded over the processes)
+    :param columns: split every row's columns instead of the rows (the encoding partition):
+        ``num_shards`` column parts, one per rank under a process group (:class:`ColumnTopology`)
     :returns: the topology
     :raises ValueError: for settings that do not fit the processes
     """
     from .groups import RankLayout
     from .launch import join_torchrun_group
-    from .process_group import DistributedTopology
+    from .process_group import ColumnTopology, DistributedTopology
 
     if in_process:
         return LocalTopology(1 if num_shards is None else num_shards)
+    if columns:
+        if process_group is None:
+            join_torchrun_group()
+        if process_group is not None or (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            world_size = dist.get_world_size(process_group)
+            if num_shards not in (None, world_size) or (replicas or 1) > 1 or replica_grouping not in (None, "none"):
+                raise ValueError(
+                    f"partition='encoding' holds one column part per rank: leave num_shards unset (or {world_size}) "
+                    f"and do not combine it with replicas (got num_shards={num_shards}, replicas={replicas}, "
+                    f"replica_grouping={replica_grouping!r})."
+                )
+            return ColumnTopology(process_group)
+        return LocalTopology(1, n_column=1 if num_shards is None else num_shards)
     if _is_device_mesh(process_group):
         return _mesh_topology(process_group, num_shards, replicas, replica_grouping)
     if process_group is None:

@@ -6,11 +6,15 @@ adds only how the negatives are scored (:meth:`ExchangeScheme.negative_scores`) 
 costs in bytes (:meth:`ExchangeScheme.negative_cost`):
 
 * :class:`EmbeddingMovingScheme` (``exchange="embedding"``): negative embeddings move to the heads' shard;
-* :class:`ScoreMovingScheme` (``exchange="score"``): queries move to every shard, scores move back.
+* :class:`ScoreMovingScheme` (``exchange="score"``): queries move to every shard, scores move back;
+* :class:`EncodingScheme` (``exchange="encoding"``, the encoding partition of
+  :mod:`pykeen_bess.encoding`): every process holds columns of all rows and scores its columns of
+  the whole batch; one all-reduce of partial scores, no row moves.
 
 ``exchange="auto"`` picks the registered scheme that sends the fewest bytes per step
 (:func:`choose_scheme`), so a new scheme is one new class registered in :data:`scheme_resolver`.
-All schemes give the same scores, losses and gradients (tested).
+The token schemes give the same scores, losses and gradients (tested); the encoding scheme gives
+those of the one-shard plan (tested).
 """
 
 from __future__ import annotations
@@ -25,11 +29,13 @@ from ..representation import ShardedEmbedding
 from ..scoring import SharedCandidateScorer
 from .base import ExchangeScheme
 from .embedding import EmbeddingMovingScheme
+from .encoding import EncodingScheme
 from .score import ScoreMovingScheme
 
 __all__ = [
     "AUTO",
     "EmbeddingMovingScheme",
+    "EncodingScheme",
     "ExchangeScheme",
     "ScoreMovingScheme",
     "choose_scheme",
@@ -45,7 +51,7 @@ AUTO = "auto"
 
 #: the registered exchange schemes (looked up by name, e.g. ``"embedding"``, or class)
 scheme_resolver: ClassResolver[ExchangeScheme] = ClassResolver(
-    [EmbeddingMovingScheme, ScoreMovingScheme],
+    [EmbeddingMovingScheme, ScoreMovingScheme, EncodingScheme],
     base=ExchangeScheme,  # type: ignore[type-abstract]
     suffix="Scheme",
 )
@@ -130,11 +136,19 @@ def resolve_scheme(scheme: str | type[ExchangeScheme]) -> type[ExchangeScheme]:
 
 
 def choose_scheme(
-    n_shard: int, block_size: int, num_negs_per_pos: int, entity_width: int, query_width: int
+    n_shard: int,
+    block_size: int,
+    num_negs_per_pos: int,
+    entity_width: int,
+    query_width: int,
+    partitions: Sequence[str] = ("token",),
 ) -> type[ExchangeScheme]:
-    """Return the registered scheme that sends the fewest bytes per step; ties: the first registered."""
+    """Return the registered scheme that sends the fewest bytes per step; ties: the first registered.
+
+    :param partitions: the entity-table partitions whose schemes are candidates
+    """
     return min(
-        scheme_resolver,
+        (cls for cls in scheme_resolver if cls.partition in partitions),
         key=lambda cls: cls.cost(n_shard, block_size, num_negs_per_pos, entity_width, query_width),
     )
 

@@ -41,6 +41,11 @@ class ExchangeScheme(ABC):
 
     #: other names the scheme is known by (``exchange="embedding"``)
     synonyms: ClassVar[tuple[str, ...]] = ()
+    #: the entity-table partition the scheme works on (``"token"``: rows, ``"encoding"``: columns)
+    partition: ClassVar[str] = "token"
+    #: the weight of a step's terms that every process computes in full, e.g. the encoding
+    #: scheme's scores (1: every process computes its own part of the step)
+    replicated_share: float = 1.0
 
     def __init__(
         self,

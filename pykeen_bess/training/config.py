@@ -29,12 +29,14 @@ from ..schemes import AUTO, ExchangeScheme, resolve_scheme
 
 __all__ = [
     "DEFAULT_NUM_NEGS_PER_POS",
+    "PARTITIONS",
     "SUPPORTED_MODEL_EXAMPLES",
     "BessConfig",
     "check_integer",
     "check_model",
     "check_triples_fit_model",
     "resolve_negative_sampler",
+    "resolve_partition",
     "round_num_negs",
     "run_configuration",
     "verify_same_configuration",
@@ -76,6 +78,8 @@ class BessConfig:
     sparse_updates: bool
     #: bytes a memory probe may use on the CPU (None: half the available memory)
     memory_budget: int | None
+    #: how the entity tables are split: ``"token"`` (rows, BESS's shards) or ``"encoding"`` (columns)
+    partition: str = "token"
 
     @classmethod
     def create(
@@ -87,11 +91,13 @@ class BessConfig:
         seed: Any,
         sparse_updates: Any,
         memory_budget: Any,
+        partition: Any = None,
     ) -> BessConfig:
         """Validate the settings for ``n_shard`` shards.
 
         :raises ValueError: naming the first invalid setting
         """
+        partition, exchange = resolve_partition(partition, exchange)
         scheme = None if exchange == AUTO else resolve_scheme(exchange)
         if corruption not in CORRUPTIONS:
             raise ValueError(f"Unknown corruption={corruption!r}; expected one of {CORRUPTIONS}.")
@@ -104,12 +110,41 @@ class BessConfig:
             seed=check_integer("seed", seed, minimum=0),
             sparse_updates=bool(sparse_updates),
             memory_budget=memory_budget,
+            partition=partition,
         )
 
     @property
     def scheme_name(self) -> str:
         """The name of the scheme (``"auto"`` if it is chosen per block size)."""
         return AUTO if self.scheme is None else self.scheme.get_name()
+
+
+#: the entity-table partitions (seed 001's strategies): rows (BESS's shards) or columns
+PARTITIONS = ("token", "encoding")
+
+
+def resolve_partition(partition: Any, exchange: Any) -> tuple[str, Any]:
+    """Return the partition and the exchange scheme (name or class) of a run, checked against each other.
+
+    ``partition=None`` follows the scheme (``exchange="encoding"`` is the encoding partition);
+    ``exchange=None`` is the partition's default scheme (``"embedding"``, or ``"encoding"``).
+
+    :raises ValueError: for an unknown partition or a scheme of the other partition
+    """
+    if partition is not None and partition not in PARTITIONS:
+        raise ValueError(f"Unknown partition={partition!r}; expected one of {PARTITIONS}.")
+    scheme = None if exchange in (None, AUTO) else resolve_scheme(exchange)
+    if partition is None:
+        partition = scheme.partition if scheme is not None else "token"
+    if exchange is None:
+        exchange = "encoding" if partition == "encoding" else "embedding"
+    if scheme is not None and scheme.partition != partition:
+        raise ValueError(
+            f"exchange={scheme.get_name()!r} works on the {scheme.partition!r} partition, not partition={partition!r}; "
+            f"with partition='encoding' use exchange='encoding' (or 'auto'), with partition='token' 'embedding', "
+            f"'score' or 'auto'."
+        )
+    return partition, exchange
 
 
 def check_integer(name: str, value: Any, minimum: int, hint: str = "") -> int:
@@ -262,7 +297,10 @@ def run_configuration(loop: Any, triples_factory: CoreTriplesFactory, **train_kw
         loss=repr(model.loss),
         num_entities=model.num_entities,
         num_relations=model.num_relations,
-        entity_tables=[(t.row_width, str(t.weight.dtype)) for t in loop.tables],
+        entity_tables=[
+            (e._embeddings.weight.shape[1], str(t.weight.dtype)) for e, t in zip(loop.tables.embeddings, loop.tables)
+        ],
+        partition=config.partition,
         replicated_parameters=dense,
         optimizer=loop.optimizer_cls.__name__,
         optimizer_kwargs=sorted((k, repr(v)) for k, v in loop.optimizer_kwargs.items()),

@@ -28,6 +28,7 @@ from pykeen.triples import CoreTriplesFactory
 
 from ..batch import BessBatch
 from ..distributed import Topology, make_topology
+from ..encoding import check_encoding_model
 from ..optim import BessOptimizer, optimizer_hyperparameters
 from ..partition import ShardPairPartition
 from ..sampling import BessSampler, Corruption
@@ -42,6 +43,7 @@ from .config import (
     check_model,
     check_triples_fit_model,
     resolve_negative_sampler,
+    resolve_partition,
     round_num_negs,
 )
 from .epochs import run_epochs
@@ -81,7 +83,8 @@ class BessTrainingLoop(SLCWATrainingLoop):
         triples_factory: CoreTriplesFactory,
         *,
         num_shards: int | None = None,
-        exchange: str | type[ExchangeScheme] = "embedding",
+        exchange: str | type[ExchangeScheme] | None = None,
+        partition: str | None = None,
         corruption: Corruption = "ht",
         num_negs_per_pos: int | None = None,
         seed: int | None = None,
@@ -105,9 +108,16 @@ class BessTrainingLoop(SLCWATrainingLoop):
         :param num_shards: the number of entity shards ``n``; defaults to the world size inside a
             ``torch.distributed`` process group, else 1. In one process all ``n`` shards are held
             as logical shards.
-        :param exchange: the exchange scheme (:mod:`pykeen_bess.schemes`): ``"embedding"`` (move tail
-            and negative embeddings to the heads' shard), ``"score"`` (gather queries, move negative
-            scores), a scheme class, or ``"auto"`` (the scheme that moves the fewest bytes per step)
+        :param exchange: the exchange scheme (:mod:`pykeen_bess.schemes`): ``"embedding"`` (default of
+            the token partition: move tail and negative embeddings to the heads' shard), ``"score"``
+            (gather queries, move negative scores), ``"encoding"`` (the encoding partition's: sum
+            partial scores of column parts), a scheme class, or ``"auto"`` (the partition's scheme
+            that moves the fewest bytes per step)
+        :param partition: how the entity tables are split over the ``num_shards`` parts (seed 001's
+            strategies): ``"token"`` (rows: BESS's shards; default) or ``"encoding"`` (columns: every
+            part holds ``d / num_shards`` coordinates of all entities, every process sees the whole
+            batch; column-separable interactions only, see :mod:`pykeen_bess.encoding`). Default:
+            what ``exchange`` implies
         :param corruption: corrupt heads (``"h"``), tails (``"t"``) or both (``"ht"``: the first
             half of every block corrupts heads, the second half tails)
         :param num_negs_per_pos: negatives per positive, a multiple of ``num_shards``; also
@@ -159,8 +169,15 @@ class BessTrainingLoop(SLCWATrainingLoop):
             materialize(model, table_storage)
         embeddings = check_model(model)
         er_model = cast(ERModel, model)
+        partition, exchange = resolve_partition(partition, exchange)
+        if partition == "encoding":
+            check_encoding_model(er_model)
         self.topology: Topology = make_topology(
-            num_shards=num_shards, process_group=process_group, replicas=replicas, replica_grouping=replica_grouping
+            num_shards=num_shards,
+            process_group=process_group,
+            replicas=replicas,
+            replica_grouping=replica_grouping,
+            columns=partition == "encoding",
         )
         n_shard = self.topology.n_shard
         layout = getattr(self.topology, "layout", None)
@@ -174,7 +191,7 @@ class BessTrainingLoop(SLCWATrainingLoop):
             # random seed, which hpo_pipeline draws per process) is used everywhere
             seed = self.topology.broadcast_object(seed)
         self.config = BessConfig.create(
-            n_shard, exchange, corruption, num_negs_per_pos, seed, sparse_updates, memory_budget
+            n_shard, exchange, corruption, num_negs_per_pos, seed, sparse_updates, memory_budget, partition
         )
         self.sharding = EntitySharding.create(model.num_entities, n_shard, seed=self.config.seed)
         self.tables, self.memory_plan = create_tables(
@@ -204,8 +221,13 @@ class BessTrainingLoop(SLCWATrainingLoop):
         #: the step runner of the current (or last) training
         self.runner: StepRunner | None = None
         self._partition: tuple[torch.Tensor, int, ShardPairPartition] | None = None
+        columns = f"{self.topology.n_column} column parts of every row, " if partition == "encoding" else ""
         logger.info(
-            "BESS: %s; exchange=%s, corruption=%s", self.sharding.describe(), self.config.scheme_name, corruption
+            "BESS: %s%s; exchange=%s, corruption=%s",
+            columns,
+            self.sharding.describe(),
+            self.config.scheme_name,
+            corruption,
         )
 
     # -- parts ---------------------------------------------------------------------------------
@@ -256,6 +278,7 @@ class BessTrainingLoop(SLCWATrainingLoop):
                 num_negs_per_pos=self.config.num_negs_per_pos,
                 entity_width=sum(table.row_width for table in self.tables),
                 query_width=query_width(self.scorer, self.model, self.tables.tables),  # type: ignore[arg-type]
+                partitions=(self.config.partition,),
             )
             logger.info("exchange='auto' chose %s for blocks of %d slots.", scheme.get_name(), block_size)
         return scheme(

@@ -146,10 +146,14 @@ class StepRunner:
             )
             # the terms the scheme did not weigh (e.g. weight regularizers) are replicated: add this
             # process' share of this sub-batch
-            share = (stop - start) / batch.block_size * self.topology.n_local / self.topology.n_shard
-            loss = (loss + self.collect_regularization_term() * share).sum()  # regularizer terms have shape [1]
+            replicated = self.scheme.replicated_share
+            share = (stop - start) / batch.block_size * self.topology.n_local / self.topology.n_shard * replicated
+            extra = self.collect_regularization_term() * share
+            loss = (loss + extra).sum()  # regularizer terms have shape [1]
             loss.backward()
-            total += loss.detach().to(total)
+            # terms every process computes in full (the encoding scheme's scores) count with its share
+            own = torch.as_tensor(extra + scores.replicated_regularization).sum().detach().to(total)
+            total += (loss.detach().to(total) - own) * replicated + own
             self.post_forward_pass()
         return total
 

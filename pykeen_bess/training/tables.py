@@ -8,6 +8,8 @@ manager). What happens afterwards is the one thing that differs between the back
   original embeddings, so the trained model is an ordinary PyKEEN model;
 * :class:`DistributedShardTables` (each process holds some shards): no process holds the full
   table, so the model stays sharded (see :mod:`pykeen_bess.distributed.export`);
+* :class:`~pykeen_bess.training.column_tables.ColumnShardTables` (each process holds a column part
+  of every row, the encoding partition): after training the parts become row shards;
 * :class:`StoredShardTables` (one process holds every shard, in host memory or files,
   :mod:`pykeen_bess.storage`): the tables stay in their tier and in the model, which answers
   every lookup by reading rows to its device (the full table need not fit there).
@@ -164,7 +166,11 @@ class ShardTables:
     ) -> ShardTables:
         """Choose the back end by whether this process holds every shard and where the tables live."""
         kind: type[ShardTables]
-        if not topology.holds_all_shards:
+        if not topology.holds_all_columns:
+            from .column_tables import ColumnShardTables
+
+            kind = ColumnShardTables
+        elif not topology.holds_all_shards:
             kind = DistributedShardTables
         elif storage is not None and not storage.is_parameter:
             kind = StoredShardTables

@@ -1,0 +1,395 @@
+"""The encoding (column) partition: every process holds all entities, ``d / c`` coordinates of each.
+
+Seed 001's *encoding strategy* splits the coordinates of every row over ``c`` column parts instead
+of splitting the rows (the *token strategy*, BESS's shards). For an interaction whose score is
+``g(sum_i f(h_i, r_i, t_i))`` over coordinates ``i`` ("column-separable"), every part scores its
+coordinates, one sum over the parts gives the full score
+(:meth:`~pykeen_bess.distributed.Topology.column_sum`, whose backward is the identity), and no
+row ever moves. This module holds what that needs, written once for logical parts in one
+process and for one part per rank:
+
+* :class:`ColumnSplit`: which coordinates part ``k`` holds (near-equal parts, any ``d``);
+* :class:`SeparableScoring`: the partial scorer of an interaction (norms as power sums) and how
+  the summed partial scores become scores (``-(-s)^(1/p)``); a clear error for interactions that
+  are not separable;
+* :class:`ColumnNorm`, :class:`ColumnRegularizer`: constrainers / normalizers (unit or clamped L2
+  norm) and Lp / power-sum regularizers of rows whose coordinates are spread over processes, with
+  the row norms summed over the parts;
+* :func:`column_embedding`: the embedding of one part of a table, initialised with the part's
+  coordinates of exactly the values a whole table gets from the same seed;
+* :func:`rows_from_columns`: after training on several processes, the column parts become row
+  shards (one all-to-all), so the model is evaluated, queried and exported as any sharded model.
+
+Complex coordinates (ComplEx, RotatE) and the paired axes of a coordinate stay together: the
+split runs along the first axis of every representation's shape.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import math
+from collections.abc import Sequence
+from typing import Any, cast
+
+import numpy as np
+import torch
+from pykeen.models import ERModel
+from pykeen.nn.init import PretrainedInitializer
+from pykeen.nn.modules import (
+    ComplExInteraction,
+    CPInteraction,
+    DistMAInteraction,
+    DistMultInteraction,
+    Interaction,
+    LineaREInteraction,
+    PairREInteraction,
+    RotatEInteraction,
+    SimplEInteraction,
+    TransEInteraction,
+    TripleREInteraction,
+    UMInteraction,
+)
+from pykeen.nn.representation import Embedding
+from pykeen.regularizers import LpRegularizer, NoRegularizer, PowerSumRegularizer, Regularizer
+from pykeen.utils import clamp_norm, complex_normalize, get_expected_norm
+
+from .interactions import InterHTInteraction, TranSInteraction
+from .scoring import SharedCandidateScorer, Side, get_scorer
+from .scoring.base import squared_modulus
+
+__all__ = [
+    "INNER_PRODUCT_INTERACTIONS",
+    "NORM_INTERACTIONS",
+    "ColumnNorm",
+    "ColumnRegularizer",
+    "ColumnSplit",
+    "SeparableScoring",
+    "check_encoding_model",
+    "column_embedding",
+    "rows_from_columns",
+    "slice_columns",
+]
+
+#: interactions whose score is a sum over coordinates
+INNER_PRODUCT_INTERACTIONS: tuple[type[Interaction], ...] = (
+    DistMultInteraction,
+    ComplExInteraction,
+    SimplEInteraction,
+    CPInteraction,
+    DistMAInteraction,
+)
+#: interactions whose score is ``-||x||_p`` (or ``-||x||_p^p``) of a coordinate-wise ``x``
+NORM_INTERACTIONS: tuple[type[Interaction], ...] = (
+    TransEInteraction,
+    UMInteraction,
+    RotatEInteraction,
+    PairREInteraction,
+    TripleREInteraction,
+    LineaREInteraction,
+    InterHTInteraction,
+    TranSInteraction,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ColumnSplit:
+    """``dim`` coordinates in ``n_part`` consecutive parts of near-equal size (the first ``dim % n`` one larger)."""
+
+    #: the number of coordinates of a row (the first axis of the representations' shape)
+    dim: int
+    #: the number of column parts
+    n_part: int
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.n_part <= self.dim:
+            raise ValueError(
+                f"The encoding partition splits the {self.dim} coordinates of every row into {self.n_part} "
+                f"parts; use at most {self.dim} parts."
+            )
+
+    @property
+    def sizes(self) -> list[int]:
+        """The number of coordinates of every part."""
+        return [len(part) for part in np.array_split(np.arange(self.dim), self.n_part)]
+
+    def bounds(self, part: int) -> tuple[int, int]:
+        """Return the coordinates ``[start, stop)`` of a part."""
+        sizes = self.sizes
+        start = sum(sizes[:part])
+        return start, start + sizes[part]
+
+
+def slice_columns(x: torch.Tensor, shape: Sequence[int], start: int, stop: int) -> torch.Tensor:
+    """Take coordinates ``[start, stop)`` of representations ``[*, *shape]`` along the first axis of ``shape``."""
+    return x.narrow(x.ndim - len(shape), start, stop - start)
+
+
+def check_encoding_model(model: ERModel) -> int:
+    """Check that a model can be trained column-partitioned; return its number of coordinates ``d``.
+
+    :raises ValueError: naming what is not separable (the interaction, a representation's shape,
+        dropout) and the alternatives
+    """
+    SeparableScoring.check(model.interaction)
+    shapes = {tuple(r.shape) for r in [*model.entity_representations, *model.relation_representations]}
+    dims = {shape[0] for shape in shapes if shape}
+    if len(dims) != 1 or any(not shape for shape in shapes):
+        raise ValueError(
+            f"partition='encoding' splits the first axis of every representation, which must be the same for "
+            f"entities and relations; this model's shapes are {sorted(shapes)}. Use partition='token'."
+        )
+    if any(getattr(r, "dropout", None) is not None for r in model.entity_representations):
+        raise ValueError("partition='encoding' does not support entity dropout (its masks depend on the parts).")
+    return dims.pop()
+
+
+class SeparableScoring:
+    """Partial scores of a column part, and how the sum of all parts' partial scores becomes the score.
+
+    Inner-product interactions: the partial score is the interaction on the part's coordinates
+    and the score is the sum. Norm interactions ``-||x||_p``: the partial score is
+    ``-sum_i |x_i|^p`` over the part (the interaction with ``power_norm=True``) and the score is
+    ``-(-s)^(1/p)`` (``s`` itself for ``power_norm=True`` or ``p = 1``).
+    """
+
+    def __init__(self, model: ERModel):
+        """Build the partial scorer of a model's interaction (checked by :meth:`check`)."""
+        interaction = self.check(model.interaction)
+        self.p: float = 1.0
+        self.root = False
+        #: RotatE's own forward always returns ``-||x||_2`` (PyKEEN ignores its ``power_norm``)
+        self.fixed_norm = isinstance(interaction, RotatEInteraction)
+        partial = interaction
+        if isinstance(interaction, NORM_INTERACTIONS):
+            norm: Any = interaction
+            self.p = 2.0 if self.fixed_norm else float(norm.p)
+            self.root = self.fixed_norm or (not norm.power_norm and self.p != 1.0)
+            partial = copy.copy(interaction)  # shares the parameters; scores power sums
+            partial.power_norm = True  # type: ignore[assignment]
+        #: the interaction of a part's coordinates (PyKEEN's forward, for aligned triples)
+        self.partial = partial
+        #: the scorer of a part's coordinates
+        self.scorer: SharedCandidateScorer = get_scorer(
+            partial,
+            entity_representations=model.entity_representations,
+            relation_representations=model.relation_representations,
+            allow_slow=False,
+        )
+        if isinstance(interaction, NORM_INTERACTIONS) and not getattr(self.scorer, "power_norm", True):
+            self.scorer.power_norm = True  # type: ignore[attr-defined]  # a scorer with a fixed norm (RotatE's)
+
+    @staticmethod
+    def check(interaction: Interaction) -> Interaction:
+        """Return the interaction if it is column-separable.
+
+        :raises ValueError: naming the separable interactions and ``partition='token'``
+        """
+        separable = isinstance(interaction, (*INNER_PRODUCT_INTERACTIONS, *NORM_INTERACTIONS)) and type(
+            interaction
+        ) in (*INNER_PRODUCT_INTERACTIONS, *NORM_INTERACTIONS)
+        p = getattr(interaction, "p", 1)
+        if separable and isinstance(interaction, NORM_INTERACTIONS) and not isinstance(interaction, RotatEInteraction):
+            separable = isinstance(p, (int, float)) and 0 < p < math.inf
+        if not separable:
+            names = ", ".join(
+                cls.__name__.removesuffix("Interaction") for cls in (*INNER_PRODUCT_INTERACTIONS, *NORM_INTERACTIONS)
+            )
+            raise ValueError(
+                f"partition='encoding' needs a column-separable interaction (a score summed over coordinates, or a "
+                f"finite p-norm of one); {type(interaction).__name__} (p={p!r}) is not. Separable: {names}. For "
+                f"other interactions use partition='token' (exchange='embedding' or 'score')."
+            )
+        return interaction
+
+    def positive(self, h: Any, r: Any, t: Any) -> torch.Tensor:
+        """Partial scores of aligned triples ``[*]`` by PyKEEN's own interaction (as the token schemes score them)."""
+        scores = self.partial(h=h, r=r, t=t)
+        return -scores.square() if self.fixed_norm else scores
+
+    def negative(self, side: Side, known: Any, r: Any, candidates: Any) -> torch.Tensor:
+        """Partial scores ``[*B, b, K]`` of queries ``[*B, b]`` against shared candidates ``[*B, K]``."""
+        return self.scorer.score(side, self.scorer.query(side, known, r), self.scorer.candidates(side, candidates))
+
+    def finish(self, total: torch.Tensor) -> torch.Tensor:
+        """Turn the sum of all parts' partial scores into scores."""
+        if not self.root:
+            return total
+        eps = torch.finfo(total.dtype).eps
+        return -(((-total).clamp_min(eps**self.p)) ** (1.0 / self.p))
+
+
+def _function_of(callable_: Any) -> tuple[Any, dict[str, Any]]:
+    """Return the function and keyword arguments of a (partially applied) constrainer / normalizer."""
+    if isinstance(callable_, functools.partial):
+        return callable_.func, dict(callable_.keywords)
+    return callable_, {}
+
+
+class ColumnNorm:
+    """A constrainer or normalizer of rows whose coordinates are spread over column parts.
+
+    ``normalize`` (unit L2 norm) and ``clamp_norm`` (L2 norm at most ``maxnorm``) need the norm of
+    the whole row: the parts' squared norms are summed (:meth:`Topology.column_sum`) first.
+    ``complex_normalize`` acts per coordinate and runs as it is.
+    """
+
+    def __init__(self, function: Any, topology: Any, role: str):
+        """Wrap a constrainer / normalizer (``role`` names it in errors).
+
+        :raises ValueError: for functions that are not per coordinate or an L2 row norm
+        """
+        self.function = function
+        self.topology = topology
+        base, kwargs = _function_of(function)
+        self.kind = {
+            torch.nn.functional.normalize: "normalize",
+            clamp_norm: "clamp",
+            complex_normalize: "coordinate",
+        }.get(base)
+        p = kwargs.get("p", 2 if base is torch.nn.functional.normalize else "fro")
+        if self.kind is None or p not in (2, 2.0, "fro") or kwargs.get("dim", -1) not in (-1, 1):
+            raise ValueError(
+                f"partition='encoding' over several processes supports the {role}s normalize, clamp_norm (L2) and "
+                f"complex_normalize, not {function!r}; use partition='token'."
+            )
+        self.maxnorm = kwargs.get("maxnorm")
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply to rows ``[*, d_part]`` of this process' column part."""
+        if self.kind == "coordinate":
+            return self.function(x)
+        squared = squared_modulus(x).sum(dim=-1)
+        norm = self.topology.column_sum(squared.unsqueeze(0)).sqrt().unsqueeze(-1)
+        if self.kind == "normalize":
+            return x / norm.clamp_min(1e-12)
+        mask = (norm < self.maxnorm).to(norm.dtype)
+        return mask * x + (1 - mask) * (x / norm.clamp_min(torch.finfo(norm.dtype).eps) * self.maxnorm)
+
+
+class ColumnRegularizer(Regularizer):
+    """PyKEEN's Lp / power-sum regularizer of rows whose coordinates are spread over column parts.
+
+    The per-row power sums of the parts are summed over the parts (differentiably), then the
+    regularizer's norm and normalisation by the full dimension apply, so every part computes the
+    whole term.
+    """
+
+    def __init__(self, regularizer: Regularizer, topology: Any, dim: int):
+        """Wrap ``regularizer`` (its weight and settings) for rows of ``dim`` coordinates in all.
+
+        :raises ValueError: for other regularizers
+        """
+        if type(regularizer) not in (LpRegularizer, PowerSumRegularizer) or regularizer.dim != -1:
+            raise ValueError(
+                f"partition='encoding' over several processes supports LpRegularizer and PowerSumRegularizer "
+                f"(dim=-1), not {regularizer!r}; use partition='token'."
+            )
+        super().__init__(weight=1.0, apply_only_once=regularizer.apply_only_once)
+        # the same buffers (dtype: a model made double keeps its terms in float64)
+        self.weight = regularizer.weight.detach().clone()
+        self.regularization_term = torch.zeros_like(regularizer.regularization_term)
+        self.base = regularizer
+        self.topology = topology
+        self.full_dim = dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        p = float(cast(Any, self.base).p)
+        partial = x.abs().pow(p).sum(dim=-1)
+        value = self.topology.column_sum(partial.unsqueeze(0))
+        if isinstance(self.base, LpRegularizer):
+            value = value ** (1.0 / p)
+            if self.base.normalize:
+                value = value / get_expected_norm(p=p, d=self.full_dim)
+        elif self.base.normalize:
+            value = value / self.full_dim
+        return value.mean()
+
+
+class _PartInitializer(PretrainedInitializer):
+    """The values of one column part: the part's coordinates of the whole table's initial values.
+
+    :attr:`tensor` is drawn when the table is reset, not kept.
+    """
+
+    def __init__(self, embedding: Embedding, split: ColumnSplit, part: int, seed: int, table_index: int):
+        self.embedding = embedding
+        self.split = split
+        self.part = part
+        self.seed = seed
+        self.table_index = table_index
+
+    @property  # type: ignore[override,unused-ignore]
+    def tensor(self) -> torch.Tensor:  # type: ignore[override,unused-ignore]
+        """Draw the whole table as a token table from the same seed does, and keep the part's coordinates."""
+        from .representation import draw_full_table
+
+        full = draw_full_table(self.embedding, self.seed, self.table_index)
+        start, stop = self.split.bounds(self.part)
+        rows = full.view(full.shape[0], self.split.dim, -1)[:, start:stop]
+        return rows.reshape(full.shape[0], -1)
+
+
+def column_embedding(
+    embedding: Embedding, split: ColumnSplit, part: int, topology: Any, seed: int, table_index: int
+) -> Embedding:
+    """Return the embedding of one column part of a table, for a process holding only that part.
+
+    Its initial values are the part's coordinates of the whole table's (the same seed); its
+    constrainer, normalizer and regularizer see whole rows through column sums; dropout is refused
+    (:func:`check_encoding_model`).
+    """
+    start, stop = split.bounds(part)
+    weight = embedding._embeddings.weight
+    dtype = weight.dtype
+    if embedding.is_complex:
+        dtype = torch.complex128 if dtype == torch.float64 else torch.complex64
+    shape = (stop - start, *embedding.shape[1:])
+    with torch.random.fork_rng(devices=[]):  # torch's own initialisation of the placeholder must not draw
+        result = Embedding(max_id=0, shape=shape, dtype=dtype, trainable=weight.requires_grad)
+    result.max_id = embedding.max_id
+    result._embeddings.weight.data = result._embeddings.weight.data.to(weight.device)  # [0, width]: never used
+    result.initializer = _PartInitializer(embedding, split, part, seed, table_index)
+    result.constrainer = (
+        None if embedding.constrainer is None else ColumnNorm(embedding.constrainer, topology, "constrainer")
+    )
+    result.normalizer = (
+        None if embedding.normalizer is None else ColumnNorm(embedding.normalizer, topology, "normalizer")
+    )
+    regularizer = embedding.regularizer
+    if regularizer is not None and not isinstance(regularizer, NoRegularizer):
+        result.regularizer = ColumnRegularizer(regularizer, topology, split.dim)
+    return result
+
+
+def rows_from_columns(
+    table: Any, embedding: Embedding, sharding: Any, topology: Any, seed: int, table_index: int, split: ColumnSplit
+) -> Any:
+    """Redistribute a column-partitioned table to row shards: one all-to-all, each process gets whole rows.
+
+    :param table: this process' column part of the table (a :class:`~pykeen_bess.representation.ShardedEmbedding`
+        holding all rows)
+    :param embedding: the model's embedding of the table (whole rows: shape, constrainer, ...)
+    :param sharding: the row sharding to build, one shard per process of ``topology``
+    :param topology: the token topology over the same processes (part ``k`` is held by the process of shard ``k``)
+    :param seed: the run's seed
+    :param table_index: the table's position among the entity representations
+    :param split: the column split
+    :returns: a :class:`~pykeen_bess.representation.ShardedEmbedding` of this process' row shard, whole rows
+    """
+    from .representation import ShardedEmbedding
+
+    rows = ShardedEmbedding(embedding, sharding, topology.local_shards, seed=seed, table_index=table_index)
+    rows.topology = topology
+    ids = sharding.shard_entities  # [c, S]: the rows every shard (process) gets
+    with torch.no_grad():
+        values = table.weight.detach()[table.entity_rows[ids.clamp_min(0)].view(-1)].view(*ids.shape, -1)
+        values = values * (ids >= 0).unsqueeze(-1).to(values.dtype)
+        inner = rows.row_width // split.dim
+        width = max(split.sizes) * inner
+        padded = torch.nn.functional.pad(values, (0, width - values.shape[-1]))
+        received = topology.all_to_all(padded.unsqueeze(0))[0]  # [c (column part), S, width]
+        pieces = [received[part, :, : size * inner] for part, size in enumerate(split.sizes)]
+        rows.weight.copy_(torch.cat(pieces, dim=-1).to(rows.weight))
+    return rows

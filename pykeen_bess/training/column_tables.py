@@ -1,0 +1,116 @@
+"""The entity tables of the encoding partition over processes: one column part of every row per rank.
+
+:class:`ColumnShardTables` is the :class:`~pykeen_bess.training.tables.ShardTables` back end of a
+:class:`~pykeen_bess.distributed.ColumnTopology`: every rank holds all rows with the coordinates
+of its column part (:func:`~pykeen_bess.encoding.column_embedding`: initial values are the
+part's coordinates of the whole table's, constraints and regularizers see whole rows through
+column sums). After training the parts are redistributed to row shards
+(:func:`~pykeen_bess.encoding.rows_from_columns`, one all-to-all): the model then holds a
+row-sharded table on every rank, like a model trained with ``partition="token"``, which
+``BessEvaluator``, ``predict_top_k``, ``score_hrt`` and the export serve.
+
+(With all column parts in one process the tables are whole and :class:`LocalShardTables` serves.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import cast
+
+import torch
+from pykeen.models import ERModel
+from pykeen.nn.representation import Embedding
+
+from ..distributed import Topology
+from ..encoding import ColumnSplit, check_encoding_model, column_embedding, rows_from_columns
+from ..optim import BessOptimizer, RowwiseAdagrad
+from ..sharding import EntitySharding
+from ..storage import TableStorage
+from .tables import ShardTables
+
+__all__ = [
+    "ColumnShardTables",
+]
+
+
+class ColumnShardTables(ShardTables):
+    """One column part of every row per process; row shards after training."""
+
+    def __init__(
+        self,
+        model: ERModel,
+        embeddings: Sequence[Embedding],
+        sharding: EntitySharding,
+        topology: Topology,
+        seed: int,
+        storage: TableStorage | None = None,
+    ):
+        """Create this process' column part of every table (see :class:`ShardTables`).
+
+        :raises ValueError: for a storage tier outside the model (not supported with column parts)
+        """
+        if storage is not None and not storage.is_parameter:
+            raise ValueError(
+                f"partition='encoding' over several processes keeps its column parts on the device; "
+                f"storage={storage.name!r} is supported with partition='token'."
+            )
+        #: the coordinates of every column part
+        self.split = ColumnSplit(check_encoding_model(model), topology.n_column)
+        #: the column part of this process
+        self.part = topology.local_columns[0]
+        parts = [
+            column_embedding(embedding, self.split, self.part, topology, seed, index)
+            for index, embedding in enumerate(embeddings)
+        ]
+        super().__init__(model, parts, sharding, topology, seed, storage)
+        self.embeddings = list(embeddings)  # the model's own (whole rows): installed, released, restored
+        self.seed = seed
+        for table in self.tables:
+            table.column_part = self.part  # type: ignore[assignment]  # read by the evaluator's check
+
+    def make_optimizer(  # noqa: D102
+        self, optimizer_cls: type[torch.optim.Optimizer], hyperparameters: dict, sparse_updates: bool
+    ) -> BessOptimizer:
+        if issubclass(optimizer_cls, RowwiseAdagrad):
+            raise ValueError(
+                "RowwiseAdagrad keeps one accumulator per whole row, which partition='encoding' splits over "
+                "processes; use Adam, Adagrad or SGD, or partition='token'."
+            )
+        return super().make_optimizer(optimizer_cls, hyperparameters, sparse_updates)
+
+    def install(self, copy_weights: bool) -> None:  # noqa: D102
+        if copy_weights:
+            raise ValueError(
+                "continue_training with partition='encoding' over several processes is not supported: after "
+                "training the model holds row shards. Export it (pykeen_bess.distributed.export_model) and train "
+                "the loaded model, or train with partition='token'."
+            )
+        super().install(copy_weights)
+
+    def now_hold_weights(self) -> None:  # noqa: D102
+        if self.hold_weights:
+            return
+        for embedding in self.embeddings:  # release the model's whole tables (keep their width)
+            weight = embedding._embeddings.weight
+            weight.data = weight.data.new_empty(0, weight.shape[1])
+        self.hold_weights = True
+
+    def uninstall(self) -> None:
+        """End training: the column parts become row shards of a token topology over the same processes."""
+        for table in self.tables:
+            table.defer_constraints = False
+        if not self.is_installed:
+            return
+        representations = cast(torch.nn.ModuleList, self.model.entity_representations)
+        if self.hold_weights:
+            rows_topology = self.topology.row_topology()  # type: ignore[attr-defined]
+            sharding = EntitySharding.create(self.model.num_entities, rows_topology.n_shard, seed=self.seed)
+            for index, (embedding, table) in enumerate(zip(self.embeddings, self.tables)):
+                representations[index] = rows_from_columns(
+                    table, embedding, sharding, rows_topology, self.seed, index, self.split
+                )
+        else:  # nothing was trained: the model keeps its own tables
+            for index, embedding in enumerate(self.embeddings):
+                representations[index] = embedding
+        self.is_installed = False
+        self.hold_weights = False

@@ -1,0 +1,130 @@
+"""One rank of the encoding-partition tests (started by ``tests/distributed/test_encoding_ranks.py``).
+
+Every scenario trains a float64 model with ``partition="encoding"`` (one column part per rank),
+records the step losses, the bytes the column sums sent and the rank's column part, then (after
+training, when the parts are row shards) evaluates, predicts and exports the model. Writes
+``{output}/{name}/rank{r}.pt``.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from pykeen.datasets import Nations
+from pykeen.training import TrainingCallback
+
+from pykeen_bess.distributed import export_model, init_from_environment
+from pykeen_bess.evaluation import BessEvaluator
+from pykeen_bess.training import BessTrainingLoop
+
+DATASET = Nations()
+
+#: the models of the scenarios (float64, small), by name
+MODELS = {
+    "DistMult": dict(model="DistMult", model_kwargs=dict(embedding_dim=7)),
+    "ComplEx": dict(model="ComplEx", model_kwargs=dict(embedding_dim=5)),
+    "TransE1": dict(model="TransE", model_kwargs=dict(embedding_dim=7, scoring_fct_norm=1)),
+    "TransE2": dict(model="TransE", model_kwargs=dict(embedding_dim=7, scoring_fct_norm=2)),
+    "RotatE": dict(model="RotatE", model_kwargs=dict(embedding_dim=5)),
+    # no constraint or regularizer: only the scores' column sums move (the cost model's case)
+    "TransE-plain": dict(
+        model="TransE", model_kwargs=dict(embedding_dim=7, scoring_fct_norm=2, entity_constrainer=None)
+    ),
+}
+
+
+def build_loop(scenario: dict[str, Any], num_shards: int | None, partition: str) -> BessTrainingLoop:
+    """The loop of a scenario; the single-process reference builds it with one token shard."""
+    from pykeen.models import model_resolver
+
+    dataset = DATASET
+    spec = MODELS[scenario["model"]]
+    model = model_resolver.make(
+        spec["model"], triples_factory=dataset.training, random_seed=0, **spec["model_kwargs"]
+    ).double()
+    optimizer = scenario.get("optimizer", "adam")
+    return BessTrainingLoop(
+        model=model,
+        triples_factory=dataset.training,
+        num_shards=num_shards,
+        partition=partition,
+        num_negs_per_pos=scenario.get("num_negs_per_pos", 6),
+        seed=5,
+        optimizer=optimizer,
+        optimizer_kwargs=dict(lr=0.05 if optimizer == "adam" else 0.1),
+        automatic_memory_optimization=False,
+    )
+
+
+class Recorder(TrainingCallback):
+    """Records the loss of every step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.losses: list[float] = []
+
+    def on_batch(self, epoch: int, batch: Any, batch_loss: float, **kwargs: Any) -> None:
+        self.losses.append(batch_loss)
+
+
+def train(loop: BessTrainingLoop, scenario: dict[str, Any]) -> list[float]:
+    """Train a scenario's epochs; return the step losses."""
+    recorder = Recorder()
+    loop.train(
+        DATASET.training,
+        num_epochs=scenario.get("num_epochs", 2),
+        batch_size=scenario.get("batch_size", 200),
+        sub_batch_size=scenario.get("sub_batch_size"),
+        use_tqdm=False,
+        callbacks=recorder,
+        gradient_clipping_max_norm=scenario.get("gradient_clipping_max_norm"),
+    )
+    return recorder.losses
+
+
+def run(name: str, scenario: dict[str, Any], output: pathlib.Path, rank: int) -> None:
+    """Train, evaluate and export one scenario as this rank."""
+    loop = build_loop(scenario, None, "encoding")
+    topology = loop.topology
+    table = loop.tables[0]
+    result: dict[str, Any] = dict(
+        column_part=topology.local_columns[0], n_column=topology.n_column, part_width=table.row_width
+    )
+    before = topology.bytes_sent
+    result["step_losses"] = train(loop, scenario)
+    result["bytes_sent"] = topology.bytes_sent - before
+    dataset = DATASET
+    metrics = BessEvaluator().evaluate(
+        loop.model,
+        dataset.testing.mapped_triples,
+        additional_filter_triples=[dataset.training.mapped_triples],
+        use_tqdm=False,
+    )
+    result["metrics"] = metrics.to_flat_dict()
+    with torch.no_grad():
+        result["score_hrt"] = loop.model.score_hrt(dataset.testing.mapped_triples[rank : rank + 4]).detach()
+    directory = output / name
+    directory.mkdir(parents=True, exist_ok=True)
+    export_model(loop.model, directory / "model.pt")
+    torch.save(result, directory / f"rank{rank}.pt")
+
+
+def main() -> None:
+    """Run the scenarios ``{"output": ..., "runs": {name: scenario}}`` one after the other."""
+    config = json.loads(sys.argv[1])
+    output = pathlib.Path(config["output"])
+    init_from_environment()
+    rank = dist.get_rank()
+    for name, scenario in config["runs"].items():
+        run(name, scenario, output, rank)
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
