@@ -95,7 +95,16 @@ class EncodingScheme(ExchangeScheme):
         constraints and regularizers add ``2 (n - 1) / n`` values per constrained or regularized row;
         the backward pass sends nothing.
         """
-        return 2 * (n_shard - 1) * n_shard * block_size * (1 + num_negs_per_pos) * element_size
+        return cls.batch_cost(n_shard, n_shard**2 * block_size, num_negs_per_pos, element_size)
+
+    @staticmethod
+    def batch_cost(n_column: int, batch_size: int, num_negs_per_pos: int, element_size: int = 4) -> int:
+        """Return the bytes one process sends per step for a batch of ``B`` slots (the one block of the plan).
+
+        ``2 (c - 1) * B * (1 + K) * element_size // c``: a ring all-reduce of the ``[B, 1 + K]`` partial
+        scores, as :class:`~pykeen_bess.distributed.ColumnTopology` counts it.
+        """
+        return 2 * (n_column - 1) * batch_size * (1 + num_negs_per_pos) * element_size // n_column
 
     @classmethod
     def negative_cost(cls, n: int, b: int, k: int, entity_width: int, query_width: int) -> int:

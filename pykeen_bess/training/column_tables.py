@@ -30,7 +30,26 @@ from .tables import ShardTables
 
 __all__ = [
     "ColumnShardTables",
+    "check_column_training",
 ]
+
+
+def check_column_training(train_kwargs: dict) -> None:
+    """Refuse, before training starts, what the encoding partition over processes does not support yet.
+
+    Checkpoints and early stopping (which evaluates and saves while the tables are column parts).
+
+    :raises ValueError: naming the setting and the alternative
+    """
+    stopper = train_kwargs.get("stopper")
+    if train_kwargs.get("checkpoint_name") is not None or (
+        stopper is not None and type(stopper).__name__ != "NopStopper"
+    ):
+        raise ValueError(
+            "partition='encoding' over several processes does not support checkpoints or early stopping yet (the "
+            "tables are column parts while training); train without them and evaluate afterwards, or use "
+            "partition='token'."
+        )
 
 
 class ColumnShardTables(ShardTables):

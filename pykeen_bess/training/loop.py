@@ -27,16 +27,15 @@ from pykeen.training.training_loop import _get_lr_scheduler_kwargs
 from pykeen.triples import CoreTriplesFactory
 
 from ..batch import BessBatch
-from ..distributed import Topology, make_topology
-from ..encoding import check_encoding_model
+from ..distributed import Topology
 from ..optim import BessOptimizer, optimizer_hyperparameters
 from ..partition import ShardPairPartition
 from ..sampling import BessSampler, Corruption
-from ..schemes import ExchangeScheme, choose_scheme, query_width
-from ..scoring import SharedCandidateScorer, get_scorer
+from ..schemes import EncodingScheme, ExchangeScheme, choose_scheme, query_width
+from ..scoring import SharedCandidateScorer
 from ..sharding import EntitySharding
 from ..storage import TableStorage, make_storage
-from .checkpoints import CHECKPOINT_RETRIEVALS, CheckpointStore, FileCheckpointStore, RankCheckpointStore
+from .checkpoints import CheckpointStore
 from .config import (
     BessConfig,
     check_integer,
@@ -49,7 +48,9 @@ from .config import (
 from .epochs import run_epochs
 from .sizes import StepSizes
 from .step import StepRunner
-from .tables import create_tables, materialize
+from .column_tables import check_column_training
+from .assembly import LoopSettings, assemble, choose_partition
+from .tables import ShardTables, materialize
 
 __all__ = [
     "BessTrainingLoop",
@@ -167,68 +168,40 @@ class BessTrainingLoop(SLCWATrainingLoop):
         table_storage = make_storage(storage, storage_path, storage_kwargs)
         if any(parameter.is_meta for parameter in model.parameters()):  # built without its full tables
             materialize(model, table_storage)
-        embeddings = check_model(model)
-        er_model = cast(ERModel, model)
-        partition, exchange = resolve_partition(partition, exchange)
-        if partition == "encoding":
-            check_encoding_model(er_model)
-        self.topology: Topology = make_topology(
+        # the optimizer the base class built (or the pipeline passed) defines class and hyper-parameters
+        self.optimizer_cls = type(self.optimizer)
+        self.optimizer_kwargs = optimizer_hyperparameters(self.optimizer)
+        #: the settings the partition-dependent parts are built from (again if exchange="auto" changes it)
+        self.settings = LoopSettings(
+            model=cast(ERModel, model),
+            embeddings=check_model(model),
+            storage=table_storage,
             num_shards=num_shards,
             process_group=process_group,
             replicas=replicas,
             replica_grouping=replica_grouping,
-            columns=partition == "encoding",
+            exchange=exchange,
+            partition=partition,
+            corruption=corruption,
+            num_negs_per_pos=num_negs_per_pos,
+            seed=seed,
+            sparse_updates=sparse_updates,
+            memory_budget=memory_budget,
+            checkpoint_retrieval=checkpoint_retrieval,
         )
-        n_shard = self.topology.n_shard
-        layout = getattr(self.topology, "layout", None)
-        if layout is not None and self.topology.is_main_process:
-            logger.info("BESS ranks:\n%s", layout.describe())
-        if n_shard > model.num_entities:
-            raise ValueError(f"num_shards={n_shard} is larger than the number of entities ({model.num_entities}).")
-        if seed is None:
-            seed = model._random_seed if model._random_seed is not None else 0
-            # every rank must shard and sample alike: without an explicit seed, rank 0's (e.g. the pipeline's
-            # random seed, which hpo_pipeline draws per process) is used everywhere
-            seed = self.topology.broadcast_object(seed)
-        self.config = BessConfig.create(
-            n_shard, exchange, corruption, num_negs_per_pos, seed, sparse_updates, memory_budget, partition
-        )
-        self.sharding = EntitySharding.create(model.num_entities, n_shard, seed=self.config.seed)
-        self.tables, self.memory_plan = create_tables(
-            er_model, embeddings, self.sharding, self.topology, self.config.seed, self.optimizer, table_storage
-        )
-        self.scorer: SharedCandidateScorer = get_scorer(
-            er_model.interaction,
-            entity_representations=er_model.entity_representations,
-            relation_representations=er_model.relation_representations,
-        )
-        # the optimizer the base class built (or the pipeline passed) defines class and hyper-parameters
-        self.optimizer_cls = type(self.optimizer)
-        self.optimizer_kwargs = optimizer_hyperparameters(self.optimizer)
-        self.optimizer = self.build_optimizer()
-        if self.lr_scheduler is not None:
-            self.lr_scheduler = self.rebuild_lr_scheduler()
-        if checkpoint_retrieval not in CHECKPOINT_RETRIEVALS:
-            raise ValueError(
-                f"Unknown checkpoint_retrieval={checkpoint_retrieval!r}; expected one of {CHECKPOINT_RETRIEVALS}."
-            )
-        self.checkpoints: CheckpointStore = (
-            RankCheckpointStore(self, all_replicas=checkpoint_retrieval == "all_replicas")
-            if self.topology.is_distributed
-            else FileCheckpointStore(self)
-        )
-        self.sizes = StepSizes(self)
+        self._partition_chosen = False
+        # the topology, settings, sharding, tables, optimizer, checkpoint store and step sizes
+        self.topology: Topology
+        self.config: BessConfig
+        self.sharding: EntitySharding
+        self.tables: ShardTables
+        self.scorer: SharedCandidateScorer
+        self.checkpoints: CheckpointStore
+        self.sizes: StepSizes
         #: the step runner of the current (or last) training
         self.runner: StepRunner | None = None
         self._partition: tuple[torch.Tensor, int, ShardPairPartition] | None = None
-        columns = f"{self.topology.n_column} column parts of every row, " if partition == "encoding" else ""
-        logger.info(
-            "BESS: %s%s; exchange=%s, corruption=%s",
-            columns,
-            self.sharding.describe(),
-            self.config.scheme_name,
-            corruption,
-        )
+        assemble(self, self.settings, resolve_partition(partition, exchange)[0])
 
     # -- parts ---------------------------------------------------------------------------------
 
@@ -271,6 +244,8 @@ class BessTrainingLoop(SLCWATrainingLoop):
     def make_scheme(self, block_size: int, topology: Topology | None = None) -> ExchangeScheme:
         """Return the exchange scheme (``exchange="auto"``: the cheapest for this block size)."""
         scheme = self.config.scheme
+        if scheme is None and self.config.partition == "encoding":
+            scheme = EncodingScheme  # the one scheme of the encoding partition
         if scheme is None:
             scheme = choose_scheme(
                 n_shard=self.topology.n_shard,
@@ -333,6 +308,9 @@ class BessTrainingLoop(SLCWATrainingLoop):
                 self.config, num_negs_per_pos=round_num_negs(num_negs_per_pos, self.topology.n_shard)
             )
         check_triples_fit_model(triples_factory, self.model)
+        choose_partition(self, self.settings, batch_size, kwargs)
+        if not self.topology.holds_all_columns:
+            check_column_training(kwargs)
         # without continue_training the tables are re-initialised (or loaded from a checkpoint)
         with self.tables.installed(copy_weights=bool(kwargs.get("continue_training"))):
             return super().train(

@@ -31,6 +31,7 @@ MODELS = {
     "TransE1": dict(model="TransE", model_kwargs=dict(embedding_dim=7, scoring_fct_norm=1)),
     "TransE2": dict(model="TransE", model_kwargs=dict(embedding_dim=7, scoring_fct_norm=2)),
     "RotatE": dict(model="RotatE", model_kwargs=dict(embedding_dim=5)),
+    "DistMult-wide": dict(model="DistMult", model_kwargs=dict(embedding_dim=64)),
     # no constraint or regularizer: only the scores' column sums move (the cost model's case)
     "TransE-plain": dict(
         model="TransE", model_kwargs=dict(embedding_dim=7, scoring_fct_norm=2, entity_constrainer=None)
@@ -38,7 +39,7 @@ MODELS = {
 }
 
 
-def build_loop(scenario: dict[str, Any], num_shards: int | None, partition: str) -> BessTrainingLoop:
+def build_loop(scenario: dict[str, Any], num_shards: int | None, partition: str | None) -> BessTrainingLoop:
     """The loop of a scenario; the single-process reference builds it with one token shard."""
     from pykeen.models import model_resolver
 
@@ -53,6 +54,8 @@ def build_loop(scenario: dict[str, Any], num_shards: int | None, partition: str)
         triples_factory=dataset.training,
         num_shards=num_shards,
         partition=partition,
+        exchange=scenario.get("exchange") if partition != "token" else None,
+        storage=scenario.get("storage"),
         num_negs_per_pos=scenario.get("num_negs_per_pos", 6),
         seed=5,
         optimizer=optimizer,
@@ -88,16 +91,29 @@ def train(loop: BessTrainingLoop, scenario: dict[str, Any]) -> list[float]:
 
 
 def run(name: str, scenario: dict[str, Any], output: pathlib.Path, rank: int) -> None:
-    """Train, evaluate and export one scenario as this rank."""
-    loop = build_loop(scenario, None, "encoding")
-    topology = loop.topology
-    table = loop.tables[0]
-    result: dict[str, Any] = dict(
-        column_part=topology.local_columns[0], n_column=topology.n_column, part_width=table.row_width
+    """Train, evaluate and export one scenario as this rank (or record the error it must raise)."""
+    directory = output / name
+    directory.mkdir(parents=True, exist_ok=True)
+    if "error" in scenario:
+        try:
+            loop = build_loop(scenario, None, scenario.get("partition", "encoding"))
+            loop.train(DATASET.training, num_epochs=1, batch_size=200, use_tqdm=False, **scenario["error"])
+        except ValueError as error:
+            torch.save(dict(error=str(error)), directory / f"rank{rank}.pt")
+            return
+        raise AssertionError(f"scenario {name} did not raise")
+    loop = build_loop(scenario, None, scenario.get("partition", "encoding"))
+    first = loop.topology
+    before = first.bytes_sent
+    result: dict[str, Any] = dict(step_losses=train(loop, scenario))
+    topology = loop.topology  # exchange="auto" may have chosen the partition at the start of training
+    result.update(
+        bytes_sent=topology.bytes_sent - (before if topology is first else 0),
+        partition=loop.config.partition,
+        column_part=topology.local_columns[0],
+        n_column=topology.n_column,
+        part_width=loop.tables[0].row_width,
     )
-    before = topology.bytes_sent
-    result["step_losses"] = train(loop, scenario)
-    result["bytes_sent"] = topology.bytes_sent - before
     dataset = DATASET
     metrics = BessEvaluator().evaluate(
         loop.model,
@@ -108,8 +124,6 @@ def run(name: str, scenario: dict[str, Any], output: pathlib.Path, rank: int) ->
     result["metrics"] = metrics.to_flat_dict()
     with torch.no_grad():
         result["score_hrt"] = loop.model.score_hrt(dataset.testing.mapped_triples[rank : rank + 4]).detach()
-    directory = output / name
-    directory.mkdir(parents=True, exist_ok=True)
     export_model(loop.model, directory / "model.pt")
     torch.save(result, directory / f"rank{rank}.pt")
 

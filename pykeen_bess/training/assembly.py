@@ -1,0 +1,189 @@
+"""Assembling a BESS training loop for a partition, and ``exchange="auto"`` across partitions.
+
+:func:`assemble` builds everything of a :class:`~pykeen_bess.training.BessTrainingLoop` that
+depends on how the entity tables are partitioned: the process topology, the validated settings,
+the row sharding, the tables and their optimizer, the checkpoint store and the step sizes. The
+loop's constructor calls it once; :func:`choose_partition` may call it again at the start of
+training, when the batch size is known: with ``exchange="auto"`` and no explicit partition, the
+registered scheme of either partition that sends the fewest bytes per step
+(:func:`~pykeen_bess.schemes.choose_scheme`) is chosen, and the reason is logged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from pykeen.models import ERModel
+from pykeen.nn.representation import Embedding
+
+from ..distributed import make_topology
+from ..encoding import ColumnSplit, check_encoding_model
+from ..schemes import AUTO, choose_scheme, query_width, scheme_resolver
+from ..scoring import get_scorer
+from ..sharding import EntitySharding
+from ..storage import TableStorage
+from .checkpoints import CHECKPOINT_RETRIEVALS, FileCheckpointStore, RankCheckpointStore
+from .config import BessConfig
+from .sizes import StepSizes
+from .tables import create_tables
+
+__all__ = [
+    "LoopSettings",
+    "assemble",
+    "choose_partition",
+]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class LoopSettings:
+    """The constructor arguments of a loop that its partition-dependent parts are built from."""
+
+    model: ERModel
+    embeddings: Sequence[Embedding]
+    storage: TableStorage
+    num_shards: int | None
+    process_group: Any
+    replicas: int | None
+    replica_grouping: str | None
+    exchange: Any
+    #: None: the loop chooses (``exchange="auto"`` across partitions, see :func:`choose_partition`)
+    partition: str | None
+    corruption: Any
+    num_negs_per_pos: Any
+    seed: int | None
+    sparse_updates: Any
+    memory_budget: Any
+    checkpoint_retrieval: str
+
+
+def assemble(loop: Any, settings: LoopSettings, partition: str) -> None:
+    """Build the loop's topology, settings, sharding, tables, optimizer, checkpoint store and step sizes.
+
+    :raises ValueError: for settings that do not fit the partition or the processes
+    """
+    model = settings.model
+    columns = partition == "encoding"
+    dim = check_encoding_model(model) if columns else 0
+    loop.topology = topology = make_topology(
+        num_shards=settings.num_shards,
+        process_group=settings.process_group,
+        replicas=settings.replicas,
+        replica_grouping=settings.replica_grouping,
+        columns=columns,
+    )
+    if columns:
+        ColumnSplit(dim, topology.n_column)  # at most one part per coordinate
+    layout = getattr(topology, "layout", None)
+    if layout is not None and topology.is_main_process and not columns:
+        logger.info("BESS ranks:\n%s", layout.describe())
+    n_shard = topology.n_shard
+    if n_shard > model.num_entities:
+        raise ValueError(f"num_shards={n_shard} is larger than the number of entities ({model.num_entities}).")
+    seed = settings.seed
+    if seed is None:
+        seed = model._random_seed if model._random_seed is not None else 0
+        # every rank must shard and sample alike: without an explicit seed, rank 0's (e.g. the pipeline's
+        # random seed, which hpo_pipeline draws per process) is used everywhere
+        seed = topology.broadcast_object(seed)
+    loop.config = BessConfig.create(
+        n_shard,
+        settings.exchange,
+        settings.corruption,
+        settings.num_negs_per_pos,
+        seed,
+        settings.sparse_updates,
+        settings.memory_budget,
+        partition,
+    )
+    loop.sharding = EntitySharding.create(model.num_entities, n_shard, seed=loop.config.seed)
+    loop.tables, loop.memory_plan = create_tables(
+        model, settings.embeddings, loop.sharding, topology, loop.config.seed, loop.optimizer, settings.storage
+    )
+    loop.scorer = get_scorer(
+        model.interaction,
+        entity_representations=model.entity_representations,
+        relation_representations=model.relation_representations,
+    )
+    loop.optimizer = loop.build_optimizer()
+    if loop.lr_scheduler is not None:
+        loop.lr_scheduler = loop.rebuild_lr_scheduler()
+    if settings.checkpoint_retrieval not in CHECKPOINT_RETRIEVALS:
+        raise ValueError(
+            f"Unknown checkpoint_retrieval={settings.checkpoint_retrieval!r}; expected one of {CHECKPOINT_RETRIEVALS}."
+        )
+    loop.checkpoints = (
+        RankCheckpointStore(loop, all_replicas=settings.checkpoint_retrieval == "all_replicas")
+        if topology.is_distributed and not columns
+        else FileCheckpointStore(loop)
+    )
+    loop.sizes = StepSizes(loop)
+    loop.runner = None
+    loop._partition = None
+    logger.info(
+        "BESS: %s%s; exchange=%s, corruption=%s",
+        f"{topology.n_column} column parts of every row, " if columns else "",
+        loop.sharding.describe(),
+        loop.config.scheme_name,
+        settings.corruption,
+    )
+
+
+def choose_partition(loop: Any, settings: LoopSettings, batch_size: int | None, train_kwargs: dict) -> None:
+    """With ``exchange="auto"`` and no partition given: switch to the partition whose scheme sends the fewest bytes.
+
+    Compares every registered scheme's bytes per step for this batch size (token schemes on ``n``
+    row shards, the encoding scheme on ``n`` column parts of the same batch); the encoding
+    partition is a candidate only where it applies (a column-separable model, no replicas, tables
+    on the device, a fresh training, and over processes no checkpoints or early stopping). Chosen
+    once, at the first training with a known batch size; the choice and the costs are logged.
+    """
+    if settings.partition is not None or settings.exchange != AUTO or batch_size is None or loop._partition_chosen:
+        return
+    loop._partition_chosen = True
+    n = loop.topology.n_shard
+    block_size = -(-batch_size // n**2)
+    widths = dict(
+        entity_width=sum(embedding._embeddings.weight.shape[1] for embedding in settings.embeddings),
+        query_width=query_width(loop.scorer, loop.model, loop.tables.tables),
+    )
+    num_negs = loop.config.num_negs_per_pos
+    costs = {cls.get_name(): cls.cost(n, block_size, num_negs, **widths) for cls in scheme_resolver}
+    reason = _encoding_unavailable(loop, settings, train_kwargs)
+    candidates = ("token",) if reason else ("token", "encoding")
+    chosen = choose_scheme(n, block_size, num_negs, partitions=candidates, **widths)
+    logger.info(
+        "exchange='auto': bytes sent per process and step with %d parts and batches of %d: %s%s; chose %r.",
+        n,
+        batch_size,
+        ", ".join(f"{name} {value}" for name, value in costs.items()),
+        f" (encoding not applicable: {reason})" if reason else "",
+        chosen.get_name(),
+    )
+    if chosen.partition == "encoding":
+        assemble(loop, settings, "encoding")
+
+
+def _encoding_unavailable(loop: Any, settings: LoopSettings, train_kwargs: dict) -> str:
+    """Return why the encoding partition cannot replace the token partition here ("" if it can)."""
+    try:
+        check_encoding_model(settings.model)
+        ColumnSplit(settings.model.relation_representations[0].shape[0], loop.topology.n_shard)
+    except ValueError as error:
+        return str(error).split(";")[0]
+    if loop.topology.replicas > 1:
+        return "replicas"
+    if not settings.storage.is_parameter:
+        return f"storage={settings.storage.name!r}"
+    if train_kwargs.get("continue_training"):
+        return "continued training"
+    stopper = train_kwargs.get("stopper")
+    if loop.topology.is_distributed and (
+        train_kwargs.get("checkpoint_name") or (stopper is not None and type(stopper).__name__ != "NopStopper")
+    ):
+        return "checkpoints or early stopping over processes"
+    return ""

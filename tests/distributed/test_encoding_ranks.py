@@ -1,0 +1,123 @@
+"""The encoding partition on 2 and 3 gloo ranks (one column part each) equals the one-shard run in one process."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any
+
+import pytest
+import torch
+from encoding_worker import DATASET, build_loop, train
+
+from pykeen_bess.distributed import harness
+from pykeen_bess.evaluation import BessEvaluator
+from pykeen_bess.schemes import EncodingScheme
+
+pytestmark = pytest.mark.slow
+
+WORKER = pathlib.Path(__file__).with_name("encoding_worker.py")
+
+#: the scenarios of each world size (one launch each)
+SCENARIOS: dict[int, dict[str, dict[str, Any]]] = {
+    2: {
+        "DistMult": dict(model="DistMult"),  # unit-norm constraint and relation regularizer
+        "ComplEx": dict(model="ComplEx"),  # entity Lp regularizer (whole rows through column sums)
+        "TransE1": dict(model="TransE1"),
+        "TransE2": dict(model="TransE2"),
+        "RotatE": dict(model="RotatE"),
+        "TransE-plain": dict(model="TransE-plain"),
+        "sub-batches": dict(model="DistMult", sub_batch_size=50, gradient_clipping_max_norm=0.5, optimizer="sgd"),
+        # exchange="auto" without a partition: wide rows and small batches choose the encoding partition
+        "auto": dict(model="DistMult-wide", exchange="auto", partition=None, batch_size=16, num_epochs=1),
+        "checkpoint": dict(model="DistMult", error=dict(checkpoint_name="x.pt")),
+        "rowwise": dict(model="DistMult", optimizer="rowwise_adagrad", error={}),
+        "storage": dict(model="DistMult", storage="host", error={}),
+        "not-separable": dict(model="DistMult", partition="encoding", exchange="score", error={}),
+    },
+    3: {
+        "DistMult": dict(model="DistMult"),  # 7 coordinates: parts of 3, 2, 2
+        "RotatE": dict(model="RotatE"),  # 5 complex coordinates: 2, 2, 1
+        "TransE-plain": dict(model="TransE-plain"),
+    },
+}
+
+
+@pytest.fixture(scope="module", params=[2, 3])
+def ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[int, dict[str, Any]]:
+    world_size = request.param
+    output = tmp_path_factory.mktemp(f"encoding{world_size}")
+    config = dict(output=str(output), runs=SCENARIOS[world_size])
+    results = harness.launch(world_size, [str(WORKER), json.dumps(config)], timeout=600)
+    assert results.ok, results.report()
+    loaded = {
+        name: [torch.load(output / name / f"rank{rank}.pt", weights_only=False) for rank in range(world_size)]
+        for name in SCENARIOS[world_size]
+    }
+    for name in SCENARIOS[world_size]:
+        if (output / name / "model.pt").exists():
+            loaded[name].append(torch.load(output / name / "model.pt", weights_only=False))
+    return world_size, loaded
+
+
+def trained_scenarios(world_size: int) -> list[str]:
+    return [name for name, scenario in SCENARIOS[world_size].items() if "error" not in scenario]
+
+
+@pytest.mark.parametrize("name", sorted({n for w in SCENARIOS for n in trained_scenarios(w)}))
+def test_training_equals_the_one_shard_run(ranks: tuple[int, dict[str, Any]], name: str) -> None:
+    """Per-step losses, the exported model, metrics and scores on the row shards the parts become."""
+    world_size, results = ranks
+    if name not in trained_scenarios(world_size):
+        pytest.skip(f"no {name} scenario on {world_size} ranks")
+    scenario = SCENARIOS[world_size][name]
+    *per_rank, exported = results[name]
+    reference = build_loop(scenario, 1, "token")
+    losses = train(reference, scenario)
+    model = reference.model
+    for rank, result in enumerate(per_rank):
+        assert result["partition"] == "encoding" and result["column_part"] == rank
+        assert result["step_losses"] == pytest.approx(losses, rel=1e-10, abs=1e-12)
+    assert (
+        sum(result["part_width"] for result in per_rank) == model.entity_representations[0]._embeddings.weight.shape[1]
+    )
+    for ours, theirs in zip(exported.parameters(), model.parameters()):
+        torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-12)
+    metrics = BessEvaluator().evaluate(
+        model,
+        DATASET.testing.mapped_triples,
+        additional_filter_triples=[DATASET.training.mapped_triples],
+        use_tqdm=False,
+    )
+    for rank, result in enumerate(per_rank):
+        assert result["metrics"] == pytest.approx(metrics.to_flat_dict(), rel=1e-9)
+        with torch.no_grad():
+            expected = model.score_hrt(DATASET.testing.mapped_triples[rank : rank + 4])
+        torch.testing.assert_close(result["score_hrt"], expected)
+
+
+def test_bytes_sent_equal_the_cost_model(ranks: tuple[int, dict[str, Any]]) -> None:
+    """Without constraints or regularizers only the scores' column sums move: exactly the cost model."""
+    world_size, results = ranks
+    steps = -(-DATASET.training.num_triples // 200) * 2  # 2 epochs of batches of 200
+    # the one block of 200 slots (the last step's padding slots too) and 6 negatives, float64
+    per_step = EncodingScheme.batch_cost(world_size, 200, 6, element_size=8)
+    for result in results["TransE-plain"][:world_size]:
+        assert result["bytes_sent"] == steps * per_step
+    if world_size == 2:  # the token plan's block size gives the same cost
+        assert EncodingScheme.cost(2, 50, 6, 0, 0, element_size=8) == per_step
+
+
+def test_unsupported_settings_fail_before_training(ranks: tuple[int, dict[str, Any]]) -> None:
+    world_size, results = ranks
+    if world_size != 2:
+        pytest.skip("checked on 2 ranks")
+    messages = {
+        "checkpoint": "does not support checkpoints or early stopping",
+        "rowwise": "RowwiseAdagrad keeps one accumulator per whole row",
+        "storage": "keeps its column parts on the device",
+        "not-separable": "works on the 'token' partition",
+    }
+    for name, message in messages.items():
+        for result in results[name]:
+            assert message in result["error"], (name, result)
