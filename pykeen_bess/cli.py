@@ -43,7 +43,6 @@ DEFAULTS: dict[str, Any] = dict(
     dataset="nations",
     model="DistMult",
     dim=64,
-    exchange="embedding",
     corruption="ht",
     negatives=64,
     batch_size=512,
@@ -120,8 +119,15 @@ def build_parser() -> argparse.ArgumentParser:
     bess.add_argument("--num-shards", type=int, help="entity shards (default: the world size under torchrun, else 2)")
     bess.add_argument(
         "--exchange",
-        choices=["embedding", "score", "auto"],
-        help="exchange scheme: move embeddings, move scores, or the one that moves fewer bytes (default: embedding)",
+        choices=["embedding", "score", "encoding", "auto"],
+        help="exchange scheme: move embeddings, move scores, sum partial scores of column parts (the encoding "
+        "partition), or the one that moves the fewest bytes (default: embedding; encoding with --partition encoding)",
+    )
+    bess.add_argument(
+        "--partition",
+        choices=["token", "encoding"],
+        help="split the entity tables by rows (token: BESS's shards) or by columns (encoding: every part holds "
+        "d / num_shards coordinates of all entities; separable interactions) (default: token)",
     )
     bess.add_argument("--corruption", choices=["h", "t", "ht"], help="corrupted side(s) (default: ht)")
     bess.add_argument(
@@ -302,7 +308,7 @@ def pipeline_kwargs(args: argparse.Namespace, in_group: bool = False) -> dict[st
         set_("training_loop_kwargs", settings["num_shards"], "num_shards")
     elif not in_group and "num_shards" not in kwargs.get("training_loop_kwargs", {}):
         set_("training_loop_kwargs", 2, "num_shards")
-    for flag in ("replicas", "replica_grouping", "checkpoint_retrieval", "storage", "storage_path"):
+    for flag in ("replicas", "replica_grouping", "checkpoint_retrieval", "storage", "storage_path", "partition"):
         if flag in settings:
             set_("training_loop_kwargs", settings[flag], flag)
     for flag, key in (("exchange", "exchange"), ("corruption", "corruption")):

@@ -147,7 +147,6 @@ def test_replica_flags(capsys: pytest.CaptureFixture, tmp_path: pathlib.Path) ->
         replicas=2,
         replica_grouping="consecutive",
         checkpoint_retrieval="all_replicas",
-        exchange="embedding",
         corruption="ht",
     )
     # the same from a configuration file
@@ -175,3 +174,13 @@ def test_storage_flags_train_with_tables_in_files(capsys: pytest.CaptureFixture,
     # a missing directory: one line, exit status 2
     code, out, err = run(capsys, *FAST, "--storage", "mmap", "--storage-path", str(tmp_path / "missing"))
     assert code == 2 and "is not a directory" in err and "Traceback" not in err
+
+
+def test_encoding_partition_from_the_command_line(capsys: pytest.CaptureFixture, tmp_path: pathlib.Path) -> None:
+    args = build_parser().parse_args(["train", "--num-shards", "3", "--partition", "encoding"])
+    assert pipeline_kwargs(args)["training_loop_kwargs"] == dict(num_shards=3, partition="encoding", corruption="ht")
+    code, out, err = run(capsys, *FAST, "--num-shards", "3", "--partition", "encoding", "--output", str(tmp_path / "o"))
+    assert code == 0, err
+    assert 0 < json.loads(out)["both.realistic.inverse_harmonic_mean_rank"] <= 1
+    code, _, err = run(capsys, *FAST, "--partition", "encoding", "--exchange", "score")
+    assert code == 2 and "works on the 'token' partition" in err
