@@ -1,15 +1,22 @@
 """Distributed BESS on gloo: throughput, bytes moved per step and peak memory per rank.
 
 For every layout ``--layouts`` (``SHARDSxREPLICAS``, default 1x1 2x1 4x1 2x2 1x4; the world size
-is their product) and both exchange schemes, one epoch of DistMult (dimension 256, 64 negatives
-per positive, global batch 512) is trained on WN18RR with one process per rank on this machine
-(gloo on loopback; 1x1 means a single process without a process group). Each rank measures the
-bytes its shard collectives sent to other ranks (forward and backward), the bytes it sent to its
-replicas to sum the shard's gradients, and its peak resident memory; the table compares the bytes
-with the cost models of :func:`pykeen_bess.schemes.exchange_cost` (forward bytes, doubled for the
-backward pass) and :func:`pykeen_bess.schemes.replica_cost` (an upper bound).
+is their product) and every exchange scheme (the token partition's ``embedding`` and ``score``;
+the encoding partition's ``encoding``, one column part per rank, for layouts without replicas),
+one epoch of DistMult (dimension 256, 64 negatives per positive, global batch 512, no entity
+constraint or regularizer) is trained with one process per rank on this machine (gloo on
+loopback; 1x1 means a single process without a process group), on WN18RR and on a generated
+graph whose entity degrees are skewed (``--skewed ENTITIES:RELATIONS:TRIPLES``, Zipf exponent 1.1;
+hub entities make some shardpairs much larger than others, so the token plan pads). Each rank
+measures the bytes its shard (or column) collectives sent to other ranks (forward and backward),
+the bytes it sent to its replicas to sum the shard's gradients, and its peak resident memory; the
+table compares the bytes with the cost models of :func:`pykeen_bess.schemes.exchange_cost`
+(forward bytes, doubled for the backward pass; the encoding scheme's backward sends nothing:
+:meth:`pykeen_bess.schemes.EncodingScheme.batch_cost`) and
+:func:`pykeen_bess.schemes.replica_cost` (an upper bound), and gives the steps of the epoch (the
+token plan's padding makes more of them).
 
-    python benchmarks/distributed.py --data ../shared/data/wn18rr
+    python benchmarks/distributed.py --data ../shared/data/wn18rr --skewed 40000:50:300000
 
 On a GPU machine pass ``--backend nccl`` (one rank per GPU the machine holds).
 """
@@ -37,20 +44,23 @@ def worker(args: argparse.Namespace) -> None:
     from pykeen.triples import TriplesFactory
 
     from pykeen_bess.distributed import init_from_environment
-    from pykeen_bess.schemes import exchange_cost, query_width, replica_cost
+    from pykeen_bess.schemes import EncodingScheme, exchange_cost, query_width, replica_cost
     from pykeen_bess.training import BessTrainingLoop
 
     torch.set_num_threads(args.threads)
     init_from_environment(backend=args.backend)
     factory = TriplesFactory.from_path(args.data / "train.txt")
-    model = DistMult(triples_factory=factory, embedding_dim=args.dim, random_seed=0)
+    model = DistMult(
+        triples_factory=factory, embedding_dim=args.dim, random_seed=0, entity_constrainer=None, regularizer=None
+    )
     if args.backend == "nccl":
         model = model.to("cuda")
+    encoding = args.exchange == "encoding"
     loop = BessTrainingLoop(
         model=model,
         triples_factory=factory,
-        num_shards=args.shards,
-        replicas=args.replicas if args.world_size > 1 else None,
+        num_shards=args.shards if not (encoding and args.world_size > 1) else None,
+        replicas=args.replicas if args.world_size > 1 and not encoding else None,
         exchange=args.exchange,
         num_negs_per_pos=args.negatives,
         optimizer="adam",
@@ -66,15 +76,18 @@ def worker(args: argparse.Namespace) -> None:
     steps = len(loop.make_sampler(loop.partition(factory), block_size))
     first, last = topology.replica_slots(block_size)
     entity_width = sum(t.row_width for t in loop.tables)
-    predicted = 2 * exchange_cost(
-        args.exchange,
-        n,
-        last - first,
-        args.negatives,
-        entity_width,
-        query_width(loop.scorer, loop.model, loop.tables),
-        element_size=4,
-    )
+    if encoding:  # one block of the whole batch; the backward pass sends nothing
+        predicted = EncodingScheme.batch_cost(topology.n_column, block_size, args.negatives, element_size=4)
+    else:
+        predicted = 2 * exchange_cost(
+            args.exchange,
+            n,
+            last - first,
+            args.negatives,
+            entity_width,
+            query_width(loop.scorer, loop.model, loop.tables),
+            element_size=4,
+        )
     predicted_replica = replica_cost(
         n, topology.replicas, last - first, args.negatives, entity_width, loop.sharding.shard_size, element_size=4
     )
@@ -109,10 +122,34 @@ def launch(args: argparse.Namespace, shards: int, replicas: int, exchange: str, 
     return [json.loads((output / f"rank{rank}.json").read_text()) for rank in range(world_size)]
 
 
+def skewed_graph(spec: str, directory: pathlib.Path, seed: int = 0) -> pathlib.Path:
+    """Write a graph ``ENTITIES:RELATIONS:TRIPLES`` with Zipf-skewed degrees as ``train.txt``; return its folder."""
+    import numpy as np
+
+    num_entities, num_relations, num_triples = (int(x) for x in spec.split(":"))
+    generator = np.random.default_rng(seed)
+    weights = 1.0 / np.arange(1, num_entities + 1) ** 1.1
+    weights /= weights.sum()
+    popular = generator.permutation(num_entities)  # which entities are the hubs
+    heads = popular[generator.choice(num_entities, size=num_triples, p=weights)]
+    tails = popular[generator.choice(num_entities, size=num_triples, p=weights)]
+    relations = generator.integers(num_relations, size=num_triples)
+    triples = np.unique(np.stack([heads, relations, tails], axis=1), axis=0)
+    lines = (f"e{h}\tr{r}\te{t}" for h, r, t in triples)
+    (directory / "train.txt").write_text("\n".join(lines) + "\n")
+    return directory
+
+
 def main() -> None:
     """Run all configurations and print the table."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", type=pathlib.Path, required=True, help="the WN18RR directory")
+    parser.add_argument(
+        "--skewed", help="also a generated graph ENTITIES:RELATIONS:TRIPLES with skewed degrees (e.g. 40000:50:300000)"
+    )
+    parser.add_argument(
+        "--exchanges", nargs="+", default=["embedding", "score", "encoding"], help="the schemes to compare"
+    )
     parser.add_argument(
         "--layouts", nargs="+", default=["1x1", "2x1", "4x1", "2x2", "1x4"], help="SHARDSxREPLICAS per run"
     )
@@ -134,36 +171,47 @@ def main() -> None:
         worker(args)
         return
     rows = []
-    for layout in args.layouts:
-        shards, replicas = (int(x) for x in layout.lower().split("x"))
-        for exchange in ("embedding", "score"):
-            with tempfile.TemporaryDirectory() as directory:
-                results = launch(args, shards, replicas, exchange, pathlib.Path(directory))
-            seconds = max(r["seconds"] for r in results)
-            rows.append(
-                dict(
-                    layout=f"{shards} x {replicas}",
-                    exchange=exchange,
-                    throughput=results[0]["triples"] / seconds,
-                    bytes=sum(r["bytes_per_step"] for r in results) / len(results),
-                    predicted=results[0]["predicted_bytes_per_step"],
-                    replica_bytes=sum(r["replica_bytes_per_step"] for r in results) / len(results),
-                    replica_predicted=results[0]["predicted_replica_bytes_per_step"],
-                    peak=max(r["peak_rss"] for r in results) / 2**20,
-                )
-            )
-            print(rows[-1], flush=True)
+    with tempfile.TemporaryDirectory() as generated:
+        graphs = [("WN18RR", args.data)]
+        if args.skewed:
+            graphs.append((f"skewed {args.skewed}", skewed_graph(args.skewed, pathlib.Path(generated))))
+        for graph, data in graphs:
+            args.data = data
+            for layout in args.layouts:
+                shards, replicas = (int(x) for x in layout.lower().split("x"))
+                for exchange in args.exchanges:
+                    if exchange == "encoding" and (replicas > 1 or shards == 1):
+                        continue  # one column part per rank, no replicas; 1 x 1 is the token run
+                    with tempfile.TemporaryDirectory() as directory:
+                        results = launch(args, shards, replicas, exchange, pathlib.Path(directory))
+                    seconds = max(r["seconds"] for r in results)
+                    rows.append(
+                        dict(
+                            graph=graph,
+                            layout=f"{shards} x {replicas}",
+                            exchange=exchange,
+                            steps=results[0]["steps"],
+                            throughput=results[0]["triples"] / seconds,
+                            bytes=sum(r["bytes_per_step"] for r in results) / len(results),
+                            predicted=results[0]["predicted_bytes_per_step"],
+                            replica_bytes=sum(r["replica_bytes_per_step"] for r in results) / len(results),
+                            replica_predicted=results[0]["predicted_replica_bytes_per_step"],
+                            peak=max(r["peak_rss"] for r in results) / 2**20,
+                        )
+                    )
+                    print(rows[-1], flush=True)
     print()
     print(
-        f"| shards x replicas ({args.backend}) | exchange | triples/s | shard bytes per step and rank (measured) "
-        "| cost model | replica bytes per step and rank (measured) | cost model (at most) | peak RSS per rank (MiB) |"
+        f"| graph | shards (parts) x replicas ({args.backend}) | exchange | steps | triples/s | bytes per step and "
+        "rank (measured) | cost model | replica bytes per step and rank (measured) | cost model (at most) | peak "
+        "RSS per rank (MiB) |"
     )
-    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         print(
-            f"| {row['layout']} | {row['exchange']} | {row['throughput']:,.0f} | {row['bytes']:,.0f} | "
-            f"{row['predicted']:,.0f} | {row['replica_bytes']:,.0f} | {row['replica_predicted']:,.0f} | "
-            f"{row['peak']:,.0f} |"
+            f"| {row['graph']} | {row['layout']} | {row['exchange']} | {row['steps']} | {row['throughput']:,.0f} | "
+            f"{row['bytes']:,.0f} | {row['predicted']:,.0f} | {row['replica_bytes']:,.0f} | "
+            f"{row['replica_predicted']:,.0f} | {row['peak']:,.0f} |"
         )
 
 

@@ -127,7 +127,14 @@ def lookup_entities(table: ShardedEmbedding, entities: torch.Tensor, variant: st
 
     A process holding every shard reads them directly; under a process group this is a collective
     of the table's shard group (see the module docstring).
+
+    :raises ValueError: for a column part of a table (the encoding partition while it trains)
     """
+    if getattr(table, "column_part", None) is not None:
+        raise ValueError(
+            "This entity table holds one column part of every row (partition='encoding' while training): whole "
+            "rows exist after training, when the parts are row shards."
+        )
     if table.holds_all_shards:
         rows = table.entity_rows[entities.reshape(-1).to(table.entity_rows.device)]
         return _owned_rows(table, rows).view(*entities.shape, table.row_width)
