@@ -311,3 +311,16 @@ def test_bad_input_fails_before_training(nations: Nations, kwargs: dict, message
     settings = {"num_shards": 2, "partition": "encoding", **kwargs}
     with pytest.raises(ValueError, match=message):
         BessTrainingLoop(model=model, triples_factory=nations.training, **settings)
+
+
+def test_a_column_part_refuses_to_answer_for_whole_rows(nations: Nations) -> None:
+    """While it trains, a table of one column part cannot answer lookups of whole rows (no silent partial rows)."""
+    from pykeen.nn.representation import Embedding
+
+    from pykeen_bess.representation import ShardedEmbedding
+    from pykeen_bess.sharding import EntitySharding
+
+    table = ShardedEmbedding(Embedding(max_id=14, shape=4), EntitySharding.create(14, 1, seed=0), (0,))
+    table.column_part = 1  # type: ignore[assignment]  # as ColumnShardTables marks its tables
+    with pytest.raises(ValueError, match="one column part of every row"):
+        table(indices=torch.tensor([0, 3]))
