@@ -25,7 +25,7 @@ from ..schemes import AUTO, choose_scheme, query_width, scheme_resolver
 from ..scoring import get_scorer
 from ..sharding import EntitySharding
 from ..storage import TableStorage
-from .checkpoints import CHECKPOINT_RETRIEVALS, FileCheckpointStore, RankCheckpointStore
+from .checkpoints import CHECKPOINT_RETRIEVALS, FileCheckpointStore, NoCheckpointStore, RankCheckpointStore
 from .config import BessConfig
 from .sizes import StepSizes
 from .tables import create_tables
@@ -117,8 +117,10 @@ def assemble(loop: Any, settings: LoopSettings, partition: str) -> None:
             f"Unknown checkpoint_retrieval={settings.checkpoint_retrieval!r}; expected one of {CHECKPOINT_RETRIEVALS}."
         )
     loop.checkpoints = (
-        RankCheckpointStore(loop, all_replicas=settings.checkpoint_retrieval == "all_replicas")
-        if topology.is_distributed and not columns
+        NoCheckpointStore(loop)
+        if not topology.holds_all_columns
+        else RankCheckpointStore(loop, all_replicas=settings.checkpoint_retrieval == "all_replicas")
+        if topology.is_distributed
         else FileCheckpointStore(loop)
     )
     loop.sizes = StepSizes(loop)

@@ -50,6 +50,7 @@ __all__ = [
     "tables_directory",
     "CheckpointStore",
     "FileCheckpointStore",
+    "NoCheckpointStore",
     "RankCheckpointStore",
 ]
 
@@ -151,6 +152,30 @@ class FileCheckpointStore(CheckpointStore):
                 f"ranks: it is resharded), or load its model with pykeen_bess.distributed.export_model first."
             )
         return self.read_state(pathlib.Path(path), triples_factory)
+
+
+class NoCheckpointStore(CheckpointStore):
+    """For runs whose checkpoints are not supported (the encoding partition over processes): a clear error.
+
+    Without it every process would write its column part to the same file.
+    """
+
+    def save(  # noqa: D102
+        self,
+        path: pathlib.Path,
+        stopper: Stopper | None = None,
+        best_epoch_model_file_path: pathlib.Path | None = None,
+        triples_factory: CoreTriplesFactory | None = None,
+    ) -> None:
+        raise ValueError(self.message)
+
+    def load(self, path: pathlib.Path, triples_factory: CoreTriplesFactory | None = None) -> Any:  # noqa: D102
+        raise ValueError(self.message)
+
+    message = (
+        "partition='encoding' over several processes does not write or read checkpoints yet (each process holds "
+        "a column part); use partition='token' for checkpointed runs."
+    )
 
 
 class RankCheckpointStore(CheckpointStore):

@@ -37,13 +37,16 @@ __all__ = [
 def check_column_training(train_kwargs: dict) -> None:
     """Refuse, before training starts, what the encoding partition over processes does not support yet.
 
-    Checkpoints and early stopping (which evaluates and saves while the tables are column parts).
+    Checkpoints (also ``checkpoint_on_failure``) and early stopping (which evaluates and saves while
+    the tables are column parts).
 
     :raises ValueError: naming the setting and the alternative
     """
     stopper = train_kwargs.get("stopper")
-    if train_kwargs.get("checkpoint_name") is not None or (
-        stopper is not None and type(stopper).__name__ != "NopStopper"
+    if (
+        train_kwargs.get("checkpoint_name") is not None
+        or train_kwargs.get("checkpoint_on_failure")
+        or (stopper is not None and type(stopper).__name__ != "NopStopper")
     ):
         raise ValueError(
             "partition='encoding' over several processes does not support checkpoints or early stopping yet (the "
