@@ -126,19 +126,27 @@ def slice_columns(x: torch.Tensor, shape: Sequence[int], start: int, stop: int) 
     return x.narrow(x.ndim - len(shape), start, stop - start)
 
 
-def check_encoding_model(model: ERModel) -> int:
+def check_encoding_model(model: ERModel, partial_scores: bool = True) -> int:
     """Check that a model can be trained column-partitioned; return its number of coordinates ``d``.
 
+    :param model: the model
+    :param partial_scores: check what partial scores need (:class:`~pykeen_bess.schemes.EncodingScheme`:
+        a separable interaction, relations split like the entities); else only that the entity
+        tables can be split (:class:`~pykeen_bess.schemes.EncodingLookupScheme` assembles whole rows)
     :raises ValueError: naming what is not separable (the interaction, a representation's shape,
         dropout) and the alternatives
     """
-    SeparableScoring.check(model.interaction)
-    shapes = {tuple(r.shape) for r in [*model.entity_representations, *model.relation_representations]}
+    representations = list(model.entity_representations)
+    if partial_scores:
+        SeparableScoring.check(model.interaction)
+        representations += list(model.relation_representations)
+    shapes = {tuple(r.shape) for r in representations}
     dims = {shape[0] for shape in shapes if shape}
     if len(dims) != 1 or any(not shape for shape in shapes):
+        which = "entities and relations" if partial_scores else "the entity representations"
         raise ValueError(
             f"partition='encoding' splits the first axis of every representation, which must be the same for "
-            f"entities and relations; this model's shapes are {sorted(shapes)}. Use partition='token'."
+            f"{which}; this model's shapes are {sorted(shapes)}. Use partition='token'."
         )
     if any(getattr(r, "dropout", None) is not None for r in model.entity_representations):
         raise ValueError("partition='encoding' does not support entity dropout (its masks depend on the parts).")
@@ -197,9 +205,10 @@ class SeparableScoring:
                 cls.__name__.removesuffix("Interaction") for cls in (*INNER_PRODUCT_INTERACTIONS, *NORM_INTERACTIONS)
             )
             raise ValueError(
-                f"partition='encoding' needs a column-separable interaction (a score summed over coordinates, or a "
-                f"finite p-norm of one); {type(interaction).__name__} (p={p!r}) is not. Separable: {names}. For "
-                f"other interactions use partition='token' (exchange='embedding' or 'score')."
+                f"exchange='encoding' (partial scores) needs a column-separable interaction (a score summed over "
+                f"coordinates, or a finite p-norm of one); {type(interaction).__name__} (p={p!r}) is not. Separable: "
+                f"{names}. For other interactions use exchange='encoding_lookup' (whole rows assembled from the "
+                f"column parts) or partition='token' (exchange='embedding' or 'score')."
             )
         return interaction
 

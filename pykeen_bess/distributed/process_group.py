@@ -341,6 +341,18 @@ class ColumnTopology(DistributedTopology):
         check_leading(x, 1)
         return all_reduce_identity_backward(self, x[0])
 
+    def column_all_to_all(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        check_leading(x, 1, self.n_column)
+        return all_to_all_differentiable(self, x[0]).unsqueeze(0)
+
+    def all_to_all_primitive(self, x: torch.Tensor) -> torch.Tensor:
+        """``[c, ...] -> [c, ...]``: slice ``p`` goes to column part ``p`` (the ranks of the world)."""
+        x = x.contiguous()
+        output = torch.empty_like(x)
+        dist.all_to_all_single(output, x, group=self.group)
+        self.bytes_sent += x.numel() * x.element_size() * (self.n_column - 1) // self.n_column
+        return output
+
     def row_topology(self) -> DistributedTopology:
         """Return the token topology of the same ranks (rank ``r`` holds row shard ``r``; no new group)."""
         return DistributedTopology(self.group)

@@ -208,6 +208,17 @@ class Topology(ABC):
         check_leading(x, len(self.local_columns))
         return x.sum(dim=0)
 
+    def column_all_to_all(self, x: torch.Tensor) -> torch.Tensor:
+        """Exchange messages between all pairs of column parts (differentiable).
+
+        :param x: shape: ``[Lc, c, ...]``, ``x[l, p]`` goes from local part ``l`` to part ``p``
+        :returns: shape: ``[Lc, c, ...]``, ``y[l, p]`` came from part ``p`` to local part ``l``
+        """
+        check_leading(x, len(self.local_columns), self.n_column)
+        if not self.holds_all_columns:
+            raise NotImplementedError(f"{type(self).__name__} cannot exchange column parts between processes.")
+        return x.transpose(0, 1)
+
     # -- over the processes ----------------------------------------------------------------------
 
     def all_reduce(self, x: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
@@ -334,6 +345,9 @@ class ProbeTopology(Topology):
 
     def gather_shards(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
         return x.detach()
+
+    def column_all_to_all(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        return x.clone()
 
 
 def make_topology(

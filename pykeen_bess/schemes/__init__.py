@@ -9,7 +9,10 @@ costs in bytes (:meth:`ExchangeScheme.negative_cost`):
 * :class:`ScoreMovingScheme` (``exchange="score"``): queries move to every shard, scores move back;
 * :class:`EncodingScheme` (``exchange="encoding"``, the encoding partition of
   :mod:`pykeen_bess.encoding`): every process holds columns of all rows and scores its columns of
-  the whole batch; one all-reduce of partial scores, no row moves.
+  the whole batch; one all-reduce of partial scores, no row moves (column-separable interactions);
+* :class:`EncodingLookupScheme` (``exchange="encoding_lookup"``, the encoding partition): whole rows
+  are assembled from the column parts (seed 001's encoding lookup) and every part scores its
+  share of the slots; any interaction.
 
 ``exchange="auto"`` picks the registered scheme that sends the fewest bytes per step
 (:func:`choose_scheme`), so a new scheme is one new class registered in :data:`scheme_resolver`.
@@ -30,11 +33,13 @@ from ..scoring import SharedCandidateScorer
 from .base import ExchangeScheme
 from .embedding import EmbeddingMovingScheme
 from .encoding import EncodingScheme
+from .encoding_lookup import EncodingLookupScheme
 from .score import ScoreMovingScheme
 
 __all__ = [
     "AUTO",
     "EmbeddingMovingScheme",
+    "EncodingLookupScheme",
     "EncodingScheme",
     "ExchangeScheme",
     "ScoreMovingScheme",
@@ -51,7 +56,7 @@ AUTO = "auto"
 
 #: the registered exchange schemes (looked up by name, e.g. ``"embedding"``, or class)
 scheme_resolver: ClassResolver[ExchangeScheme] = ClassResolver(
-    [EmbeddingMovingScheme, ScoreMovingScheme, EncodingScheme],
+    [EmbeddingMovingScheme, ScoreMovingScheme, EncodingScheme, EncodingLookupScheme],
     base=ExchangeScheme,  # type: ignore[type-abstract]
     suffix="Scheme",
 )
@@ -142,13 +147,16 @@ def choose_scheme(
     entity_width: int,
     query_width: int,
     partitions: Sequence[str] = ("token",),
+    model: ERModel | None = None,
 ) -> type[ExchangeScheme]:
     """Return the registered scheme that sends the fewest bytes per step; ties: the first registered.
 
     :param partitions: the entity-table partitions whose schemes are candidates
+    :param model: only schemes that can train this model are candidates (e.g. partial scores need a
+        column-separable interaction)
     """
     return min(
-        (cls for cls in scheme_resolver if cls.partition in partitions),
+        (cls for cls in scheme_resolver if cls.partition in partitions and (model is None or cls.applies(model))),
         key=lambda cls: cls.cost(n_shard, block_size, num_negs_per_pos, entity_width, query_width),
     )
 

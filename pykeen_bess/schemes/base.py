@@ -70,6 +70,15 @@ class ExchangeScheme(ABC):
         self.lookup = RowLookup(model, self.tables)
 
     @classmethod
+    def applies(cls, model: ERModel) -> bool:
+        """Return whether the scheme can train the model (all token schemes can)."""
+        return True
+
+    def slot_range(self, block_size: int) -> tuple[int, int]:
+        """Return the slots ``[start, stop)`` of every block this process scores (its replica's share)."""
+        return self.topology.replica_slots(block_size)
+
+    @classmethod
     def get_name(cls) -> str:
         """Return the scheme's short name (its first synonym, e.g. ``"embedding"``)."""
         return cls.synonyms[0] if cls.synonyms else cls.__name__

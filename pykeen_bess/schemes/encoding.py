@@ -26,7 +26,7 @@ from pykeen.models import ERModel
 
 from ..batch import BessBatch, BlockScores, RowGather, regularization_weights
 from ..distributed import Topology
-from ..encoding import ColumnSplit, SeparableScoring, slice_columns
+from ..encoding import ColumnSplit, SeparableScoring, check_encoding_model, slice_columns
 from ..representation import ShardedEmbedding
 from ..scoring import SharedCandidateScorer, Side
 from .base import ExchangeScheme
@@ -73,6 +73,15 @@ class EncodingScheme(ExchangeScheme):
             local = (start, stop) if topology.holds_all_columns else (0, stop - start)
             self.parts.append(((start, stop), local))
         self.relation_shapes = [tuple(r.shape) for r in model.relation_representations]
+
+    @classmethod
+    def applies(cls, model: ERModel) -> bool:
+        """Return whether the model's interaction is column-separable (and its representations split alike)."""
+        try:
+            check_encoding_model(model)
+        except ValueError:
+            return False
+        return True
 
     # -- the cost model --------------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ from pykeen.nn.representation import Embedding
 
 from ..distributed import make_topology
 from ..encoding import ColumnSplit, check_encoding_model
-from ..schemes import AUTO, choose_scheme, query_width, scheme_resolver
+from ..schemes import AUTO, EncodingScheme, ExchangeScheme, choose_scheme, query_width, scheme_resolver
 from ..scoring import get_scorer
 from ..sharding import EntitySharding
 from ..storage import TableStorage
@@ -33,6 +33,7 @@ from .tables import create_tables
 __all__ = [
     "LoopSettings",
     "assemble",
+    "choose_encoding_scheme",
     "choose_partition",
 ]
 
@@ -68,7 +69,12 @@ def assemble(loop: Any, settings: LoopSettings, partition: str) -> None:
     """
     model = settings.model
     columns = partition == "encoding"
-    dim = check_encoding_model(model) if columns else 0
+    exchange = settings.exchange
+    if columns and exchange is None:  # partial scores where the interaction is separable, else whole rows
+        exchange = "encoding" if EncodingScheme.applies(model) else "encoding_lookup"
+    if columns:
+        partial_scores = exchange == AUTO and EncodingScheme.applies(model) or exchange in ("encoding", EncodingScheme)
+        dim = check_encoding_model(model, partial_scores=partial_scores)
     loop.topology = topology = make_topology(
         num_shards=settings.num_shards,
         process_group=settings.process_group,
@@ -92,7 +98,7 @@ def assemble(loop: Any, settings: LoopSettings, partition: str) -> None:
         seed = topology.broadcast_object(seed)
     loop.config = BessConfig.create(
         n_shard,
-        settings.exchange,
+        exchange,
         settings.corruption,
         settings.num_negs_per_pos,
         seed,
@@ -154,10 +160,13 @@ def choose_partition(loop: Any, settings: LoopSettings, batch_size: int | None, 
         query_width=query_width(loop.scorer, loop.model, loop.tables.tables),
     )
     num_negs = loop.config.num_negs_per_pos
-    costs = {cls.get_name(): cls.cost(n, block_size, num_negs, **widths) for cls in scheme_resolver}
+    model = settings.model
+    costs = {
+        cls.get_name(): cls.cost(n, block_size, num_negs, **widths) for cls in scheme_resolver if cls.applies(model)
+    }
     reason = _encoding_unavailable(loop, settings, train_kwargs)
     candidates = ("token",) if reason else ("token", "encoding")
-    chosen = choose_scheme(n, block_size, num_negs, partitions=candidates, **widths)
+    chosen = choose_scheme(n, block_size, num_negs, partitions=candidates, model=model, **widths)
     logger.info(
         "exchange='auto': bytes sent per process and step with %d parts and batches of %d: %s%s; chose %r.",
         n,
@@ -170,11 +179,29 @@ def choose_partition(loop: Any, settings: LoopSettings, batch_size: int | None, 
         assemble(loop, settings, "encoding")
 
 
+def choose_encoding_scheme(loop: Any, block_size: int) -> type[ExchangeScheme]:
+    """Return the encoding partition's scheme that sends the fewest bytes for blocks of ``block_size`` (logged).
+
+    Partial scores (``encoding``) where the interaction is separable, else whole rows (``encoding_lookup``).
+    """
+    n = loop.topology.n_column
+    scheme = choose_scheme(
+        n,
+        max(block_size // n**2, 1),
+        loop.config.num_negs_per_pos,
+        sum(embedding._embeddings.weight.shape[1] for embedding in loop.tables.embeddings),
+        0,  # neither encoding scheme moves queries
+        partitions=("encoding",),
+        model=loop.model,
+    )
+    logger.info("exchange='auto' chose %s (the encoding partition).", scheme.get_name())
+    return scheme
+
+
 def _encoding_unavailable(loop: Any, settings: LoopSettings, train_kwargs: dict) -> str:
     """Return why the encoding partition cannot replace the token partition here ("" if it can)."""
     try:
-        check_encoding_model(settings.model)
-        ColumnSplit(settings.model.relation_representations[0].shape[0], loop.topology.n_shard)
+        ColumnSplit(check_encoding_model(settings.model, partial_scores=False), loop.topology.n_shard)
     except ValueError as error:
         return str(error).split(";")[0]
     if loop.topology.replicas > 1:

@@ -77,7 +77,7 @@ class ColumnShardTables(ShardTables):
                 f"storage={storage.name!r} is supported with partition='token'."
             )
         #: the coordinates of every column part
-        self.split = ColumnSplit(check_encoding_model(model), topology.n_column)
+        self.split = ColumnSplit(check_encoding_model(model, partial_scores=False), topology.n_column)
         #: the column part of this process
         self.part = topology.local_columns[0]
         parts = [
@@ -87,8 +87,9 @@ class ColumnShardTables(ShardTables):
         super().__init__(model, parts, sharding, topology, seed, storage)
         self.embeddings = list(embeddings)  # the model's own (whole rows): installed, released, restored
         self.seed = seed
-        for table in self.tables:
+        for table, embedding in zip(self.tables, self.embeddings):
             table.column_part = self.part  # type: ignore[assignment]  # read by the evaluator's check
+            object.__setattr__(table, "whole_embedding", embedding)  # whole rows' shape etc. (not a submodule)
 
     def make_optimizer(  # noqa: D102
         self, optimizer_cls: type[torch.optim.Optimizer], hyperparameters: dict, sparse_updates: bool

@@ -31,7 +31,7 @@ from ..distributed import Topology
 from ..optim import BessOptimizer, optimizer_hyperparameters
 from ..partition import ShardPairPartition
 from ..sampling import BessSampler, Corruption
-from ..schemes import EncodingScheme, ExchangeScheme, choose_scheme, query_width
+from ..schemes import ExchangeScheme, choose_scheme, query_width
 from ..scoring import SharedCandidateScorer
 from ..sharding import EntitySharding
 from ..storage import TableStorage, make_storage
@@ -49,7 +49,7 @@ from .epochs import run_epochs
 from .sizes import StepSizes
 from .step import StepRunner
 from .column_tables import check_column_training
-from .assembly import LoopSettings, assemble, choose_partition
+from .assembly import LoopSettings, assemble, choose_encoding_scheme, choose_partition
 from .tables import ShardTables, materialize
 
 __all__ = [
@@ -245,7 +245,7 @@ class BessTrainingLoop(SLCWATrainingLoop):
         """Return the exchange scheme (``exchange="auto"``: the cheapest for this block size)."""
         scheme = self.config.scheme
         if scheme is None and self.config.partition == "encoding":
-            scheme = EncodingScheme  # the one scheme of the encoding partition
+            scheme = choose_encoding_scheme(self, block_size)
         if scheme is None:
             scheme = choose_scheme(
                 n_shard=self.topology.n_shard,

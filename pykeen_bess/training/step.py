@@ -130,7 +130,7 @@ class StepRunner:
         :param label_smoothing: PyKEEN's label smoothing
         :returns: this process' share of the step loss, a float64 scalar on the topology's device
         """
-        first, last = self.topology.replica_slots(batch.block_size)
+        first, last = self.scheme.slot_range(batch.block_size)
         self.rows = rows = self.scheme.gather(batch, first, last)
         total = torch.zeros((), dtype=torch.float64, device=self.topology.device)
         num_valid = batch.num_valid

@@ -32,6 +32,7 @@ MODELS = {
     "TransE2": dict(model="TransE", model_kwargs=dict(embedding_dim=7, scoring_fct_norm=2)),
     "RotatE": dict(model="RotatE", model_kwargs=dict(embedding_dim=5)),
     "DistMult-wide": dict(model="DistMult", model_kwargs=dict(embedding_dim=64)),
+    "RESCAL": dict(model="RESCAL", model_kwargs=dict(embedding_dim=5)),
     # no constraint or regularizer: only the scores' column sums move (the cost model's case)
     "TransE-plain": dict(
         model="TransE", model_kwargs=dict(embedding_dim=7, scoring_fct_norm=2, entity_constrainer=None)

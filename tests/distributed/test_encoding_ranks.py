@@ -12,7 +12,7 @@ from encoding_worker import DATASET, build_loop, train
 
 from pykeen_bess.distributed import harness
 from pykeen_bess.evaluation import BessEvaluator
-from pykeen_bess.schemes import EncodingScheme
+from pykeen_bess.schemes import EncodingLookupScheme, EncodingScheme
 
 pytestmark = pytest.mark.slow
 
@@ -30,6 +30,10 @@ SCENARIOS: dict[int, dict[str, dict[str, Any]]] = {
         "sub-batches": dict(model="DistMult", sub_batch_size=50, gradient_clipping_max_norm=0.5, optimizer="sgd"),
         # exchange="auto" without a partition: wide rows and small batches choose the encoding partition
         "auto": dict(model="DistMult-wide", exchange="auto", partition=None, batch_size=16, num_epochs=1),
+        # whole rows assembled from the column parts: a non-separable interaction (the default for it), and DistMult
+        "RESCAL-lookup": dict(model="RESCAL"),
+        "DistMult-lookup": dict(model="DistMult", exchange="encoding_lookup", sub_batch_size=30),
+        "TransE-plain-lookup": dict(model="TransE-plain", exchange="encoding_lookup"),
         "checkpoint": dict(model="DistMult", error=dict(checkpoint_name="x.pt")),
         "rowwise": dict(model="DistMult", optimizer="rowwise_adagrad", error={}),
         "storage": dict(model="DistMult", storage="host", error={}),
@@ -39,6 +43,8 @@ SCENARIOS: dict[int, dict[str, dict[str, Any]]] = {
         "DistMult": dict(model="DistMult"),  # 7 coordinates: parts of 3, 2, 2
         "RotatE": dict(model="RotatE"),  # 5 complex coordinates: 2, 2, 1
         "TransE-plain": dict(model="TransE-plain"),
+        "RESCAL-lookup": dict(model="RESCAL", sub_batch_size=30),  # slots 67, 67, 66: uneven sub-batches
+        "TransE2-lookup": dict(model="TransE2", exchange="encoding_lookup"),  # constraints over the parts
     },
 }
 
@@ -106,6 +112,10 @@ def test_bytes_sent_equal_the_cost_model(ranks: tuple[int, dict[str, Any]]) -> N
         assert result["bytes_sent"] == steps * per_step
     if world_size == 2:  # the token plan's block size gives the same cost
         assert EncodingScheme.cost(2, 50, 6, 0, 0, element_size=8) == per_step
+        # whole rows assembled: at most the lookup's cost model (duplicate rows send less), forward and backward
+        bound = EncodingLookupScheme.cost(2, 50, 6, 7, 0, element_size=8)
+        for result in results["TransE-plain-lookup"][:world_size]:
+            assert 0 < result["bytes_sent"] <= steps * bound  # 14 entities: many duplicate rows
 
 
 def test_unsupported_settings_fail_before_training(ranks: tuple[int, dict[str, Any]]) -> None:

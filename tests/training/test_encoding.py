@@ -130,6 +130,17 @@ def test_logical_column_parts_equal_the_one_shard_run(nations: Nations, name: st
         assert_same_model(model, reference)
 
 
+@pytest.mark.parametrize("name", ["RESCAL", "DistMult"])
+def test_whole_rows_from_logical_column_parts_equal_the_one_shard_run(nations: Nations, name: str) -> None:
+    """The encoding lookup (the default for interactions that are not separable) in one process."""
+    reference_losses, reference, _ = train(nations, name, 1, "token")
+    exchange = None if name == "RESCAL" else "encoding_lookup"
+    losses, model, loop = train(nations, name, 3, "encoding", exchange=exchange)
+    assert loop.runner.scheme.get_name() == "encoding_lookup"
+    assert losses == pytest.approx(reference_losses, rel=1e-12)
+    assert_same_model(model, reference)
+
+
 def test_sub_batches_clipping_and_sgd_equal_the_one_shard_run(nations: Nations) -> None:
     settings = dict(sub_batch_size=50, gradient_clipping_max_norm=0.5, optimizer="sgd")
     reference_losses, reference, _ = train(nations, "DistMult", 1, "token", **settings)
@@ -267,11 +278,16 @@ def test_auto_chooses_among_all_schemes_by_bytes(nations: Nations, caplog: pytes
     assert loop.config.partition == "token"
     _, _, loop = train(nations, "DistMult", 2, "token", exchange="auto", **wide)
     assert loop.config.partition == "token"
-    # not separable: the encoding partition is no candidate, and the log says why
+    # not separable: partial scores are no candidate, whole rows assembled from the parts are
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="pykeen_bess.training.assembly"):
         _, _, loop = train(nations, "RESCAL", 2, None, exchange="auto", model_kwargs=dict(embedding_dim=8), epochs=1)
-    assert loop.config.partition == "token" and "encoding not applicable" in caplog.text
+    assert loop.config.partition == "token" and "encoding_lookup" in caplog.text and "encoding " not in caplog.text
+    # where the encoding partition does not apply, the log says why
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="pykeen_bess.training.assembly"):
+        _, _, loop = train(nations, "DistMult", 2, None, exchange="auto", storage="host", **wide)
+    assert loop.config.partition == "token" and "encoding not applicable: storage='host'" in caplog.text
 
 
 def test_pipeline_trains_an_encoding_partition(nations: Nations) -> None:
@@ -296,9 +312,9 @@ def test_pipeline_trains_an_encoding_partition(nations: Nations) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        (dict(model="RESCAL"), "column-separable interaction"),
-        (dict(model="TransR"), "column-separable interaction"),
-        (dict(model="SimplE"), "ClampedInteraction"),
+        (dict(model="RESCAL", exchange="encoding"), "column-separable interaction"),
+        (dict(model="TransR", exchange="encoding"), "column-separable interaction"),
+        (dict(model="SimplE", exchange="encoding"), "ClampedInteraction"),
         (dict(partition="rows"), "Unknown partition"),
         (dict(partition="encoding", exchange="score"), "works on the 'token' partition"),
         (dict(partition="token", exchange="encoding"), "works on the 'encoding' partition"),
