@@ -119,9 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     bess.add_argument("--num-shards", type=int, help="entity shards (default: the world size under torchrun, else 2)")
     bess.add_argument(
         "--exchange",
-        choices=["embedding", "score", "encoding", "auto"],
-        help="exchange scheme: move embeddings, move scores, sum partial scores of column parts (the encoding "
-        "partition), or the one that moves the fewest bytes (default: embedding; encoding with --partition encoding)",
+        choices=["embedding", "score", "encoding", "encoding_lookup", "auto"],
+        help="exchange scheme: move embeddings, move scores, sum partial scores of column parts or assemble whole "
+        "rows from them (the encoding partition), or the one that moves the fewest bytes (default: embedding; "
+        "with --partition encoding: encoding for separable interactions, else encoding_lookup)",
     )
     bess.add_argument(
         "--partition",
