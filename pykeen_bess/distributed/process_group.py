@@ -157,11 +157,15 @@ class DistributedTopology(Topology):
         return None if pieces is None else torch.stack(pieces)
 
     def all_to_all_primitive(self, x: torch.Tensor) -> torch.Tensor:
-        """``[n, ...] -> [n, ...]``: slice ``s`` goes to shard ``s`` (the primitive of :meth:`all_to_all`)."""
+        """``[n, ...] -> [n, ...]``: slice ``s`` goes to rank ``s`` of the shard group (see :meth:`all_to_all`).
+
+        (:class:`ColumnTopology`: its shard group is all ranks, one column part each.)
+        """
         x = x.contiguous()
         output = torch.empty_like(x)
         dist.all_to_all_single(output, x, group=self.shard_group)
-        self.bytes_sent += x.numel() * x.element_size() * (self.n_shard - 1) // self.n_shard
+        size = x.shape[0]
+        self.bytes_sent += x.numel() * x.element_size() * (size - 1) // size
         return output
 
     def all_to_all_uneven(  # noqa: D102
@@ -344,14 +348,6 @@ class ColumnTopology(DistributedTopology):
     def column_all_to_all(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
         check_leading(x, 1, self.n_column)
         return all_to_all_differentiable(self, x[0]).unsqueeze(0)
-
-    def all_to_all_primitive(self, x: torch.Tensor) -> torch.Tensor:
-        """``[c, ...] -> [c, ...]``: slice ``p`` goes to column part ``p`` (the ranks of the world)."""
-        x = x.contiguous()
-        output = torch.empty_like(x)
-        dist.all_to_all_single(output, x, group=self.group)
-        self.bytes_sent += x.numel() * x.element_size() * (self.n_column - 1) // self.n_column
-        return output
 
     def row_topology(self) -> DistributedTopology:
         """Return the token topology of the same ranks (rank ``r`` holds row shard ``r``; no new group)."""

@@ -14,7 +14,6 @@ import torch
 from pykeen.datasets import Nations
 from pykeen.models import ERModel, model_resolver
 from pykeen.nn.modules import interaction_resolver
-from pykeen.training import TrainingCallback
 
 from pykeen_bess.distributed import LocalTopology
 from pykeen_bess.encoding import (
@@ -29,22 +28,12 @@ from pykeen_bess.encoding import (
 from pykeen_bess.evaluation import BessEvaluator
 from pykeen_bess.schemes import EmbeddingMovingScheme, EncodingScheme, ScoreMovingScheme, choose_scheme
 from pykeen_bess.training import BessTrainingLoop
+from test_storage import StepRecorder
 
 
 @pytest.fixture(scope="module")
 def nations() -> Nations:
     return Nations()
-
-
-class StepRecorder(TrainingCallback):
-    """Every step's loss."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.losses: list[float] = []
-
-    def on_batch(self, epoch: int, batch: Any, batch_loss: float, **kwargs: Any) -> None:
-        self.losses.append(batch_loss)
 
 
 def make_model(dataset: Nations, name: str, **kwargs: Any) -> ERModel:
