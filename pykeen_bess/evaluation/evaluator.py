@@ -47,6 +47,7 @@ the counting and the candidate features of one slice exist (see :mod:`~pykeen_be
 from __future__ import annotations
 
 import logging
+import time
 import warnings
 import weakref
 from collections import ChainMap
@@ -119,6 +120,13 @@ class BessEvaluator(RankBasedEvaluator):
         self.num_shards = num_shards
         self.memory_budget = memory_budget
         self.process_group = process_group
+        #: ``(batch_size, slice_size)`` of the last evaluation (given or found by the memory search)
+        self.last_block_sizes: tuple[int, int] | None = None
+        #: seconds of the last evaluation's stages: ``filter_index`` (building it), ``block_sizes`` (the
+        #: memory search, once per model), ``ranking`` (scoring and counting) and ``metrics`` (PyKEEN's)
+        self.last_timings: dict[str, float] = {}
+        #: the caller's ``additional_filter_triples`` during :meth:`evaluate` (joined into the filter index)
+        self._additional_filter_triples: list[torch.Tensor] = []
         #: block sizes found by the memory search, reused by later evaluations of the same model (the
         #: entries die with the model: a new model can never find an old model's sizes)
         self._block_sizes: weakref.WeakKeyDictionary[Model, dict[tuple, tuple[int, int]]] = weakref.WeakKeyDictionary()
@@ -160,28 +168,35 @@ class BessEvaluator(RankBasedEvaluator):
                 if torch.is_tensor(additional_filter_triples)
                 else list(additional_filter_triples)
             )
-            additional_filter_triples = [
+            extra = [
                 check_triples(t, model.num_entities, num_relations, "additional_filter_triples", allow_empty=True)
                 for t in extra
             ]
+            # PyKEEN would deduplicate all known triples with ``unique(dim=0)`` (seconds for a few hundred
+            # thousand rows); the filter index deduplicates them itself, so PyKEEN only sees the evaluation triples
+            self._additional_filter_triples = extra
+            additional_filter_triples = [mapped_triples.new_empty((0, 3))]
         if restrict_entities_to is not None:
             # PyKEEN's checks compare with Python sets: pass plain ints
             restrict_entities_to = check_ids(restrict_entities_to, model.num_entities, "restrict_entities_to").tolist()
-        result = super().evaluate(
-            model=model,
-            mapped_triples=mapped_triples,
-            batch_size=batch_size,
-            slice_size=slice_size,
-            device=device,
-            use_tqdm=use_tqdm,
-            tqdm_kwargs=tqdm_kwargs,
-            restrict_entities_to=restrict_entities_to,
-            restrict_relations_to=restrict_relations_to,
-            do_time_consuming_checks=do_time_consuming_checks,
-            additional_filter_triples=additional_filter_triples,
-            pre_filtered_triples=pre_filtered_triples,
-            targets=cast(Collection[Target], targets),
-        )
+        try:
+            result = super().evaluate(
+                model=model,
+                mapped_triples=mapped_triples,
+                batch_size=batch_size,
+                slice_size=slice_size,
+                device=device,
+                use_tqdm=use_tqdm,
+                tqdm_kwargs=tqdm_kwargs,
+                restrict_entities_to=restrict_entities_to,
+                restrict_relations_to=restrict_relations_to,
+                do_time_consuming_checks=do_time_consuming_checks,
+                additional_filter_triples=additional_filter_triples,
+                pre_filtered_triples=pre_filtered_triples,
+                targets=cast(Collection[Target], targets),
+            )
+        finally:
+            self._additional_filter_triples = []
         return cast(RankBasedMetricResults, result)
 
     def _evaluate_on_device(
@@ -239,11 +254,14 @@ class BessEvaluator(RankBasedEvaluator):
             process_group=self.process_group,
             restrict_entities_to=restrict_entities_to,
         )
+        started = time.perf_counter()
         index = None
         if self.filtered:
             assert all_pos_triples is not None
-            index = FilterIndex.from_triples(all_pos_triples, model.num_entities, model.num_real_relations).to(device)
+            known = [all_pos_triples, *(t.to(all_pos_triples.device) for t in self._additional_filter_triples)]
+            index = FilterIndex.from_triples(known, model.num_entities, model.num_real_relations).to(device)
         num_triples = mapped_triples.shape[0]
+        indexed = time.perf_counter()
         batch_size, slice_size = self._block_sizes_for(
             scoring, model, mapped_triples, index, targets, batch_size, slice_size, device
         )
@@ -254,6 +272,8 @@ class BessEvaluator(RankBasedEvaluator):
             batch_size,
             slice_size,
         )
+        self.last_block_sizes = (batch_size, slice_size)
+        sized = time.perf_counter()
         self.clear()
         nan_candidates = nan_true = 0
         tqdm_kwargs = dict(tqdm_kwargs)
@@ -295,7 +315,17 @@ class BessEvaluator(RankBasedEvaluator):
                 RuntimeWarning,
                 stacklevel=4,
             )
-        return self.finalize()
+        ranked_at = time.perf_counter()
+        result = self.finalize()
+        finished = time.perf_counter()
+        self.last_timings = {
+            "filter_index": indexed - started,
+            "block_sizes": sized - indexed,
+            "ranking": ranked_at - sized,
+            "metrics": finished - ranked_at,
+        }
+        logger.info("BESS evaluation timings (seconds): %s", self.last_timings)
+        return result
 
     def _block_sizes_for(
         self,

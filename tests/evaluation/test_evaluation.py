@@ -309,7 +309,7 @@ def test_memory_search_halves_until_the_probe_fits(monkeypatch):
 
     monkeypatch.setattr(evaluation, "TRIVIAL_BLOCK_BYTES", 0)
     monkeypatch.setattr(evaluation, "CPU_BLOCK_BYTES", 135 * 8 * 64)
-    monkeypatch.setattr(memory.gc, "collect", lambda: 0)  # speed: nothing is allocated by this probe
+    monkeypatch.setattr(memory.gc, "collect", lambda generation=2: 0)  # speed: nothing is allocated by this probe
     data = dataset("umls")
     model, _ = reference("umls", "DistMult")
     scoring = ShardedScoring.for_model(model, num_shards=1)

@@ -40,11 +40,15 @@ def reference_pairs(
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
 @pytest.mark.parametrize("side", ["head", "tail"])
-def test_matches_set_reference(seed: int, side: str):
-    """Every answer of every query, once, with query indices ascending, as a set lookup finds them."""
+@pytest.mark.parametrize("declared_entities", [30, 2**40])
+def test_matches_set_reference(seed: int, side: str, declared_entities: int):
+    """Every answer of every query, once, with query indices ascending, as a set lookup finds them.
+
+    With 2^40 declared entities the combined sort key would overflow int64: the two-sort build runs.
+    """
     num_entities, num_relations = 30, 4
     triples = random_graph(seed, num_entities, num_relations, num_triples=400)
-    index = FilterIndex.from_triples(triples, num_entities=num_entities, num_relations=num_relations)
+    index = FilterIndex.from_triples(triples, num_entities=declared_entities, num_relations=num_relations)
     generator = torch.Generator().manual_seed(100 + seed)
     # queries: half taken from the triples (non-empty answers), half random (possibly empty)
     batch = torch.cat(
