@@ -73,6 +73,19 @@ class UsageError(ValueError):
     """A problem with the command line's input (printed without a traceback)."""
 
 
+def _threads(text: str) -> str | int:
+    """Parse ``--threads``: ``auto`` or a positive integer."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a positive integer, not {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a positive integer, not {text!r}")
+    return value
+
+
 def _json_object(text: str) -> dict[str, Any]:
     try:
         value = json.loads(text)
@@ -173,6 +186,12 @@ def build_parser() -> argparse.ArgumentParser:
     training.add_argument("--optimizer-kwargs", type=_json_object, help="more optimizer options as JSON")
     training.add_argument("--seed", type=int, help="random seed (default: 42)")
     training.add_argument("--device", help="e.g. cpu or cuda (default: PyKEEN's choice)")
+    training.add_argument(
+        "--threads",
+        type=_threads,
+        help="intra-op CPU threads of training steps and evaluation blocks: a number, or auto (default: measure 1 "
+        "against all of the process's threads, again every 500 steps; robust to a busy neighbour process)",
+    )
     training.add_argument("--checkpoint-name", help="checkpoint file name; an existing checkpoint is resumed")
     training.add_argument("--checkpoint-directory", type=pathlib.Path, help="where checkpoints are written")
     training.add_argument(
@@ -341,6 +360,11 @@ def pipeline_kwargs(args: argparse.Namespace, in_group: bool = False) -> dict[st
             if kwargs.get("stopper") is None:
                 raise UsageError(f"--{flag.replace('_', '-')} needs --early-stopping.")
             set_("stopper_kwargs", settings[flag], key)
+
+    if "threads" in settings:
+        set_("training_loop_kwargs", settings["threads"], "num_threads")
+        if kwargs.get("evaluator", "bess") == "bess":
+            set_("evaluator_kwargs", settings["threads"], "num_threads")
 
     # evaluation
     if "eval_batch_size" in settings:

@@ -184,3 +184,16 @@ def test_encoding_partition_from_the_command_line(capsys: pytest.CaptureFixture,
     assert 0 < json.loads(out)["both.realistic.inverse_harmonic_mean_rank"] <= 1
     code, _, err = run(capsys, *FAST, "--partition", "encoding", "--exchange", "score")
     assert code == 2 and "works on the 'token' partition" in err
+
+
+def test_threads_flag(capsys: pytest.CaptureFixture) -> None:
+    """--threads sets the loop's and the bess evaluator's num_threads; bad values are usage errors."""
+    for value, expected in (("auto", "auto"), ("1", 1)):
+        kwargs = pipeline_kwargs(build_parser().parse_args(["train", "--threads", value]))
+        assert kwargs["training_loop_kwargs"]["num_threads"] == expected
+        assert kwargs["evaluator_kwargs"]["num_threads"] == expected
+    kwargs = pipeline_kwargs(build_parser().parse_args(["train", "--threads", "1", "--evaluator", "rankbased"]))
+    assert "num_threads" not in kwargs.get("evaluator_kwargs", {})
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["train", "--threads", "0"])
+    assert exit_info.value.code == 2 and "positive integer" in capsys.readouterr().err

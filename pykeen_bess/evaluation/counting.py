@@ -10,6 +10,7 @@ high), ``finite`` (PyKEEN's number of options) and ``nan``; only these counts cr
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import TYPE_CHECKING, Any, cast
 
@@ -18,6 +19,7 @@ from pykeen.typing import LABEL_TAIL, RANK_OPTIMISTIC, RANK_PESSIMISTIC, RANK_RE
 
 if TYPE_CHECKING:
     from ..distributed import Topology
+    from ..threads import ThreadPolicy
     from .filtering import FilterIndex, FilterSide
     from .sharded import ShardedScoring
 
@@ -189,6 +191,7 @@ def rank_batch(
     slice_size: int,
     topology: Topology | None = None,
     max_blocks: int | None = None,
+    threads: ThreadPolicy | None = None,
 ) -> dict[str, Any]:
     """Rank the true entities of one batch for one target (the counts of every shard, summed over the processes).
 
@@ -199,6 +202,7 @@ def rank_batch(
     :param slice_size: candidates per block
     :param topology: the topology (probes pass a :class:`~pykeen_bess.distributed.ProbeTopology`)
     :param max_blocks: score only this many blocks (probes)
+    :param threads: the thread policy; each block (scoring and counting) is one of its units
     :returns: numpy arrays of shape ``[B]`` for the three rank types and ``"options"``, and the
         NaN counts ``"nan_candidates"`` and ``"nan_true"``
     """
@@ -219,10 +223,14 @@ def rank_batch(
         counts = RankCounts.zeros(batch.shape[0], device=true_scores.device)
         # the sign counting needs finite true scores (an infinite one minus an infinite score is NaN)
         nonfinite = ~torch.isfinite(true_scores).all()
-        for block in scoring.score_blocks(queries, query_index, entities, slice_size, max_blocks):
-            count_block(block.scores, true_scores, block.num_masked, counts, exact=exact)
-            nonfinite |= block.nonfinite
-            del block  # release the block before the next one is allocated
+        blocks = scoring.score_blocks(queries, query_index, entities, slice_size, max_blocks)
+        num_blocks = sum(-(-count // slice_size) for count in scoring.candidate_counts)  # the slices of all shards
+        for _ in range(num_blocks if max_blocks is None else min(num_blocks, max_blocks)):
+            with contextlib.nullcontext() if threads is None else threads.unit():  # scoring and counting
+                block = next(blocks)
+                count_block(block.scores, true_scores, block.num_masked, counts, exact=exact)
+                nonfinite |= block.nonfinite
+                del block  # release the block before the next one is allocated
         return counts, nonfinite
 
     if subtraction_keeps_order(true_scores.device, true_scores.dtype):

@@ -62,6 +62,7 @@ from pykeen.typing import LABEL_HEAD, LABEL_TAIL, RANK_OPTIMISTIC, RANK_PESSIMIS
 from tqdm.autonotebook import tqdm
 
 from ..distributed import ProbeTopology, join_torchrun_group
+from ..threads import ThreadPolicy, ThreadsHint, resolve_threads
 from .checks import check_ids, check_targets, check_triples
 from .counting import rank_batch
 from .filtering import FilterIndex
@@ -90,6 +91,7 @@ class BessEvaluator(RankBasedEvaluator):
         filtered: bool = True,
         memory_budget: int | None = None,
         process_group: Any = None,
+        num_threads: ThreadsHint = "auto",
         **kwargs: Any,
     ):
         """Create the evaluator.
@@ -105,6 +107,8 @@ class BessEvaluator(RankBasedEvaluator):
             the available memory on the CPU; out-of-memory errors on a GPU)
         :param process_group: the process group of a model sharded over processes (default: the
             default group); unused in one process
+        :param num_threads: intra-op CPU threads of the score blocks (:mod:`pykeen_bess.threads`):
+            ``"auto"`` (measure 1 thread against all of the process's), an integer, or None (torch's)
         :param kwargs: passed to :class:`pykeen.evaluation.RankBasedEvaluator` (``metrics``,
             ``metrics_kwargs``, ``add_defaults``, ``clear_on_finalize``, ``mode``)
         """
@@ -120,6 +124,11 @@ class BessEvaluator(RankBasedEvaluator):
         self.num_shards = num_shards
         self.memory_budget = memory_budget
         self.process_group = process_group
+        self.num_threads = num_threads
+        resolve_threads(num_threads, None)  # invalid values fail here
+        #: the thread policy of the last evaluation (an adaptive one keeps learning across evaluations)
+        self.thread_policy: ThreadPolicy | None = None
+        self._thread_device: torch.device | None = None
         #: ``(batch_size, slice_size)`` of the last evaluation (given or found by the memory search)
         self.last_block_sizes: tuple[int, int] | None = None
         #: seconds of the last evaluation's stages: ``filter_index`` (building it), ``block_sizes`` (the
@@ -262,8 +271,8 @@ class BessEvaluator(RankBasedEvaluator):
             index = FilterIndex.from_triples(known, model.num_entities, model.num_real_relations).to(device)
         num_triples = mapped_triples.shape[0]
         indexed = time.perf_counter()
-        batch_size, slice_size = self._block_sizes_for(
-            scoring, model, mapped_triples, index, targets, batch_size, slice_size, device
+        batch_size, slice_size = _block_sizes_for(
+            self, scoring, model, mapped_triples, index, targets, batch_size, slice_size, device
         )
         logger.info(
             "BESS evaluation: %d triples, %s, batch_size=%d, slice_size=%d",
@@ -288,12 +297,14 @@ class BessEvaluator(RankBasedEvaluator):
         topology = scoring.topology
         # replicas split the batches: replica q ranks batches q, q + R, ... with its shards
         ranked: dict[int, dict[str, dict[str, Any]]] = {}
-        with progress:
+        if self.thread_policy is None or self._thread_device != device:
+            self.thread_policy, self._thread_device = resolve_threads(self.num_threads, device), device
+        with progress, self.thread_policy.applied():
             for number, batch in enumerate(mapped_triples.split(batch_size)):
                 if number % topology.replicas != topology.replica:
                     continue
                 ranked[number] = {
-                    target: rank_batch(scoring, index, batch, target, slice_size)
+                    target: rank_batch(scoring, index, batch, target, slice_size, threads=self.thread_policy)
                     for target in cast(tuple[Target, ...], targets)
                 }
                 progress.update(batch.shape[0])
@@ -327,51 +338,52 @@ class BessEvaluator(RankBasedEvaluator):
         logger.info("BESS evaluation timings (seconds): %s", self.last_timings)
         return result
 
-    def _block_sizes_for(
-        self,
-        scoring: ShardedScoring,
-        model: ERModel,
-        mapped_triples: torch.Tensor,
-        index: FilterIndex | None,
-        targets: tuple[str, ...],
-        batch_size: int | None,
-        slice_size: int | None,
-        device: torch.device,
-    ) -> tuple[int, int]:
-        """Return the given sizes, or search (once per model layout) for the missing ones."""
-        if batch_size is not None and slice_size is not None:
-            return choose_block_sizes(scoring, mapped_triples.shape[0], batch_size, slice_size, _no_probe, device)
-        key = (
-            str(device),
-            scoring.sharding.n_shard,
-            scoring.num_candidates,
-            mapped_triples.shape[0],
-            batch_size,
-            slice_size,
-            self.memory_budget,
-        )
-        cached = self._block_sizes.setdefault(model, {}).get(key)
-        if cached is not None:
-            return cached
-        probe_topology = ProbeTopology(scoring.topology)
 
-        def probe(probe_batch_size: int, probe_slice_size: int) -> None:
-            rows = torch.arange(probe_batch_size, device=mapped_triples.device) % mapped_triples.shape[0]
-            rank_batch(
-                scoring,
-                index,
-                mapped_triples[rows],
-                targets[0],
-                probe_slice_size,
-                topology=probe_topology,
-                max_blocks=1,
-            )
+def _block_sizes_for(
+    evaluator: BessEvaluator,
+    scoring: ShardedScoring,
+    model: ERModel,
+    mapped_triples: torch.Tensor,
+    index: FilterIndex | None,
+    targets: tuple[str, ...],
+    batch_size: int | None,
+    slice_size: int | None,
+    device: torch.device,
+) -> tuple[int, int]:
+    """Return the given sizes, or search (once per model layout, cached by the evaluator) for the missing ones."""
+    if batch_size is not None and slice_size is not None:
+        return choose_block_sizes(scoring, mapped_triples.shape[0], batch_size, slice_size, _no_probe, device)
+    key = (
+        str(device),
+        scoring.sharding.n_shard,
+        scoring.num_candidates,
+        mapped_triples.shape[0],
+        batch_size,
+        slice_size,
+        evaluator.memory_budget,
+    )
+    cached = evaluator._block_sizes.setdefault(model, {}).get(key)
+    if cached is not None:
+        return cached
+    probe_topology = ProbeTopology(scoring.topology)
 
-        sizes = choose_block_sizes(
-            scoring, mapped_triples.shape[0], batch_size, slice_size, probe, device, memory_budget=self.memory_budget
+    def probe(probe_batch_size: int, probe_slice_size: int) -> None:
+        rows = torch.arange(probe_batch_size, device=mapped_triples.device) % mapped_triples.shape[0]
+        rank_batch(
+            scoring,
+            index,
+            mapped_triples[rows],
+            targets[0],
+            probe_slice_size,
+            topology=probe_topology,
+            max_blocks=1,
         )
-        self._block_sizes[model][key] = sizes
-        return sizes
+
+    sizes = choose_block_sizes(
+        scoring, mapped_triples.shape[0], batch_size, slice_size, probe, device, memory_budget=evaluator.memory_budget
+    )
+    evaluator._block_sizes[model][key] = sizes
+    return sizes
 
 
 def _no_probe(batch_size: int, slice_size: int) -> None:

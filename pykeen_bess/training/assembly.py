@@ -19,7 +19,7 @@ from typing import Any
 from pykeen.models import ERModel
 from pykeen.nn.representation import Embedding
 
-from ..distributed import make_topology
+from ..distributed import Topology, make_topology
 from ..encoding import ColumnSplit, check_encoding_model
 from ..schemes import AUTO, EncodingScheme, ExchangeScheme, choose_scheme, query_width, scheme_resolver
 from ..scoring import get_scorer
@@ -216,3 +216,21 @@ def _encoding_unavailable(loop: Any, settings: LoopSettings, train_kwargs: dict)
     ):
         return "checkpoints or early stopping over processes"
     return ""
+
+
+def make_scheme(loop: Any, block_size: int, topology: Topology) -> ExchangeScheme:
+    """Return the loop's exchange scheme for blocks of ``block_size`` slots (``exchange="auto"``: the cheapest)."""
+    scheme = loop.config.scheme
+    if scheme is None and loop.config.partition == "encoding":
+        scheme = choose_encoding_scheme(loop, block_size)
+    if scheme is None:
+        scheme = choose_scheme(
+            n_shard=loop.topology.n_shard,
+            block_size=block_size,
+            num_negs_per_pos=loop.config.num_negs_per_pos,
+            entity_width=sum(table.row_width for table in loop.tables),
+            query_width=query_width(loop.scorer, loop.model, loop.tables.tables),
+            partitions=(loop.config.partition,),
+        )
+        logger.info("exchange='auto' chose %s for blocks of %d slots.", scheme.get_name(), block_size)
+    return scheme(model=loop.model, tables=loop.tables.tables, scorer=loop.scorer, topology=topology)

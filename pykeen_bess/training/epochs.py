@@ -216,7 +216,8 @@ def run_epochs(
             )
             epoch_loss = 0.0
             for batch in steps:
-                epoch_loss += _step(runner, callback, batch, sub_block_size, label_smoothing, len(batches), loop)
+                with loop.thread_policy.unit():
+                    epoch_loss += _step(runner, callback, batch, sub_block_size, label_smoothing, len(batches), loop)
                 if only_size_probing:
                     return None
             epoch_loss /= len(batches)

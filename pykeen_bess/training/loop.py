@@ -31,10 +31,11 @@ from ..distributed import Topology
 from ..optim import BessOptimizer, optimizer_hyperparameters
 from ..partition import ShardPairPartition
 from ..sampling import BessSampler, Corruption
-from ..schemes import ExchangeScheme, choose_scheme, query_width
+from ..schemes import ExchangeScheme
 from ..scoring import SharedCandidateScorer
 from ..sharding import EntitySharding
 from ..storage import TableStorage, make_storage
+from ..threads import ThreadsHint, resolve_threads
 from .checkpoints import CheckpointStore
 from .config import (
     BessConfig,
@@ -49,7 +50,7 @@ from .epochs import run_epochs
 from .sizes import StepSizes
 from .step import StepRunner
 from .column_tables import check_column_training
-from .assembly import LoopSettings, assemble, choose_encoding_scheme, choose_partition
+from .assembly import LoopSettings, assemble, choose_partition, make_scheme
 from .tables import ShardTables, materialize
 
 __all__ = [
@@ -100,6 +101,7 @@ class BessTrainingLoop(SLCWATrainingLoop):
         storage_kwargs: OptionalKwargs = None,
         negative_sampler: HintOrType[NegativeSampler] = None,
         negative_sampler_kwargs: OptionalKwargs = None,
+        num_threads: ThreadsHint = "auto",
         **kwargs: Any,
     ) -> None:
         """Create the loop; every configuration error is raised here, before training starts.
@@ -153,6 +155,9 @@ class BessTrainingLoop(SLCWATrainingLoop):
         :param negative_sampler: must be None or PyKEEN's basic sampler: BESS draws its own
             balanced, shared negatives
         :param negative_sampler_kwargs: only ``num_negs_per_pos`` is meaningful
+        :param num_threads: intra-op CPU threads of the steps (:mod:`pykeen_bess.threads`): ``"auto"``
+            (measure 1 thread against all of the process's, again every 500 steps), an integer, or None
+            (torch's setting)
         :param kwargs: passed to :class:`pykeen.training.TrainingLoop` (optimizer, lr scheduler,
             result tracker, ...)
         :raises ValueError: for an unsupported model or invalid parameters
@@ -190,6 +195,8 @@ class BessTrainingLoop(SLCWATrainingLoop):
             checkpoint_retrieval=checkpoint_retrieval,
         )
         self._partition_chosen = False
+        #: how many intra-op threads the steps use
+        self.thread_policy = resolve_threads(num_threads, self.device)
         # the topology, settings, sharding, tables, optimizer, checkpoint store and step sizes
         self.topology: Topology
         self.config: BessConfig
@@ -243,25 +250,7 @@ class BessTrainingLoop(SLCWATrainingLoop):
 
     def make_scheme(self, block_size: int, topology: Topology | None = None) -> ExchangeScheme:
         """Return the exchange scheme (``exchange="auto"``: the cheapest for this block size)."""
-        scheme = self.config.scheme
-        if scheme is None and self.config.partition == "encoding":
-            scheme = choose_encoding_scheme(self, block_size)
-        if scheme is None:
-            scheme = choose_scheme(
-                n_shard=self.topology.n_shard,
-                block_size=block_size,
-                num_negs_per_pos=self.config.num_negs_per_pos,
-                entity_width=sum(table.row_width for table in self.tables),
-                query_width=query_width(self.scorer, self.model, self.tables.tables),  # type: ignore[arg-type]
-                partitions=(self.config.partition,),
-            )
-            logger.info("exchange='auto' chose %s for blocks of %d slots.", scheme.get_name(), block_size)
-        return scheme(
-            model=self.model,  # type: ignore[arg-type]
-            tables=self.tables.tables,
-            scorer=self.scorer,
-            topology=self.topology if topology is None else topology,
-        )
+        return make_scheme(self, block_size, self.topology if topology is None else topology)
 
     def make_runner(self, block_size: int, topology: Topology | None = None) -> StepRunner:
         """Return the step runner of blocks of ``block_size`` slots."""
@@ -312,7 +301,7 @@ class BessTrainingLoop(SLCWATrainingLoop):
         if not self.topology.holds_all_columns:
             check_column_training(kwargs)
         # without continue_training the tables are re-initialised (or loaded from a checkpoint)
-        with self.tables.installed(copy_weights=bool(kwargs.get("continue_training"))):
+        with self.tables.installed(copy_weights=bool(kwargs.get("continue_training"))), self.thread_policy.applied():
             return super().train(
                 triples_factory=triples_factory, num_epochs=num_epochs, batch_size=batch_size, **kwargs
             )
