@@ -32,13 +32,12 @@ import time
 from collections.abc import Callable, Iterator
 
 import torch
-from pykeen.training import SLCWATrainingLoop
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
 from evaluation import load_splits
 from evaluation import make_model as make_evaluation_model
-from training import load_wn18rr, make_model
+from training import load_wn18rr, make_model, time_stock
 
 from pykeen_bess.evaluation import BessEvaluator
 from pykeen_bess.threads import usable_cores
@@ -79,38 +78,6 @@ def bess_epoch(tf, num_shards: int, num_threads) -> float:
     return tf.num_triples / (time.perf_counter() - start)
 
 
-def stock_prefix(tf, batches: int) -> float:
-    """Return positives per second of PyKEEN's sLCWA loop over the first ``batches`` batches of an epoch."""
-    from pykeen.training.callbacks import TrainingCallback
-
-    class Stop(Exception):
-        pass
-
-    class StopAfter(TrainingCallback):
-        def __init__(self) -> None:
-            super().__init__()
-            self.count = 0
-
-        def post_batch(self, epoch: int, batch, **kwargs) -> None:
-            self.count += 1
-            if self.count >= batches:
-                raise Stop
-
-    loop = SLCWATrainingLoop(
-        model=make_model(tf, 256),
-        triples_factory=tf,
-        optimizer="adam",
-        negative_sampler_kwargs=dict(num_negs_per_pos=64),
-        automatic_memory_optimization=False,
-    )
-    start = time.perf_counter()
-    try:
-        loop.train(tf, num_epochs=1, batch_size=512, use_tqdm=False, callbacks=StopAfter())
-    except Stop:
-        pass
-    return batches * 512 / (time.perf_counter() - start)
-
-
 def evaluation(splits, model, num_threads) -> float:
     """Return evaluated test triples per second of a filtered BessEvaluator run (both sides)."""
     evaluator = BessEvaluator(num_shards=1, num_threads=num_threads)
@@ -143,7 +110,7 @@ def main() -> None:
         "BESS training n=4": ("positives/s", [(n, lambda t=t: bess_epoch(tf, 4, t)) for n, t in settings]),
         "PyKEEN sLCWA (stock)": (
             "positives/s",
-            [(f"torch default ({most})", lambda: stock_prefix(tf, args.stock_batches))],
+            [(f"torch default ({most})", lambda: time_stock(tf, 256, 64, 512, args.stock_batches))],
         ),
         "BESS evaluation n=1": (
             "test triples/s",

@@ -62,6 +62,8 @@ from pykeen.triples.triples_factory import (
 )
 from pykeen.triples.utils import load_triples
 
+from training import generate_graph
+
 from pykeen_bess.evaluation import BessEvaluator
 from pykeen_bess.memory import measure_peak
 
@@ -144,13 +146,8 @@ def generate_splits(spec: str, seed: int = 0) -> dict[str, CoreTriplesFactory]:
     become the test set and ``held_out`` more the validation set.
     """
     num_entities, num_relations, num_triples, held_out = (int(x) for x in spec.split(":"))
-    generator = torch.Generator().manual_seed(seed)
-    weights = 1.0 / torch.arange(1, num_entities + 1, dtype=torch.float64) ** 0.5
-    heads = torch.multinomial(weights, num_triples, replacement=True, generator=generator)
-    tails = torch.multinomial(weights, num_triples, replacement=True, generator=generator)
-    relations = torch.randint(num_relations, (num_triples,), generator=generator)
-    triples = torch.stack([heads, relations, tails], dim=1).unique(dim=0)
-    triples = triples[torch.randperm(triples.shape[0], generator=generator)]
+    triples = generate_graph(num_entities, num_relations, num_triples, seed=seed).mapped_triples
+    triples = triples[torch.randperm(triples.shape[0], generator=torch.Generator().manual_seed(seed))]
     parts = {"test": triples[:held_out], "valid": triples[held_out : 2 * held_out], "train": triples[2 * held_out :]}
     return {
         split: CoreTriplesFactory.create(mapped_triples=part, num_entities=num_entities, num_relations=num_relations)

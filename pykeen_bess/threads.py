@@ -6,8 +6,8 @@ only part of its core: it finishes its static share of the work late, and idle O
 spin while waiting take CPU time from the main thread. A BESS training step is many small kernels
 (gathers, ``index_add_`` of gradient rows, optimizer updates of small tables), so on a 2-core
 machine with one core busy the steps ran 2-3x *slower* with 2 threads than with 1, and a
-filtered evaluation 1.5x slower (``benchmarks/busy_cpu.py``). With the cores idle, 2 threads are
-15% (training) to 50% (evaluation) faster than 1. No fixed choice is right for both, so the
+filtered evaluation 1.6x slower (``benchmarks/busy_cpu.py``). With the cores idle, 2 threads were
+5-60% (training) and 80% (evaluation) faster than 1. No fixed choice is right for both, so the
 default measures.
 
 The policy is one class per choice, resolved from the ``num_threads`` argument of

@@ -1,0 +1,248 @@
+"""wikikg2 scale on one machine: every stage of a BESS run on a 2.5M-entity, 17M-triple graph, timed and measured.
+
+A skewed graph of ogbl-wikikg2's size is generated (``--entities`` 2,500,000, ``--relations`` 500,
+``--triples`` 17,000,000 before removing duplicates; heads and tails drawn with weights
+``1 / rank^0.75`` by inverse-CDF sampling, relations with weights ``1 / rank``; ``--test`` triples
+held out). Then, for each shard count in ``--shards`` (default ``1,4``), the stages of a run:
+
+1. *factory*: ``CoreTriplesFactory.create`` of the training and test triples;
+2. *model*: PyKEEN's ``TransE`` (``--dim`` 100), its 2.5M-row entity table initialised;
+3. *loop*: ``BessTrainingLoop`` (sharding) and the shardpair partition of the training triples;
+4. *first step*: ``train()`` up to the first training step (table installation, initialisation,
+   sampler);
+5. *epoch*: one epoch of training (``--negatives`` 256 per positive, ``--batch-size`` 4096, Adam),
+   or its first ``--steps`` steps (throughput extrapolated, marked in the table);
+6. *evaluation*: a filtered evaluation of the ``--test`` triples (both sides) against all
+   entities, filtered by the training triples (BessEvaluator with the loop's sharding).
+
+For each stage the table gives the wall time, the peak resident memory of the process during the
+stage (sampled every 5 ms by a background thread, so probes that reset the kernel's high-water
+mark do not hide anything) and its increase over the memory before the stage, next to the sizes
+that bound it: the entity table (``E x d`` floats, plus Adam's two moments once trained), the
+triples (``T x 3`` int64) and the filter index (24 bytes per triple). Setup (stages 1-4) is
+compared with the one-minute target. Nothing may grow with ``E x E`` or ``T x negatives``:
+``E x E`` floats would be 25 TB, ``T x negatives`` 17 GB.
+
+    python benchmarks/scale.py                        # the full run (about half an hour on 2 cores)
+    python benchmarks/scale.py --steps 200            # a shorter check: 200 training steps per shard count
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from pykeen.models import TransE
+from pykeen.training.callbacks import TrainingCallback
+from pykeen.triples import CoreTriplesFactory
+
+from pykeen_bess.evaluation import BessEvaluator
+from pykeen_bess.training import BessTrainingLoop
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def resident_bytes() -> int:
+    """The process's resident set size in bytes."""
+    with open("/proc/self/statm") as file:
+        return int(file.read().split()[1]) * PAGE
+
+
+class Stage:
+    """Wall time and sampled peak resident memory of one stage."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.seconds = 0.0
+        self.before = self.peak = resident_bytes()
+        self.note = ""
+
+    def sample(self) -> None:
+        self.peak = max(self.peak, resident_bytes())
+
+
+@contextmanager
+def stage(name: str, stages: list[Stage]) -> Iterator[Stage]:
+    """Time a stage and sample its memory every 5 ms."""
+    gc.collect()
+    record = Stage(name)
+    done = threading.Event()
+
+    def sampler() -> None:
+        while not done.wait(0.005):
+            record.sample()
+
+    thread = threading.Thread(target=sampler, daemon=True)
+    thread.start()
+    start = time.perf_counter()
+    try:
+        yield record
+    finally:
+        record.seconds = time.perf_counter() - start
+        done.set()
+        thread.join()
+        record.sample()
+        stages.append(record)
+        print(
+            f"  {name}: {record.seconds:.1f} s, peak {record.peak / 2**30:.2f} GiB "
+            f"(+{(record.peak - record.before) / 2**30:.2f}) {record.note}",
+            flush=True,
+        )
+
+
+def skewed(count: int, size: int, exponent: float, generator: torch.Generator) -> torch.Tensor:
+    """Draw ``count`` ids below ``size`` with weights ``1 / rank^exponent`` (inverse CDF, ids shuffled)."""
+    weights = torch.arange(1, size + 1, dtype=torch.float64).pow_(-exponent)
+    cdf = torch.cumsum(weights, 0)
+    cdf /= cdf[-1].clone()
+    ids = torch.searchsorted(cdf, torch.rand(count, dtype=torch.float64, generator=generator)).clamp_(max=size - 1)
+    return torch.randperm(size, generator=generator)[ids]
+
+
+def generate(num_entities: int, num_relations: int, num_triples: int, seed: int = 0) -> torch.Tensor:
+    """A skewed graph without duplicate triples, ``[T, 3]`` int64, in random order."""
+    generator = torch.Generator().manual_seed(seed)
+    heads = skewed(num_triples, num_entities, 0.75, generator)
+    relations = skewed(num_triples, num_relations, 1.0, generator)
+    tails = skewed(num_triples, num_entities, 0.75, generator)
+    # deduplicate by one int64 key (E^2 R < 2^63), not by unique(dim=0) (minutes at this size)
+    keys = torch.unique((heads * num_relations + relations) * num_entities + tails)
+    del heads, relations, tails
+    keys = keys[torch.randperm(keys.shape[0], generator=generator)]
+    tails = keys % num_entities
+    rest = keys // num_entities
+    return torch.stack([rest // num_relations, rest % num_relations, tails], dim=1)
+
+
+class FirstStep(TrainingCallback):
+    """Record when the first step starts and stop after ``max_steps`` steps (by raising)."""
+
+    def __init__(self, max_steps: int | None):
+        super().__init__()
+        self.max_steps = max_steps
+        self.first: float | None = None
+        self.steps = 0
+
+    def pre_batch(self, **kwargs: Any) -> None:
+        if self.first is None:
+            self.first = time.perf_counter()
+
+    def post_batch(self, epoch: int, batch: Any, **kwargs: Any) -> None:
+        self.steps += 1
+        if self.max_steps is not None and self.steps >= self.max_steps:
+            raise StopTraining
+
+
+class StopTraining(Exception):
+    """Ends a partial epoch."""
+
+
+def run(args: argparse.Namespace, triples: torch.Tensor, num_shards: int) -> list[Stage]:
+    """Run all stages for one shard count."""
+    stages: list[Stage] = []
+    print(f"# n={num_shards}", flush=True)
+    setup_start = time.perf_counter()
+    with stage("factory", stages):
+        train = CoreTriplesFactory.create(
+            mapped_triples=triples[args.test :], num_entities=args.entities, num_relations=args.relations
+        )
+        test = triples[: args.test]
+    with stage("model", stages) as record:
+        model = TransE(triples_factory=train, embedding_dim=args.dim, random_seed=0)
+        record.note = f"(entity table {args.entities * args.dim * 4 / 2**30:.2f} GiB)"
+    with stage("loop: sharding and partition", stages):
+        loop = BessTrainingLoop(
+            model=model,
+            triples_factory=train,
+            num_shards=num_shards,
+            num_negs_per_pos=args.negatives,
+            optimizer="adam",
+            optimizer_kwargs=dict(lr=1e-3),
+            automatic_memory_optimization=False,
+        )
+        loop.partition(train)
+    callback = FirstStep(args.steps)
+    start = time.perf_counter()
+    steps_per_epoch = 0
+    with stage("train: setup and epoch", stages) as record:
+        try:
+            loop.train(train, num_epochs=1, batch_size=args.batch_size, use_tqdm=not args.quiet, callbacks=callback)
+        except StopTraining:
+            pass
+        end = time.perf_counter()
+        steps_per_epoch = len(loop._create_training_data_loader(train, batch_size=args.batch_size))
+    assert callback.first is not None
+    first_step, setup = callback.first - start, callback.first - setup_start
+    epoch_seconds = end - callback.first
+    partial = callback.steps < steps_per_epoch
+    rate = callback.steps * args.batch_size / epoch_seconds if partial else train.num_triples / epoch_seconds
+    record.note = (
+        f"(setup {first_step:.1f} s; {callback.steps}/{steps_per_epoch} steps in {epoch_seconds:.1f} s: "
+        f"{rate:,.0f} triples/s{', partial epoch' if partial else ''})"
+    )
+    print(f"  {record.note}; setup before the first step in all: {setup:.1f} s", flush=True)
+    with stage("evaluation", stages) as record:
+        evaluator = BessEvaluator()
+        result = evaluator.evaluate(
+            model, test, additional_filter_triples=[train.mapped_triples], use_tqdm=not args.quiet
+        )
+        record.note = (
+            f"({2 * args.test:,} queries x {args.entities:,} entities, MRR "
+            f"{result.get_metric('both.realistic.inverse_harmonic_mean_rank'):.4f}; "
+            + ", ".join(f"{k} {v:.1f} s" for k, v in evaluator.last_timings.items())
+            + ")"
+        )
+    stages.insert(0, Stage(f"setup before the first step (target < 60 s): {setup:.1f} s"))
+    stages[0].seconds = setup
+    stages[0].note = f"{rate:,.0f} triples/s{' (partial epoch)' if partial else ''}"
+    del loop, model, train
+    gc.collect()
+    return stages
+
+
+def main() -> None:
+    """Run the benchmark and print the table."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--entities", type=int, default=2_500_000)
+    parser.add_argument("--relations", type=int, default=500)
+    parser.add_argument("--triples", type=int, default=17_000_000, help="drawn before removing duplicates")
+    parser.add_argument("--test", type=int, default=1_000)
+    parser.add_argument("--dim", type=int, default=100)
+    parser.add_argument("--negatives", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=4096)
+    parser.add_argument("--shards", default="1,4")
+    parser.add_argument("--steps", type=int, default=None, help="train only this many steps (default: one epoch)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    args = parser.parse_args()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
+    stages: list[Stage] = []
+    with stage("generate the graph (not part of a run)", stages) as record:
+        triples = generate(args.entities, args.relations, args.triples)
+        record.note = f"({triples.shape[0]:,} distinct triples, {triples.numel() * 8 / 2**30:.2f} GiB)"
+    results = {int(n): run(args, triples, int(n)) for n in args.shards.split(",")}
+    print()
+    print(
+        f"Graph: {args.entities:,} entities, {args.relations} relations, {triples.shape[0]:,} triples; {stages[0].note}"
+    )
+    print()
+    print("| n | stage | wall time (s) | peak RSS (GiB) | increase (GiB) | notes |")
+    print("|---:|---|---:|---:|---:|---|")
+    for n, run_stages in results.items():
+        summary, *rest = run_stages
+        for record in rest:
+            print(
+                f"| {n} | {record.name} | {record.seconds:.1f} | {record.peak / 2**30:.2f} | "
+                f"{(record.peak - record.before) / 2**30:.2f} | {record.note} |"
+            )
+        print(f"| {n} | **{summary.name.split(':')[0]}** | {summary.seconds:.1f} | | | {summary.note} |")
+
+
+if __name__ == "__main__":
+    main()
