@@ -23,6 +23,9 @@ setup(
         "pandas",
         "tqdm",
         "torch-max-mem>=0.1.1",
+        # PyTorch-BigGraph's files (pykeen_bess.pbg): HDF5, and fast TSV import
+        "h5py>=3.0",
+        "pyarrow>=14",
     ],
     extras_require={
         "tests": [
@@ -33,6 +36,9 @@ setup(
             "matplotlib",
             "ruff",
             "mypy",
+            # the cross-checks with real PyTorch-BigGraph (tests/pbg); it imports pkg_resources
+            "torchbiggraph>=1.0,<1.1",
+            "setuptools<81",
         ],
     },
     entry_points={

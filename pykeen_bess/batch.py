@@ -42,7 +42,8 @@ class BessBatch:
     valid: torch.Tensor
     #: shape: ``[n(i), n(j), b]``, position of the triple in the partition's arrays (-1 for padding)
     positions: torch.Tensor
-    #: shape: ``[n(k), n(i), n(j), m]``, local ids on shard ``k`` of the negatives of block ``(i, j)``
+    #: shape: ``[n(k), n(i), n(j), T * m]``, local ids on shard ``k`` of the negatives of block ``(i, j)``:
+    #: ``m`` per candidate type (``T = 1`` without types)
     negatives: torch.Tensor
     #: the first ``num_head_corrupted`` slots of every block corrupt heads, the others tails
     num_head_corrupted: int
@@ -50,6 +51,11 @@ class BessBatch:
     epoch: int
     #: the step within the epoch (0-based)
     step: int
+    #: shape: ``[n(i), n(j), b]``, which of the ``T`` candidate types slot ``s`` is scored against (the
+    #: type of its corrupted side, typed negatives); None: all slots share the block's ``m`` negatives
+    candidate_types: torch.Tensor | None = None
+    #: the number ``T`` of candidate types the negatives are drawn for (1 without types)
+    num_candidate_types: int = 1
 
     @property
     def n_shard(self) -> int:
@@ -63,8 +69,8 @@ class BessBatch:
 
     @property
     def num_negs_per_pos(self) -> int:
-        """The number of negatives per positive, ``K = n * m``."""
-        return self.negatives.shape[0] * self.negatives.shape[-1]
+        """The number of negatives per positive, ``K = n * m`` (of its candidate type)."""
+        return self.negatives.shape[0] * self.negatives.shape[-1] // self.num_candidate_types
 
     @property
     def num_valid(self) -> int:
@@ -139,9 +145,9 @@ class RegularizationWeights:
     tail: torch.Tensor
     #: shape: ``[n(i), n(j), b']``, each relation of a real positive
     relation: torch.Tensor
-    #: shape: ``[n(i), n(j)]``, each shared negative of the block as a head candidate
+    #: shape: ``[n(i), n(j), T]``, each shared negative of the block (of candidate type ``t``) as a head candidate
     negative_head: torch.Tensor
-    #: shape: ``[n(i), n(j)]``, each shared negative of the block as a tail candidate
+    #: shape: ``[n(i), n(j), T]``, each shared negative of the block (of candidate type ``t``) as a tail candidate
     negative_tail: torch.Tensor
 
 
@@ -158,7 +164,8 @@ def regularization_weights(batch: BessBatch, start: int = 0, stop: int | None = 
       tails (its negative triples repeat the head); tails likewise;
     * relations: ``2 g(r) / V`` (the negative triples repeat the relation);
     * negatives: each of the ``K`` shared negatives of block ``(i, j)`` with ``g(e) V_ij / (V K)``,
-      ``V_ij`` the block's real positives corrupting that side.
+      ``V_ij`` the block's real positives corrupting that side (with typed negatives: those whose
+      corrupted side has the negative's candidate type).
 
     Tables used several times in a role (the interaction's head / tail indices) count once per use.
     The weights of slices add up to those of the step.
@@ -173,10 +180,15 @@ def regularization_weights(batch: BessBatch, start: int = 0, stop: int | None = 
     num_valid = max(batch.num_valid, 1)
     num_negatives = batch.num_negs_per_pos
     corrupts_head = (torch.arange(start, stop) < batch.num_head_corrupted).to(torch.float64)
+    if batch.candidate_types is None:
+        of_type = valid.unsqueeze(-1)  # [n, n, b', 1]
+    else:  # [n, n, b', T]: the slot's real positive, in its candidate type's column
+        of_type = torch.nn.functional.one_hot(batch.candidate_types[..., start:stop], batch.num_candidate_types)
+        of_type = of_type.to(torch.float64) * valid.unsqueeze(-1)
     return RegularizationWeights(
         head=valid * (2.0 - corrupts_head) / num_valid,
         tail=valid * (1.0 + corrupts_head) / num_valid,
         relation=valid * (2.0 / num_valid),
-        negative_head=(valid * corrupts_head).sum(dim=-1) / (num_valid * num_negatives),
-        negative_tail=(valid * (1.0 - corrupts_head)).sum(dim=-1) / (num_valid * num_negatives),
+        negative_head=(of_type * corrupts_head.unsqueeze(-1)).sum(dim=-2) / (num_valid * num_negatives),
+        negative_tail=(of_type * (1.0 - corrupts_head).unsqueeze(-1)).sum(dim=-2) / (num_valid * num_negatives),
     )

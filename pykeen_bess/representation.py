@@ -146,6 +146,9 @@ class ShardedEmbedding(Representation):
         #: while a checkpoint is written: the directory its copies of a table's files go to; while one is
         #: read: the checkpoint's folder (set by the checkpoint store)
         self.snapshot_directory: pathlib.Path | None = None
+        #: while a checkpoint whose own files hold the rows (PyTorch-BigGraph's layout) is written or read:
+        #: the state dict marks the table's weights as stored elsewhere instead of holding them
+        self.external_weights = False
         self.register_state_dict_post_hook(_add_stored_table)
         self.register_load_state_dict_pre_hook(_load_stored_table)
         # the embedding this table replaces (not a submodule: its parameters are not the model's)
@@ -407,6 +410,8 @@ def constrain_all_rows(table: ShardedEmbedding, chunk_rows: int | None = None) -
 
 #: the state-dict key (after the module's prefix) of a table kept outside the model
 STORED_TABLE_KEY = "stored_table"
+#: the state-dict key (after the module's prefix) marking weights held by the checkpoint's own files
+EXTERNAL_WEIGHT_KEY = "external_weight"
 
 
 def _add_stored_table(module: ShardedEmbedding, state_dict: dict, prefix: str, local_metadata: Any) -> None:
@@ -418,9 +423,15 @@ def _add_stored_table(module: ShardedEmbedding, state_dict: dict, prefix: str, l
     """
     storage = module.storage
     if storage.is_parameter:
+        if module.external_weights:
+            del state_dict[prefix + "weight"]
+            state_dict[prefix + EXTERNAL_WEIGHT_KEY] = True
         return
     tensors = {"weight": module.weight, **{f"state.{name}": value for name, value in module.row_state.items()}}
     entry: dict[str, Any] = {"tier": storage.name, "label": module.label, "shape": tuple(module.weight.shape)}
+    if module.external_weights:
+        del tensors["weight"]
+        entry[EXTERNAL_WEIGHT_KEY] = True
     if not isinstance(storage, MmapStorage):
         entry["tensors"] = tensors
     else:
@@ -443,7 +454,12 @@ def _load_stored_table(
     unexpected_keys: list,
     error_msgs: list,
 ) -> None:
-    """Load a table kept outside the model from a state dict (the inverse of :func:`_add_stored_table`)."""
+    """Load a table kept outside the model from a state dict (the inverse of :func:`_add_stored_table`).
+
+    Weights held by the checkpoint's own files were already loaded into the table: they stay as they are.
+    """
+    if state_dict.pop(prefix + EXTERNAL_WEIGHT_KEY, False):
+        state_dict[prefix + "weight"] = module.weight.detach()
     entry = state_dict.pop(prefix + STORED_TABLE_KEY, None)
     storage = module.storage
     written = "device" if entry is None else entry["tier"]
@@ -461,7 +477,9 @@ def _load_stored_table(
             f"The checkpoint's table {entry['label']} has shape {entry['shape']}, not {tuple(module.weight.shape)}."
         )
     targets = {"weight": module.weight, **{f"state.{name}": value for name, value in module.row_state.items()}}
-    sources = entry.get("tensors") or entry["files"]
+    if entry.get(EXTERNAL_WEIGHT_KEY):
+        del targets["weight"]
+    sources = entry["tensors"] if "tensors" in entry else entry["files"]
     if set(sources) != set(targets):
         raise ValueError(
             f"The checkpoint's table {entry['label']} has optimizer state {sorted(sources)}, this run "

@@ -18,6 +18,13 @@ positives of the block share these ``num_negs_per_pos`` negatives. With corrupti
 the first ``block_size // 2`` slots of every block corrupt their head and the rest their tail;
 with ``"h"`` or ``"t"`` all slots corrupt that side.
 
+**Typed negatives** (:class:`TypedBessSampler`, ``negatives="typed"``, graphs with entity types,
+:mod:`pykeen_bess.pbg`): a slot's negatives have the type of its corrupted side (a relation's head or
+tail type). For every block and every candidate type ``t`` each shard contributes ``m`` entities of
+type ``t`` (the shards hold an equal share of every type, :class:`~pykeen_bess.sharding.TypedSharding`),
+and the block's slots of that type share them: a block draws ``T * m`` per shard and every slot is
+scored against the ``K = n * m`` of its type.
+
 All randomness comes from a generator seeded by ``(seed, epoch)``: every worker that builds the
 sampler from the same seed draws the same global plan, and resuming at an epoch boundary
 continues identically.
@@ -26,7 +33,7 @@ continues identically.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Literal
 
 import torch
@@ -36,9 +43,12 @@ from .partition import ShardPairPartition
 from .seeds import derive_seed
 
 __all__ = [
+    "NEGATIVES",
     "Corruption",
     "BessBatch",
     "BessSampler",
+    "TypedBessSampler",
+    "resolve_negatives",
 ]
 
 #: which side(s) of a positive triple the negatives replace
@@ -152,9 +162,10 @@ class BessSampler:
             position_in_order = offsets + torch.where(valid, within, torch.zeros_like(within))
             position_in_order = position_in_order.clamp_max(max(self.partition.num_triples - 1, 0))
             positions = order[position_in_order]
+            relations = self.partition.relations[positions].view(n, n, b)
             yield BessBatch(
                 heads=self.partition.heads[positions].view(n, n, b),
-                relations=self.partition.relations[positions].view(n, n, b),
+                relations=relations,
                 tails=self.partition.tails[positions].view(n, n, b),
                 valid=valid.view(n, n, b),
                 positions=torch.where(valid, positions, torch.full_like(positions, -1)).view(n, n, b),
@@ -162,7 +173,12 @@ class BessSampler:
                 num_head_corrupted=self.num_head_corrupted,
                 epoch=epoch,
                 step=step,
+                **self._candidate_types(relations),
             )
+
+    def _candidate_types(self, relations: torch.Tensor) -> dict:
+        """Which negatives each slot is scored against (none to choose: all slots share the block's)."""
+        return {}
 
     def _negatives(self, generator: torch.Generator) -> torch.Tensor:
         """Draw ``m`` negatives per (owner shard, block) uniformly from each shard's real rows.
@@ -173,3 +189,107 @@ class BessSampler:
         uniform = torch.rand(n, n, n, m, generator=generator, dtype=torch.float64)
         limits = self._shard_counts.view(n, 1, 1, 1).to(torch.float64)
         return (uniform * limits).long().clamp_max_(self._shard_counts.view(n, 1, 1, 1) - 1)
+
+
+class TypedBessSampler(BessSampler):
+    """Typed negatives: every slot's negatives have its corrupted side's entity type.
+
+    Needs a sharding whose shards hold every type's rows grouped type by type
+    (:class:`~pykeen_bess.sharding.TypedSharding`): shard ``k``'s rows of type ``t`` are the local ids
+    ``offset[k, t] .. offset[k, t] + count[k, t] - 1``.
+    """
+
+    def __init__(
+        self,
+        partition: ShardPairPartition,
+        block_size: int,
+        num_negs_per_pos: int,
+        corruption: Corruption = "ht",
+        seed: int = 0,
+        *,
+        relation_sides: torch.Tensor,
+        entity_types: torch.Tensor,
+        type_names: Sequence[str] = (),
+    ):
+        """Create the sampler.
+
+        :param partition: the triples grouped by shardpair
+        :param block_size: the slots per block
+        :param num_negs_per_pos: the negatives per positive, a multiple of the number of shards
+        :param corruption: ``"h"``, ``"t"`` or ``"ht"``
+        :param seed: the seed
+        :param relation_sides: shape: ``[R', 2]``, the head and tail type of every relation id the
+            partition holds (inverse relations included)
+        :param entity_types: shape: ``[N]``, the type of every entity
+        :param type_names: the type names, for error messages
+        :raises ValueError: if a shard holds no entity of a type some relation corrupts, or the shards'
+            rows are not grouped by type
+        """
+        super().__init__(partition, block_size, num_negs_per_pos, corruption, seed)
+        sharding = partition.sharding
+        n = sharding.n_shard
+        sides = {"h": [0], "t": [1], "ht": [0, 1]}[corruption]
+        #: the entity types some slot is scored against, in type order (their position is the candidate type)
+        self.types = sorted(set(relation_sides[:, sides].reshape(-1).tolist()) - {-1})
+        position = torch.full((int(entity_types.max()) + 1,), -1, dtype=torch.long)
+        position[self.types] = torch.arange(len(self.types))
+        #: shape: ``[R', 2]``, the candidate type (position in :attr:`types`) of each relation's head and tail
+        self.relation_candidates = torch.where(relation_sides >= 0, position[relation_sides.clamp_min(0)], -1)
+        real = sharding.padding_mask()
+        row_types = torch.where(real, entity_types[sharding.shard_entities.clamp_min(0)], -1)
+        counts = torch.stack([(row_types == t).sum(dim=1) for t in self.types], dim=1)  # [n, T]
+        offsets = torch.stack([(row_types < t).logical_and(real).sum(dim=1) for t in self.types], dim=1)
+        grouped = bool((row_types[:, 1:] >= row_types[:, :-1]).logical_or(~real[:, 1:]).all())
+        if not grouped:
+            raise ValueError("Typed negatives need shards whose rows are grouped by entity type (TypedSharding).")
+        empty = (counts == 0).nonzero()
+        if empty.numel():
+            shard, t = empty[0].tolist()
+            name = type_names[self.types[t]] if type_names else str(self.types[t])
+            total = int((entity_types == self.types[t]).sum())
+            raise ValueError(
+                f"Typed negatives: entity type {name!r} has {total} entities, fewer than num_shards={n}, so shard "
+                f"{shard} holds none to draw negatives from. Use at most {total} shards, or negatives='uniform'."
+            )
+        self._type_counts = counts
+        self._type_offsets = offsets
+
+    @property
+    def num_candidate_types(self) -> int:
+        """The number of candidate types ``T``."""
+        return len(self.types)
+
+    def _candidate_types(self, relations: torch.Tensor) -> dict:
+        n, _, b = relations.shape
+        corrupts_tail = (torch.arange(b) >= self.num_head_corrupted).long().view(1, 1, b).expand_as(relations)
+        return dict(
+            candidate_types=self.relation_candidates[relations, corrupts_tail],
+            num_candidate_types=self.num_candidate_types,
+        )
+
+    def _negatives(self, generator: torch.Generator) -> torch.Tensor:
+        """Draw ``m`` negatives per (owner shard, block, type) uniformly from each shard's rows of the type.
+
+        :returns: shape: ``[n(k), n(i), n(j), T * m]``, local ids on shard ``k``, type major
+        """
+        n, m, types = self.n_shard, self.negatives_per_shard, self.num_candidate_types
+        uniform = torch.rand(n, n, n, types, m, generator=generator, dtype=torch.float64)
+        counts = self._type_counts.view(n, 1, 1, types, 1)
+        local = (uniform * counts.to(torch.float64)).long().minimum(counts - 1)
+        return (local + self._type_offsets.view(n, 1, 1, types, 1)).view(n, n, n, types * m)
+
+
+#: the negative samplers by name (``negatives=``)
+NEGATIVES: dict[str, type[BessSampler]] = {"uniform": BessSampler, "typed": TypedBessSampler}
+
+
+def resolve_negatives(negatives: str | type[BessSampler]) -> type[BessSampler]:
+    """Return the sampler class of ``negatives`` (``"uniform"``, ``"typed"`` or a :class:`BessSampler` subclass).
+
+    :raises ValueError: for an unknown name
+    """
+    if isinstance(negatives, type) and issubclass(negatives, BessSampler):
+        return negatives
+    if negatives not in NEGATIVES:
+        raise ValueError(f"Unknown negatives={negatives!r}; expected one of {sorted(NEGATIVES)}.")
+    return NEGATIVES[negatives]

@@ -8,18 +8,143 @@ shard ``p % n_shard`` with local id ``p // n_shard``. Every shard therefore hold
 they belong to no entity, are never sampled and never ranked.
 
 Relations are not sharded (they are replicated on every worker).
+
+How entities are dealt to shards is a :class:`ShardingStrategy` (one class per strategy):
+:class:`RandomSharding` (the permutation above, the default) and :class:`TypedSharding` (graphs
+with entity types, :mod:`pykeen_bess.pbg`): every shard holds an equal share of every entity type,
+its rows grouped type by type, or, with as many shards as the graph has partitions, shard ``k`` is
+partition ``k`` of every type (PyTorch-BigGraph's layout). Every strategy puts a shard's real rows
+first and its padding rows last, so a shard's real rows are local ids ``0 .. count - 1``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 import torch
 
 __all__ = [
     "EntitySharding",
+    "RandomSharding",
+    "ShardingStrategy",
+    "TypedSharding",
 ]
+
+
+class ShardingStrategy(ABC):
+    """How the entities are dealt to the shards (stage 1's variants)."""
+
+    @abstractmethod
+    def deal(self, num_entities: int, n_shard: int, generator: torch.Generator) -> torch.Tensor:
+        """Return the global id of every (shard, local id).
+
+        :param num_entities: the number of entities ``N``
+        :param n_shard: the number of shards ``n``, ``1 <= n <= N``
+        :param generator: the sharding's random stream
+        :returns: shape: ``[n_shard, shard_size]``, every entity exactly once, each shard's real rows
+            first and ``-1`` (padding) after them
+        """
+
+    def check(self, num_entities: int, n_shard: int) -> None:  # noqa: B027 - optional hook
+        """Raise a ``ValueError`` if the strategy cannot shard ``num_entities`` entities ``n_shard`` ways."""
+
+    def describe(self) -> str:
+        """Return a short description for logs."""
+        return "random"
+
+
+class RandomSharding(ShardingStrategy):
+    """A seeded random permutation: position ``p`` goes to shard ``p % n`` with local id ``p // n``."""
+
+    def deal(self, num_entities: int, n_shard: int, generator: torch.Generator) -> torch.Tensor:  # noqa: D102
+        permutation = torch.randperm(num_entities, generator=generator)
+        return _deal(permutation, n_shard)
+
+
+def _deal(order: torch.Tensor, n_shard: int, first_shard: int = 0) -> torch.Tensor:
+    """Deal ``order`` like cards from ``first_shard`` on: element ``p`` to shard ``(first_shard + p) % n``.
+
+    :returns: shape: ``[n_shard, ceil(len(order) / n_shard)]``, element ``p`` at local id ``p // n``, -1 after
+        each shard's elements
+    """
+    positions = torch.arange(order.numel())
+    table = torch.full((n_shard, -(-order.numel() // n_shard)), fill_value=-1, dtype=torch.long)
+    table[(first_shard + positions) % n_shard, positions // n_shard] = order
+    return table
+
+
+def _stack_ragged(rows: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Stack 1-d tensors into ``[len(rows), longest]``, padded with -1 after each."""
+    table = torch.full((len(rows), max((row.numel() for row in rows), default=0)), fill_value=-1, dtype=torch.long)
+    for index, row in enumerate(rows):
+        table[index, : row.numel()] = row
+    return table
+
+
+def _concat_shards(parts: Sequence[torch.Tensor], n_shard: int) -> torch.Tensor:
+    """Concatenate the real rows of ``[n_shard, *]`` parts shard by shard, padding at the end."""
+    return _stack_ragged([torch.cat([part[shard][part[shard] >= 0] for part in parts]) for shard in range(n_shard)])
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TypedSharding(ShardingStrategy):
+    """Every shard holds an equal share of every entity type, its rows grouped type by type.
+
+    Types are dealt one after the other, continuing where the previous type stopped, so the shards'
+    totals differ by at most one entity and every type's by at most one. Within a type the order is
+    a seeded random permutation, except with ``n_shard == num_partitions``: shard ``k`` is then
+    partition ``k`` of every partitioned type, in the order of the global ids (the partitions of the
+    graph, e.g. PyTorch-BigGraph's); types with one partition are dealt randomly.
+    """
+
+    #: shape: ``[N]``, the type of every entity
+    entity_types: torch.Tensor
+    #: shape: ``[N]``, the partition of every entity (within its type), or None
+    entity_partitions: torch.Tensor | None = None
+    #: the number of partitions of every type (1: unpartitioned); () without partitions
+    type_partitions: tuple[int, ...] = ()
+
+    @property
+    def num_types(self) -> int:
+        """The number of entity types."""
+        return max(len(self.type_partitions), int(self.entity_types.max()) + 1 if self.entity_types.numel() else 0)
+
+    @property
+    def num_partitions(self) -> int:
+        """The number of partitions of the partitioned types (1 if none is partitioned)."""
+        return max(self.type_partitions, default=1)
+
+    def uses_partitions(self, n_shard: int) -> bool:
+        """Whether ``n_shard`` shards are the graph's partitions (shard ``k`` = partition ``k`` of every type)."""
+        return self.entity_partitions is not None and self.num_partitions > 1 and n_shard == self.num_partitions
+
+    def check(self, num_entities: int, n_shard: int) -> None:  # noqa: D102
+        if self.entity_types.shape != (num_entities,):
+            raise ValueError(
+                f"The entity types describe {self.entity_types.numel()} entities, but there are {num_entities}."
+            )
+
+    def deal(self, num_entities: int, n_shard: int, generator: torch.Generator) -> torch.Tensor:  # noqa: D102
+        by_type = torch.sort(self.entity_types, stable=True).indices
+        counts = torch.bincount(self.entity_types, minlength=self.num_types).tolist()
+        parts = []
+        first = 0
+        for type_index, ids in enumerate(by_type.split(counts)):
+            partitioned = self.uses_partitions(n_shard) and self.type_partitions[type_index] > 1
+            if partitioned:  # shard k = partition k of the type, in the order of the global ids
+                assert self.entity_partitions is not None
+                partitions = self.entity_partitions[ids]
+                sizes = torch.bincount(partitions, minlength=n_shard).tolist()
+                parts.append(_stack_ragged(ids[torch.sort(partitions, stable=True).indices].split(sizes)))
+                continue
+            parts.append(_deal(ids[torch.randperm(ids.numel(), generator=generator)], n_shard, first))
+            first = (first + ids.numel()) % n_shard
+        return _concat_shards(parts, n_shard)
+
+    def describe(self) -> str:  # noqa: D102
+        return f"stratified by {self.num_types} entity types"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -43,48 +168,60 @@ class EntitySharding:
     shard_entities: torch.Tensor
     #: shape: ``[n_shard]``, the number of real entities in each shard
     shard_counts: torch.Tensor
+    #: how the entities were dealt (rebuilds the sharding for another number of shards, e.g. to reshard)
+    strategy: ShardingStrategy = dataclasses.field(default_factory=RandomSharding)
 
     @classmethod
-    def create(cls, num_entities: int, n_shard: int, seed: int = 0) -> EntitySharding:
-        """Shard ``num_entities`` entities into ``n_shard`` shards by a random permutation.
+    def create(
+        cls, num_entities: int, n_shard: int, seed: int = 0, strategy: ShardingStrategy | None = None
+    ) -> EntitySharding:
+        """Shard ``num_entities`` entities into ``n_shard`` shards.
 
         :param num_entities: the number of entities, ``N >= 1``
         :param n_shard: the number of shards, ``1 <= n_shard <= N``
-        :param seed: the seed of the permutation
+        :param seed: the seed of the strategy's random draws
+        :param strategy: how entities are dealt; default: a random permutation (:class:`RandomSharding`)
         :returns: the sharding
-        :raises ValueError: for an invalid number of shards
+        :raises ValueError: for an invalid number of shards, or one the strategy cannot deal
         """
         num_entities = int(num_entities)
         n_shard = int(n_shard)
+        strategy = RandomSharding() if strategy is None else strategy
         if num_entities < 1:
             raise ValueError(f"Cannot shard {num_entities=}: there must be at least one entity.")
         if not 1 <= n_shard <= num_entities:
             raise ValueError(
                 f"num_shards must be between 1 and the number of entities ({num_entities}), but is {n_shard}."
             )
-        generator = torch.Generator().manual_seed(int(seed))
-        # position of each entity in the random order
-        permutation = torch.randperm(num_entities, generator=generator)
-        shard_size = -(-num_entities // n_shard)
-        positions = torch.arange(num_entities)
-        shard_entities = torch.full((shard_size * n_shard,), fill_value=-1, dtype=torch.long)
-        # slot (shard s, local l) is position l * n_shard + s of the padded table
-        shard_entities[positions] = permutation
-        shard_entities = shard_entities.view(shard_size, n_shard).t().contiguous()
-        entity_shard = torch.empty(num_entities, dtype=torch.long)
+        strategy.check(num_entities, n_shard)
+        shard_entities = strategy.deal(num_entities, n_shard, torch.Generator().manual_seed(int(seed)))
+        real = shard_entities >= 0
+        shard_counts = real.sum(dim=1)
+        # every shard's real rows first: the samplers draw local ids below a shard's count
+        if not bool((real == (torch.arange(shard_entities.shape[1]) < shard_counts.view(-1, 1))).all()):
+            raise AssertionError(f"{type(strategy).__name__} put padding rows before real rows.")
+        entity_shard = torch.full((num_entities,), fill_value=-1, dtype=torch.long)
         entity_local = torch.empty(num_entities, dtype=torch.long)
-        entity_shard[permutation] = positions % n_shard
-        entity_local[permutation] = positions // n_shard
-        shard_counts = (shard_entities >= 0).sum(dim=1)
+        for shard, count in enumerate(shard_counts.tolist()):
+            ids = shard_entities[shard, :count]
+            entity_shard[ids] = shard
+            entity_local[ids] = torch.arange(count)
+        if int(shard_counts.sum()) != num_entities or bool((entity_shard < 0).any()):
+            raise AssertionError(f"{type(strategy).__name__} did not deal every entity exactly once.")
         return cls(
             num_entities=num_entities,
             n_shard=n_shard,
             seed=int(seed),
             entity_shard=entity_shard,
             entity_local=entity_local,
-            shard_entities=shard_entities,
+            shard_entities=shard_entities.contiguous(),
             shard_counts=shard_counts,
+            strategy=strategy,
         )
+
+    def with_shards(self, n_shard: int) -> EntitySharding:
+        """Return the sharding of the same entities, seed and strategy into ``n_shard`` shards."""
+        return EntitySharding.create(self.num_entities, n_shard, seed=self.seed, strategy=self.strategy)
 
     @property
     def shard_size(self) -> int:
@@ -126,7 +263,8 @@ class EntitySharding:
     def describe(self) -> str:
         """Return a one-line human-readable summary."""
         counts = self.shard_counts.tolist()
+        strategy = "" if isinstance(self.strategy, RandomSharding) else f", {self.strategy.describe()}"
         return (
             f"{self.num_entities:,} entities in {self.n_shard} shards of {self.shard_size:,} rows "
-            f"({min(counts):,}-{max(counts):,} real entities per shard, seed={self.seed})"
+            f"({min(counts):,}-{max(counts):,} real entities per shard, seed={self.seed}{strategy})"
         )

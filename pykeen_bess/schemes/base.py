@@ -235,15 +235,16 @@ class ExchangeScheme(ABC):
         # negatives of every local block, shared by its slots. They are gathered in the layout
         # [n(i), n(j), L(k), m, D] and viewed as [L(k), n(i), n(j), m, D]: after the (local)
         # all-to-all the candidates of a block are then contiguous.
-        m = gathered.negatives.shape[-1]
-        negative_shape = (n, n, topology.n_local, m)
+        types = batch.num_candidate_types
+        m = gathered.negatives.shape[-1] // types  # per candidate type
+        negative_shape = (n, n, topology.n_local, types, m)
         negatives_local = self.lookup.entities(
             normalized,
             gathered.negatives.permute(1, 2, 0, 3),
             regularization,
             self.lookup.role_weights(
-                head=weights.negative_head.view(n, n, 1, 1).expand(negative_shape),
-                tail=weights.negative_tail.view(n, n, 1, 1).expand(negative_shape),
+                head=weights.negative_head.view(n, n, 1, types, 1).expand(negative_shape).reshape(n, n, -1, types * m),
+                tail=weights.negative_tail.view(n, n, 1, types, 1).expand(negative_shape).reshape(n, n, -1, types * m),
             ),
         ).permute(2, 0, 1, 3, 4)
         negative_scores = []
@@ -258,6 +259,10 @@ class ExchangeScheme(ABC):
             )
             negative_scores.append(self.negative_scores(side, query, negatives_local, cache))
         negative = torch.cat(negative_scores, dim=2) if len(negative_scores) > 1 else negative_scores[0]
+        if batch.candidate_types is not None:  # typed negatives: each slot against its corrupted side's type
+            negative = select_candidate_type(
+                negative, topology.select_local(batch.candidate_types[..., slots], 0), n, types
+            )
         return BlockScores(
             positive=positive, negative=negative, valid_index=valid_index, regularization=regularization.value
         )
@@ -293,6 +298,22 @@ class ExchangeScheme(ABC):
         if stop > boundary:
             result.append(("tail", slice(boundary - start, stop - start)))
         return result
+
+
+def select_candidate_type(scores: torch.Tensor, candidate_types: torch.Tensor, n: int, types: int) -> torch.Tensor:
+    """Keep every slot's scores against the negatives of its candidate type.
+
+    :param scores: shape: ``[L(i), n(j), b', n(k) * T * m]``, every slot against all ``T`` types' negatives
+        (shard ``k`` major, then the type, then the ``m`` draws)
+    :param candidate_types: shape: ``[L(i), n(j), b']``, each slot's type (CPU)
+    :param n: the number of shards
+    :param types: ``T``
+    :returns: shape: ``[L(i), n(j), b', K]``, ``K = n * m``, shard ``k`` major
+    """
+    *slots, _ = scores.shape
+    scores = scores.view(*slots, n, types, -1)
+    index = candidate_types.to(scores.device).view(*slots, 1, 1, 1).expand(*slots, n, 1, scores.shape[-1])
+    return scores.gather(-2, index).reshape(*slots, -1)
 
 
 def _offset_rows(local_ids: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:

@@ -21,11 +21,21 @@ from pykeen.nn.representation import Embedding
 
 from ..distributed import Topology, make_topology
 from ..encoding import ColumnSplit, check_encoding_model
+from ..pbg.schema import GraphSchema
 from ..schemes import AUTO, EncodingScheme, ExchangeScheme, choose_scheme, query_width, scheme_resolver
 from ..scoring import get_scorer
+from ..sampling import BessSampler
 from ..sharding import EntitySharding
-from ..storage import TableStorage
-from .checkpoints import CHECKPOINT_RETRIEVALS, FileCheckpointStore, NoCheckpointStore, RankCheckpointStore
+from ..storage import MmapStorage, TableStorage
+from .checkpoints import (
+    CHECKPOINT_FORMATS,
+    CHECKPOINT_RETRIEVALS,
+    CheckpointStore,
+    FileCheckpointStore,
+    NoCheckpointStore,
+    PbgCheckpointStore,
+    RankCheckpointStore,
+)
 from .config import BessConfig
 from .sizes import StepSizes
 from .tables import create_tables
@@ -60,6 +70,14 @@ class LoopSettings:
     sparse_updates: Any
     memory_budget: Any
     checkpoint_retrieval: str
+    #: the graph schema of the training triples (entity types, partitions), if typed
+    schema: GraphSchema | None = None
+    #: the training triples the loop was built for (their labels name the entities of PBG checkpoints)
+    factory: Any = None
+    #: the negative sampler (``"uniform"``, ``"typed"``)
+    negatives: Any = "uniform"
+    #: the checkpoint layout (``"pykeen"``, ``"pbg"``)
+    checkpoint_format: str = "pykeen"
 
 
 def assemble(loop: Any, settings: LoopSettings, partition: str) -> None:
@@ -105,8 +123,20 @@ def assemble(loop: Any, settings: LoopSettings, partition: str) -> None:
         settings.sparse_updates,
         settings.memory_budget,
         partition,
+        settings.negatives,
     )
-    loop.sharding = EntitySharding.create(model.num_entities, n_shard, seed=loop.config.seed)
+    if loop.config.sampler is not BessSampler:
+        if settings.schema is None:
+            raise ValueError(
+                "negatives='typed' needs entity types: train on a typed graph's factories (pykeen_bess.pbg.read, "
+                "pbg.import_tsv with a config, or pbg.TypedGraph.from_factories)."
+            )
+        if columns:
+            raise ValueError(
+                "negatives='typed' needs partition='token' (the encoding partition draws uniform negatives)."
+            )
+    strategy = settings.schema.sharding_strategy() if settings.schema is not None else None
+    loop.sharding = EntitySharding.create(model.num_entities, n_shard, seed=loop.config.seed, strategy=strategy)
     loop.tables, loop.memory_plan = create_tables(
         model, settings.embeddings, loop.sharding, topology, loop.config.seed, loop.optimizer, settings.storage
     )
@@ -118,17 +148,7 @@ def assemble(loop: Any, settings: LoopSettings, partition: str) -> None:
     loop.optimizer = loop.build_optimizer()
     if loop.lr_scheduler is not None:
         loop.lr_scheduler = loop.rebuild_lr_scheduler()
-    if settings.checkpoint_retrieval not in CHECKPOINT_RETRIEVALS:
-        raise ValueError(
-            f"Unknown checkpoint_retrieval={settings.checkpoint_retrieval!r}; expected one of {CHECKPOINT_RETRIEVALS}."
-        )
-    loop.checkpoints = (
-        NoCheckpointStore(loop)
-        if not topology.holds_all_columns
-        else RankCheckpointStore(loop, all_replicas=settings.checkpoint_retrieval == "all_replicas")
-        if topology.is_distributed
-        else FileCheckpointStore(loop)
-    )
+    loop.checkpoints = make_checkpoint_store(loop, settings, columns)
     loop.sizes = StepSizes(loop)
     loop.runner = None
     loop._partition = None
@@ -139,6 +159,45 @@ def assemble(loop: Any, settings: LoopSettings, partition: str) -> None:
         loop.config.scheme_name,
         settings.corruption,
     )
+
+
+def make_checkpoint_store(loop: Any, settings: LoopSettings, columns: bool) -> CheckpointStore:
+    """Return the loop's checkpoint store: by the layout, and by whether one process holds every shard.
+
+    :raises ValueError: for an unknown layout or retrieval mode, or a layout the run cannot write
+    """
+    if settings.checkpoint_retrieval not in CHECKPOINT_RETRIEVALS:
+        raise ValueError(
+            f"Unknown checkpoint_retrieval={settings.checkpoint_retrieval!r}; expected one of {CHECKPOINT_RETRIEVALS}."
+        )
+    if settings.checkpoint_format not in CHECKPOINT_FORMATS:
+        raise ValueError(
+            f"Unknown checkpoint_format={settings.checkpoint_format!r}; expected one of {CHECKPOINT_FORMATS}."
+        )
+    all_replicas = settings.checkpoint_retrieval == "all_replicas"
+    topology = loop.topology
+    if settings.checkpoint_format == "pbg":
+        if columns:
+            raise ValueError("checkpoint_format='pbg' writes row shards as partitions; it needs partition='token'.")
+        if isinstance(settings.storage, MmapStorage):
+            raise ValueError("checkpoint_format='pbg' supports storage='device' and 'host' (not 'mmap' yet).")
+        schema = settings.schema
+        if schema is None:
+            if topology.n_shard > 1:
+                raise ValueError(
+                    f"checkpoint_format='pbg' writes shard k as partition k of every entity type; the training triples "
+                    f"have no partitions. Build a typed graph with {topology.n_shard} partitions: "
+                    f"pykeen_bess.pbg.TypedGraph.from_factories(training, ..., num_partitions={topology.n_shard})."
+                )
+            from ..pbg.graph import TypedGraph
+
+            schema = TypedGraph.from_factories(settings.factory).schema
+        return PbgCheckpointStore(loop, schema, settings.factory, all_replicas=all_replicas)
+    if not topology.holds_all_columns:
+        return NoCheckpointStore(loop)
+    if topology.is_distributed:
+        return RankCheckpointStore(loop, all_replicas=all_replicas)
+    return FileCheckpointStore(loop)
 
 
 def choose_partition(loop: Any, settings: LoopSettings, batch_size: int | None, train_kwargs: dict) -> None:
@@ -206,6 +265,10 @@ def _encoding_unavailable(loop: Any, settings: LoopSettings, train_kwargs: dict)
         return str(error).split(";")[0]
     if loop.topology.replicas > 1:
         return "replicas"
+    if loop.config.sampler is not BessSampler:
+        return "typed negatives"
+    if settings.checkpoint_format != "pykeen":
+        return f"checkpoint_format={settings.checkpoint_format!r}"
     if not settings.storage.is_parameter:
         return f"storage={settings.storage.name!r}"
     if train_kwargs.get("continue_training"):

@@ -115,6 +115,9 @@ def save_distributed_checkpoint(
     random_seed: int | None = None,
     stopper_dict: Mapping[str, Any] | None = None,
     all_replicas: bool = False,
+    version: int | None = None,
+    before_pointer: Callable[[int], None] | None = None,
+    after_pointer: Callable[[int], None] | None = None,
 ) -> pathlib.Path | None:
     """Write a new version of a distributed checkpoint (collective: every process calls it).
 
@@ -126,16 +129,26 @@ def save_distributed_checkpoint(
     :param random_seed: the model's random seed (what ``pipeline()`` reads back when resuming)
     :param stopper_dict: the early stopper's summary (what PyKEEN's stopper reads back)
     :param all_replicas: every replica writes its own file (else the first replica of each shard)
+    :param version: the version to write (default: one more than any version written so far); it must be
+        newer than the one the pointer names
+    :param before_pointer: called by the main process with the version once every process has written its
+        file, before the pointer moves (e.g. files of the version that only one process writes)
+    :param after_pointer: called by every process with the previous version once the pointer has moved
+        (e.g. removing the previous version's files)
     :returns: this process' file of the new version (None if it writes none)
+    :raises ValueError: if ``version`` is not newer than the pointer's
     """
     shard, n_shard, replicas = topology.local_shards[0], topology.n_shard, topology.replicas
     replica = topology.replica if all_replicas else None
     writes = all_replicas or topology.replica == 0
     local = (latest_own_version(path, shard, n_shard, replica, replicas) or 0) if writes else 0
     pointer = read_pointer(path) if topology.is_main_process else None
-    if pointer is not None:
-        local = max(local, int(pointer["version"]))
-    version = int(topology.all_reduce(torch.tensor([local], dtype=torch.long), op="max")[0]) + 1
+    committed = int(pointer["version"]) if pointer is not None else 0
+    latest, committed = topology.all_reduce(torch.tensor([max(local, committed), committed]), op="max").tolist()
+    if version is None:
+        version = latest + 1
+    elif version <= committed:
+        raise ValueError(f"Checkpoint {path} already holds version {committed}; cannot write version {version}.")
     target = shard_file(path, version, shard, n_shard, replica, replicas) if writes else None
     if target is not None:
         temporary = target.with_name(f"{target.name}.tmp-{os.getpid()}")
@@ -143,6 +156,8 @@ def save_distributed_checkpoint(
         os.replace(temporary, target)
     topology.barrier()
     if topology.is_main_process:
+        if before_pointer is not None:
+            before_pointer(version)
         temporary_pointer = path.with_name(f"{path.name}.tmp-{os.getpid()}")
         pointer = dict(
             format=POINTER_FORMAT,
@@ -158,6 +173,8 @@ def save_distributed_checkpoint(
         torch.save(pointer, temporary_pointer)
         os.replace(temporary_pointer, path)
     topology.barrier()
+    if after_pointer is not None:
+        after_pointer(committed)
     if writes:
         for old in _versions(path, shard, n_shard, replica, replicas):
             if old < version:
@@ -172,7 +189,6 @@ def save_distributed_checkpoint(
 def reshard_rank_state(
     path: pathlib.Path,
     pointer: Mapping[str, Any],
-    seed: int,
     sharding: EntitySharding,
     shard: int,
     table_keys: list[str],
@@ -188,8 +204,7 @@ def reshard_rank_state(
 
     :param path: the pointer path
     :param pointer: the pointer (version, number of shards, replicas, retrieval mode)
-    :param seed: the seed of the (old and new) sharding
-    :param sharding: the new sharding
+    :param sharding: the new sharding (the old one is the same strategy and seed with the checkpoint's shards)
     :param shard: the shard of the new sharding to build
     :param table_keys: the state-dict keys of the entity tables
     :param table_param_indices: the optimizer parameter indices of the entity tables
@@ -197,7 +212,7 @@ def reshard_rank_state(
     :raises FileNotFoundError: if an old shard's file is missing
     """
     old_shards = pointer_shards(pointer)
-    old_sharding = EntitySharding.create(sharding.num_entities, old_shards, seed=seed)
+    old_sharding = sharding.with_shards(old_shards)
     new_global = sharding.shard_entities[shard]  # [S_new], -1 for padding
     state: dict[str, Any] | None = None
     for old_shard in range(old_shards):
@@ -246,7 +261,6 @@ def reshard_rank_state(
 def reshard_stored_tables(
     path: pathlib.Path,
     pointer: Mapping[str, Any],
-    seed: int,
     sharding: EntitySharding,
     shard: int,
     tables: Sequence[Any],
@@ -259,8 +273,7 @@ def reshard_stored_tables(
 
     :param path: the pointer path
     :param pointer: the pointer
-    :param seed: the seed of the (old and new) sharding
-    :param sharding: the new sharding
+    :param sharding: the new sharding (the old one is the same strategy and seed with the checkpoint's shards)
     :param shard: the shard of the new sharding this process holds (its tables hold only it)
     :param tables: the process' :class:`~pykeen_bess.representation.ShardedEmbedding` tables, in the
         order of the model's entity representations
@@ -268,7 +281,7 @@ def reshard_stored_tables(
     :raises ValueError: if the checkpoint's tables were kept in another storage tier
     """
     old_shards = pointer_shards(pointer)
-    old_sharding = EntitySharding.create(sharding.num_entities, old_shards, seed=seed)
+    old_sharding = sharding.with_shards(old_shards)
     new_global = sharding.shard_entities[shard]
     real = new_global >= 0
     with torch.no_grad():

@@ -127,7 +127,7 @@ class ColumnShardTables(ShardTables):
         representations = cast(torch.nn.ModuleList, self.model.entity_representations)
         if self.hold_weights:
             rows_topology = self.topology.row_topology()  # type: ignore[attr-defined]
-            sharding = EntitySharding.create(self.model.num_entities, rows_topology.n_shard, seed=self.seed)
+            sharding = self.sharding.with_shards(rows_topology.n_shard)
             for index, (embedding, table) in enumerate(zip(self.embeddings, self.tables)):
                 representations[index] = rows_from_columns(
                     table, embedding, sharding, rows_topology, self.seed, index, self.split

@@ -24,7 +24,7 @@ from pykeen.triples import CoreTriplesFactory
 from pykeen.utils import get_batchnorm_modules
 
 from ..distributed import Topology, describe_differences
-from ..sampling import CORRUPTIONS, Corruption
+from ..sampling import CORRUPTIONS, BessSampler, Corruption, resolve_negatives
 from ..schemes import AUTO, ExchangeScheme, resolve_scheme
 
 __all__ = [
@@ -80,6 +80,9 @@ class BessConfig:
     memory_budget: int | None
     #: how the entity tables are split: ``"token"`` (rows, BESS's shards) or ``"encoding"`` (columns)
     partition: str = "token"
+    #: the sampler of balanced batches (``negatives="uniform"``: :class:`~pykeen_bess.sampling.BessSampler`,
+    #: ``"typed"``: :class:`~pykeen_bess.sampling.TypedBessSampler`)
+    sampler: type[BessSampler] = BessSampler
 
     @classmethod
     def create(
@@ -92,6 +95,7 @@ class BessConfig:
         sparse_updates: Any,
         memory_budget: Any,
         partition: Any = None,
+        negatives: Any = "uniform",
     ) -> BessConfig:
         """Validate the settings for ``n_shard`` shards.
 
@@ -111,6 +115,7 @@ class BessConfig:
             sparse_updates=bool(sparse_updates),
             memory_budget=memory_budget,
             partition=partition,
+            sampler=resolve_negatives(negatives),
         )
 
     @property
@@ -310,6 +315,7 @@ def run_configuration(loop: Any, triples_factory: CoreTriplesFactory, **train_kw
         replica_grouping=getattr(getattr(loop.topology, "layout", None), "grouping", "none"),
         exchange=config.scheme_name,
         corruption=config.corruption,
+        negatives=config.sampler.__name__,
         num_negs_per_pos=config.num_negs_per_pos,
         seed=config.seed,
         sparse_updates=config.sparse_updates,

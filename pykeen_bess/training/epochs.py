@@ -139,7 +139,7 @@ def run_epochs(
         loop.optimizer = loop.build_optimizer()
         if loop.lr_scheduler is not None:
             loop.lr_scheduler = loop.rebuild_lr_scheduler()
-    elif not loop.optimizer.state:
+    elif not loop.optimizer.state and not loop.resumed_from_pbg:
         raise ValueError("Cannot continue_training without being trained once.")
 
     if batch_size is None:

@@ -30,13 +30,14 @@ from ..batch import BessBatch
 from ..distributed import Topology
 from ..optim import BessOptimizer, optimizer_hyperparameters
 from ..partition import ShardPairPartition
-from ..sampling import BessSampler, Corruption
+from ..pbg.schema import schema_of
+from ..sampling import BessSampler, Corruption, TypedBessSampler
 from ..schemes import ExchangeScheme
 from ..scoring import SharedCandidateScorer
 from ..sharding import EntitySharding
 from ..storage import TableStorage, make_storage
 from ..threads import ThreadsHint, resolve_threads
-from .checkpoints import CheckpointStore
+from .checkpoints import CheckpointStore, PbgCheckpointStore, prepare_pbg_checkpoint
 from .config import (
     BessConfig,
     check_integer,
@@ -102,6 +103,8 @@ class BessTrainingLoop(SLCWATrainingLoop):
         negative_sampler: HintOrType[NegativeSampler] = None,
         negative_sampler_kwargs: OptionalKwargs = None,
         num_threads: ThreadsHint = "auto",
+        negatives: str | type[BessSampler] = "uniform",
+        checkpoint_format: str = "pykeen",
         **kwargs: Any,
     ) -> None:
         """Create the loop; every configuration error is raised here, before training starts.
@@ -158,6 +161,13 @@ class BessTrainingLoop(SLCWATrainingLoop):
         :param num_threads: intra-op CPU threads of the steps (:mod:`pykeen_bess.threads`): ``"auto"``
             (measure 1 thread against all of the process's, again every 500 steps), an integer, or None
             (torch's setting)
+        :param negatives: ``"uniform"`` (default: every shard's entities) or ``"typed"`` (a relation's
+            negatives have its corrupted side's entity type; needs a typed graph, :mod:`pykeen_bess.pbg`),
+            or a :class:`~pykeen_bess.sampling.BessSampler` subclass
+        :param checkpoint_format: ``"pykeen"`` (default: PyKEEN's checkpoint file, or versioned files per
+            shard under a process group) or ``"pbg"`` (PyTorch-BigGraph's checkpoint layout in the
+            checkpoint file's directory: shard ``k`` is partition ``k`` of every entity type; see
+            :class:`~pykeen_bess.training.checkpoints.PbgCheckpointStore`)
         :param kwargs: passed to :class:`pykeen.training.TrainingLoop` (optimizer, lr scheduler,
             result tracker, ...)
         :raises ValueError: for an unsupported model or invalid parameters
@@ -193,8 +203,14 @@ class BessTrainingLoop(SLCWATrainingLoop):
             sparse_updates=sparse_updates,
             memory_budget=memory_budget,
             checkpoint_retrieval=checkpoint_retrieval,
+            schema=schema_of(triples_factory),
+            factory=triples_factory,
+            negatives=negatives,
+            checkpoint_format=checkpoint_format,
         )
         self._partition_chosen = False
+        #: whether the last checkpoint loaded was written by PyTorch-BigGraph (no optimizer state to continue)
+        self.resumed_from_pbg = False
         #: how many intra-op threads the steps use
         self.thread_policy = resolve_threads(num_threads, self.device)
         # the topology, settings, sharding, tables, optimizer, checkpoint store and step sizes
@@ -240,12 +256,21 @@ class BessTrainingLoop(SLCWATrainingLoop):
 
     def make_sampler(self, partition: ShardPairPartition, block_size: int) -> BessSampler:
         """Return the sampler of balanced batches of ``block_size`` slots per block."""
-        return BessSampler(
+        kwargs: dict[str, Any] = {}
+        schema = self.settings.schema
+        if self.config.sampler is TypedBessSampler and schema is not None:
+            kwargs = dict(
+                relation_sides=schema.relation_sides(self.settings.factory),
+                entity_types=schema.entity_type,
+                type_names=schema.entity_types,
+            )
+        return self.config.sampler(
             partition,
             block_size=block_size,
             num_negs_per_pos=self.config.num_negs_per_pos,
             corruption=self.config.corruption,
             seed=self.config.seed,
+            **kwargs,
         )
 
     def make_scheme(self, block_size: int, topology: Topology | None = None) -> ExchangeScheme:
@@ -297,6 +322,8 @@ class BessTrainingLoop(SLCWATrainingLoop):
                 self.config, num_negs_per_pos=round_num_negs(num_negs_per_pos, self.topology.n_shard)
             )
         check_triples_fit_model(triples_factory, self.model)
+        if isinstance(self.checkpoints, PbgCheckpointStore):
+            prepare_pbg_checkpoint(self, kwargs)
         choose_partition(self, self.settings, batch_size, kwargs)
         if not self.topology.holds_all_columns:
             check_column_training(kwargs)

@@ -284,6 +284,17 @@ class ShardTables:
             for table in self.tables:
                 table.snapshot_directory = None
 
+    @contextlib.contextmanager
+    def weights_elsewhere(self) -> Iterator[None]:
+        """While a checkpoint whose own files hold the tables' rows is written (read): leave the rows out of it."""
+        for table in self.tables:
+            table.external_weights = True
+        try:
+            yield
+        finally:
+            for table in self.tables:
+                table.external_weights = False
+
     def constrain_all(self) -> None:
         """Apply the tables' constraints to every real row (after a reset)."""
         for table in self.tables:

@@ -74,7 +74,7 @@ def test_resharding_moves_every_row_wise_state(tmp_path: pathlib.Path, new_shard
     pointer = dict(version=1, world_size=2, replicas=1, retrieval="one_per_group", seed=seed)
     new = EntitySharding.create(num_entities, new_shards, seed=seed)
     for shard in range(new_shards):
-        state = reshard_rank_state(path, pointer, seed, new, shard, table_keys=["entity"], table_param_indices=[0])
+        state = reshard_rank_state(path, pointer, new, shard, table_keys=["entity"], table_param_indices=[0])
         ids = new.shard_entities[shard]
         real = ids >= 0
         expected = ids[real].to(torch.float64)

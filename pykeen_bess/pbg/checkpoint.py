@@ -1,0 +1,494 @@
+"""PyTorch-BigGraph checkpoints of PyKEEN models: :func:`write_checkpoint` and :func:`read_checkpoint`.
+
+A written checkpoint directory holds what ``torchbiggraph_train`` (resume, or ``init_path``),
+``torchbiggraph_export_to_tsv`` and PyTorch-BigGraph's ``CheckpointManager`` read: one
+``embeddings_{type}_{part}.v{N}.h5`` per partition (rows in the graph's id order; row-wise Adagrad
+state as PyTorch-BigGraph's optimizer blob with the run's learning rate), ``model.v{N}.h5`` (the
+relations as the operator's parameters, :mod:`~pykeen_bess.pbg.conversion`), ``config.json`` and
+``config.py`` (exact score settings: the operator and comparator, ``global_emb``, ``bias`` off),
+the graph's entity files under ``entities/`` (the config's ``entity_path``; the exporter needs the
+names) and ``checkpoint_version.txt``, written last. The version ``N`` is the number of completed
+epochs: PyTorch-BigGraph resumes at iteration ``N`` with one edge path and one edge chunk.
+
+:func:`read_checkpoint` reads PyTorch-BigGraph 1.0 checkpoints (and the pre-release layout) into a
+PyKEEN model with exactly PyTorch-BigGraph's scores: global embeddings and ``max_norm`` are folded
+into the rows; PyTorch-BigGraph's separate head- and tail-prediction operators of dynamic relations
+become PyKEEN's inverse relations (``create_inverse_triples=True``) where they differ.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pathlib
+from collections.abc import Mapping
+from typing import Any, cast
+
+import torch
+from pykeen.models import ERModel, model_resolver
+from pykeen.nn.representation import Embedding
+
+from . import files
+from .config import load_config, write_config
+from .conversion import (
+    DYNAMIC_NAMES,
+    Conversion,
+    conversion_for_model,
+    conversion_for_operator,
+    entity_rows,
+    rows_to_weight,
+)
+from .graph import TypedGraph, graph_config, write_entities
+from .legacy import is_legacy_checkpoint, read_legacy_checkpoint
+from .schema import GraphSchema, schema_of
+
+__all__ = [
+    "ENTITY_DIRECTORY",
+    "checkpoint_conversion",
+    "checkpoint_settings",
+    "commit",
+    "partition_rows",
+    "relations_from_parameters",
+    "set_relations",
+    "read_checkpoint",
+    "relation_parameters",
+    "rowwise_adagrad_state",
+    "rowwise_blob",
+    "write_checkpoint",
+]
+
+logger = logging.getLogger(__name__)
+
+#: the folder of a checkpoint directory that holds the graph's entity files (the config's entity path)
+ENTITY_DIRECTORY = "entities"
+#: rows looked up at once while writing a partition
+WRITE_CHUNK = 1 << 20
+
+
+def _graph(graph: TypedGraph | Any) -> TypedGraph:
+    """Accept a typed graph or a triples factory (typed, or untyped: one type, one partition)."""
+    if isinstance(graph, TypedGraph):
+        return graph
+    schema = schema_of(graph)
+    if schema is not None:
+        return TypedGraph(schema=schema, training=graph)
+    return TypedGraph.from_factories(graph)
+
+
+def _relation_ids(model: ERModel) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return the forward and the inverse relation ids of a model trained with inverse triples."""
+    real = torch.arange(model.num_real_relations)
+    batch = torch.stack([torch.zeros_like(real), real, torch.zeros_like(real)], dim=1)
+    inverter = model.relation_inverter
+    return inverter.map(batch=batch)[:, 1], inverter.map(batch=batch, invert=True)[:, 1]
+
+
+def relation_parameters(model: ERModel, schema: GraphSchema, conversion: Conversion) -> dict[str, torch.Tensor]:
+    """Return the relations of a model as PyTorch-BigGraph's model parameters (dataset path -> values).
+
+    Without dynamic relations every relation ``i`` has its ``rhs`` operator
+    (``relations/{i}/operator/rhs/...``); with dynamic relations ``relations/0/operator/{lhs,rhs}/...``
+    hold all relations. A model with inverse triples puts its forward relations into ``lhs`` and its
+    inverse relations into ``rhs``.
+
+    :raises ValueError: for inverse triples without dynamic relations (one operator per relation)
+    """
+    with torch.no_grad():
+        relation = model.relation_representations[0](indices=None).detach().cpu()
+    if model.use_inverse_triples:
+        if not schema.dynamic_relations:
+            raise ValueError(
+                "A model trained with inverse triples predicts heads with separate inverse relations; PyTorch-BigGraph "
+                "holds those only with dynamic relations (one head and one tail type for all relations)."
+            )
+        forward, inverse = _relation_ids(model)
+        lhs, rhs = conversion.lhs(relation[forward]), conversion.lhs(relation[inverse])
+    else:
+        lhs, rhs = conversion.lhs(relation), conversion.rhs(relation)
+    if schema.dynamic_relations:
+        return {
+            f"relations/0/operator/{side}/{DYNAMIC_NAMES[name]}": value
+            for side, parameters in (("lhs", lhs), ("rhs", rhs))
+            for name, value in parameters.items()
+        }
+    return {
+        f"relations/{index}/operator/rhs/{name}": value[index]
+        for index in range(schema.num_relations)
+        for name, value in rhs.items()
+    }
+
+
+def rowwise_adagrad_state(training_loop: Any) -> tuple[Any, float] | None:
+    """Return a function ``ids -> per-row sums`` of a BESS loop's row-wise Adagrad entity state, and its lr.
+
+    None if the loop did not train with :class:`~pykeen_bess.optim.RowwiseAdagrad`. Under a process
+    group the sums of the ids held elsewhere are summed in over the shard group (a collective).
+    """
+    from ..optim import RowwiseAdagrad
+
+    if training_loop is None or getattr(training_loop, "optimizer_cls", None) is not RowwiseAdagrad:
+        return None
+    table = training_loop.tables[0]
+    state = dict(training_loop.optimizer.state.get(table.optimizer_parameter, {}), **table.row_state)
+    if "sum" not in state:
+        return None
+    sums = state["sum"]
+    topology = training_loop.topology
+
+    def lookup(ids: torch.Tensor) -> torch.Tensor:
+        rows = table.entity_rows[ids]
+        held = rows >= 0
+        values = torch.zeros(ids.numel(), dtype=torch.float32)
+        values[held] = sums[rows[held].to(sums.device)].detach().cpu().float()
+        if topology.is_distributed:
+            values = topology.shard_all_reduce(values.to(topology.device)).cpu()
+        return values
+
+    return lookup, float(training_loop.optimizer_kwargs.get("lr", 1e-2))
+
+
+def checkpoint_settings(model: ERModel, conversion: Conversion, lr: float | None) -> dict[str, Any]:
+    """Return the config settings of a checkpoint that make PyTorch-BigGraph score as the model does."""
+    representation = model.entity_representations[0]
+    dimension = (
+        getattr(representation, "row_width", None) or cast(Embedding, representation)._embeddings.weight.shape[1]
+    )
+    settings: dict[str, Any] = dict(
+        dimension=int(dimension), operator=conversion.operator, comparator=conversion.comparator, bias=False
+    )
+    if lr is not None:
+        settings["lr"] = lr
+    return settings
+
+
+def write_checkpoint(
+    model: ERModel,
+    graph: TypedGraph | Any,
+    directory: str | os.PathLike,
+    *,
+    version: int | None = None,
+    training_loop: Any = None,
+    config: Mapping[str, Any] | None = None,
+) -> pathlib.Path:
+    """Write a PyKEEN model as a PyTorch-BigGraph 1.0 checkpoint.
+
+    Under a process group (a model trained on ranks stays sharded) every rank must call it; rank 0
+    writes, the rows of each partition are looked up collectively.
+
+    :param model: DistMult, TransE with ``scoring_fct_norm=2``, ComplEx, RotatE or RESCAL (any
+        ``ERModel`` with their interactions and one entity and one relation representation)
+    :param graph: the typed graph (or the training triples factory) whose partitions lay out the files
+    :param directory: the checkpoint directory (created)
+    :param version: the checkpoint version (default: the epochs ``training_loop`` completed, else 0, a
+        checkpoint PyTorch-BigGraph starts from, as from an ``init_path``)
+    :param training_loop: the BESS loop that trained the model: its completed epochs and, with
+        ``optimizer="rowwise_adagrad"``, its per-row state (PyTorch-BigGraph's optimizer blob)
+    :param config: more PyTorch-BigGraph config keys (e.g. ``num_epochs``, ``loss_fn``)
+    :returns: the directory
+    :raises ValueError: for a model PyTorch-BigGraph cannot express, a graph that does not fit the model, or
+        a directory holding a newer checkpoint
+    """
+    from ..distributed import is_main_process
+
+    typed = _graph(graph)
+    schema = typed.schema
+    if model.num_entities != schema.num_entities or model.num_real_relations != schema.num_relations:
+        raise ValueError(
+            f"The model has {model.num_entities} entities and {model.num_real_relations} relations, the graph "
+            f"{schema.num_entities} and {schema.num_relations}."
+        )
+    if len(model.entity_representations) != 1 or len(model.relation_representations) != 1:
+        raise ValueError("PyTorch-BigGraph checkpoints hold models with one entity and one relation representation.")
+    conversion = conversion_for_model(model)
+    directory = pathlib.Path(directory)
+    if version is None:
+        version = int(getattr(training_loop, "_epoch", 0) or 0)
+    main = is_main_process()
+    existing = files.read_version(directory) if directory.is_dir() else 0  # every rank: a shared directory
+    if existing > version:
+        raise ValueError(f"{directory} holds checkpoint version {existing}, newer than version {version}.")
+    if main:
+        directory.mkdir(parents=True, exist_ok=True)
+    optimizer = rowwise_adagrad_state(training_loop)
+    parameters = relation_parameters(model, schema, conversion)
+    representation = model.entity_representations[0]
+    was_training = model.training
+    model.eval()
+    try:
+        for t, name in enumerate(schema.entity_types):
+            for p in range(len(schema.partition_sizes[t])):
+                ids = torch.arange(schema.partition_range(t, p).start, schema.partition_range(t, p).stop)
+                with torch.no_grad():
+                    rows = (
+                        torch.cat(
+                            [entity_rows(representation(indices=chunk)).cpu() for chunk in ids.split(WRITE_CHUNK)]
+                        )
+                        if ids.numel()
+                        else torch.zeros(0, 0)
+                    )
+                state = None
+                if optimizer is not None:
+                    lookup, lr = optimizer
+                    state = rowwise_blob(lookup(ids), lr)
+                if main:
+                    files.write_embeddings(files.embeddings_file(directory, name, p, version), rows, state)
+    finally:
+        model.train(was_training)
+    if not main:
+        return directory
+    files.write_model(files.model_file(directory, version), parameters)
+    entity_path = directory / ENTITY_DIRECTORY
+    entity_path.mkdir(exist_ok=True)
+    write_entities(typed, entity_path)
+    settings = checkpoint_settings(model, conversion, optimizer[1] if optimizer is not None else None)
+    settings["num_epochs"] = max(version, 1)
+    settings.update(config or {})
+    write_config(graph_config(typed, settings, checkpoint_path=directory, entity_path=entity_path), directory)
+    commit(directory, version)
+    logger.info("Wrote PyTorch-BigGraph checkpoint version %d (%s) to %s.", version, conversion.describe(), directory)
+    return directory
+
+
+def rowwise_blob(sums: torch.Tensor, lr: float) -> dict[str, Any]:
+    """PyTorch-BigGraph's ``RowAdagrad`` state of one partition (its lr overrides the config's on load)."""
+    return {
+        "state": {0: {"step": 0, "sum": sums.to(torch.float32).contiguous()}},
+        "param_groups": [{"lr": float(lr), "lr_decay": 0, "weight_decay": 0, "params": [0]}],
+    }
+
+
+def commit(directory: pathlib.Path, version: int) -> None:
+    """Point ``checkpoint_version.txt`` at ``version`` (written last), then remove the previous version's files.
+
+    As PyTorch-BigGraph: a version 0 is never removed (it is an initial checkpoint).
+    """
+    previous = files.read_version(directory)
+    files.write_version(directory, version)
+    if previous != version and previous > 0:
+        files.remove_version(directory, previous)
+
+
+def read_checkpoint(
+    directory: str | os.PathLike,
+    graph: TypedGraph | Any,
+    *,
+    model: ERModel | None = None,
+    version: int | None = None,
+    config: str | os.PathLike | Mapping[str, Any] | None = None,
+) -> ERModel:
+    """Read a PyTorch-BigGraph checkpoint (1.0, or the pre-release layout) into a PyKEEN model.
+
+    :param directory: the checkpoint directory
+    :param graph: the typed graph (or its training factory) the checkpoint was trained on (same types,
+        partitions and relations); the model is built on its training factory
+    :param model: a model to fill (default: built from the config: DistMult, TransE, ComplEx, RotatE or
+        RESCAL without constraints or regularizers, as PyTorch-BigGraph trains)
+    :param version: the version to read (default: the committed one)
+    :param config: the checkpoint's config (default: its ``config.json``, else the graph's)
+    :returns: the model, scoring every triple as PyTorch-BigGraph does
+    :raises FileNotFoundError: naming a missing file (PyTorch-BigGraph would silently re-initialise it)
+    :raises ValueError: for operators, comparators or settings without an exact PyKEEN counterpart
+    """
+    typed = _graph(graph)
+    schema = typed.schema
+    directory = pathlib.Path(directory)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"Checkpoint directory {directory} does not exist.")
+    settings: Mapping[str, Any] | None
+    if is_legacy_checkpoint(directory):
+        rows_by_part, parameters, legacy_config, version = read_legacy_checkpoint(directory, schema)
+        settings = (
+            load_config(config)
+            if config is not None
+            else (load_config(legacy_config) if legacy_config is not None else typed.config)
+        )
+    else:
+        if config is not None:
+            settings = load_config(config)
+        elif (directory / "config.json").is_file():
+            settings = load_config(directory / "config.json")
+        else:
+            settings = typed.config
+        if version is None:
+            version = files.read_version(directory)
+        rows_by_part = {}
+        for t, name in enumerate(schema.entity_types):
+            for p in range(len(schema.partition_sizes[t])):
+                rows_by_part[(t, p)] = files.read_embeddings(files.embeddings_file(directory, name, p, version))[0]
+        parameters = files.read_model(files.model_file(directory, version))
+    if settings is None:
+        raise ValueError(f"{directory} has no config.json; pass config= (the run's PyTorch-BigGraph config).")
+    source = str(directory)
+    conversion = checkpoint_conversion(settings, source)
+    dimension = int(settings["dimension"])
+    rows = _entity_rows(rows_by_part, schema, parameters, settings, source)
+    relation = relations_from_parameters(parameters, schema, settings, conversion, typed.training, source)
+    if model is None:
+        model = cast(
+            ERModel,
+            model_resolver.make(conversion.model, triples_factory=typed.training, **conversion.model_kwargs(dimension)),
+        )
+    elif type(conversion_for_model(model)) is not type(conversion):
+        raise ValueError(f"{source} holds {conversion.describe()}, not the given {type(model).__name__}.")
+    entity = cast(Embedding, model.entity_representations[0])._embeddings.weight
+    with torch.no_grad():
+        entity.copy_(rows_to_weight(rows, conversion.is_complex).to(entity))
+    set_relations(model, relation)
+    logger.info("Read PyTorch-BigGraph checkpoint %s version %d as %s.", directory, version, conversion.describe())
+    return model
+
+
+def _entity_rows(
+    rows_by_part: Mapping[tuple[int, int], torch.Tensor],
+    schema: GraphSchema,
+    parameters: Mapping[str, torch.Tensor],
+    settings: Mapping[str, Any],
+    source: str,
+) -> torch.Tensor:
+    """Concatenate the partitions in id order (see :func:`partition_rows`)."""
+    return torch.cat(
+        [
+            partition_rows(rows_by_part[(t, p)], schema, t, p, parameters, settings, source)
+            for t in range(schema.num_types)
+            for p in range(len(schema.partition_sizes[t]))
+        ]
+    )
+
+
+def partition_rows(
+    rows: torch.Tensor,
+    schema: GraphSchema,
+    entity_type: int,
+    partition: int,
+    parameters: Mapping[str, torch.Tensor],
+    settings: Mapping[str, Any],
+    source: str,
+) -> torch.Tensor:
+    """Return one partition's rows as PyTorch-BigGraph scores them (global embedding and ``max_norm`` folded in).
+
+    :raises ValueError: for rows of another shape than the partition's entity count and the dimension
+    """
+    name = schema.entity_types[entity_type]
+    size = schema.partition_sizes[entity_type][partition]
+    dimension = int(settings["dimension"])
+    if tuple(rows.shape) != (size, dimension):
+        raise ValueError(
+            f"{source}: partition {partition} of entity type {name!r} has embeddings of shape {tuple(rows.shape)}, "
+            f"expected ({size}, {dimension}) (the graph's entity count and the config's dimension)."
+        )
+    if settings.get("global_emb"):
+        key = f"entities/{name}/global_embedding"
+        if key not in parameters:
+            raise ValueError(f"{source}: global_emb=True but the model file lacks {key}.")
+        rows = rows + parameters[key]
+    max_norm = settings.get("max_norm")
+    if max_norm:  # PyTorch-BigGraph renormalises every looked-up row (torch.embedding_renorm_)
+        norms = rows.norm(dim=1, keepdim=True)
+        rows = torch.where(norms > max_norm, rows * (max_norm / (norms + 1e-7)), rows)
+    return rows
+
+
+def checkpoint_conversion(settings: Mapping[str, Any], source: str) -> Conversion:
+    """Return the conversion of a checkpoint's config (one operator for all relations, no bias).
+
+    :raises ValueError: for several operators, ``bias``, or a pair without a PyKEEN interaction
+    """
+    if settings.get("bias"):
+        raise ValueError(f"{source}: bias=True adds the first coordinates as biases; no PyKEEN interaction does.")
+    operators = {r["operator"] for r in settings["relations"]} - {"none"}
+    if len(operators) > 1:
+        raise ValueError(f"{source}: the relations use several operators {sorted(operators)}; a PyKEEN model has one.")
+    return conversion_for_operator(operators.pop() if operators else "none", settings["comparator"], source)
+
+
+def set_relations(model: ERModel, relation: torch.Tensor) -> None:
+    """Write PyKEEN's relation representation ``[R', ...]`` (complex for complex models) into the model's weight."""
+    weight = cast(Embedding, model.relation_representations[0])._embeddings.weight
+    if relation.is_complex():
+        relation = torch.view_as_real(relation)
+    with torch.no_grad():
+        weight.copy_(relation.reshape(weight.shape).to(weight))
+
+
+def _identity(conversion: Conversion, shape: tuple[int, ...], count: int) -> dict[str, torch.Tensor]:
+    """Return the parameters of relations with operator ``none`` under the conversion's operator."""
+    dimension = shape[-1]
+    if conversion.operator == "diagonal":
+        return {"diagonal": torch.ones(count, dimension)}
+    if conversion.operator == "translation":
+        return {"translation": torch.zeros(count, dimension)}
+    if conversion.operator == "complex_diagonal":
+        return {"real": torch.ones(count, dimension // 2), "imag": torch.zeros(count, dimension // 2)}
+    return {"linear_transformation": torch.eye(dimension).expand(count, dimension, dimension).clone()}
+
+
+def relations_from_parameters(
+    parameters: Mapping[str, torch.Tensor],
+    schema: GraphSchema,
+    settings: Mapping[str, Any],
+    conversion: Conversion,
+    factory: Any,
+    source: str,
+) -> torch.Tensor:
+    """Return PyKEEN's relation representation ``[R', ...]`` from PyTorch-BigGraph's operator parameters."""
+    dimension = int(settings["dimension"])
+    names = {"diagonal", "translation", "linear_transformation", "real", "imag"}
+    inverse = bool(factory.create_inverse_triples)
+    if schema.dynamic_relations:
+        sides = {}
+        for side in ("lhs", "rhs"):
+            found = {
+                name: parameters[f"relations/0/operator/{side}/{DYNAMIC_NAMES[name]}"]
+                for name in names
+                if f"relations/0/operator/{side}/{DYNAMIC_NAMES[name]}" in parameters
+            }
+            if settings["relations"][0]["operator"] == "none":
+                found = _identity(conversion, (dimension,), schema.num_relations)
+            if not found:
+                raise ValueError(
+                    f"{source}: the model file lacks the {side} operator of the dynamic relations (PyTorch-BigGraph "
+                    f"would silently use the identity)."
+                )
+            sides[side] = found
+        forward = conversion.from_lhs(sides["lhs"])
+        if inverse:
+            return _interleave(forward, conversion.from_lhs(sides["rhs"]), factory)
+        from_rhs = conversion.from_rhs(sides["rhs"])
+        if not torch.allclose(forward, from_rhs, rtol=1e-5, atol=1e-6):
+            raise ValueError(
+                f"{source}: the dynamic relations' head-prediction (rhs) and tail-prediction (lhs) operators differ "
+                f"(PyTorch-BigGraph trains them separately); in PyKEEN that is a model with inverse relations: read "
+                f"the graph with create_inverse_triples=True."
+            )
+        return forward
+    relations = []
+    for index, relation in enumerate(settings["relations"]):
+        if relation["operator"] == "none":
+            relations.append(conversion.from_rhs(_identity(conversion, (dimension,), 1)).squeeze(0))
+            continue
+        found = {
+            name: parameters[key] for name in names if (key := f"relations/{index}/operator/rhs/{name}") in parameters
+        }
+        if not found:
+            raise ValueError(
+                f"{source}: the model file lacks the operator of relation {relation['name']!r} "
+                f"(relations/{index}/operator/rhs/...; PyTorch-BigGraph would silently use the identity)."
+            )
+        relations.append(conversion.from_rhs({k: v.unsqueeze(0) for k, v in found.items()}).squeeze(0))
+    forward = torch.stack(relations)
+    if inverse:  # c is symmetric: the inverse relation's tail prediction is the rhs operator's head prediction
+        rhs = conversion.rhs(forward)
+        return _interleave(forward, conversion.from_lhs(rhs), factory)
+    return forward
+
+
+def _interleave(forward: torch.Tensor, inverse: torch.Tensor, factory: Any) -> torch.Tensor:
+    """Place forward and inverse relations at PyKEEN's relation ids (the factory's inverter)."""
+    real = torch.arange(forward.shape[0])
+    batch = torch.stack([torch.zeros_like(real), real, torch.zeros_like(real)], dim=1)
+    forward_ids = factory.relation_inverter.map(batch=batch)[:, 1]
+    inverse_ids = factory.relation_inverter.map(batch=batch, invert=True)[:, 1]
+    result = forward.new_zeros((2 * forward.shape[0], *forward.shape[1:]))
+    result[forward_ids] = forward
+    result[inverse_ids] = inverse
+    return result

@@ -1,0 +1,84 @@
+"""Helpers that run real PyTorch-BigGraph (torchbiggraph 1.0.0) on the files this package writes."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+import warnings
+from typing import Any
+
+import torch
+
+from pykeen_bess.pbg import GraphSchema
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # torchbiggraph imports pkg_resources
+    import torchbiggraph  # noqa: F401
+    from torchbiggraph.checkpoint_manager import CheckpointManager
+    from torchbiggraph.config import ConfigSchema
+    from torchbiggraph.edgelist import EdgeList
+    from torchbiggraph.entitylist import EntityList
+    from torchbiggraph.model import make_model
+    from torchbiggraph.types import Side
+
+#: the scripts of torchbiggraph's command-line tools, next to this interpreter
+BIN = pathlib.Path(sys.executable).parent
+
+
+def pbg_config(directory: pathlib.Path, **overrides: Any) -> ConfigSchema:
+    """Read a checkpoint's config.json as PyTorch-BigGraph does (``ConfigSchema.from_dict``)."""
+    raw = json.loads((directory / "config.json").read_text())
+    raw.update(overrides)
+    return ConfigSchema.from_dict(raw)
+
+
+def pbg_model(directory: pathlib.Path) -> tuple[Any, CheckpointManager, ConfigSchema]:
+    """Build PyTorch-BigGraph's model of a checkpoint and load its relations with ``strict=True`` (all keys match)."""
+    raw = json.loads((directory / "config.json").read_text())
+    for relation in raw["relations"]:
+        relation["all_negs"] = True  # score against all entities of the bucket
+    raw["num_uniform_negs"] = 0
+    config = ConfigSchema.from_dict(raw)
+    model = make_model(config)
+    manager = CheckpointManager(str(directory))
+    state, _ = manager.read_model()
+    model.load_state_dict(state, strict=True)
+    model.eval()
+    return model, manager, config
+
+
+def pbg_scores(
+    directory: pathlib.Path, schema: GraphSchema, triples: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Score global-id triples with PyTorch-BigGraph, bucket by bucket.
+
+    :returns: ``[T]`` head-prediction scores (PBG's ``lhs_pos``: ``c(u, h_r(v))``) and ``[T]``
+        tail-prediction scores (``rhs_pos``: ``c(g_r(u), v)``)
+    """
+    model, manager, config = pbg_model(directory)
+    types = schema.entity_types
+    head_scores = torch.full((triples.shape[0],), float("nan"))
+    tail_scores = torch.full((triples.shape[0],), float("nan"))
+    partition, offset, etype = schema.entity_partition, schema.entity_offset, schema.entity_type
+    for index in range(triples.shape[0]):
+        h, r, t = triples[index].tolist()
+        lhs = manager.read(types[etype[h]], int(partition[h]))[0]
+        rhs = manager.read(types[etype[t]], int(partition[t]))[0]
+        model.set_embeddings(types[etype[h]], torch.nn.Parameter(lhs), Side.LHS)
+        model.set_embeddings(types[etype[t]], torch.nn.Parameter(rhs), Side.RHS)
+        relation = torch.tensor([r]) if config.dynamic_relations else torch.tensor(r)
+        edges = EdgeList(EntityList.from_tensor(offset[[h]]), EntityList.from_tensor(offset[[t]]), relation)
+        with torch.no_grad():
+            scores = model(edges)
+        head_scores[index], tail_scores[index] = scores.lhs_pos[0], scores.rhs_pos[0]
+    return head_scores, tail_scores
+
+
+def run(tool: str, *args: str, cwd: pathlib.Path | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run one of torchbiggraph's command-line tools (raises with its output if it fails)."""
+    result = subprocess.run([str(BIN / tool), *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    if result.returncode:
+        raise AssertionError(f"{tool} {' '.join(args)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    return result
