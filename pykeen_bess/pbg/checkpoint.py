@@ -197,9 +197,9 @@ def write_checkpoint(
             f"The model has {model.num_entities} entities and {model.num_real_relations} relations, the graph "
             f"{schema.num_entities} and {schema.num_relations}."
         )
+    conversion = conversion_for_model(model)
     if len(model.entity_representations) != 1 or len(model.relation_representations) != 1:
         raise ValueError("PyTorch-BigGraph checkpoints hold models with one entity and one relation representation.")
-    conversion = conversion_for_model(model)
     directory = pathlib.Path(directory)
     if version is None:
         version = int(getattr(training_loop, "_epoch", 0) or 0)
@@ -376,15 +376,15 @@ def partition_rows(
             f"{source}: partition {partition} of entity type {name!r} has embeddings of shape {tuple(rows.shape)}, "
             f"expected ({size}, {dimension}) (the graph's entity count and the config's dimension)."
         )
+    max_norm = settings.get("max_norm")
+    if max_norm:  # PyTorch-BigGraph renormalises every looked-up row (torch.embedding_renorm_), then adds
+        norms = rows.norm(dim=1, keepdim=True)
+        rows = torch.where(norms > max_norm, rows * (max_norm / (norms + 1e-7)), rows)
     if settings.get("global_emb"):
         key = f"entities/{name}/global_embedding"
         if key not in parameters:
             raise ValueError(f"{source}: global_emb=True but the model file lacks {key}.")
         rows = rows + parameters[key]
-    max_norm = settings.get("max_norm")
-    if max_norm:  # PyTorch-BigGraph renormalises every looked-up row (torch.embedding_renorm_)
-        norms = rows.norm(dim=1, keepdim=True)
-        rows = torch.where(norms > max_norm, rows * (max_norm / (norms + 1e-7)), rows)
     return rows
 
 

@@ -168,9 +168,10 @@ def iter_edge_chunks(
     with h5py.File(path, "r") as file:
         if check_version:
             version = file.attrs.get("format_version")
-            if version is None or np.ndim(version) != 0 or int(version) != FORMAT_VERSION:
+            if version is None or np.ndim(version) != 0 or isinstance(version, str | bytes) or int(version) != 1:
                 raise ValueError(
-                    f"{path} has format_version={version!r}; PyTorch-BigGraph 1.0 edge files have format_version=1."
+                    f"{path} has format_version={_shown(version)}; PyTorch-BigGraph 1.0 edge files have "
+                    f"format_version=1."
                 )
         if any(key.endswith("d_offsets") or key.endswith("d_data") for key in file):
             raise ValueError(
@@ -343,8 +344,15 @@ def read_model(path: pathlib.Path) -> dict[str, torch.Tensor]:
 
 def _check_format(file: Any, path: pathlib.Path) -> None:
     version = file.attrs.get("format_version")
-    if version is None or int(version) != FORMAT_VERSION:
-        raise ValueError(f"{path} has format_version={version!r}; PyTorch-BigGraph 1.0 files have format_version=1.")
+    if version is None or np.ndim(version) != 0 or isinstance(version, str | bytes) or int(version) != FORMAT_VERSION:
+        raise ValueError(
+            f"{path} has format_version={_shown(version)}; PyTorch-BigGraph 1.0 files have format_version=1."
+        )
+
+
+def _shown(value: Any) -> str:
+    """A file attribute for a message (numpy scalars as plain numbers)."""
+    return repr(value.item() if hasattr(value, "item") and np.ndim(value) == 0 else value)
 
 
 def read_version(directory: pathlib.Path) -> int:

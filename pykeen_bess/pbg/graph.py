@@ -42,6 +42,8 @@ SPLITS = ("training", "validation", "testing")
 DYNAMIC_RELATION = "all_edges"
 #: the entity type of an untyped PyKEEN graph
 DEFAULT_TYPE = "entity"
+#: the metadata key of a factory's PyTorch-BigGraph edge path (where it was read from or written to)
+EDGE_PATH_KEY = "pbg_edge_path"
 
 
 @dataclasses.dataclass
@@ -69,6 +71,12 @@ class TypedGraph:
     def splits(self) -> dict[str, CoreTriplesFactory]:
         """The factories of the splits present, by name."""
         return {name: factory for name in SPLITS if (factory := getattr(self, name)) is not None}
+
+    def record_paths(self) -> None:
+        """Note every split's edge path in its factory's metadata (where a PBG checkpoint's config points)."""
+        for name, factory in self.splits.items():
+            if name in self.edge_paths:
+                factory.metadata[EDGE_PATH_KEY] = str(self.edge_paths[name])
 
     def dataset(self) -> Any:
         """Return the graph as a PyKEEN dataset (``pipeline(dataset=graph.dataset())``).
@@ -145,13 +153,15 @@ class TypedGraph:
                 metadata=metadata,
             )
         others = {name: _with_triples(training, triples) for name, triples in splits.items() if name != "training"}
-        return cls(
+        graph = cls(
             schema=schema,
             training=training,
             validation=others.get("validation"),
             testing=others.get("testing"),
             **kwargs,
         )
+        graph.record_paths()
+        return graph
 
     @classmethod
     def from_factories(
@@ -240,6 +250,7 @@ def _with_triples(factory: CoreTriplesFactory, triples: torch.Tensor) -> CoreTri
     """Return the factory with other triples, sharing its labels and metadata (no second label index)."""
     new = copy.copy(factory)
     new.mapped_triples = triples.long()
+    new.metadata = dict(factory.metadata)
     return new
 
 
@@ -510,9 +521,10 @@ def write(
 
     ``directory`` becomes the entity path (counts, names, ``dynamic_rel_count.txt``,
     ``dynamic_rel_names.json``) and gets one edge path per split (``training/``, ``validation/``,
-    ``testing/``, every bucket file, empty ones too). With ``config`` (at least ``dimension``, e.g.
-    from :func:`~pykeen_bess.pbg.model_config`) a ``config.json`` / ``config.py`` that trains on the
-    training split is written too.
+    ``testing/``, every bucket file, empty ones too). With ``config`` (at least ``dimension`` and the
+    ``operator``) a ``config.json`` / ``config.py`` is written too, listing the edge paths training,
+    validation, testing (as PyTorch-BigGraph's examples do: ``torchbiggraph_train config.py -p
+    edge_paths=<training>`` trains on the first; :func:`read` maps them back to the splits).
 
     :returns: the graph, now knowing its files
     """
@@ -524,8 +536,12 @@ def write(
         edge_paths[name] = directory / name
         write_split(factory.mapped_triples, graph.schema, edge_paths[name])
     graph = dataclasses.replace(graph, entity_path=directory, edge_paths=edge_paths)
+    graph.record_paths()
     if config is not None:
-        write_config(graph_config(graph, config, checkpoint_path=directory / "checkpoints"), directory)
+        settings = graph_config(
+            graph, config, checkpoint_path=directory / "checkpoints", edge_paths=[*edge_paths.values()]
+        )
+        write_config(settings, directory)
     logger.info("Wrote %s to %s.", graph.schema, directory)
     return graph
 
@@ -570,13 +586,15 @@ def graph_config(
     settings: Mapping[str, Any],
     checkpoint_path: str | os.PathLike,
     entity_path: str | os.PathLike | None = None,
+    edge_paths: Sequence[str | os.PathLike] | None = None,
 ) -> dict[str, Any]:
     """Return a PyTorch-BigGraph config for a graph: its types and relations, paths, and ``settings``.
 
     ``settings`` holds at least ``dimension`` and the relations' ``operator`` (one for all) and may
     override any other key (``comparator``, ``lr``, ``num_epochs``, ...). ``global_emb`` is off and
     ``eval_fraction`` is 0 (PyTorch-BigGraph would otherwise add a vector per type, and hold 5% of the
-    edges out of training); the edge path is the training split's.
+    edges out of training); the edge paths default to the training split's files (the one PyTorch-BigGraph
+    trains on, so that its checkpoint versions count epochs), if the graph knows them.
     """
     schema = graph.schema if isinstance(graph, TypedGraph) else graph
     settings = dict(settings)
@@ -597,9 +615,11 @@ def graph_config(
             {"name": name, "lhs": types[lhs], "rhs": types[rhs], "operator": operator}
             for name, lhs, rhs in zip(schema.relation_names, schema.relation_lhs, schema.relation_rhs)
         ]
-    edge_paths: list[str] = []
-    if isinstance(graph, TypedGraph) and "training" in graph.edge_paths:
-        edge_paths = [str(graph.edge_paths["training"])]
+    if edge_paths is None:
+        training = None
+        if isinstance(graph, TypedGraph):
+            training = graph.edge_paths.get("training") or graph.training.metadata.get(EDGE_PATH_KEY)
+        edge_paths = [training] if training is not None else []
     if entity_path is None and isinstance(graph, TypedGraph) and graph.entity_path is not None:
         entity_path = graph.entity_path
     config = dict(
@@ -607,7 +627,7 @@ def graph_config(
         relations=relations,
         dynamic_relations=schema.dynamic_relations,
         entity_path=str(entity_path) if entity_path is not None else "",
-        edge_paths=edge_paths,
+        edge_paths=[str(path) for path in edge_paths],
         checkpoint_path=str(checkpoint_path),
         global_emb=False,
         eval_fraction=0.0,

@@ -66,10 +66,11 @@ def read_label_columns(path: str | os.PathLike, columns: Sequence[int] = (0, 1, 
 
 
 def _factorize(values: Any, vocabulary: Any) -> np.ndarray:
-    """Return the index of every value in a vocabulary (int64), vectorised."""
+    """Return the index of every value in a vocabulary (int64, -1 if absent), vectorised."""
     import pyarrow.compute as pc
 
-    return np.asarray(pc.index_in(values, value_set=vocabulary).to_numpy(zero_copy_only=False), dtype=np.int64)
+    indices = pc.fill_null(pc.index_in(values, value_set=vocabulary), -1)  # -1: not in the vocabulary
+    return np.asarray(indices.to_numpy(zero_copy_only=False), dtype=np.int64)
 
 
 def _sorted_unique(chunks: Sequence[Any]) -> Any:

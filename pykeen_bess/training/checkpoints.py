@@ -453,7 +453,7 @@ class PbgCheckpointStore(RankCheckpointStore):
         from ..pbg import files
         from ..pbg.checkpoint import ENTITY_DIRECTORY, checkpoint_settings, relation_parameters
         from ..pbg.config import write_config
-        from ..pbg.graph import TypedGraph, graph_config, write_entities
+        from ..pbg.graph import EDGE_PATH_KEY, TypedGraph, graph_config, write_entities
 
         loop = self.loop
         files.write_model(
@@ -466,7 +466,15 @@ class PbgCheckpointStore(RankCheckpointStore):
         sums = self._row_sums()
         settings = checkpoint_settings(loop.model, self.conversion, sums[1] if sums is not None else None)
         settings["num_epochs"] = version
-        write_config(graph_config(self.schema, settings, checkpoint_path=directory, entity_path=entity_path), directory)
+        edge_path = (self.factory.metadata or {}).get(EDGE_PATH_KEY)
+        config = graph_config(
+            self.schema,
+            settings,
+            checkpoint_path=directory,
+            entity_path=entity_path,
+            edge_paths=[edge_path] if edge_path else [],
+        )
+        write_config(config, directory)
         files.write_version(directory, version)
 
     # -- reading -------------------------------------------------------------------------------
@@ -574,9 +582,9 @@ def prepare_pbg_checkpoint(loop: Any, train_kwargs: Mapping[str, Any]) -> None:
     """Prepare a training with ``checkpoint_format="pbg"``: refuse what it cannot hold, adopt PBG's own checkpoint.
 
     If the checkpoint's directory holds a checkpoint PyTorch-BigGraph wrote (``checkpoint_version.txt``) but
-    no pointer of this package, a pointer to it is written, so that the training resumes from it
-    (:meth:`PbgCheckpointStore.adopt`): its version is the number of completed iterations, ``epochs x edge
-    paths x edge chunks`` of its config.
+    no pointer of this package, or one of an older version (PyTorch-BigGraph continued the training there),
+    a pointer to it is written, so that the training resumes from it (:meth:`PbgCheckpointStore.adopt`): its
+    version is the number of completed iterations, ``epochs x edge paths x edge chunks`` of its config.
 
     :raises ValueError: for ``checkpoint_on_failure`` (a failure checkpoint would share the directory) or a
         PyTorch-BigGraph checkpoint that stopped inside an epoch
@@ -599,8 +607,11 @@ def prepare_pbg_checkpoint(loop: Any, train_kwargs: Mapping[str, Any]) -> None:
     path = pathlib.Path(train_kwargs.get("checkpoint_directory") or PYKEEN_CHECKPOINTS) / name
     topology = loop.topology
     version = files.read_version(path.parent) if path.parent.is_dir() else 0
-    if path.is_file() or version == 0:
+    pointer = read_pointer(path)
+    if version == 0 or (pointer is not None and int(pointer["version"]) >= version):
         return
+    if path.is_file() and pointer is None:
+        raise ValueError(f"{path} is not the pointer of a checkpoint with checkpoint_format='pbg'.")
     config = path.parent / "config.json"
     iterations = 1
     if config.is_file():

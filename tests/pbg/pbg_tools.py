@@ -52,22 +52,27 @@ def pbg_model(directory: pathlib.Path) -> tuple[Any, CheckpointManager, ConfigSc
 def pbg_scores(
     directory: pathlib.Path, schema: GraphSchema, triples: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Score global-id triples with PyTorch-BigGraph, bucket by bucket.
+    """Score global-id triples with PyTorch-BigGraph, one edge at a time (its own bucket's embeddings).
 
     :returns: ``[T]`` head-prediction scores (PBG's ``lhs_pos``: ``c(u, h_r(v))``) and ``[T]``
         tail-prediction scores (``rhs_pos``: ``c(g_r(u), v)``)
     """
     model, manager, config = pbg_model(directory)
     types = schema.entity_types
-    head_scores = torch.full((triples.shape[0],), float("nan"))
-    tail_scores = torch.full((triples.shape[0],), float("nan"))
-    partition, offset, etype = schema.entity_partition, schema.entity_offset, schema.entity_type
-    for index in range(triples.shape[0]):
-        h, r, t = triples[index].tolist()
-        lhs = manager.read(types[etype[h]], int(partition[h]))[0]
-        rhs = manager.read(types[etype[t]], int(partition[t]))[0]
-        model.set_embeddings(types[etype[h]], torch.nn.Parameter(lhs), Side.LHS)
-        model.set_embeddings(types[etype[t]], torch.nn.Parameter(rhs), Side.RHS)
+    partition, offset, entity_type = schema.entity_partition, schema.entity_offset, schema.entity_type
+    cache: dict[tuple[str, int], torch.nn.Parameter] = {}
+
+    def rows(entity: int) -> tuple[str, torch.nn.Parameter]:
+        key = (types[entity_type[entity]], int(partition[entity]))
+        if key not in cache:
+            cache[key] = torch.nn.Parameter(manager.read(*key)[0])
+        return key[0], cache[key]
+
+    head_scores = torch.empty(triples.shape[0])
+    tail_scores = torch.empty(triples.shape[0])
+    for index, (h, r, t) in enumerate(triples.tolist()):
+        model.set_embeddings(*rows(h), Side.LHS)
+        model.set_embeddings(*rows(t), Side.RHS)
         relation = torch.tensor([r]) if config.dynamic_relations else torch.tensor(r)
         edges = EdgeList(EntityList.from_tensor(offset[[h]]), EntityList.from_tensor(offset[[t]]), relation)
         with torch.no_grad():
