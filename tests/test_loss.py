@@ -17,6 +17,8 @@ from pykeen.models import ERModel, model_resolver
 from pykeen.training import SLCWATrainingLoop, TrainingCallback
 from pykeen.triples import CoreTriplesFactory
 
+from typed_graphs import typed_graph
+
 from pykeen_bess.sampling import BessBatch
 from pykeen_bess.sharding import EntitySharding
 from pykeen_bess.training import BessTrainingLoop
@@ -100,8 +102,15 @@ def slcwa_batch(batch: BessBatch, sharding: EntitySharding) -> dict[str, torch.T
     heads = sharding.to_global(shard_i, batch.heads)
     tails = sharding.to_global(shard_j, batch.tails)
     owner = torch.arange(n).view(n, 1, 1, 1).expand_as(batch.negatives)
-    negatives = sharding.to_global(owner, batch.negatives).permute(1, 2, 0, 3).reshape(n, n, 1, -1)
-    negatives = negatives.expand(n, n, b, negatives.shape[-1])
+    # [k, i, j, T * m] -> [i, j, T, K]: every candidate type's negatives, shard k major
+    types = batch.num_candidate_types
+    negatives = sharding.to_global(owner, batch.negatives).view(n, n, n, types, -1).permute(1, 2, 3, 0, 4)
+    negatives = negatives.reshape(n, n, types, -1)
+    if batch.candidate_types is None:
+        negatives = negatives.expand(n, n, b, negatives.shape[-1])
+    else:  # typed negatives: each slot gets its corrupted side's type's
+        negatives = torch.stack([negatives[i, j, batch.candidate_types[i, j]] for i in range(n) for j in range(n)])
+        negatives = negatives.view(n, n, b, -1)
     positives = torch.stack([heads, batch.relations, tails], dim=-1)
     corrupted = positives.unsqueeze(-2).repeat(1, 1, 1, negatives.shape[-1], 1)
     head_corrupted = torch.arange(b) < batch.num_head_corrupted
@@ -118,6 +127,32 @@ def slcwa_batch(batch: BessBatch, sharding: EntitySharding) -> dict[str, torch.T
 def test_step_loss_equals_pykeen_slcwa_with_the_shared_negatives(
     factory: CoreTriplesFactory, model_name: str, n_shard: int, exchange: str, corruption: str, sub_batch_size
 ) -> None:
+    check_step_losses(factory, model_name, n_shard, exchange, corruption, sub_batch_size)
+
+
+@pytest.mark.parametrize("model_name", ["ComplEx", "DistMult", "CP"])
+@pytest.mark.parametrize(
+    ("n_shard", "exchange", "corruption", "sub_batch_size"),
+    [(1, "embedding", "ht", None), (3, "embedding", "ht", None), (3, "score", "ht", 18), (2, "score", "t", 4)],
+)
+def test_typed_negatives_step_loss_equals_pykeen_slcwa(
+    model_name: str, n_shard: int, exchange: str, corruption: str, sub_batch_size
+) -> None:
+    """Typed negatives: each positive's K negatives (its corrupted side's type) as PyKEEN's sLCWA negatives."""
+    graph = typed_graph(num_partitions=3 if n_shard == 3 else 1, seed=2)
+    check_step_losses(graph.training, model_name, n_shard, exchange, corruption, sub_batch_size, negatives="typed")
+
+
+def check_step_losses(
+    factory: CoreTriplesFactory,
+    model_name: str,
+    n_shard: int,
+    exchange: str,
+    corruption: str,
+    sub_batch_size: int | None,
+    **loop_kwargs: Any,
+) -> None:
+    """Every step's BESS loss equals PyKEEN's sLCWA loss on the batch with the step's negatives (float64)."""
     model = make_model(model_name, factory)
     loop = BessTrainingLoop(
         model=model,
@@ -130,6 +165,7 @@ def test_step_loss_equals_pykeen_slcwa_with_the_shared_negatives(
         optimizer="sgd",
         optimizer_kwargs=dict(lr=0.0),  # the weights stay those of the first step
         automatic_memory_optimization=False,
+        **loop_kwargs,
     )
     record = Record()
     loop.train(

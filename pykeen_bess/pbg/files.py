@@ -351,7 +351,7 @@ def _check_format(file: Any, path: pathlib.Path) -> None:
 
 
 def _shown(value: Any) -> str:
-    """A file attribute for a message (numpy scalars as plain numbers)."""
+    """Return a file attribute for a message (numpy scalars as plain numbers)."""
     return repr(value.item() if hasattr(value, "item") and np.ndim(value) == 0 else value)
 
 

@@ -76,7 +76,7 @@ class TypedGraph:
         """Note every split's edge path in its factory's metadata (where a PBG checkpoint's config points)."""
         for name, factory in self.splits.items():
             if name in self.edge_paths:
-                factory.metadata[EDGE_PATH_KEY] = str(self.edge_paths[name])
+                factory.metadata = {**factory.metadata, EDGE_PATH_KEY: str(self.edge_paths[name])}
 
     def dataset(self) -> Any:
         """Return the graph as a PyKEEN dataset (``pipeline(dataset=graph.dataset())``).

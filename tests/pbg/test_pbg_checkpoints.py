@@ -8,7 +8,7 @@ import pathlib
 import h5py
 import pytest
 import torch
-from graphs import typed_graph
+from typed_graphs import typed_graph
 from pbg_tools import pbg_config, pbg_model, pbg_scores
 from pykeen.datasets import Nations
 from pykeen.models import ComplEx, DistMult, PairRE, RESCAL, RotatE, TransE

@@ -10,7 +10,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from graphs import labeled, typed_graph
+from typed_graphs import labeled, typed_graph
 from pykeen.datasets import Kinships, Nations
 from pykeen.triples import TriplesFactory
 

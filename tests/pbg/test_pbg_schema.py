@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from graphs import TYPES, typed_graph
+from typed_graphs import TYPES, typed_graph
 from pykeen.datasets import Nations
 
 from pykeen_bess.pbg import GraphSchema, TypedGraph, schema_of
