@@ -6,6 +6,11 @@ configuration (the JSON or YAML files of ``pykeen experiments run``), which the 
 explicitly amend. Under ``torchrun`` every rank runs the same command; the ranks form a
 ``torch.distributed`` process group (gloo on CPU, NCCL on GPU) and each holds one entity shard.
 
+PyTorch-BigGraph's files (:mod:`pykeen_bess.pbg`): ``pbg import`` turns label TSV files into a
+PyTorch-BigGraph input directory, ``train --pbg DIR`` trains on one (the model from its config's
+operator and comparator unless ``--model`` is given; ``--export-pbg`` writes a PyTorch-BigGraph
+checkpoint afterwards), and ``pbg export`` writes a saved model as a PyTorch-BigGraph checkpoint.
+
 Errors (bad options, unsupported settings) are printed as one message with exit status 2;
 ``--verbose`` shows the traceback and PyKEEN's and pykeen-bess' log messages.
 """
@@ -66,6 +71,19 @@ examples:
       --checkpoint-name wn18rr.pt --early-stopping --output out/
   python -m pykeen_bess train --config experiment.json --epochs 5
   torchrun --nproc-per-node 4 -m pykeen_bess train --dataset path/to/wn18rr --epochs 50
+  python -m pykeen_bess train --pbg pbg_data/ --num-shards 2 --typed-negatives --checkpoint-format pbg \
+      --checkpoint-directory pbg_ckpt --checkpoint-name bess.pt --export-pbg pbg_model/
+"""
+
+PBG_DESCRIPTION = """PyTorch-BigGraph's files: import label TSV files as a PyTorch-BigGraph input directory (entity
+types and partitions, bucket files), or export a trained PyKEEN model as a PyTorch-BigGraph
+checkpoint (loadable by torchbiggraph_train and torchbiggraph_export_to_tsv).
+"""
+
+PBG_EPILOG = """examples:
+  python -m pykeen_bess pbg import train.tsv valid.tsv test.tsv --output pbg_data/ --partitions 4
+  python -m pykeen_bess pbg import edges.tsv --config config.py --output pbg_data/   # typed relations
+  python -m pykeen_bess pbg export --model out/trained_model.pkl --graph pbg_data/ --output pbg_ckpt/
 """
 
 
@@ -122,7 +140,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="a PyKEEN dataset name (nations, kinships, umls ship with PyKEEN) or a directory with train.txt, "
         "valid.txt and test.txt (tab-separated labels) (default: nations)",
     )
-    data.add_argument("--model", help="a PyKEEN model name (default: DistMult)")
+    data.add_argument(
+        "--pbg",
+        type=pathlib.Path,
+        help="train on a PyTorch-BigGraph input directory (its entity path; the config from --pbg-config or the "
+        "directory's config.json / config.py; edge paths: training, validation, testing) instead of --dataset",
+    )
+    data.add_argument("--pbg-config", type=pathlib.Path, help="the PyTorch-BigGraph config of --pbg (.py or .json)")
+    data.add_argument(
+        "--model", help="a PyKEEN model name (default: DistMult; with --pbg the config's operator and comparator)"
+    )
     data.add_argument("--dim", type=int, help="embedding dimension (default: 64)")
     data.add_argument("--model-kwargs", type=_json_object, help="more model options as JSON, e.g. '{\"p\": 1}'")
     data.add_argument("--loss", help="a PyKEEN loss name (default: the model's default loss)")
@@ -144,6 +171,11 @@ def build_parser() -> argparse.ArgumentParser:
         "d / num_shards coordinates of all entities; separable interactions) (default: token)",
     )
     bess.add_argument("--corruption", choices=["h", "t", "ht"], help="corrupted side(s) (default: ht)")
+    bess.add_argument(
+        "--typed-negatives",
+        action="store_true",
+        help="draw a relation's negatives from its corrupted side's entity type (typed graphs, --pbg)",
+    )
     bess.add_argument(
         "--negatives", type=int, help="negatives per positive, a multiple of the shard count (default: 64)"
     )
@@ -193,6 +225,12 @@ def build_parser() -> argparse.ArgumentParser:
         "against all of the process's threads, again every 500 steps; robust to a busy neighbour process)",
     )
     training.add_argument("--checkpoint-name", help="checkpoint file name; an existing checkpoint is resumed")
+    training.add_argument(
+        "--checkpoint-format",
+        choices=["pykeen", "pbg"],
+        help="PyKEEN's checkpoint files (default), or PyTorch-BigGraph's checkpoint layout in --checkpoint-directory "
+        "(shard k is partition k of every entity type; a checkpoint PyTorch-BigGraph wrote there is continued)",
+    )
     training.add_argument("--checkpoint-directory", type=pathlib.Path, help="where checkpoints are written")
     training.add_argument(
         "--checkpoint-frequency", type=int, help="minutes between checkpoints; 0: after every epoch (default: 30)"
@@ -213,10 +251,69 @@ def build_parser() -> argparse.ArgumentParser:
         "--eval-slice-size", type=int, help="candidates scored at once per shard (default: automatic)"
     )
     evaluation.add_argument("--output", type=pathlib.Path, help="save the trained model and results here")
+    evaluation.add_argument(
+        "--export-pbg", type=pathlib.Path, help="write the trained model as a PyTorch-BigGraph checkpoint here"
+    )
     evaluation.add_argument("--json", action="store_true", help="print all metrics as JSON")
     evaluation.add_argument("--quiet", action="store_true", help="no progress bars")
     evaluation.add_argument("--verbose", action="store_true", help="show log messages, and tracebacks of errors")
+    pbg = commands.add_parser(
+        "pbg",
+        help="PyTorch-BigGraph's files: import TSV files, export a model",
+        description=PBG_DESCRIPTION,
+        epilog=PBG_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    actions = pbg.add_subparsers(dest="action", required=True)
+    importer = actions.add_parser("import", help="label TSV files -> a PyTorch-BigGraph input directory")
+    importer.add_argument("files", nargs="+", type=pathlib.Path, help="training [validation [testing]] TSV files")
+    importer.add_argument("--output", type=pathlib.Path, required=True, help="the input directory to write")
+    importer.add_argument(
+        "--config",
+        type=pathlib.Path,
+        help="a PyTorch-BigGraph config giving entity types and relation types (default: one entity type, dynamic "
+        "relations); the directory's config.json is this config with the directory's paths",
+    )
+    importer.add_argument(
+        "--model",
+        default="DistMult",
+        help="without --config: the model whose operator and comparator the directory's config.json names "
+        "(DistMult, TransE, ComplEx, RotatE, RESCAL; default: DistMult)",
+    )
+    importer.add_argument("--dim", type=int, default=100, help="without --config: the embedding dimension (100)")
+    importer.add_argument("--partitions", type=int, default=1, help="partitions of every entity type (default: 1)")
+    importer.add_argument("--seed", type=int, default=0, help="seed of the partitions (default: 0)")
+    importer.add_argument("--columns", default="0,1,2", help="the head, relation and tail columns (default: 0,1,2)")
+    importer.add_argument("--verbose", action="store_true", help="show log messages, and tracebacks of errors")
+    exporter = actions.add_parser("export", help="a saved PyKEEN model -> a PyTorch-BigGraph checkpoint")
+    exporter.add_argument("--model", type=pathlib.Path, required=True, help="trained_model.pkl (save_to_directory)")
+    exporter.add_argument(
+        "--graph", type=pathlib.Path, required=True, help="the model's PyTorch-BigGraph input directory"
+    )
+    exporter.add_argument("--pbg-config", type=pathlib.Path, help="the input directory's config (default: its own)")
+    exporter.add_argument("--output", type=pathlib.Path, required=True, help="the checkpoint directory to write")
+    exporter.add_argument("--version", type=int, default=0, help="the checkpoint version (completed epochs; 0)")
+    exporter.add_argument("--verbose", action="store_true", help="show log messages, and tracebacks of errors")
     return parser
+
+
+def load_pbg_graph(directory: pathlib.Path, config: pathlib.Path | None) -> Any:
+    """Read a PyTorch-BigGraph input directory (:func:`pykeen_bess.pbg.read`) as a typed graph."""
+    from . import pbg
+
+    if not directory.is_dir():
+        raise UsageError(f"PyTorch-BigGraph input directory {directory} does not exist.")
+    return pbg.read(directory, config=config)
+
+
+def pbg_model_settings(graph: Any) -> dict[str, Any]:
+    """Return the pipeline's model and model kwargs of a PyTorch-BigGraph config (its operator and comparator)."""
+    from .pbg.checkpoint import checkpoint_conversion
+
+    if graph.config is None:
+        return {}
+    conversion = checkpoint_conversion(graph.config, "the PyTorch-BigGraph config")
+    return dict(model=conversion.model, model_kwargs=conversion.model_kwargs(int(graph.config["dimension"])))
 
 
 def load_dataset(name_or_path: str) -> Any:
@@ -294,7 +391,24 @@ def pipeline_kwargs(args: argparse.Namespace, in_group: bool = False) -> dict[st
         nonlocal kwargs
         kwargs = _merge(kwargs, {key: value} if inner is None else {key: {inner: value}})
 
-    if "dataset" in settings:
+    graph = None
+    if "pbg" in settings:
+        if "dataset" in given:
+            raise UsageError("Give either --dataset or --pbg.")
+        for key in ("dataset", "dataset_kwargs", "training", "testing", "validation"):
+            kwargs.pop(key, None)
+        graph = load_pbg_graph(settings["pbg"], settings.get("pbg_config"))
+        if graph.testing is None:
+            raise UsageError(f"{settings['pbg']}: the config's edge paths give no testing split to evaluate.")
+        kwargs.update(training=graph.training, testing=graph.testing, validation=graph.validation)
+        if "model" not in given and "model" not in kwargs:
+            kwargs.update(pbg_model_settings(graph))
+            settings.pop("model", None)
+            if "dim" not in given:
+                settings.pop("dim", None)
+    elif "pbg_config" in settings:
+        raise UsageError("--pbg-config needs --pbg.")
+    elif "dataset" in settings:
         for key in ("dataset", "dataset_kwargs", "training", "testing", "validation"):
             kwargs.pop(key, None)
         set_("dataset", load_dataset(settings["dataset"]))
@@ -328,9 +442,19 @@ def pipeline_kwargs(args: argparse.Namespace, in_group: bool = False) -> dict[st
         set_("training_loop_kwargs", settings["num_shards"], "num_shards")
     elif not in_group and "num_shards" not in kwargs.get("training_loop_kwargs", {}):
         set_("training_loop_kwargs", 2, "num_shards")
-    for flag in ("replicas", "replica_grouping", "checkpoint_retrieval", "storage", "storage_path", "partition"):
+    for flag in (
+        "replicas",
+        "replica_grouping",
+        "checkpoint_retrieval",
+        "checkpoint_format",
+        "storage",
+        "storage_path",
+        "partition",
+    ):
         if flag in settings:
             set_("training_loop_kwargs", settings[flag], flag)
+    if settings.get("typed_negatives"):
+        set_("training_loop_kwargs", "typed", "negatives")
     for flag, key in (("exchange", "exchange"), ("corruption", "corruption")):
         if flag in settings:
             set_("training_loop_kwargs", settings[flag], key)
@@ -349,6 +473,8 @@ def pipeline_kwargs(args: argparse.Namespace, in_group: bool = False) -> dict[st
             set_("training_kwargs", settings[flag], flag)
     if "checkpoint_directory" in settings:
         set_("training_kwargs", str(settings["checkpoint_directory"]), "checkpoint_directory")
+    if "export_pbg" in settings:  # the optimizer's row state goes into the exported checkpoint
+        set_("clear_optimizer", False)
     quiet = bool(settings.get("quiet"))
     set_("training_kwargs", not quiet, "use_tqdm")
     set_("evaluation_kwargs", not quiet, "use_tqdm")
@@ -393,7 +519,56 @@ def train(args: argparse.Namespace) -> dict[str, float]:
         from .distributed import save_to_directory
 
         save_to_directory(result, args.output)  # collective; rank 0 writes the full model
+    if "export_pbg" in args:
+        from .pbg import write_checkpoint
+
+        write_checkpoint(result.model, result.training, args.export_pbg, training_loop=result.training_loop)
     return dict(result.metric_results.to_flat_dict())
+
+
+def run_pbg(args: argparse.Namespace) -> str:
+    """Run ``pbg import`` or ``pbg export``; return what to print."""
+    from . import pbg
+    from .pbg.conversion import conversion_for_model_name
+
+    if args.action == "import":
+        if not 1 <= len(args.files) <= 3:
+            raise UsageError("pbg import takes 1 to 3 files: training [validation [testing]].")
+        try:
+            columns = [int(c) for c in args.columns.split(",")]
+        except ValueError:
+            raise UsageError(f"--columns must be three integers such as 0,1,2, not {args.columns!r}.") from None
+        if len(columns) != 3:
+            raise UsageError(f"--columns must be three integers such as 0,1,2, not {args.columns!r}.")
+        if args.partitions < 1:
+            raise UsageError(f"--partitions must be positive, not {args.partitions}.")
+        graph = pbg.import_tsv(
+            *args.files, config=args.config, num_partitions=args.partitions, seed=args.seed, columns=columns
+        )
+        if graph.config is not None:  # the user's config, with the directory's paths
+            graph = pbg.write(graph, args.output)
+            config = dict(graph.config, entity_path=str(graph.entity_path))
+            config["edge_paths"] = [str(path) for path in graph.edge_paths.values()]
+            config["checkpoint_path"] = str(graph.entity_path / "checkpoints")
+            pbg.write_config(config, args.output)
+        else:
+            conversion = conversion_for_model_name(args.model)
+            dimension = 2 * args.dim if conversion.is_complex else args.dim
+            pbg.write(
+                graph,
+                args.output,
+                config=dict(dimension=dimension, operator=conversion.operator, comparator=conversion.comparator),
+            )
+        counts = ", ".join(f"{name} {f.num_triples:,}" for name, f in graph.splits.items())
+        return f"wrote {graph.schema} ({counts} triples) to {args.output}"
+    import torch
+
+    if not args.model.is_file():
+        raise UsageError(f"Model file {args.model} does not exist.")
+    model = torch.load(args.model, weights_only=False)
+    graph = load_pbg_graph(args.graph, args.pbg_config)
+    pbg.write_checkpoint(model, graph, args.output, version=args.version)
+    return f"wrote PyTorch-BigGraph checkpoint version {args.version} to {args.output}"
 
 
 def _configure_logging(verbose: bool) -> None:
@@ -410,7 +585,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     verbose = bool(getattr(args, "verbose", False))
     _configure_logging(verbose)
     try:
-        if args.command == "train":
+        if args.command == "pbg":
+            print(run_pbg(args))
+        elif args.command == "train":
             metrics = train(args)
             from .distributed import is_main_process
 

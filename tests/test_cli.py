@@ -6,6 +6,7 @@ import json
 import pathlib
 
 import pytest
+import torch
 
 from pykeen_bess.cli import build_parser, main, pipeline_kwargs
 from pykeen_bess.training import BessTrainingLoop
@@ -197,3 +198,56 @@ def test_threads_flag(capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as exit_info:
         build_parser().parse_args(["train", "--threads", "0"])
     assert exit_info.value.code == 2 and "positive integer" in capsys.readouterr().err
+
+
+def test_pytorch_biggraph_import_train_and_export(capsys: pytest.CaptureFixture, tmp_path: pathlib.Path) -> None:
+    """TSV files -> a PBG input directory -> BESS training with PBG-layout checkpoints -> a PBG checkpoint."""
+    import numpy as np
+    from pykeen.datasets import Nations
+
+    from pykeen_bess import pbg
+
+    dataset = Nations()
+    files = []
+    for name, factory in (("train", dataset.training), ("valid", dataset.validation), ("test", dataset.testing)):
+        files.append(tmp_path / f"{name}.tsv")
+        np.savetxt(files[-1], factory.label_triples(factory.mapped_triples), fmt="%s", delimiter="\t")
+    data = tmp_path / "data"
+    assert (
+        main(["pbg", "import", *map(str, files), "--output", str(data), "--partitions", "2", "--model", "ComplEx"]) == 0
+    )
+    assert "entity: 14 in 2 partitions" in capsys.readouterr().out
+    config = json.loads((data / "config.json").read_text())
+    assert config["relations"][0]["operator"] == "complex_diagonal" and config["dimension"] == 200
+    code, out, err = run(
+        capsys,
+        "--pbg", str(data), "--num-shards", "2", "--typed-negatives", "--dim", "4", "--epochs", "2", "--quiet",
+        "--json", "--checkpoint-format", "pbg", "--checkpoint-directory", str(tmp_path / "ckpt"),
+        "--checkpoint-name", "bess.pt", "--optimizer", "rowwise_adagrad", "--lr", "0.1",
+        "--export-pbg", str(tmp_path / "export"), "--output", str(tmp_path / "out"),
+    )  # fmt: skip
+    assert code == 0, err
+    assert 0 < json.loads(out)["both.realistic.inverse_harmonic_mean_rank"] <= 1
+    assert pbg.files.read_version(tmp_path / "ckpt") == 2 and pbg.files.read_version(tmp_path / "export") == 2
+    graph = pbg.read(data)
+    model = pbg.read_checkpoint(tmp_path / "export", graph)
+    assert type(model).__name__ == "ComplEx"  # the config's operator and comparator
+    assert main(["pbg", "export", "--model", str(tmp_path / "out" / "trained_model.pkl"), "--graph", str(data),
+                 "--output", str(tmp_path / "again"), "--version", "2"]) == 0  # fmt: skip
+    capsys.readouterr()
+    again = pbg.read_checkpoint(tmp_path / "again", graph)
+    torch.testing.assert_close(again.entity_representations[0](None), model.entity_representations[0](None))
+
+
+def test_pytorch_biggraph_command_errors(capsys: pytest.CaptureFixture, tmp_path: pathlib.Path) -> None:
+    code, _, err = run(capsys, *FAST, "--pbg", str(tmp_path / "missing"))
+    assert code == 2 and "input directory" in err and "does not exist" in err
+    code, _, err = run(capsys, *FAST, "--pbg-config", str(tmp_path / "c.json"))
+    assert code == 2 and "--pbg-config needs --pbg" in err
+    code, _, err = run(capsys, *FAST, "--typed-negatives")
+    assert code == 2 and "needs entity types" in err
+    assert main(["pbg", "import", str(tmp_path / "nothing.tsv"), "--output", str(tmp_path / "o")]) == 2
+    assert "nothing.tsv does not exist" in capsys.readouterr().err
+    (tmp_path / "a.tsv").write_text("a\tr\tb\n")
+    assert main(["pbg", "import", str(tmp_path / "a.tsv"), "--output", str(tmp_path / "o"), "--model", "PairRE"]) == 2
+    assert "cannot express the model 'PairRE'" in capsys.readouterr().err

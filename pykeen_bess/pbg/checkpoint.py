@@ -128,6 +128,13 @@ def rowwise_adagrad_state(training_loop: Any) -> tuple[Any, float] | None:
 
     if training_loop is None or getattr(training_loop, "optimizer_cls", None) is not RowwiseAdagrad:
         return None
+    if training_loop.optimizer is None:
+        logger.warning(
+            "The training loop's optimizer state was released after training (PyKEEN's clear_optimizer=True, the "
+            "pipeline's default): the checkpoint holds no row-wise Adagrad state. Run pipeline(..., "
+            "clear_optimizer=False) to keep it."
+        )
+        return None
     table = training_loop.tables[0]
     state = dict(training_loop.optimizer.state.get(table.optimizer_parameter, {}), **table.row_state)
     if "sum" not in state:

@@ -44,6 +44,7 @@ __all__ = [
     "CONVERSIONS",
     "Conversion",
     "conversion_for_model",
+    "conversion_for_model_name",
     "conversion_for_operator",
     "entity_rows",
     "rows_to_weight",
@@ -306,11 +307,24 @@ def conversion_for_operator(operator: str, comparator: str, source: str = "the c
     )
 
 
+def conversion_for_model_name(name: str) -> Conversion:
+    """Return the conversion of a PyKEEN model name (``"DistMult"``, ``"TransE"`` (p = 2), ``"ComplEx"``, ...).
+
+    :raises ValueError: naming the supported models
+    """
+    for cls in CONVERSIONS:
+        if cls.model.lower() == name.lower():
+            return cls()
+    raise ValueError(
+        f"PyTorch-BigGraph cannot express the model {name!r}; exact conversions exist for: {_supported()}."
+    )
+
+
 def entity_rows(values: torch.Tensor) -> torch.Tensor:
-    """Return PyKEEN's entity representation ``[n, d]`` (complex or real) as PBG rows ``[n, D]`` (float32)."""
+    """Return PyKEEN's entity representation ``[n, d]`` (complex or real) as PBG rows ``[n, D]`` (same precision)."""
     if values.is_complex():
         values = torch.cat([values.real, values.imag], dim=-1)
-    return values.reshape(values.shape[0], -1).to(torch.float32)
+    return values.reshape(values.shape[0], -1)
 
 
 def rows_to_weight(rows: torch.Tensor, is_complex: bool) -> torch.Tensor:

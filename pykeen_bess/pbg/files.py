@@ -239,7 +239,8 @@ def write_embeddings(
     """Write an entity partition's checkpoint file.
 
     :param path: the file
-    :param rows: shape: ``[count, D]``, written as float32
+    :param rows: shape: ``[count, D]``, written in their precision (float16, float32 or float64: PyTorch-BigGraph
+        reads any of them as float32; a float64 run resumes exactly), other dtypes as float32
     :param optimizer_state: PyTorch-BigGraph's optimizer state dict of the partition (tensors, ints,
         floats, lists and dicts only: PyTorch-BigGraph loads it with ``weights_only=True``)
     :param attrs: informational root attributes (PyTorch-BigGraph's ``iteration/...``)
@@ -250,7 +251,8 @@ def write_embeddings(
         file.attrs["format_version"] = FORMAT_VERSION
         for key, value in (attrs or {}).items():
             file.attrs[key] = value
-        file.create_dataset("embeddings", data=rows.detach().to("cpu", torch.float32).contiguous().numpy())
+        dtype = rows.dtype if rows.dtype in (torch.float16, torch.float32, torch.float64) else torch.float32
+        file.create_dataset("embeddings", data=rows.detach().to("cpu", dtype).contiguous().numpy())
         if optimizer_state is not None:
             file.create_dataset("optimizer/state_dict", data=_optimizer_blob(optimizer_state))
         file.flush()
@@ -259,7 +261,7 @@ def write_embeddings(
 
 
 def read_embeddings(path: pathlib.Path) -> tuple[torch.Tensor, dict[str, Any] | None]:
-    """Read an entity partition's checkpoint file: the rows (float32) and the optimizer state (None if absent).
+    """Read an entity partition's checkpoint file: the rows (in their stored precision) and the optimizer state.
 
     :raises FileNotFoundError: naming the file
     :raises ValueError: naming the file, for another ``format_version`` or a missing ``embeddings`` dataset
@@ -271,7 +273,9 @@ def read_embeddings(path: pathlib.Path) -> tuple[torch.Tensor, dict[str, Any] | 
         _check_format(file, path)
         if "embeddings" not in file:
             raise ValueError(f"{path} has no 'embeddings' dataset.")
-        rows = torch.from_numpy(np.asarray(file["embeddings"][...], dtype=np.float32))
+        rows = torch.from_numpy(np.asarray(file["embeddings"][...]))
+        if not rows.is_floating_point():
+            raise ValueError(f"{path}: embeddings of dtype {rows.dtype} are not floating point.")
         state = _read_optimizer_blob(file["optimizer/state_dict"]) if "optimizer/state_dict" in file else None
     if rows.ndim != 2:
         raise ValueError(f"{path}: embeddings must be [count, dimension], not {tuple(rows.shape)}.")
@@ -300,7 +304,8 @@ def write_model(
             file.attrs[key] = value
         group = file.create_group("model")
         for name, value in parameters.items():
-            dataset = group.create_dataset(name, data=value.detach().to("cpu", torch.float32).contiguous().numpy())
+            dtype = value.dtype if value.dtype in (torch.float16, torch.float32, torch.float64) else torch.float32
+            dataset = group.create_dataset(name, data=value.detach().to("cpu", dtype).contiguous().numpy())
             dataset.attrs["state_dict_key"] = _state_dict_key(name)
         if optimizer_state is not None:
             file.create_dataset("optimizer/state_dict", data=_optimizer_blob(optimizer_state))
@@ -336,7 +341,7 @@ def read_model(path: pathlib.Path) -> dict[str, torch.Tensor]:
 
         def visit(name: str, item: Any) -> None:
             if isinstance(item, h5py.Dataset):
-                parameters[name] = torch.from_numpy(np.asarray(item[...], dtype=np.float32))
+                parameters[name] = torch.from_numpy(np.asarray(item[...]))
 
         file["model"].visititems(visit)
     return parameters
