@@ -24,7 +24,7 @@ import pathlib
 import sys
 import traceback
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 __all__ = [
     "build_parser",
@@ -520,9 +520,12 @@ def train(args: argparse.Namespace) -> dict[str, float]:
 
         save_to_directory(result, args.output)  # collective; rank 0 writes the full model
     if "export_pbg" in args:
+        from pykeen.models import ERModel
+
         from .pbg import write_checkpoint
 
-        write_checkpoint(result.model, result.training, args.export_pbg, training_loop=result.training_loop)
+        model = cast(ERModel, result.model)
+        write_checkpoint(model, result.training, args.export_pbg, training_loop=result.training_loop)
     return dict(result.metric_results.to_flat_dict())
 
 
@@ -546,11 +549,11 @@ def run_pbg(args: argparse.Namespace) -> str:
             *args.files, config=args.config, num_partitions=args.partitions, seed=args.seed, columns=columns
         )
         if graph.config is not None:  # the user's config, with the directory's paths
-            graph = pbg.write(graph, args.output)
-            config = dict(graph.config, entity_path=str(graph.entity_path))
-            config["edge_paths"] = [str(path) for path in graph.edge_paths.values()]
-            config["checkpoint_path"] = str(graph.entity_path / "checkpoints")
-            pbg.write_config(config, args.output)
+            written = pbg.write(graph, args.output)
+            directory = args.output.resolve()
+            config = dict(graph.config, entity_path=str(directory), checkpoint_path=str(directory / "checkpoints"))
+            config["edge_paths"] = [str(path) for path in written.edge_paths.values()]
+            pbg.write_config(config, directory)
         else:
             conversion = conversion_for_model_name(args.model)
             dimension = 2 * args.dim if conversion.is_complex else args.dim
