@@ -148,7 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     data.add_argument("--pbg-config", type=pathlib.Path, help="the PyTorch-BigGraph config of --pbg (.py or .json)")
     data.add_argument(
-        "--model", help="a PyKEEN model name (default: DistMult; with --pbg the config's operator and comparator)"
+        "--model",
+        help="a PyKEEN model name (default: DistMult; with --pbg the config's operator and comparator, starting "
+        "from its init_path's embeddings if it has one)",
     )
     data.add_argument("--dim", type=int, help="embedding dimension (default: 64)")
     data.add_argument("--model-kwargs", type=_json_object, help="more model options as JSON, e.g. '{\"p\": 1}'")
@@ -306,12 +308,25 @@ def load_pbg_graph(directory: pathlib.Path, config: pathlib.Path | None) -> Any:
     return pbg.read(directory, config=config)
 
 
-def pbg_model_settings(graph: Any) -> dict[str, Any]:
-    """Return the pipeline's model and model kwargs of a PyTorch-BigGraph config (its operator and comparator)."""
+def pbg_model_settings(graph: Any, directory: pathlib.Path) -> dict[str, Any]:
+    """Return the pipeline's model and model kwargs of a PyTorch-BigGraph config (its operator and comparator).
+
+    With an ``init_path`` in the config the model starts from that checkpoint's embeddings, as
+    PyTorch-BigGraph's training would.
+    """
+    from .pbg import initial_model
     from .pbg.checkpoint import checkpoint_conversion
 
     if graph.config is None:
         return {}
+    init = graph.config.get("init_path")
+    if init:
+        candidates = [pathlib.Path(init), directory / init]
+        found = next((path for path in candidates if path.is_dir()), None)
+        if found is None:
+            raise UsageError(f"The config's init_path {init} does not exist (tried {', '.join(map(str, candidates))}).")
+        model, model_kwargs = initial_model(found, graph)
+        return dict(model=model, model_kwargs=model_kwargs)
     conversion = checkpoint_conversion(graph.config, "the PyTorch-BigGraph config")
     return dict(model=conversion.model, model_kwargs=conversion.model_kwargs(int(graph.config["dimension"])))
 
@@ -402,7 +417,7 @@ def pipeline_kwargs(args: argparse.Namespace, in_group: bool = False) -> dict[st
             raise UsageError(f"{settings['pbg']}: the config's edge paths give no testing split to evaluate.")
         kwargs.update(training=graph.training, testing=graph.testing, validation=graph.validation)
         if "model" not in given and "model" not in kwargs:
-            kwargs.update(pbg_model_settings(graph))
+            kwargs.update(pbg_model_settings(graph, settings["pbg"]))
             settings.pop("model", None)
             if "dim" not in given:
                 settings.pop("dim", None)

@@ -31,7 +31,7 @@ share of every entity type (with as many shards as partitions, shard ``k`` is pa
 ``checkpoint_format="pbg"`` writes PBG-layout checkpoints during training.
 """
 
-from .checkpoint import read_checkpoint, write_checkpoint
+from .checkpoint import initial_model, read_checkpoint, write_checkpoint
 from .config import load_config, write_config
 from .conversion import conversion_for_model, conversion_for_operator
 from .graph import TypedGraph, graph_config, read, write
@@ -45,6 +45,7 @@ __all__ = [
     "conversion_for_operator",
     "graph_config",
     "import_tsv",
+    "initial_model",
     "load_config",
     "read",
     "read_checkpoint",

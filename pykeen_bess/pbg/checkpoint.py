@@ -26,6 +26,7 @@ from typing import Any, cast
 
 import torch
 from pykeen.models import ERModel, model_resolver
+from pykeen.nn.init import PretrainedInitializer
 from pykeen.nn.representation import Embedding
 
 from . import files
@@ -44,9 +45,11 @@ from .schema import GraphSchema, schema_of
 
 __all__ = [
     "ENTITY_DIRECTORY",
+    "CheckpointInitializer",
     "checkpoint_conversion",
     "checkpoint_settings",
     "commit",
+    "initial_model",
     "partition_rows",
     "relations_from_parameters",
     "set_relations",
@@ -343,6 +346,53 @@ def read_checkpoint(
     set_relations(model, relation)
     logger.info("Read PyTorch-BigGraph checkpoint %s version %d as %s.", directory, version, conversion.describe())
     return model
+
+
+def initial_model(
+    directory: str | os.PathLike,
+    graph: TypedGraph | Any,
+    *,
+    version: int | None = None,
+    config: str | os.PathLike | Mapping[str, Any] | None = None,
+) -> tuple[str, dict[str, Any]]:
+    """Return the PyKEEN model name and keyword arguments that start from a PyTorch-BigGraph checkpoint.
+
+    The checkpoint's rows and relations become the model's initializers
+    (:class:`~pykeen.nn.init.PretrainedInitializer`), so a fresh training (any loop; BESS shards them
+    instead of drawing new values) starts from them: PyTorch-BigGraph's ``init_path``::
+
+        model, model_kwargs = pbg.initial_model("pbg_init/", graph)
+        pipeline(training=graph.training, ..., model=model, model_kwargs=model_kwargs, training_loop="bess")
+
+    :returns: the model name (DistMult, TransE, ComplEx, RotatE or RESCAL) and its keyword arguments
+    """
+    model = read_checkpoint(directory, graph, version=version, config=config)
+    kwargs = conversion_for_model(model).model_kwargs(int(_dimension(model)))
+    for key, representation in (
+        ("entity_initializer", model.entity_representations[0]),
+        ("relation_initializer", model.relation_representations[0]),
+    ):
+        embedding = cast(Embedding, representation)
+        values = embedding._embeddings.weight.detach().view(embedding.max_id, *embedding._shape)
+        kwargs[key] = CheckpointInitializer(values.clone())
+    return type(model).__name__, kwargs
+
+
+class CheckpointInitializer(PretrainedInitializer):
+    """PyKEEN's pre-trained initializer, handing out a copy of its values at every call.
+
+    PyKEEN's own returns its tensor itself, which then becomes the embedding's weight: the reset of the
+    embedding's inner ``nn.Embedding`` (``normal_``, in place, before the outer reset) overwrites the
+    stored values, so a second ``reset_parameters_()`` (every fresh training calls one) loses them.
+    """
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        return super().__call__(x).clone()
+
+
+def _dimension(model: ERModel) -> int:
+    """PyTorch-BigGraph's dimension of a model: its entity rows' width (complex: real and imaginary parts)."""
+    return int(cast(Embedding, model.entity_representations[0])._embeddings.weight.shape[1])
 
 
 def _entity_rows(

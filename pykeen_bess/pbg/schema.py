@@ -188,6 +188,8 @@ class GraphSchema:
         for side, ids in (("head", heads), ("tail", tails)):
             if int(ids.min()) < 0 or int(ids.max()) >= self.num_entities:
                 raise ValueError(f"{source} use {side} ids outside [0, {self.num_entities}).")
+        if self.num_types == 1:
+            return  # every entity has the only type
         lhs, rhs = torch.tensor(self.relation_lhs), torch.tensor(self.relation_rhs)
         types = self.entity_type
         wrong = (types[heads] != lhs[relations]) | (types[tails] != rhs[relations])

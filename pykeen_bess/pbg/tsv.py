@@ -15,6 +15,7 @@ an error naming it and the file (with dynamic relations any relation is accepted
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import pathlib
@@ -73,12 +74,41 @@ def _factorize(values: Any, vocabulary: Any) -> np.ndarray:
     return np.asarray(indices.to_numpy(zero_copy_only=False), dtype=np.int64)
 
 
-def _sorted_unique(chunks: Sequence[Any]) -> Any:
+def _encode(columns: Sequence[Any], pool: concurrent.futures.Executor) -> tuple[Any, list[np.ndarray]]:
+    """Factorise string columns jointly: the sorted vocabulary and every column's codes (int64).
+
+    Every column is dictionary-encoded on its own (one hash pass, in parallel on the pool), then only
+    the columns' dictionaries are merged and sorted, and each column's codes are remapped by indexing.
+
+    :returns: the vocabulary (an Arrow string array, sorted) and, per column, the index of each value in it
+    """
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    unique = pc.unique(pa.chunked_array([chunk for column in chunks for chunk in column.chunks], type=pa.string()))
-    return unique.take(pc.array_sort_indices(unique))
+    def encode(column: Any) -> Any:
+        return pc.dictionary_encode(column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column)
+
+    encoded = list(pool.map(encode, columns))
+    # the columns' dictionaries, encoded together: their entries' positions in one vocabulary, then sorted
+    merged = pc.dictionary_encode(pa.concat_arrays([e.dictionary for e in encoded]))
+    order = np.asarray(pc.array_sort_indices(merged.dictionary))
+    rank = np.empty(order.size, dtype=np.int64)
+    rank[order] = np.arange(order.size)
+    positions = np.split(
+        rank[merged.indices.to_numpy(zero_copy_only=False)], np.cumsum([len(e.dictionary) for e in encoded])[:-1]
+    )
+    codes = list(
+        pool.map(lambda pair: pair[0][pair[1].indices.to_numpy(zero_copy_only=False)], zip(positions, encoded))
+    )
+    return merged.dictionary.take(pa.array(order)), codes
+
+
+def _triples(heads: np.ndarray, relations: np.ndarray, tails: np.ndarray) -> torch.Tensor:
+    """Stack id columns into ``[T, 3]`` int64 triples."""
+    triples = torch.empty((heads.size, 3), dtype=torch.long)
+    for index, column in enumerate((heads, relations, tails)):
+        triples[:, index] = torch.from_numpy(column)
+    return triples
 
 
 def import_tsv(
@@ -121,38 +151,37 @@ def import_tsv(
         check_expressible(settings, str(config) if not isinstance(config, Mapping) else "the config")
     types = list(settings["entities"]) if settings is not None else [DEFAULT_TYPE]
     dynamic = settings is None or bool(settings["dynamic_relations"])
-    if dynamic:
-        relation_vocabulary = _sorted_unique([columns_[1] for columns_ in read.values()])
-        relation_names = relation_vocabulary.to_pylist()
-        lhs_type = rhs_type = 0
-        if settings is not None:
-            lhs_type, rhs_type = (types.index(settings["relations"][0][side]) for side in ("lhs", "rhs"))
-    else:
-        assert settings is not None
-        relation_names = [r["name"] for r in settings["relations"]]
-        relation_vocabulary = pa.array(relation_names, type=pa.string())
-    relation_ids = {}
-    for name, (_, relations, _) in read.items():
-        ids = _factorize(relations, relation_vocabulary)
-        if (ids < 0).any():
-            unknown = sorted(set(relations.filter(pa.array(ids < 0)).to_pylist()))[:5]
+    names = list(read)
+    with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:  # Arrow's kernels release the GIL
+        name_vocabulary, entity_codes = _encode(
+            [column for name in names for column in (read[name][0], read[name][2])], pool
+        )
+        if dynamic:
+            relation_vocabulary, relation_codes = _encode([read[name][1] for name in names], pool)
+            relation_names = relation_vocabulary.to_pylist()
+        else:
+            assert settings is not None
+            relation_names = [r["name"] for r in settings["relations"]]
+            vocabulary = pa.array(relation_names, type=pa.string())
+            relation_codes = [_factorize(read[name][1], vocabulary) for name in names]
+    relation_ids = dict(zip(names, relation_codes))
+    for name in names:
+        unknown_ids = relation_ids[name] < 0
+        if unknown_ids.any():
+            unknown = sorted(set(read[name][1].filter(pa.array(unknown_ids)).to_pylist()))[:5]
             raise ValueError(
                 f"{paths[name]}: relations {unknown} are not in the config's relations {relation_names[:10]}."
             )
-        relation_ids[name] = ids
-    name_vocabulary = _sorted_unique([column for heads, _, tails in read.values() for column in (heads, tails)])
-    sides = {
-        name: (_factorize(heads, name_vocabulary), _factorize(tails, name_vocabulary))
-        for name, (heads, _, tails) in read.items()
-    }
+    lhs_type = rhs_type = 0
+    if settings is not None and dynamic:
+        lhs_type, rhs_type = (types.index(settings["relations"][0][side]) for side in ("lhs", "rhs"))
+    sides = {name: (entity_codes[2 * i], entity_codes[2 * i + 1]) for i, name in enumerate(names)}
     del read
     num_names = len(name_vocabulary)
     if settings is None:  # one type: the sorted names are the ids
         relation_lhs = relation_rhs = [0] * len(relation_names)
         type_sizes = [num_names]
-        triples = {
-            name: torch.from_numpy(np.stack([h, relation_ids[name], t], axis=1)) for name, (h, t) in sides.items()
-        }
+        triples = {name: _triples(h, relation_ids[name], t) for name, (h, t) in sides.items()}
         labels = name_vocabulary.to_pylist()
         qualified = False
     else:
@@ -174,11 +203,11 @@ def import_tsv(
         for name, (h, t) in keys.items():
             heads, tails = inverse[start : start + h.size], inverse[start + h.size : start + h.size + t.size]
             start += h.size + t.size
-            triples[name] = torch.from_numpy(np.stack([heads, relation_ids[name], tails], axis=1))
-        names = name_vocabulary.take(pa.array(unique % num_names)).to_pylist()
-        qualified = len(set(names)) != len(names)
+            triples[name] = _triples(heads, relation_ids[name], tails)
+        entity_names = name_vocabulary.take(pa.array(unique % num_names)).to_pylist()
+        qualified = len(set(entity_names)) != len(entity_names)
         entity_types = (unique // num_names).tolist()
-        labels = [f"{types[t]}:{n}" for t, n in zip(entity_types, names)] if qualified else names
+        labels = [f"{types[t]}:{n}" for t, n in zip(entity_types, entity_names)] if qualified else entity_names
     schema = GraphSchema(
         entity_types=tuple(types),
         partition_sizes=tuple((size,) for size in type_sizes),

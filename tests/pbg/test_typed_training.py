@@ -280,3 +280,27 @@ def test_pipeline_with_a_typed_graph(tmp_path: pathlib.Path) -> None:
     assert files.read_version(tmp_path / "ckpt") == 2
     config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
     assert config["edge_paths"] == [str((tmp_path / "data" / "training").resolve())]
+
+
+def test_training_starts_from_a_checkpoints_embeddings(tmp_path: pathlib.Path) -> None:
+    """PyTorch-BigGraph's init_path: the checkpoint's rows and relations initialise a fresh BESS training."""
+    graph = typed_graph(num_partitions=2)
+    source = TransE(triples_factory=graph.training, embedding_dim=4, scoring_fct_norm=2, random_seed=3)
+    pbg.write_checkpoint(source, graph, tmp_path / "init")
+    model, model_kwargs = pbg.initial_model(tmp_path / "init", graph)
+    assert model == "TransE"
+    result = pipeline(
+        training=graph.training,
+        testing=graph.testing,
+        model=model,
+        model_kwargs=model_kwargs,
+        training_loop="bess",
+        training_loop_kwargs=dict(num_shards=2, negatives="typed"),
+        optimizer="sgd",
+        optimizer_kwargs=dict(lr=0.0),  # nothing moves: the model holds the checkpoint's values
+        training_kwargs=dict(num_epochs=1, batch_size=64, use_tqdm=False),
+        evaluation_kwargs=dict(use_tqdm=False),
+    )
+    triples = graph.testing.mapped_triples
+    with torch.no_grad():
+        torch.testing.assert_close(result.model.score_hrt(triples), source.score_hrt(triples))
