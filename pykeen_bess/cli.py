@@ -24,7 +24,9 @@ import pathlib
 import sys
 import traceback
 from collections.abc import Mapping, Sequence
-from typing import Any, cast
+from typing import Any
+
+from .pbg.commands import add_pbg_command, export_pbg, run_pbg, use_pbg_graph
 
 __all__ = [
     "build_parser",
@@ -73,17 +75,6 @@ examples:
   torchrun --nproc-per-node 4 -m pykeen_bess train --dataset path/to/wn18rr --epochs 50
   python -m pykeen_bess train --pbg pbg_data/ --num-shards 2 --typed-negatives --checkpoint-format pbg \
       --checkpoint-directory pbg_ckpt --checkpoint-name bess.pt --export-pbg pbg_model/
-"""
-
-PBG_DESCRIPTION = """PyTorch-BigGraph's files: import label TSV files as a PyTorch-BigGraph input directory (entity
-types and partitions, bucket files), or export a trained PyKEEN model as a PyTorch-BigGraph
-checkpoint (loadable by torchbiggraph_train and torchbiggraph_export_to_tsv).
-"""
-
-PBG_EPILOG = """examples:
-  python -m pykeen_bess pbg import train.tsv valid.tsv test.tsv --output pbg_data/ --partitions 4
-  python -m pykeen_bess pbg import edges.tsv --config config.py --output pbg_data/   # typed relations
-  python -m pykeen_bess pbg export --model out/trained_model.pkl --graph pbg_data/ --output pbg_ckpt/
 """
 
 
@@ -259,76 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
     evaluation.add_argument("--json", action="store_true", help="print all metrics as JSON")
     evaluation.add_argument("--quiet", action="store_true", help="no progress bars")
     evaluation.add_argument("--verbose", action="store_true", help="show log messages, and tracebacks of errors")
-    pbg = commands.add_parser(
-        "pbg",
-        help="PyTorch-BigGraph's files: import TSV files, export a model",
-        description=PBG_DESCRIPTION,
-        epilog=PBG_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    actions = pbg.add_subparsers(dest="action", required=True)
-    importer = actions.add_parser("import", help="label TSV files -> a PyTorch-BigGraph input directory")
-    importer.add_argument("files", nargs="+", type=pathlib.Path, help="training [validation [testing]] TSV files")
-    importer.add_argument("--output", type=pathlib.Path, required=True, help="the input directory to write")
-    importer.add_argument(
-        "--config",
-        type=pathlib.Path,
-        help="a PyTorch-BigGraph config giving entity types and relation types (default: one entity type, dynamic "
-        "relations); the directory's config.json is this config with the directory's paths",
-    )
-    importer.add_argument(
-        "--model",
-        default="DistMult",
-        help="without --config: the model whose operator and comparator the directory's config.json names "
-        "(DistMult, TransE, ComplEx, RotatE, RESCAL; default: DistMult)",
-    )
-    importer.add_argument("--dim", type=int, default=100, help="without --config: the embedding dimension (100)")
-    importer.add_argument("--partitions", type=int, default=1, help="partitions of every entity type (default: 1)")
-    importer.add_argument("--seed", type=int, default=0, help="seed of the partitions (default: 0)")
-    importer.add_argument("--columns", default="0,1,2", help="the head, relation and tail columns (default: 0,1,2)")
-    importer.add_argument("--verbose", action="store_true", help="show log messages, and tracebacks of errors")
-    exporter = actions.add_parser("export", help="a saved PyKEEN model -> a PyTorch-BigGraph checkpoint")
-    exporter.add_argument("--model", type=pathlib.Path, required=True, help="trained_model.pkl (save_to_directory)")
-    exporter.add_argument(
-        "--graph", type=pathlib.Path, required=True, help="the model's PyTorch-BigGraph input directory"
-    )
-    exporter.add_argument("--pbg-config", type=pathlib.Path, help="the input directory's config (default: its own)")
-    exporter.add_argument("--output", type=pathlib.Path, required=True, help="the checkpoint directory to write")
-    exporter.add_argument("--version", type=int, default=0, help="the checkpoint version (completed epochs; 0)")
-    exporter.add_argument("--verbose", action="store_true", help="show log messages, and tracebacks of errors")
+    add_pbg_command(commands)
     return parser
-
-
-def load_pbg_graph(directory: pathlib.Path, config: pathlib.Path | None) -> Any:
-    """Read a PyTorch-BigGraph input directory (:func:`pykeen_bess.pbg.read`) as a typed graph."""
-    from . import pbg
-
-    if not directory.is_dir():
-        raise UsageError(f"PyTorch-BigGraph input directory {directory} does not exist.")
-    return pbg.read(directory, config=config)
-
-
-def pbg_model_settings(graph: Any, directory: pathlib.Path) -> dict[str, Any]:
-    """Return the pipeline's model and model kwargs of a PyTorch-BigGraph config (its operator and comparator).
-
-    With an ``init_path`` in the config the model starts from that checkpoint's embeddings, as
-    PyTorch-BigGraph's training would.
-    """
-    from .pbg import initial_model
-    from .pbg.checkpoint import checkpoint_conversion
-
-    if graph.config is None:
-        return {}
-    init = graph.config.get("init_path")
-    if init:
-        candidates = [pathlib.Path(init), directory / init]
-        found = next((path for path in candidates if path.is_dir()), None)
-        if found is None:
-            raise UsageError(f"The config's init_path {init} does not exist (tried {', '.join(map(str, candidates))}).")
-        model, model_kwargs = initial_model(found, graph)
-        return dict(model=model, model_kwargs=model_kwargs)
-    conversion = checkpoint_conversion(graph.config, "the PyTorch-BigGraph config")
-    return dict(model=conversion.model, model_kwargs=conversion.model_kwargs(int(graph.config["dimension"])))
 
 
 def load_dataset(name_or_path: str) -> Any:
@@ -406,21 +329,10 @@ def pipeline_kwargs(args: argparse.Namespace, in_group: bool = False) -> dict[st
         nonlocal kwargs
         kwargs = _merge(kwargs, {key: value} if inner is None else {key: {inner: value}})
 
-    graph = None
     if "pbg" in settings:
-        if "dataset" in given:
-            raise UsageError("Give either --dataset or --pbg.")
         for key in ("dataset", "dataset_kwargs", "training", "testing", "validation"):
             kwargs.pop(key, None)
-        graph = load_pbg_graph(settings["pbg"], settings.get("pbg_config"))
-        if graph.testing is None:
-            raise UsageError(f"{settings['pbg']}: the config's edge paths give no testing split to evaluate.")
-        kwargs.update(training=graph.training, testing=graph.testing, validation=graph.validation)
-        if "model" not in given and "model" not in kwargs:
-            kwargs.update(pbg_model_settings(graph, settings["pbg"]))
-            settings.pop("model", None)
-            if "dim" not in given:
-                settings.pop("dim", None)
+        use_pbg_graph(settings, given, kwargs)
     elif "pbg_config" in settings:
         raise UsageError("--pbg-config needs --pbg.")
     elif "dataset" in settings:
@@ -535,58 +447,8 @@ def train(args: argparse.Namespace) -> dict[str, float]:
 
         save_to_directory(result, args.output)  # collective; rank 0 writes the full model
     if "export_pbg" in args:
-        from pykeen.models import ERModel
-
-        from .pbg import write_checkpoint
-
-        model = cast(ERModel, result.model)
-        write_checkpoint(model, result.training, args.export_pbg, training_loop=result.training_loop)
+        export_pbg(result, args.export_pbg)
     return dict(result.metric_results.to_flat_dict())
-
-
-def run_pbg(args: argparse.Namespace) -> str:
-    """Run ``pbg import`` or ``pbg export``; return what to print."""
-    from . import pbg
-    from .pbg.conversion import conversion_for_model_name
-
-    if args.action == "import":
-        if not 1 <= len(args.files) <= 3:
-            raise UsageError("pbg import takes 1 to 3 files: training [validation [testing]].")
-        try:
-            columns = [int(c) for c in args.columns.split(",")]
-        except ValueError:
-            raise UsageError(f"--columns must be three integers such as 0,1,2, not {args.columns!r}.") from None
-        if len(columns) != 3:
-            raise UsageError(f"--columns must be three integers such as 0,1,2, not {args.columns!r}.")
-        if args.partitions < 1:
-            raise UsageError(f"--partitions must be positive, not {args.partitions}.")
-        graph = pbg.import_tsv(
-            *args.files, config=args.config, num_partitions=args.partitions, seed=args.seed, columns=columns
-        )
-        if graph.config is not None:  # the user's config, with the directory's paths
-            written = pbg.write(graph, args.output)
-            directory = args.output.resolve()
-            config = dict(graph.config, entity_path=str(directory), checkpoint_path=str(directory / "checkpoints"))
-            config["edge_paths"] = [str(path) for path in written.edge_paths.values()]
-            pbg.write_config(config, directory)
-        else:
-            conversion = conversion_for_model_name(args.model)
-            dimension = 2 * args.dim if conversion.is_complex else args.dim
-            pbg.write(
-                graph,
-                args.output,
-                config=dict(dimension=dimension, operator=conversion.operator, comparator=conversion.comparator),
-            )
-        counts = ", ".join(f"{name} {f.num_triples:,}" for name, f in graph.splits.items())
-        return f"wrote {graph.schema} ({counts} triples) to {args.output}"
-    import torch
-
-    if not args.model.is_file():
-        raise UsageError(f"Model file {args.model} does not exist.")
-    model = torch.load(args.model, weights_only=False)
-    graph = load_pbg_graph(args.graph, args.pbg_config)
-    pbg.write_checkpoint(model, graph, args.output, version=args.version)
-    return f"wrote PyTorch-BigGraph checkpoint version {args.version} to {args.output}"
 
 
 def _configure_logging(verbose: bool) -> None:

@@ -146,8 +146,7 @@ class ShardedEmbedding(Representation):
         #: while a checkpoint is written: the directory its copies of a table's files go to; while one is
         #: read: the checkpoint's folder (set by the checkpoint store)
         self.snapshot_directory: pathlib.Path | None = None
-        #: while a checkpoint whose own files hold the rows (PyTorch-BigGraph's layout) is written or read:
-        #: the state dict marks the table's weights as stored elsewhere instead of holding them
+        #: while a checkpoint whose own files hold the rows (PyTorch-BigGraph's layout) is written: omit them
         self.external_weights = False
         self.register_state_dict_post_hook(_add_stored_table)
         self.register_load_state_dict_pre_hook(_load_stored_table)
@@ -408,10 +407,9 @@ def constrain_all_rows(table: ShardedEmbedding, chunk_rows: int | None = None) -
             values.copy_(torch.where(mask.unsqueeze(1), constrained, values))
 
 
-#: the state-dict key (after the module's prefix) of a table kept outside the model
-STORED_TABLE_KEY = "stored_table"
-#: the state-dict key (after the module's prefix) marking weights held by the checkpoint's own files
-EXTERNAL_WEIGHT_KEY = "external_weight"
+#: the state-dict keys (after the module's prefix) of a table kept outside the model, and of a mark for
+#: weights held by the checkpoint's own files
+STORED_TABLE_KEY, EXTERNAL_WEIGHT_KEY = "stored_table", "external_weight"
 
 
 def _add_stored_table(module: ShardedEmbedding, state_dict: dict, prefix: str, local_metadata: Any) -> None:
@@ -454,11 +452,8 @@ def _load_stored_table(
     unexpected_keys: list,
     error_msgs: list,
 ) -> None:
-    """Load a table kept outside the model from a state dict (the inverse of :func:`_add_stored_table`).
-
-    Weights held by the checkpoint's own files were already loaded into the table: they stay as they are.
-    """
-    if state_dict.pop(prefix + EXTERNAL_WEIGHT_KEY, False):
+    """Load a table kept outside the model from a state dict (the inverse of :func:`_add_stored_table`)."""
+    if state_dict.pop(prefix + EXTERNAL_WEIGHT_KEY, False):  # the rows came from the checkpoint's own files
         state_dict[prefix + "weight"] = module.weight.detach()
     entry = state_dict.pop(prefix + STORED_TABLE_KEY, None)
     storage = module.storage

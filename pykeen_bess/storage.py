@@ -49,6 +49,7 @@ __all__ = [
     "MmapStorage",
     "StorageTraffic",
     "TableStorage",
+    "fsync",
     "make_storage",
     "storage_resolver",
 ]
@@ -332,7 +333,7 @@ class MmapStorage(TableStorage):
         self._arrays[_key(tensor)].flush()
         target = pathlib.Path(directory) / source.name
         shutil.copyfile(source, target)
-        _fsync(target)
+        fsync(target)
         return source.name
 
     def restore(self, tensor: torch.Tensor, file: pathlib.Path) -> None:
@@ -356,7 +357,7 @@ class MmapStorage(TableStorage):
         for array in self._arrays.values():
             array.flush()
         for file in self.files.values():
-            _fsync(file)
+            fsync(file)
 
     def describe(self) -> str:  # noqa: D102
         return f"mmap ({self.path})"
@@ -387,7 +388,8 @@ def _advise_will_need(array: np.memmap, start: int, stop: int) -> None:
         handle.madvise(mmap.MADV_WILLNEED, aligned, length)
 
 
-def _fsync(file: pathlib.Path) -> None:
+def fsync(file: pathlib.Path) -> None:
+    """Flush a file (or a directory's entries) to disk."""
     descriptor = os.open(file, os.O_RDONLY)
     try:
         os.fsync(descriptor)

@@ -17,12 +17,14 @@ franca of partitioned graph embedding. This subpackage brings them to PyKEEN::
 * :mod:`~pykeen_bess.pbg.schema`: :class:`GraphSchema` (types, partitions, relation types), carried
   in the metadata of PyKEEN's own triples factories (one id space, laid out type by type,
   partition by partition);
-* :mod:`~pykeen_bess.pbg.graph`: :class:`TypedGraph`, :func:`read` / :func:`write` of PBG 1.0
-  input directories (and the pre-release layout, :mod:`~pykeen_bess.pbg.legacy`);
+* :mod:`~pykeen_bess.pbg.graph`: :class:`TypedGraph`, the splits of a typed graph;
+* :mod:`~pykeen_bess.pbg.inputs`: :func:`read` / :func:`write` of PBG 1.0 input directories (and
+  the pre-release layout, :mod:`~pykeen_bess.pbg.legacy`);
 * :mod:`~pykeen_bess.pbg.tsv`: fast import of label TSV files (vectorised factorisation);
 * :mod:`~pykeen_bess.pbg.conversion`: exact score conversions (DistMult, TransE p = 2, ComplEx,
   RotatE, RESCAL);
-* :mod:`~pykeen_bess.pbg.checkpoint`: :func:`write_checkpoint` / :func:`read_checkpoint`;
+* :mod:`~pykeen_bess.pbg.checkpoint`: :func:`write_checkpoint`; :mod:`~pykeen_bess.pbg.restore`:
+  :func:`read_checkpoint`, :func:`initial_model` (a checkpoint as initializers);
 * :mod:`~pykeen_bess.pbg.files` and :mod:`~pykeen_bess.pbg.config`: the files and configs themselves.
 
 The BESS training loop reads the schema from the training factory: every shard holds an equal
@@ -31,10 +33,12 @@ share of every entity type (with as many shards as partitions, shard ``k`` is pa
 ``checkpoint_format="pbg"`` writes PBG-layout checkpoints during training.
 """
 
-from .checkpoint import initial_model, read_checkpoint, write_checkpoint
+from .checkpoint import write_checkpoint
 from .config import load_config, write_config
 from .conversion import conversion_for_model, conversion_for_operator
-from .graph import TypedGraph, graph_config, read, write
+from .graph import TypedGraph
+from .inputs import graph_config, read, write
+from .restore import initial_model, read_checkpoint
 from .schema import GraphSchema, schema_of
 from .tsv import import_tsv
 

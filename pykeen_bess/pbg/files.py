@@ -26,6 +26,7 @@ partial file under its final name.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -35,6 +36,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from ..storage import fsync
 
 __all__ = [
     "FORMAT_VERSION",
@@ -197,13 +200,39 @@ def iter_edge_chunks(
 
 def write_edges(path: pathlib.Path, lhs: np.ndarray, rel: np.ndarray, rhs: np.ndarray) -> None:
     """Write a bucket file (int64 datasets, ``format_version = 1``); empty buckets too."""
-    h5py = _h5py()
-    temporary = _temporary(path)
-    with h5py.File(temporary, "w") as file:
-        file.attrs["format_version"] = FORMAT_VERSION
+    with _new_file(path) as file:
         for key, values in (("lhs", lhs), ("rhs", rhs), ("rel", rel)):
             file.create_dataset(key, data=np.ascontiguousarray(values, dtype=np.int64))
-    _replace(temporary, path)
+
+
+@contextlib.contextmanager
+def _new_file(path: pathlib.Path, attrs: Mapping[str, Any] | None = None, sync: bool = False) -> Iterator[Any]:
+    """Write an HDF5 file of PyTorch-BigGraph 1.0 (``format_version = 1``) under a temporary name, then rename it.
+
+    :param path: the file
+    :param attrs: more root attributes
+    :param sync: flush the file to disk before it is renamed (checkpoints)
+    :yields: the open file
+    """
+    h5py = _h5py()
+    temporary = _temporary(path)
+    try:
+        with h5py.File(temporary, "w") as file:
+            file.attrs["format_version"] = FORMAT_VERSION
+            for key, value in (attrs or {}).items():
+                file.attrs[key] = value
+            yield file
+        if sync:
+            fsync(temporary)
+        _replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+def _floats(values: torch.Tensor) -> np.ndarray:
+    """Return a tensor as a numpy array of its float precision (float16, 32 or 64; others as float32)."""
+    dtype = values.dtype if values.dtype in (torch.float16, torch.float32, torch.float64) else torch.float32
+    return values.detach().to("cpu", dtype).contiguous().numpy()
 
 
 # -- checkpoints ---------------------------------------------------------------------------------
@@ -245,19 +274,10 @@ def write_embeddings(
         floats, lists and dicts only: PyTorch-BigGraph loads it with ``weights_only=True``)
     :param attrs: informational root attributes (PyTorch-BigGraph's ``iteration/...``)
     """
-    h5py = _h5py()
-    temporary = _temporary(path)
-    with h5py.File(temporary, "w") as file:
-        file.attrs["format_version"] = FORMAT_VERSION
-        for key, value in (attrs or {}).items():
-            file.attrs[key] = value
-        dtype = rows.dtype if rows.dtype in (torch.float16, torch.float32, torch.float64) else torch.float32
-        file.create_dataset("embeddings", data=rows.detach().to("cpu", dtype).contiguous().numpy())
+    with _new_file(path, attrs, sync=True) as file:
+        file.create_dataset("embeddings", data=_floats(rows))
         if optimizer_state is not None:
             file.create_dataset("optimizer/state_dict", data=_optimizer_blob(optimizer_state))
-        file.flush()
-    _fsync(temporary)
-    _replace(temporary, path)
 
 
 def read_embeddings(path: pathlib.Path) -> tuple[torch.Tensor, dict[str, Any] | None]:
@@ -296,22 +316,12 @@ def write_model(
     :param attrs: informational root attributes
     :param optimizer_state: the relation parameters' optimizer state (omitted: PyTorch-BigGraph starts a fresh one)
     """
-    h5py = _h5py()
-    temporary = _temporary(path)
-    with h5py.File(temporary, "w") as file:
-        file.attrs["format_version"] = FORMAT_VERSION
-        for key, value in (attrs or {}).items():
-            file.attrs[key] = value
+    with _new_file(path, attrs, sync=True) as file:
         group = file.create_group("model")
         for name, value in parameters.items():
-            dtype = value.dtype if value.dtype in (torch.float16, torch.float32, torch.float64) else torch.float32
-            dataset = group.create_dataset(name, data=value.detach().to("cpu", dtype).contiguous().numpy())
-            dataset.attrs["state_dict_key"] = _state_dict_key(name)
+            group.create_dataset(name, data=_floats(value)).attrs["state_dict_key"] = _state_dict_key(name)
         if optimizer_state is not None:
             file.create_dataset("optimizer/state_dict", data=_optimizer_blob(optimizer_state))
-        file.flush()
-    _fsync(temporary)
-    _replace(temporary, path)
 
 
 def _state_dict_key(name: str) -> str:
@@ -386,7 +396,7 @@ def write_version(directory: pathlib.Path, version: int) -> None:
         file.flush()
         os.fsync(file.fileno())
     _replace(temporary, path)
-    _fsync(directory)
+    fsync(directory)
 
 
 def remove_version(directory: pathlib.Path, version: int) -> None:
@@ -394,12 +404,3 @@ def remove_version(directory: pathlib.Path, version: int) -> None:
     for path in directory.glob(f"embeddings_*.v{int(version)}.h5"):
         path.unlink(missing_ok=True)
     model_file(directory, version).unlink(missing_ok=True)
-
-
-def _fsync(path: pathlib.Path) -> None:
-    """Flush a file or directory to disk."""
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)

@@ -24,7 +24,8 @@ from ..encoding import ColumnSplit, check_encoding_model
 from ..pbg.schema import GraphSchema
 from ..schemes import AUTO, EncodingScheme, ExchangeScheme, choose_scheme, query_width, scheme_resolver
 from ..scoring import get_scorer
-from ..sampling import BessSampler
+from ..partition import ShardPairPartition
+from ..sampling import BessSampler, TypedBessSampler
 from ..sharding import EntitySharding
 from ..storage import MmapStorage, TableStorage
 from .checkpoints import (
@@ -33,9 +34,9 @@ from .checkpoints import (
     CheckpointStore,
     FileCheckpointStore,
     NoCheckpointStore,
-    PbgCheckpointStore,
     RankCheckpointStore,
 )
+from .pbg_checkpoints import PbgCheckpointStore
 from .config import BessConfig
 from .sizes import StepSizes
 from .tables import create_tables
@@ -45,6 +46,9 @@ __all__ = [
     "assemble",
     "choose_encoding_scheme",
     "choose_partition",
+    "make_checkpoint_store",
+    "make_sampler",
+    "make_scheme",
 ]
 
 logger = logging.getLogger(__name__)
@@ -279,6 +283,26 @@ def _encoding_unavailable(loop: Any, settings: LoopSettings, train_kwargs: dict)
     ):
         return "checkpoints or early stopping over processes"
     return ""
+
+
+def make_sampler(loop: Any, partition: ShardPairPartition, block_size: int) -> BessSampler:
+    """Return the loop's sampler of balanced batches of ``block_size`` slots per block (typed: with the schema)."""
+    kwargs: dict[str, Any] = {}
+    schema = loop.settings.schema
+    if issubclass(loop.config.sampler, TypedBessSampler) and schema is not None:
+        kwargs = dict(
+            relation_sides=schema.relation_sides(loop.settings.factory),
+            entity_types=schema.entity_type,
+            type_names=schema.entity_types,
+        )
+    return loop.config.sampler(
+        partition,
+        block_size=block_size,
+        num_negs_per_pos=loop.config.num_negs_per_pos,
+        corruption=loop.config.corruption,
+        seed=loop.config.seed,
+        **kwargs,
+    )
 
 
 def make_scheme(loop: Any, block_size: int, topology: Topology) -> ExchangeScheme:

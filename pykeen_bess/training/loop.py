@@ -31,13 +31,14 @@ from ..distributed import Topology
 from ..optim import BessOptimizer, optimizer_hyperparameters
 from ..partition import ShardPairPartition
 from ..pbg.schema import schema_of
-from ..sampling import BessSampler, Corruption, TypedBessSampler
+from ..sampling import BessSampler, Corruption
 from ..schemes import ExchangeScheme
 from ..scoring import SharedCandidateScorer
 from ..sharding import EntitySharding
 from ..storage import TableStorage, make_storage
 from ..threads import ThreadsHint, resolve_threads
-from .checkpoints import CheckpointStore, PbgCheckpointStore, prepare_pbg_checkpoint
+from .checkpoints import CheckpointStore
+from .pbg_checkpoints import PbgCheckpointStore, prepare_pbg_checkpoint
 from .config import (
     BessConfig,
     check_integer,
@@ -51,7 +52,7 @@ from .epochs import run_epochs
 from .sizes import StepSizes
 from .step import StepRunner
 from .column_tables import check_column_training
-from .assembly import LoopSettings, assemble, choose_partition, make_scheme
+from .assembly import LoopSettings, assemble, choose_partition, make_sampler, make_scheme
 from .tables import ShardTables, materialize
 
 __all__ = [
@@ -256,22 +257,7 @@ class BessTrainingLoop(SLCWATrainingLoop):
 
     def make_sampler(self, partition: ShardPairPartition, block_size: int) -> BessSampler:
         """Return the sampler of balanced batches of ``block_size`` slots per block."""
-        kwargs: dict[str, Any] = {}
-        schema = self.settings.schema
-        if self.config.sampler is TypedBessSampler and schema is not None:
-            kwargs = dict(
-                relation_sides=schema.relation_sides(self.settings.factory),
-                entity_types=schema.entity_type,
-                type_names=schema.entity_types,
-            )
-        return self.config.sampler(
-            partition,
-            block_size=block_size,
-            num_negs_per_pos=self.config.num_negs_per_pos,
-            corruption=self.config.corruption,
-            seed=self.config.seed,
-            **kwargs,
-        )
+        return make_sampler(self, partition, block_size)
 
     def make_scheme(self, block_size: int, topology: Topology | None = None) -> ExchangeScheme:
         """Return the exchange scheme (``exchange="auto"``: the cheapest for this block size)."""

@@ -12,6 +12,7 @@ from pbg_tools import pbg_scores
 from pykeen.training import TrainingCallback
 from typed_worker import build_loop
 
+from pykeen_bess import pbg
 from pykeen_bess.distributed import harness
 from pykeen_bess.pbg import files
 
@@ -44,7 +45,9 @@ def reference(num_epochs: int) -> tuple[Any, list[float]]:
 def test_ranks_equal_one_process_and_resume_from_their_own_partition_files(tmp_path: pathlib.Path) -> None:
     loop, losses = reference(3)
     # uninterrupted, each rank writing its own partitions
-    full = launch(dict(output=str(tmp_path / "full"), checkpoint_directory=str(tmp_path / "full-ckpt"), num_epochs=3))
+    full = launch(
+        dict(output=str(tmp_path / "full"), checkpoint_directory=str(tmp_path / "full-ckpt"), num_epochs=3, export=True)
+    )
     assert full.ok, full.report()
     table = loop.model.entity_representations[0]._embeddings.weight.detach()
     for result in results(tmp_path / "full"):
@@ -61,6 +64,15 @@ def test_ranks_equal_one_process_and_resume_from_their_own_partition_files(tmp_p
     head, _ = pbg_scores(directory, graph.schema, triples)
     with torch.no_grad():
         torch.testing.assert_close(head, loop.model.score_hrt(triples).view(-1).float(), rtol=1e-5, atol=1e-6)
+    # a sharded model written by write_checkpoint on its ranks is the single process' model
+    exported = pbg.read_checkpoint(tmp_path / "full" / "export", graph)
+    with torch.no_grad():
+        torch.testing.assert_close(exported.score_hrt(triples), loop.model.score_hrt(triples).float())
+    sums = loop.optimizer.state[loop.tables[0].optimizer_parameter]["sum"]
+    _, state = files.read_embeddings(files.embeddings_file(tmp_path / "full" / "export", "user", 1, 3))
+    ids = graph.schema.partition_range(0, 1)
+    expected = sums[loop.tables[0].entity_rows[torch.arange(ids.start, ids.stop)]].float()
+    torch.testing.assert_close(state["state"][0]["sum"], expected)
     # killed in epoch 3, resumed from version 2: the same losses and tables
     killed = launch(
         dict(output=str(tmp_path / "killed"), checkpoint_directory=str(tmp_path / "ckpt"), num_epochs=3, die_at=[3, 1])

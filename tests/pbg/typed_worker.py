@@ -75,6 +75,10 @@ def main() -> None:
         checkpoint_name="bess.pt" if config.get("checkpoint_directory") else None,
         checkpoint_frequency=0,
     )
+    if config.get("export"):  # collective: the rows of every partition are looked up, rank 0 writes
+        from pykeen_bess import pbg
+
+        pbg.write_checkpoint(loop.model, graph, output / "export", training_loop=loop)
     table = loop.tables[0]
     shard = loop.topology.local_shards[0]
     torch.save(

@@ -1,0 +1,185 @@
+"""The command line's PyTorch-BigGraph parts: ``pbg import``, ``pbg export``, and ``train --pbg``'s data and model.
+
+``python -m pykeen_bess pbg import`` turns label TSV files into a PyTorch-BigGraph input directory,
+``pbg export`` writes a saved model as a PyTorch-BigGraph checkpoint; :func:`load_pbg_graph` and
+:func:`pbg_model_settings` give ``train --pbg`` its triples and its model (see :mod:`pykeen_bess.cli`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = [
+    "add_pbg_command",
+    "export_pbg",
+    "load_pbg_graph",
+    "pbg_model_settings",
+    "run_pbg",
+    "use_pbg_graph",
+]
+
+PBG_DESCRIPTION = """PyTorch-BigGraph's files: import label TSV files as a PyTorch-BigGraph input directory (entity
+types and partitions, bucket files), or export a trained PyKEEN model as a PyTorch-BigGraph
+checkpoint (loadable by torchbiggraph_train and torchbiggraph_export_to_tsv).
+"""
+
+PBG_EPILOG = """examples:
+  python -m pykeen_bess pbg import train.tsv valid.tsv test.tsv --output pbg_data/ --partitions 4
+  python -m pykeen_bess pbg import edges.tsv --config config.py --output pbg_data/   # typed relations
+  python -m pykeen_bess pbg export --model out/trained_model.pkl --graph pbg_data/ --output pbg_ckpt/
+"""
+
+
+def add_pbg_command(commands: Any) -> None:
+    """Add the ``pbg`` command (``import``, ``export``) to the command line's subcommands."""
+    pbg = commands.add_parser(
+        "pbg",
+        help="PyTorch-BigGraph's files: import TSV files, export a model",
+        description=PBG_DESCRIPTION,
+        epilog=PBG_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    actions = pbg.add_subparsers(dest="action", required=True)
+    importer = actions.add_parser("import", help="label TSV files -> a PyTorch-BigGraph input directory")
+    importer.add_argument("files", nargs="+", type=pathlib.Path, help="training [validation [testing]] TSV files")
+    importer.add_argument("--output", type=pathlib.Path, required=True, help="the input directory to write")
+    importer.add_argument(
+        "--config",
+        type=pathlib.Path,
+        help="a PyTorch-BigGraph config giving entity types and relation types (default: one entity type, dynamic "
+        "relations); the directory's config.json is this config with the directory's paths",
+    )
+    importer.add_argument(
+        "--model",
+        default="DistMult",
+        help="without --config: the model whose operator and comparator the directory's config.json names "
+        "(DistMult, TransE, ComplEx, RotatE, RESCAL; default: DistMult)",
+    )
+    importer.add_argument("--dim", type=int, default=100, help="without --config: the embedding dimension (100)")
+    importer.add_argument("--partitions", type=int, default=1, help="partitions of every entity type (default: 1)")
+    importer.add_argument("--seed", type=int, default=0, help="seed of the partitions (default: 0)")
+    importer.add_argument("--columns", default="0,1,2", help="the head, relation and tail columns (default: 0,1,2)")
+    importer.add_argument("--verbose", action="store_true", help="show log messages, and tracebacks of errors")
+    exporter = actions.add_parser("export", help="a saved PyKEEN model -> a PyTorch-BigGraph checkpoint")
+    exporter.add_argument("--model", type=pathlib.Path, required=True, help="trained_model.pkl (save_to_directory)")
+    exporter.add_argument(
+        "--graph", type=pathlib.Path, required=True, help="the model's PyTorch-BigGraph input directory"
+    )
+    exporter.add_argument("--pbg-config", type=pathlib.Path, help="the input directory's config (default: its own)")
+    exporter.add_argument("--output", type=pathlib.Path, required=True, help="the checkpoint directory to write")
+    exporter.add_argument("--version", type=int, default=0, help="the checkpoint version (completed epochs; 0)")
+    exporter.add_argument("--verbose", action="store_true", help="show log messages, and tracebacks of errors")
+
+
+def use_pbg_graph(settings: dict[str, Any], given: Mapping[str, Any], kwargs: dict[str, Any]) -> None:
+    """``train --pbg``: the pipeline's splits from the directory, and its model from the config unless given.
+
+    :param settings: the command line's settings (``model`` and ``dim`` are removed if the config decides them)
+    :param given: the flags given explicitly
+    :param kwargs: the pipeline's keyword arguments, updated in place
+    """
+    from ..cli import UsageError
+
+    if "dataset" in given:
+        raise UsageError("Give either --dataset or --pbg.")
+    graph = load_pbg_graph(settings["pbg"], settings.get("pbg_config"))
+    if graph.testing is None:
+        raise UsageError(f"{settings['pbg']}: the config's edge paths give no testing split to evaluate.")
+    kwargs.update(training=graph.training, testing=graph.testing, validation=graph.validation)
+    if "model" not in given and "model" not in kwargs:
+        kwargs.update(pbg_model_settings(graph, settings["pbg"]))
+        settings.pop("model", None)
+        if "dim" not in given:
+            settings.pop("dim", None)
+
+
+def export_pbg(result: Any, directory: pathlib.Path) -> None:
+    """``train --export-pbg``: write the pipeline's trained model as a PyTorch-BigGraph checkpoint."""
+    from .checkpoint import write_checkpoint
+
+    write_checkpoint(result.model, result.training, directory, training_loop=result.training_loop)
+
+
+def load_pbg_graph(directory: pathlib.Path, config: pathlib.Path | None) -> Any:
+    """Read a PyTorch-BigGraph input directory (:func:`pykeen_bess.pbg.read`) as a typed graph."""
+    from ..cli import UsageError
+    from .inputs import read
+
+    if not directory.is_dir():
+        raise UsageError(f"PyTorch-BigGraph input directory {directory} does not exist.")
+    return read(directory, config=config)
+
+
+def pbg_model_settings(graph: Any, directory: pathlib.Path) -> dict[str, Any]:
+    """Return the pipeline's model and model kwargs of a PyTorch-BigGraph config (its operator and comparator).
+
+    With an ``init_path`` in the config the model starts from that checkpoint's embeddings, as
+    PyTorch-BigGraph's training would.
+    """
+    from ..cli import UsageError
+    from .restore import checkpoint_conversion, initial_model
+
+    if graph.config is None:
+        return {}
+    init = graph.config.get("init_path")
+    if init:
+        candidates = [pathlib.Path(init), directory / init]
+        found = next((path for path in candidates if path.is_dir()), None)
+        if found is None:
+            raise UsageError(f"The config's init_path {init} does not exist (tried {', '.join(map(str, candidates))}).")
+        model, model_kwargs = initial_model(found, graph)
+        return dict(model=model, model_kwargs=model_kwargs)
+    conversion = checkpoint_conversion(graph.config, "the PyTorch-BigGraph config")
+    return dict(model=conversion.model, model_kwargs=conversion.model_kwargs(int(graph.config["dimension"])))
+
+
+def run_pbg(args: argparse.Namespace) -> str:
+    """Run ``pbg import`` or ``pbg export``; return what to print."""
+    from ..cli import UsageError
+    from .checkpoint import write_checkpoint
+    from .config import write_config
+    from .conversion import conversion_for_model_name
+    from .inputs import write
+    from .tsv import import_tsv
+
+    if args.action == "import":
+        if not 1 <= len(args.files) <= 3:
+            raise UsageError("pbg import takes 1 to 3 files: training [validation [testing]].")
+        try:
+            columns = [int(c) for c in args.columns.split(",")]
+        except ValueError:
+            raise UsageError(f"--columns must be three integers such as 0,1,2, not {args.columns!r}.") from None
+        if len(columns) != 3:
+            raise UsageError(f"--columns must be three integers such as 0,1,2, not {args.columns!r}.")
+        if args.partitions < 1:
+            raise UsageError(f"--partitions must be positive, not {args.partitions}.")
+        graph = import_tsv(
+            *args.files, config=args.config, num_partitions=args.partitions, seed=args.seed, columns=columns
+        )
+        if graph.config is not None:  # the user's config, with the directory's paths
+            written = write(graph, args.output)
+            directory = args.output.resolve()
+            config = dict(graph.config, entity_path=str(directory), checkpoint_path=str(directory / "checkpoints"))
+            config["edge_paths"] = [str(path) for path in written.edge_paths.values()]
+            write_config(config, directory)
+        else:
+            conversion = conversion_for_model_name(args.model)
+            dimension = 2 * args.dim if conversion.is_complex else args.dim
+            write(
+                graph,
+                args.output,
+                config=dict(dimension=dimension, operator=conversion.operator, comparator=conversion.comparator),
+            )
+        counts = ", ".join(f"{name} {f.num_triples:,}" for name, f in graph.splits.items())
+        return f"wrote {graph.schema} ({counts} triples) to {args.output}"
+    import torch
+
+    if not args.model.is_file():
+        raise UsageError(f"Model file {args.model} does not exist.")
+    model = torch.load(args.model, weights_only=False)
+    graph = load_pbg_graph(args.graph, args.pbg_config)
+    write_checkpoint(model, graph, args.output, version=args.version)
+    return f"wrote PyTorch-BigGraph checkpoint version {args.version} to {args.output}"
