@@ -6,6 +6,7 @@ import json
 import pathlib
 import subprocess
 import sys
+import typing
 import warnings
 from typing import Any
 
@@ -15,7 +16,8 @@ from pykeen_bess.pbg import GraphSchema
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # torchbiggraph imports pkg_resources
-    import torchbiggraph  # noqa: F401
+    import torchbiggraph
+    import torchbiggraph.schema
     from torchbiggraph.checkpoint_manager import CheckpointManager
     from torchbiggraph.config import ConfigSchema
     from torchbiggraph.edgelist import EdgeList
@@ -25,6 +27,22 @@ with warnings.catch_warnings():
 
 #: the scripts of torchbiggraph's command-line tools, next to this interpreter
 BIN = pathlib.Path(sys.executable).parent
+
+
+def _unpack_optional(type_: Any) -> Any:
+    """``Optional[X]`` -> ``X``, by the type's structure.
+
+    torchbiggraph 1.0.0 compares ``type_ is Optional[X]``, relying on ``typing``'s cache of
+    subscripted types (128 entries); in a long test session the entry is evicted, a new object is
+    built, and every config fails to load ("Unknown type: typing.Optional[int]").
+    """
+    arguments = typing.get_args(type_)
+    if typing.get_origin(type_) is not typing.Union or len(arguments) != 2 or type(None) not in arguments:
+        raise TypeError("Not an optional type")
+    return next(argument for argument in arguments if argument is not type(None))
+
+
+torchbiggraph.schema.unpack_optional = _unpack_optional
 
 
 def pbg_config(directory: pathlib.Path, **overrides: Any) -> ConfigSchema:
