@@ -383,11 +383,14 @@ def _adam(
     beta1, beta2 = group["betas"]
     if group["maximize"]:
         grad = -grad
-    exp_avg = state["exp_avg"] + (grad - state["exp_avg"]).mul_(1 - beta1)
-    exp_avg_sq = state["exp_avg_sq"] + (grad * grad).sub_(state["exp_avg_sq"]).mul_(1 - beta2)
+    # the state rows are the rule's own copies (read from the tier): updated in place, few passes over [U, D]
+    exp_avg = state["exp_avg"].lerp_(grad, 1 - beta1)
+    exp_avg_sq = state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
     step_size = group["lr"] * math.sqrt(1 - beta2**step) / (1 - beta1**step)
-    update = exp_avg / exp_avg_sq.sqrt().add_(group["eps"])
-    return weight.add(update, alpha=-step_size), {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    return weight.addcdiv(exp_avg, exp_avg_sq.sqrt().add_(group["eps"]), value=-step_size), {
+        "exp_avg": exp_avg,
+        "exp_avg_sq": exp_avg_sq,
+    }
 
 
 def _adagrad_lr(group: Mapping[str, Any], step: float) -> float:
@@ -401,9 +404,8 @@ def _adagrad(
     """Adagrad on rows (``torch.optim.Adagrad`` with a sparse gradient)."""
     if group["maximize"]:
         grad = -grad
-    squares = state["sum"] + grad * grad
-    update = grad / squares.sqrt().add_(group["eps"])
-    return weight.add(update, alpha=-_adagrad_lr(group, step)), {"sum": squares}
+    squares = state["sum"].addcmul_(grad, grad)  # the rule's own copy of the state rows
+    return weight.addcdiv(grad, squares.sqrt().add_(group["eps"]), value=-_adagrad_lr(group, step)), {"sum": squares}
 
 
 def _rowwise_adagrad(
@@ -416,11 +418,11 @@ def _rowwise_adagrad(
     row_wise = weight.dim() >= 2
     if row_wise:
         squared = squared.mean(dim=tuple(range(1, grad.dim())))
-    squares = state["sum"] + squared
+    squares = state["sum"].add_(squared)  # the rule's own copy of the state rows
     std = squares.sqrt().add_(group["eps"])
     if row_wise:
         std = std.view(-1, *([1] * (grad.dim() - 1)))
-    return weight.add(grad / std, alpha=-_adagrad_lr(group, step)), {"sum": squares}
+    return weight.addcdiv(grad, std, value=-_adagrad_lr(group, step)), {"sum": squares}
 
 
 def _sgd(
