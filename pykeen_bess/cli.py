@@ -217,6 +217,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="intra-op CPU threads of training steps and evaluation blocks: a number, or auto (default: measure 1 "
         "against all of the process's threads, again every 500 steps; robust to a busy neighbour process)",
     )
+    training.add_argument(
+        "--host-allocator",
+        choices=["auto", "keep"],
+        help="auto (default on the CPU: glibc keeps freed tensor memory for the next step instead of page-faulting "
+        "it in again) or keep (leave the C library's allocator alone)",
+    )
     training.add_argument("--checkpoint-name", help="checkpoint file name; an existing checkpoint is resumed")
     training.add_argument(
         "--checkpoint-format",
@@ -418,6 +424,12 @@ def pipeline_kwargs(args: argparse.Namespace, in_group: bool = False) -> dict[st
         set_("training_loop_kwargs", settings["threads"], "num_threads")
         if kwargs.get("evaluator", "bess") == "bess":
             set_("evaluator_kwargs", settings["threads"], "num_threads")
+
+    if "host_allocator" in settings:
+        allocator = None if settings["host_allocator"] == "keep" else "auto"
+        set_("training_loop_kwargs", allocator, "host_allocator")
+        if kwargs.get("evaluator", "bess") == "bess":
+            set_("evaluator_kwargs", allocator, "host_allocator")
 
     # evaluation
     if "eval_batch_size" in settings:

@@ -200,6 +200,18 @@ def test_threads_flag(capsys: pytest.CaptureFixture) -> None:
     assert exit_info.value.code == 2 and "positive integer" in capsys.readouterr().err
 
 
+def test_host_allocator_flag() -> None:
+    """--host-allocator sets the loop's and the bess evaluator's host_allocator (keep: None)."""
+    for value, expected in (("auto", "auto"), ("keep", None)):
+        kwargs = pipeline_kwargs(build_parser().parse_args(["train", "--host-allocator", value]))
+        assert kwargs["training_loop_kwargs"]["host_allocator"] == expected
+        assert kwargs["evaluator_kwargs"]["host_allocator"] == expected
+    arguments = ["train", "--host-allocator", "keep", "--evaluator", "rankbased"]
+    kwargs = pipeline_kwargs(build_parser().parse_args(arguments))
+    assert "host_allocator" not in kwargs.get("evaluator_kwargs", {})
+    assert "host_allocator" not in pipeline_kwargs(build_parser().parse_args(["train"]))["training_loop_kwargs"]
+
+
 def test_pytorch_biggraph_import_train_and_export(capsys: pytest.CaptureFixture, tmp_path: pathlib.Path) -> None:
     """TSV files -> a PBG input directory -> BESS training with PBG-layout checkpoints -> a PBG checkpoint."""
     import numpy as np

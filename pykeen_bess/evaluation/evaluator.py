@@ -62,6 +62,7 @@ from pykeen.typing import LABEL_HEAD, LABEL_TAIL, RANK_OPTIMISTIC, RANK_PESSIMIS
 from tqdm.autonotebook import tqdm
 
 from ..distributed import ProbeTopology, join_torchrun_group
+from ..allocator import AllocatorHint, resolve_allocator
 from ..threads import ThreadPolicy, ThreadsHint, resolve_threads
 from .checks import check_ids, check_targets, check_triples
 from .counting import rank_batch
@@ -92,6 +93,7 @@ class BessEvaluator(RankBasedEvaluator):
         memory_budget: int | None = None,
         process_group: Any = None,
         num_threads: ThreadsHint = "auto",
+        host_allocator: AllocatorHint = "auto",
         **kwargs: Any,
     ):
         """Create the evaluator.
@@ -109,6 +111,8 @@ class BessEvaluator(RankBasedEvaluator):
             default group); unused in one process
         :param num_threads: intra-op CPU threads of the score blocks (:mod:`pykeen_bess.threads`):
             ``"auto"`` (measure 1 thread against all of the process's), an integer, or None (torch's)
+        :param host_allocator: how glibc's allocator serves the score blocks (:mod:`pykeen_bess.allocator`):
+            ``"auto"`` (on the CPU: freed blocks stay in the heap for the next) or None (leave it)
         :param kwargs: passed to :class:`pykeen.evaluation.RankBasedEvaluator` (``metrics``,
             ``metrics_kwargs``, ``add_defaults``, ``clear_on_finalize``, ``mode``)
         """
@@ -126,6 +130,8 @@ class BessEvaluator(RankBasedEvaluator):
         self.process_group = process_group
         self.num_threads = num_threads
         resolve_threads(num_threads, None)  # invalid values fail here
+        self.host_allocator = host_allocator
+        resolve_allocator(host_allocator, None)  # invalid values fail here
         #: the thread policy of the last evaluation (an adaptive one keeps learning across evaluations)
         self.thread_policy: ThreadPolicy | None = None
         self._thread_device: torch.device | None = None
@@ -299,6 +305,7 @@ class BessEvaluator(RankBasedEvaluator):
         ranked: dict[int, dict[str, dict[str, Any]]] = {}
         if self.thread_policy is None or self._thread_device != device:
             self.thread_policy, self._thread_device = resolve_threads(self.num_threads, device), device
+        resolve_allocator(self.host_allocator, device).apply()
         with progress, self.thread_policy.applied():
             for number, batch in enumerate(mapped_triples.split(batch_size)):
                 if number % topology.replicas != topology.replica:

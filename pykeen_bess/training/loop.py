@@ -26,6 +26,7 @@ from pykeen.training import SLCWATrainingLoop
 from pykeen.training.training_loop import _get_lr_scheduler_kwargs
 from pykeen.triples import CoreTriplesFactory
 
+from ..allocator import AllocatorHint, resolve_allocator
 from ..batch import BessBatch
 from ..distributed import Topology
 from ..optim import BessOptimizer, optimizer_hyperparameters
@@ -104,6 +105,7 @@ class BessTrainingLoop(SLCWATrainingLoop):
         negative_sampler: HintOrType[NegativeSampler] = None,
         negative_sampler_kwargs: OptionalKwargs = None,
         num_threads: ThreadsHint = "auto",
+        host_allocator: AllocatorHint = "auto",
         negatives: str | type[BessSampler] = "uniform",
         checkpoint_format: str = "pykeen",
         **kwargs: Any,
@@ -162,6 +164,8 @@ class BessTrainingLoop(SLCWATrainingLoop):
         :param num_threads: intra-op CPU threads of the steps (:mod:`pykeen_bess.threads`): ``"auto"``
             (measure 1 thread against all of the process's, again every 500 steps), an integer, or None
             (torch's setting)
+        :param host_allocator: ``"auto"`` (on the CPU: glibc keeps freed blocks for the next step instead of
+            returning and page-faulting them every step; :mod:`pykeen_bess.allocator`) or None (leave it)
         :param negatives: ``"uniform"`` (default: every shard's entities) or ``"typed"`` (a relation's
             negatives have its corrupted side's entity type; needs a typed graph, :mod:`pykeen_bess.pbg`),
             or a :class:`~pykeen_bess.sampling.BessSampler` subclass
@@ -214,6 +218,8 @@ class BessTrainingLoop(SLCWATrainingLoop):
         self.resumed_from_pbg = False
         #: how many intra-op threads the steps use
         self.thread_policy = resolve_threads(num_threads, self.device)
+        #: how the C library's allocator serves the steps' CPU tensors
+        self.host_allocator = resolve_allocator(host_allocator, self.device)
         # the topology, settings, sharding, tables, optimizer, checkpoint store and step sizes
         self.topology: Topology
         self.config: BessConfig
@@ -314,6 +320,7 @@ class BessTrainingLoop(SLCWATrainingLoop):
         if not self.topology.holds_all_columns:
             check_column_training(kwargs)
         # without continue_training the tables are re-initialised (or loaded from a checkpoint)
+        self.host_allocator.apply()
         with self.tables.installed(copy_weights=bool(kwargs.get("continue_training"))), self.thread_policy.applied():
             return super().train(
                 triples_factory=triples_factory, num_epochs=num_epochs, batch_size=batch_size, **kwargs
