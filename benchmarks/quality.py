@@ -13,6 +13,7 @@ experiments run``) would drop them. The MRR over the triples whose entities occu
 printed too.
 
     python benchmarks/quality.py --config configs/wn18rr_rotate.json --data ../shared/data/wn18rr --num-shards 1 4
+    python benchmarks/quality.py --config configs/nations_rotate.json --data nations --num-shards 1
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import sys
 import time
 
 import numpy as np
+from pykeen.datasets import dataset_resolver
 from pykeen.pipeline import pipeline
 from pykeen.triples import TriplesFactory
 from pykeen.triples.utils import load_triples
@@ -74,10 +77,30 @@ def run(config: dict, splits: dict[str, TriplesFactory], num_shards: int) -> dic
     )
 
 
+def data_directory(text: str) -> pathlib.Path:
+    """A directory of ``train.txt``, ``valid.txt``, ``test.txt``, or the name of a dataset PyKEEN ships with them."""
+    path = pathlib.Path(text)
+    if path.is_dir():
+        return path
+    try:
+        module = sys.modules[dataset_resolver.lookup(text).__module__]
+    except (KeyError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a directory nor a PyKEEN dataset name") from None
+    path = pathlib.Path(module.__file__ or "").parent
+    if not (path / "train.txt").is_file():
+        raise argparse.ArgumentTypeError(f"PyKEEN's {text!r} does not ship train.txt (it downloads): pass a directory")
+    return path
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", type=pathlib.Path, required=True)
-    parser.add_argument("--data", type=pathlib.Path, required=True, help="train.txt, valid.txt, test.txt")
+    parser.add_argument(
+        "--data",
+        type=data_directory,
+        required=True,
+        help="a directory of train.txt, valid.txt, test.txt, or a dataset PyKEEN ships (nations, kinships, umls)",
+    )
     parser.add_argument("--num-shards", type=int, nargs="+", default=[1, 4])
     args = parser.parse_args()
     raw = json.loads(args.config.read_text())
