@@ -28,13 +28,7 @@ from typing import Any
 
 from .pbg.commands import add_pbg_command, export_pbg, run_pbg, use_pbg_graph
 
-__all__ = [
-    "build_parser",
-    "load_config",
-    "load_dataset",
-    "main",
-    "pipeline_kwargs",
-]
+__all__ = ["build_parser", "load_config", "load_dataset", "main", "pipeline_kwargs"]
 
 #: metrics printed after training, as (PyKEEN metric key, label)
 REPORTED_METRICS = (
@@ -220,8 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     training.add_argument(
         "--host-allocator",
         choices=["auto", "keep"],
-        help="auto (default on the CPU: glibc keeps freed tensor memory for the next step instead of page-faulting "
-        "it in again) or keep (leave the C library's allocator alone)",
+        help="auto (default on the CPU: glibc keeps freed tensor memory for the next step) or keep (leave it alone)",
     )
     training.add_argument("--checkpoint-name", help="checkpoint file name; an existing checkpoint is resumed")
     training.add_argument(
@@ -420,16 +413,12 @@ def pipeline_kwargs(args: argparse.Namespace, in_group: bool = False) -> dict[st
                 raise UsageError(f"--{flag.replace('_', '-')} needs --early-stopping.")
             set_("stopper_kwargs", settings[flag], key)
 
-    if "threads" in settings:
-        set_("training_loop_kwargs", settings["threads"], "num_threads")
-        if kwargs.get("evaluator", "bess") == "bess":
-            set_("evaluator_kwargs", settings["threads"], "num_threads")
-
-    if "host_allocator" in settings:
-        allocator = None if settings["host_allocator"] == "keep" else "auto"
-        set_("training_loop_kwargs", allocator, "host_allocator")
-        if kwargs.get("evaluator", "bess") == "bess":
-            set_("evaluator_kwargs", allocator, "host_allocator")
+    for flag, key in (("threads", "num_threads"), ("host_allocator", "host_allocator")):
+        if flag in settings:  # the loop's and the bess evaluator's (keep: None)
+            value = None if settings[flag] == "keep" else settings[flag]
+            set_("training_loop_kwargs", value, key)
+            if kwargs.get("evaluator", "bess") == "bess":
+                set_("evaluator_kwargs", value, key)
 
     # evaluation
     if "eval_batch_size" in settings:
