@@ -61,8 +61,8 @@ from pykeen.models import ERModel, Model
 from pykeen.typing import LABEL_HEAD, LABEL_TAIL, RANK_OPTIMISTIC, RANK_PESSIMISTIC, RANK_REALISTIC, Target
 from tqdm.autonotebook import tqdm
 
-from ..distributed import ProbeTopology, join_torchrun_group
 from ..allocator import AllocatorHint, resolve_allocator
+from ..distributed import ProbeTopology, join_torchrun_group
 from ..threads import ThreadPolicy, ThreadsHint, resolve_threads
 from .checks import check_ids, check_targets, check_triples
 from .counting import rank_batch
