@@ -82,8 +82,14 @@ class RowLookup:
         flat_index = index.reshape(-1)
         parts = []
         for table, rows, table_weights in zip(self.tables, normalized, weights):
-            # index_select (not advanced indexing): its backward is a fast index_add
-            x = rows.index_select(0, flat_index).view(*index.shape, *rows.shape[1:])
+            # index_select (not advanced indexing): its backward is a fast index_add; complex rows
+            # are selected as their real view ([*, d, 2]), whose index_add is about 3x faster
+            complex_rows = rows.is_complex()
+            source = torch.view_as_real(rows) if complex_rows else rows
+            x = source.index_select(0, flat_index).view(*index.shape, *source.shape[1:])
+            needs_rows = (table.regularizer is not None and table_weights is not None) or table.dropout is not None
+            if complex_rows and needs_rows:
+                x = torch.view_as_complex(x)
             if table.regularizer is not None and table_weights is not None:
                 regularize(table.regularizer, x, table_weights, regularization)
             if table.dropout is not None:

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.utils.checkpoint
+from pykeen.utils import ensure_complex
 from pykeen.nn.modules import (
     ComplExInteraction,
     CPInteraction,
@@ -71,6 +72,15 @@ class ComplExScorer(InnerProductScorer):
     """
 
     interactions = (ComplExInteraction,)
+
+    def score_triples(self, h: torch.Tensor, r: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """Score aligned triples as ``<R(h * r), R(t)>``, ``[*, d]`` complex -> ``[*]``.
+
+        Equal to PyKEEN's interaction up to rounding, and several times faster forward and backward
+        than its complex ``einsum`` (a batch of ``[1, d] x [d, 1]`` products).
+        """
+        h, r, t = ensure_complex(h, r, t)
+        return (self.query("tail", h, r) * self.candidates("tail", t)).sum(dim=-1)
 
     def query(self, side: Side, e: torch.Tensor, r: torch.Tensor) -> torch.Tensor:  # noqa: D102
         check_side(side)
