@@ -13,12 +13,21 @@ from typing import Any
 import pytest
 import torch
 from pykeen.datasets import Nations
+from pykeen.losses import (
+    BCEWithLogitsLoss,
+    Loss,
+    MarginRankingLoss,
+    PointwiseHingeLoss,
+    SoftplusLoss,
+    SoftPointwiseHingeLoss,
+)
 from pykeen.models import ERModel, model_resolver
 from pykeen.training import SLCWATrainingLoop, TrainingCallback
 from pykeen.triples import CoreTriplesFactory
 
 from typed_graphs import typed_graph
 
+from pykeen_bess.loss import delta_pointwise_loss
 from pykeen_bess.sampling import BessBatch
 from pykeen_bess.sharding import EntitySharding
 from pykeen_bess.training import BessTrainingLoop
@@ -196,3 +205,33 @@ def check_step_losses(
             stop=None,
         )
         assert bess_loss == pytest.approx(expected.item(), rel=1e-10, abs=1e-12)
+
+
+@pytest.mark.parametrize("loss_cls", [SoftplusLoss, PointwiseHingeLoss, SoftPointwiseHingeLoss])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_delta_pointwise_loss_equals_pykeen(loss_cls: type[Loss], reduction: str) -> None:
+    """The direct margin-activation formula has PyKEEN's value and gradients."""
+    loss = loss_cls(reduction=reduction)
+    if loss_cls is not SoftplusLoss:
+        loss.margin = 0.7
+    generator = torch.Generator().manual_seed(0)
+    positive = (3 * torch.randn(11, 1, generator=generator, dtype=torch.float64)).requires_grad_()
+    negative = (3 * torch.randn(11, 5, generator=generator, dtype=torch.float64)).requires_grad_()
+    ours = delta_pointwise_loss(loss, positive, negative)
+    assert ours is not None
+    expected = loss.process_slcwa_scores(positive_scores=positive, negative_scores=negative)
+    torch.testing.assert_close(ours, expected)
+    for a, b in zip(torch.autograd.grad(ours, (positive, negative)), torch.autograd.grad(expected, (positive, negative))):
+        torch.testing.assert_close(a, b)
+
+
+def test_delta_pointwise_loss_leaves_other_losses_to_pykeen() -> None:
+    """Other losses and subclasses with their own forward use PyKEEN's processing."""
+
+    class Scaled(SoftplusLoss):
+        def forward(self, x, target, weight=None):  # noqa: D102
+            return 2 * super().forward(x, target, weight)
+
+    positive, negative = torch.zeros(3, 1), torch.zeros(3, 4)
+    for loss in (BCEWithLogitsLoss(), MarginRankingLoss(), Scaled()):
+        assert delta_pointwise_loss(loss, positive, negative) is None
