@@ -221,7 +221,9 @@ def test_delta_pointwise_loss_equals_pykeen(loss_cls: type[Loss], reduction: str
     assert ours is not None
     expected = loss.process_slcwa_scores(positive_scores=positive, negative_scores=negative)
     torch.testing.assert_close(ours, expected)
-    for a, b in zip(torch.autograd.grad(ours, (positive, negative)), torch.autograd.grad(expected, (positive, negative))):
+    for a, b in zip(
+        torch.autograd.grad(ours, (positive, negative)), torch.autograd.grad(expected, (positive, negative))
+    ):
         torch.testing.assert_close(a, b)
 
 
@@ -229,7 +231,7 @@ def test_delta_pointwise_loss_leaves_other_losses_to_pykeen() -> None:
     """Other losses and subclasses with their own forward use PyKEEN's processing."""
 
     class Scaled(SoftplusLoss):
-        def forward(self, x, target, weight=None):  # noqa: D102
+        def forward(self, x, target, weight=None):
             return 2 * super().forward(x, target, weight)
 
     positive, negative = torch.zeros(3, 1), torch.zeros(3, 4)
