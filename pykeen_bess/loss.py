@@ -50,14 +50,17 @@ def block_loss(
         # keep the autograd graph connected: its backward runs collectives that every process joins
         value = (scores.positive.sum() + scores.negative.sum()) * 0.0
     else:
-        value = None if label_smoothing else delta_pointwise_loss(loss, positive, negative)
-        if value is None:
-            value = loss.process_slcwa_scores(
+        direct = None if label_smoothing else delta_pointwise_loss(loss, positive, negative)
+        value = (
+            direct
+            if direct is not None
+            else loss.process_slcwa_scores(
                 positive_scores=positive,
                 negative_scores=negative,
                 label_smoothing=label_smoothing or None,
                 num_entities=num_entities,
             )
+        )
         if loss.reduction == "mean":
             value = value * (num_valid / max(num_valid_step, 1))
     return value + scores.regularization
@@ -84,7 +87,9 @@ def delta_pointwise_loss(loss: Loss, positive: torch.Tensor, negative: torch.Ten
         and cls.forward is DeltaPointwiseLoss.forward
         and cls.process_slcwa_scores is PointwiseLoss.process_slcwa_scores
         and cls.process_lcwa_scores is PointwiseLoss.process_lcwa_scores
+        and loss.margin is not None
     ):
         return None
-    total = loss.margin_activation(loss.margin - positive).sum() + loss.margin_activation(loss.margin + negative).sum()
+    margin = loss.margin
+    total = loss.margin_activation(margin - positive).sum() + loss.margin_activation(margin + negative).sum()
     return total / (positive.numel() + negative.numel()) if loss.reduction == "mean" else total
