@@ -2,8 +2,6 @@
 
 * :class:`BessBatch`: the global plan of a step (drawn by :mod:`~pykeen_bess.sampling`, identical
   in every process);
-* :class:`RowPlan`: which entity rows a process needs for the step and where each slot finds its
-  rows (CPU index tensors, computed ahead of the step by the batch prefetcher);
 * :class:`RowGather`: the entity rows a process needs for the step, as autograd leaves (built by
   an exchange scheme, :mod:`~pykeen_bess.schemes`);
 * :class:`BlockScores`: the scores of the local blocks (from the scheme, for :mod:`~pykeen_bess.loss`);
@@ -26,7 +24,6 @@ __all__ = [
     "BlockScores",
     "RegularizationWeights",
     "RowGather",
-    "RowPlan",
     "regularization_weights",
 ]
 
@@ -59,9 +56,6 @@ class BessBatch:
     candidate_types: torch.Tensor | None = None
     #: the number ``T`` of candidate types the negatives are drawn for (1 without types)
     num_candidate_types: int = 1
-    #: this process' row plans of the batch by slot range ``(start, stop)``, filled ahead of the
-    #: step (:meth:`~pykeen_bess.schemes.ExchangeScheme.plan_rows`); missing ones are planned when needed
-    row_plans: dict[tuple[int, int], RowPlan] = dataclasses.field(default_factory=dict, repr=False)
 
     @property
     def n_shard(self) -> int:
@@ -86,25 +80,6 @@ class BessBatch:
     def __len__(self) -> int:
         """Return the number of real positives (as PyKEEN's batch-size bookkeeping expects)."""
         return self.num_valid
-
-
-@dataclasses.dataclass(eq=False)
-class RowPlan:
-    """The entity rows a process needs for the slots ``first_slot:`` of a step, and where each slot finds them (CPU)."""
-
-    #: shape: ``[U]``, unique flat rows of the local shard tables, sorted; a leading ``-1`` marks
-    #: the dummy row of padding slots
-    rows: torch.Tensor
-    #: shape: ``[L(i), n(j), b]``, index into ``rows`` of the head of every planned slot of blocks ``(l, *)``
-    heads: torch.Tensor
-    #: shape: ``[L(j), n(i), b]``, index into ``rows`` of the tail of every planned slot of blocks ``(*, l)``
-    tails: torch.Tensor
-    #: shape: ``[L(k), n(i), n(j), m]``, index into ``rows`` of this shard's negatives of every block
-    negatives: torch.Tensor
-    #: the position of the first real row (1 if there is a dummy row, else 0)
-    first_real: int
-    #: the first planned slot of every block
-    first_slot: int
 
 
 @dataclasses.dataclass(eq=False)

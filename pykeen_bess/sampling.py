@@ -28,19 +28,12 @@ scored against the ``K = n * m`` of its type.
 All randomness comes from a generator seeded by ``(seed, epoch)``: every worker that builds the
 sampler from the same seed draws the same global plan, and resuming at an epoch boundary
 continues identically.
-
-**Prefetching** (:func:`prefetched`): the training loop draws the plans (and each process' row plan,
-:meth:`~pykeen_bess.schemes.ExchangeScheme.plan_rows`) in a background thread, a few steps ahead,
-so that this CPU work overlaps the previous step instead of adding to it. The plans and their
-order are the same as without it.
 """
 
 from __future__ import annotations
 
 import math
-import queue
-import threading
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Literal
 
 import torch
@@ -55,7 +48,6 @@ __all__ = [
     "BessBatch",
     "BessSampler",
     "TypedBessSampler",
-    "prefetched",
     "resolve_negatives",
 ]
 
@@ -301,60 +293,3 @@ def resolve_negatives(negatives: str | type[BessSampler]) -> type[BessSampler]:
     if negatives not in NEGATIVES:
         raise ValueError(f"Unknown negatives={negatives!r}; expected one of {sorted(NEGATIVES)}.")
     return NEGATIVES[negatives]
-
-
-def prefetched(
-    batches: Iterator[BessBatch],
-    prepare: Callable[[BessBatch], None] | None = None,
-    depth: int = 2,
-) -> Generator[BessBatch, None, None]:
-    """Yield ``batches``, drawn (and ``prepare``-d) by a background thread up to ``depth`` steps ahead.
-
-    The batches come in their order; an exception of the producer is raised here. Closing the
-    generator (the consumer stops early) stops the thread.
-
-    :param batches: the plans of an epoch, e.g. :meth:`BessSampler.epoch`
-    :param prepare: called on every batch in the background thread before it is yielded (e.g. the
-        scheme's row planning); it must not touch the model's parameters
-    :param depth: how many batches may wait ready
-    :yields: the batches
-    """
-    ready: queue.Queue = queue.Queue(maxsize=depth)
-    stop = threading.Event()
-    end = object()
-
-    def offer(item: object) -> bool:
-        """Put ``item`` unless the consumer stopped; return whether it was put."""
-        while not stop.is_set():
-            try:
-                ready.put(item, timeout=0.05)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def produce() -> None:
-        try:
-            for batch in batches:
-                if prepare is not None:
-                    prepare(batch)
-                if not offer(batch):
-                    return
-        except BaseException as error:  # noqa: BLE001 - handed to the consumer, raised there
-            offer(error)
-            return
-        offer(end)
-
-    thread = threading.Thread(target=produce, name="pykeen-bess-batches", daemon=True)
-    thread.start()
-    try:
-        while True:
-            item = ready.get()
-            if item is end:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        stop.set()
-        thread.join()

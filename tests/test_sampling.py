@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import itertools
-import threading
 import time
 
 import pytest
 import torch
 
 from pykeen_bess.partition import ShardPairPartition
-from pykeen_bess.sampling import BessSampler, prefetched
+from pykeen_bess.sampling import BessSampler
 from pykeen_bess.sharding import EntitySharding
 
 
@@ -216,42 +215,3 @@ def test_random_streams_are_derived_with_seed_sequence() -> None:
         keys = torch.rand(sampler.partition.num_triples, generator=generator, dtype=torch.float64)
         pair = torch.repeat_interleave(torch.arange(sampler.n_shard**2), sampler.partition.pair_counts.view(-1))
         assert torch.equal(sampler._epoch_order(epoch), torch.argsort(pair.to(torch.float64) + keys))
-
-
-# -- prefetching ----------------------------------------------------------------------------------
-
-
-def test_prefetched_batches_are_the_sampler_batches_in_order() -> None:
-    """The background thread draws the same plans, in order, and prepares each before it is yielded."""
-    prepared = []
-
-    def prepare(batch) -> None:
-        prepared.append(batch.step)
-        batch.row_plans[(0, 1)] = batch.step  # what the consumer sees
-
-    direct = list(make_sampler().epoch(2))
-    fetched = list(prefetched(make_sampler().epoch(2), prepare=prepare, depth=1))
-    assert [b.step for b in fetched] == [b.step for b in direct] == prepared
-    for a, b in zip(direct, fetched):
-        assert torch.equal(a.positions, b.positions) and torch.equal(a.negatives, b.negatives)
-        assert b.row_plans[(0, 1)] == b.step
-
-
-def test_prefetched_raises_the_producer_error_and_stops_when_closed() -> None:
-    """An error while drawing reaches the consumer; a consumer that stops early stops the thread."""
-
-    def failing():
-        yield from itertools.islice(make_sampler().epoch(1), 1)
-        raise ValueError("broken plan")
-
-    batches = prefetched(failing())
-    assert next(batches).step == 0
-    with pytest.raises(ValueError, match="broken plan"):
-        next(batches)
-
-    before = {t.name for t in threading.enumerate()}
-    batches = prefetched(make_sampler().epoch(1), depth=1)
-    next(batches)
-    assert "pykeen-bess-batches" in {t.name for t in threading.enumerate()} - before
-    batches.close()
-    assert "pykeen-bess-batches" not in {t.name for t in threading.enumerate()}

@@ -4,11 +4,10 @@ A step on the global plan :class:`~pykeen_bess.batch.BessBatch` (``n`` shards, b
 slots, ``m = K / n`` negatives per shard and block) runs on every process over its ``L`` local
 shards:
 
-1. **gather** (:meth:`ExchangeScheme.gather`, planned ahead by :meth:`ExchangeScheme.plan_rows`):
-   each local shard ``l`` looks up, once per step, the rows it owns: heads of its blocks
-   ``(l, *)``, tails of blocks ``(*, l)`` and its negatives for all ``n ** 2`` blocks. The unique
-   rows become leaf tensors, so the gradient of a step is row-sparse by construction
-   (:meth:`ExchangeScheme.set_row_gradients` hands it to the tables).
+1. **gather** (:meth:`ExchangeScheme.gather`): each local shard ``l`` looks up, once per step, the
+   rows it owns: heads of its blocks ``(l, *)``, tails of blocks ``(*, l)`` and its negatives for
+   all ``n ** 2`` blocks. The unique rows become leaf tensors, so the gradient of a step is
+   row-sparse by construction (:meth:`ExchangeScheme.set_row_gradients` hands it to the tables).
 2. **positives**: tails move to the heads' shard, ``all_to_all([L(j), n(i), b, D]) -> [L(i), n(j), b, D]``;
    positive scores are computed where the heads live.
 3. **negatives**: the scheme's own part (:meth:`ExchangeScheme.negative_scores`): every scheme
@@ -25,7 +24,7 @@ from typing import Any, ClassVar
 import torch
 from pykeen.models import ERModel
 
-from ..batch import BessBatch, BlockScores, RowGather, RowPlan, regularization_weights
+from ..batch import BessBatch, BlockScores, RowGather, regularization_weights
 from ..distributed import Topology
 from ..optim import row_sparse_grad
 from ..representation import ShardedEmbedding
@@ -64,9 +63,6 @@ class ExchangeScheme(ABC):
         """
         self.model = model
         self.tables = list(tables)
-        #: rows per shard in the local tables (the flat row of local id ``x`` of local shard ``l`` is
-        #: ``l * shard_size + x``); fixed here, as the row planner runs in the prefetch thread
-        self.shard_size = self.tables[0].sharding.shard_size
         self.scorer = scorer
         self.topology = topology
         self.head_indices = list(model.interaction.head_indices)
@@ -121,22 +117,21 @@ class ExchangeScheme(ABC):
 
     # -- gathering -------------------------------------------------------------------------------
 
-    def plan_rows(self, batch: BessBatch, start: int = 0, stop: int | None = None) -> RowPlan:
-        """Plan the rows this process owns and needs for the slots ``start:stop`` of a step (CPU only).
-
-        The plan reads no table, so the batch prefetcher computes it while the previous step runs.
+    def gather(self, batch: BessBatch, start: int = 0, stop: int | None = None) -> RowGather:
+        """Look up the rows this process owns and needs for the slots ``start:stop`` of a step, as leaves.
 
         :param batch: the global plan of the step
         :param start: the first slot this process trains (replicas split the slot axis)
         :param stop: the end of its slots (default: the block size)
-        :returns: the unique rows and the slots' positions in them
+        :returns: the rows and index tensors into them
         """
         topology = self.topology
         stop = batch.block_size if stop is None else stop
-        offset = (torch.arange(topology.n_local) * self.shard_size).view(-1, 1, 1)
+        size = self.tables[0].sharding.shard_size
+        offset = (torch.arange(topology.n_local) * size).view(-1, 1, 1)
         valid = batch.valid[..., start:stop]
         heads, tails, negatives = batch.heads[..., start:stop], batch.tails[..., start:stop], batch.negatives
-        if not bool(valid.all()):
+        if not bool(valid.all()):  # the plan is on the CPU: no device synchronisation
             # padding slots use the dummy row -1; negatives of blocks without real positives here too
             heads = torch.where(valid, heads, -1)
             tails = torch.where(valid, tails, -1)
@@ -147,47 +142,22 @@ class ExchangeScheme(ABC):
         negative_rows = _offset_rows(topology.select_local(negatives, 0), offset.unsqueeze(-1))
         wanted = torch.cat([head_rows.reshape(-1), tail_rows.reshape(-1), negative_rows.reshape(-1)])
         rows, inverse = torch.unique(wanted, return_inverse=True)
-        head_index, tail_index, negative_index = inverse.split(
-            [head_rows.numel(), tail_rows.numel(), negative_rows.numel()]
-        )
-        return RowPlan(
+        first_real = int(rows.numel() > 0 and int(rows[0]) < 0)  # on the CPU
+        lookup = rows.clamp_min(0)
+        # each table's storage tier reads the rows to the compute device
+        leaves = [table.read_rows(lookup).requires_grad_(table.trainable) for table in self.tables]
+        device = self.tables[0].compute_device
+        rows, inverse = rows.to(device), inverse.to(device)
+        sizes = [head_rows.numel(), tail_rows.numel(), negative_rows.numel()]
+        head_index, tail_index, negative_index = inverse.split(sizes)
+        return RowGather(
             rows=rows,
+            leaves=leaves,
             heads=head_index.view(head_rows.shape),
             tails=tail_index.view(tail_rows.shape),
             negatives=negative_index.view(negative_rows.shape),
-            first_real=int(rows.numel() > 0 and int(rows[0]) < 0),
+            first_real=first_real,
             first_slot=start,
-        )
-
-    def prepare(self, batch: BessBatch) -> None:
-        """Plan the rows of this process' slots of ``batch`` ahead of its step (the batch prefetcher calls this)."""
-        first, last = self.slot_range(batch.block_size)
-        batch.row_plans[(first, last)] = self.plan_rows(batch, first, last)
-
-    def gather(self, batch: BessBatch, start: int = 0, stop: int | None = None) -> RowGather:
-        """Look up the rows this process owns and needs for the slots ``start:stop`` of a step, as leaves.
-
-        :param batch: the global plan of the step (with the row plan of ``start:stop`` if prepared)
-        :param start: the first slot this process trains (replicas split the slot axis)
-        :param stop: the end of its slots (default: the block size)
-        :returns: the rows and index tensors into them
-        """
-        stop = batch.block_size if stop is None else stop
-        plan = batch.row_plans.get((start, stop))
-        if plan is None:
-            plan = self.plan_rows(batch, start, stop)
-        # each table's storage tier reads the rows to the compute device
-        lookup = plan.rows.clamp_min(0)
-        leaves = [table.read_rows(lookup).requires_grad_(table.trainable) for table in self.tables]
-        device = self.tables[0].compute_device
-        return RowGather(
-            rows=plan.rows.to(device),
-            leaves=leaves,
-            heads=plan.heads.to(device),
-            tails=plan.tails.to(device),
-            negatives=plan.negatives.to(device),
-            first_real=plan.first_real,
-            first_slot=plan.first_slot,
         )
 
     def set_row_gradients(self, gathered: RowGather, dense: bool = False) -> None:

@@ -125,13 +125,6 @@ class EncodingLookupScheme(EmbeddingMovingScheme):
             return super().slot_range(block_size)
         return _part_slots(block_size, self.topology.local_columns[0], self.topology.n_column)
 
-    def prepare(self, batch: BessBatch) -> None:
-        """Plan the rows of all parts' slots ahead of the step (this process serves every part's requests)."""
-        if self.topology.holds_all_columns:
-            super().prepare(batch)
-        else:
-            batch.row_plans[(0, batch.block_size)] = self.plan_rows(batch, 0, batch.block_size)
-
     def gather(self, batch: BessBatch, start: int = 0, stop: int | None = None) -> RowGather:
         """Look up the rows of all parts' slots in this process' columns, and assemble whole rows of its own.
 

@@ -31,7 +31,6 @@ best-epoch file, and re-raises.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import pathlib
@@ -53,7 +52,6 @@ from pykeen.training.training_loop import NonFiniteLossError
 from pykeen.triples import CoreTriplesFactory
 from tqdm.autonotebook import tqdm, trange
 
-from ..sampling import prefetched
 from .config import run_configuration, verify_same_configuration
 from .sizes import block_size_for
 from .step import BessOptimizerCallback, GlobalNormClippingCallback, StepRunner, ValueClippingCallback
@@ -208,24 +206,20 @@ def run_epochs(
     for epoch in epochs:
         try:
             loop.model.train()
+            steps = tqdm(
+                batches.epoch(epoch),
+                total=len(batches),
+                desc=f"Training batches on {loop.device}",
+                leave=False,
+                unit="batch",
+                disable=not (show_epochs and use_tqdm_batch),
+            )
             epoch_loss = 0.0
-            # drawn and row-planned a few steps ahead, in a background thread (stopped on leaving)
-            with contextlib.closing(prefetched(batches.epoch(epoch), prepare=runner.scheme.prepare)) as plans:
-                steps = tqdm(
-                    plans,
-                    total=len(batches),
-                    desc=f"Training batches on {loop.device}",
-                    leave=False,
-                    unit="batch",
-                    disable=not (show_epochs and use_tqdm_batch),
-                )
-                for batch in steps:
-                    with loop.thread_policy.unit():
-                        epoch_loss += _step(
-                            runner, callback, batch, sub_block_size, label_smoothing, len(batches), loop
-                        )
-                    if only_size_probing:
-                        return None
+            for batch in steps:
+                with loop.thread_policy.unit():
+                    epoch_loss += _step(runner, callback, batch, sub_block_size, label_smoothing, len(batches), loop)
+                if only_size_probing:
+                    return None
             epoch_loss /= len(batches)
             loop.losses_per_epochs.append(epoch_loss)
             previous = loop.losses_per_epochs[-2] if len(loop.losses_per_epochs) > 1 else float("nan")
