@@ -14,6 +14,10 @@ printed too.
 
     python benchmarks/quality.py --config configs/wn18rr_rotate.json --data ../shared/data/wn18rr --num-shards 1 4
     python benchmarks/quality.py --config configs/nations_rotate.json --data nations --num-shards 1
+
+A long run can be split over several sessions with ``--checkpoints DIR``: training writes a
+checkpoint every 10 minutes, and the same command resumes from it (the printed time is then the
+last session's only).
 """
 
 from __future__ import annotations
@@ -45,13 +49,27 @@ def load(directory: pathlib.Path) -> dict[str, TriplesFactory]:
     }
 
 
-def run(config: dict, splits: dict[str, TriplesFactory], num_shards: int) -> dict:
-    """Train and evaluate the configuration with ``num_shards`` shards; return time and metrics."""
+def run(
+    config: dict, splits: dict[str, TriplesFactory], num_shards: int, checkpoints: pathlib.Path | None = None
+) -> dict:
+    """Train and evaluate the configuration with ``num_shards`` shards; return time and metrics.
+
+    With ``checkpoints`` (a directory) training writes a checkpoint there every 10 minutes and at
+    the end, and a run of the same configuration and shard count resumes from it; the time is then
+    that of this run only.
+    """
     kwargs = dict(config)
     for key in ("dataset", "dataset_kwargs", "training", "validation", "testing"):
         kwargs.pop(key, None)
     kwargs["training_loop_kwargs"] = {**kwargs.get("training_loop_kwargs", {}), "num_shards": num_shards}
-    kwargs.setdefault("training_kwargs", {})["use_tqdm"] = False
+    training_kwargs = kwargs["training_kwargs"] = dict(kwargs.get("training_kwargs", {}), use_tqdm=False)
+    if checkpoints is not None:
+        checkpoints.mkdir(parents=True, exist_ok=True)
+        training_kwargs.update(
+            checkpoint_directory=str(checkpoints),
+            checkpoint_name=f"quality-n{num_shards}.pt",
+            checkpoint_frequency=10,
+        )
     kwargs.setdefault("evaluation_kwargs", {})["use_tqdm"] = False
     start = time.perf_counter()
     result = pipeline(training=splits["train"], validation=splits["valid"], testing=splits["test"], **kwargs)
@@ -102,13 +120,18 @@ def main() -> None:
         help="a directory of train.txt, valid.txt, test.txt, or a dataset PyKEEN ships (nations, kinships, umls)",
     )
     parser.add_argument("--num-shards", type=int, nargs="+", default=[1, 4])
+    parser.add_argument(
+        "--checkpoints",
+        type=pathlib.Path,
+        help="a directory for training checkpoints (every 10 minutes): running the command again resumes",
+    )
     args = parser.parse_args()
     raw = json.loads(args.config.read_text())
     config = raw.get("pipeline", raw)
     splits = load(args.data)
     rows = []
     for n in args.num_shards:
-        result = run(config, splits, n)
+        result = run(config, splits, n, args.checkpoints)
         print(json.dumps({"num_shards": n, **result}), flush=True)
         rows.append((n, result))
     print()
