@@ -7,7 +7,6 @@ from collections.abc import Sequence
 
 import torch
 import torch.utils.checkpoint
-from pykeen.utils import ensure_complex
 from pykeen.nn.modules import (
     ComplExInteraction,
     CPInteraction,
@@ -17,6 +16,7 @@ from pykeen.nn.modules import (
     SimplEInteraction,
     TransFInteraction,
 )
+from pykeen.utils import ensure_complex
 
 from .base import (
     SharedCandidateScorer,
