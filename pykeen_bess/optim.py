@@ -356,11 +356,13 @@ def _sparse_rows(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return grad._indices()[0], grad._values()
 
 
-# -- the row rules: pure functions of rows, gradients, state rows, hyper-parameters and the step ----
+# -- the row rules: functions of rows, gradients, state rows, hyper-parameters and the step ---------
 #
 # A rule takes the rows ``[U, *]`` of a table, their gradient, the rows of its state tensors and
 # the step count, and returns the new rows and state rows; it never sees the table itself, so the
-# same rule updates a table on the device, in host memory or in files (pykeen_bess.storage).
+# same rule updates a table on the device, in host memory or in files (pykeen_bess.storage). The
+# rows and state rows it is given are copies read for it, which it may update in place; the
+# gradient is only read.
 
 
 def state_shapes(rule: str, shape: Sequence[int], group: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], float]]:
@@ -379,18 +381,55 @@ def state_shapes(rule: str, shape: Sequence[int], group: Mapping[str, Any]) -> d
 def _adam(
     weight: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor], group: Mapping[str, Any], step: float
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Lazy Adam on rows (``torch.optim.SparseAdam`` semantics, bias correction by the global step)."""
+    """Lazy Adam on rows (``torch.optim.SparseAdam`` semantics, bias correction by the global step).
+
+    The rows and state rows are the rule's own copies (read from the tier) and are updated in
+    place. Where PyTorch has a fused Adam kernel for them (floating-point rows on the CPU or a
+    GPU), one pass of that kernel does the update: its ``eps`` is added after dividing by
+    ``sqrt(1 - beta2^t)``, so it is given ``eps / sqrt(1 - beta2^t)``, which is SparseAdam's rule
+    exactly (up to rounding).
+    """
     beta1, beta2 = group["betas"]
+    bias_correction2 = 1 - beta2**step
+    exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+    if _fused_adam_applies(weight, grad, exp_avg, exp_avg_sq):
+        as_real = torch.view_as_real if weight.is_complex() else (lambda x: x)
+        torch._fused_adam_(
+            [as_real(weight)],
+            [as_real(grad)],
+            [as_real(exp_avg)],
+            [as_real(exp_avg_sq)],
+            [],
+            [torch.tensor(float(step), device=weight.device)],
+            lr=group["lr"],
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=0.0,
+            eps=group["eps"] / math.sqrt(bias_correction2),
+            amsgrad=False,
+            maximize=group["maximize"],
+        )
+        return weight, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
     if group["maximize"]:
         grad = -grad
-    # the state rows are the rule's own copies (read from the tier): updated in place, few passes over [U, D]
-    exp_avg = state["exp_avg"].lerp_(grad, 1 - beta1)
-    exp_avg_sq = state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    step_size = group["lr"] * math.sqrt(1 - beta2**step) / (1 - beta1**step)
-    return weight.addcdiv(exp_avg, exp_avg_sq.sqrt().add_(group["eps"]), value=-step_size), {
+    exp_avg = exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq = exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    step_size = group["lr"] * math.sqrt(bias_correction2) / (1 - beta1**step)
+    return weight.addcdiv_(exp_avg, exp_avg_sq.sqrt().add_(group["eps"]), value=-step_size), {
         "exp_avg": exp_avg,
         "exp_avg_sq": exp_avg_sq,
     }
+
+
+def _fused_adam_applies(*tensors: torch.Tensor) -> bool:
+    """Whether PyTorch's fused Adam kernel can update these rows in place (same device and dtype, contiguous)."""
+    first = tensors[0]
+    return (
+        hasattr(torch, "_fused_adam_")
+        and first.device.type in ("cpu", "cuda")
+        and (first.is_floating_point() or first.is_complex())
+        and all(t.device == first.device and t.dtype == first.dtype and t.is_contiguous() for t in tensors)
+    )
 
 
 def _adagrad_lr(group: Mapping[str, Any], step: float) -> float:
@@ -405,7 +444,7 @@ def _adagrad(
     if group["maximize"]:
         grad = -grad
     squares = state["sum"].addcmul_(grad, grad)  # the rule's own copy of the state rows
-    return weight.addcdiv(grad, squares.sqrt().add_(group["eps"]), value=-_adagrad_lr(group, step)), {"sum": squares}
+    return weight.addcdiv_(grad, squares.sqrt().add_(group["eps"]), value=-_adagrad_lr(group, step)), {"sum": squares}
 
 
 def _rowwise_adagrad(
