@@ -18,8 +18,12 @@ The policy is one class per choice, resolved from the ``num_threads`` argument o
   threads this process may use (:func:`threads_per_process`) for a few rounds, and the faster
   setting by median unit time wins (more threads only if at least 10% faster). The trial is
   repeated every :attr:`AdaptiveThreads.retrial_units` units, so a neighbour that starts later is
-  noticed. The schedule counts units, not seconds, so the ranks of a process group try the same
-  settings on the same steps.
+  noticed. A trial is skipped when the unit just before it, run with the most threads, kept them
+  all busy (the process' CPU time at least 90% of threads x wall time): then no neighbour holds a
+  core, and units at 1 thread would only cost time (an evaluation of a few large blocks spent 3 of
+  its 8 blocks at 1 thread). The schedule counts units, not seconds, so the ranks of a process
+  group try the same settings on the same steps; which trials are skipped depends on each
+  process' own CPU time.
 * :class:`FixedThreads` (an integer): that many threads while the loop or evaluator works.
 * :class:`KeepThreads` (``None``; also ``"auto"`` on a GPU, and where only one thread is possible):
   torch's setting is left alone.
@@ -156,7 +160,9 @@ class AdaptiveThreads(ThreadPolicy):
 
     Schedule (in units): ``warmup`` units with the most threads, then ``rounds`` pairs alternating
     1 and the most threads, then the winner until ``retrial_units`` units after the trial began,
-    then the next trial (without warm-up).
+    then the next trial (without warm-up). A trial is skipped (the most threads kept until the next
+    one is due) when the unit just before it ran with the most threads and its CPU time was at
+    least ``full_use`` x threads x its wall time: every thread had a core of its own.
     """
 
     name = "auto"
@@ -169,6 +175,8 @@ class AdaptiveThreads(ThreadPolicy):
         retrial_units: int = 500,
         margin: float = 0.1,
         clock: Callable[[], float] = time.perf_counter,
+        full_use: float = 0.9,
+        cpu_clock: Callable[[], float] = time.process_time,
     ):
         """Prepare the trials.
 
@@ -178,6 +186,9 @@ class AdaptiveThreads(ThreadPolicy):
         :param retrial_units: units from one trial's start to the next's
         :param margin: more threads win only if at least this fraction faster
         :param clock: the time source (tests pass a fake one)
+        :param full_use: the share of ``most`` cores a unit's CPU time must reach for the next
+            trial to be skipped (above 1: never skip)
+        :param cpu_clock: the process' CPU time, all threads (tests pass a fake one)
         """
         if most < 2:
             raise ValueError(f"AdaptiveThreads needs at least 2 threads to choose from, not {most}.")
@@ -187,11 +198,14 @@ class AdaptiveThreads(ThreadPolicy):
         self.retrial_units = max(retrial_units, 2 * rounds + 1)
         self.margin = margin
         self.clock = clock
+        self.full_use = full_use
+        self.cpu_clock = cpu_clock
         #: the thread count outside trials (the last winner)
         self.chosen = most
         self._units = 0  # units started
         self._trial_start = warmup  # the unit index of the next trial's first unit
         self._samples: dict[int, list[float]] = {1: [], most: []}
+        self._cores_used: float | None = None  # CPU time / wall time of the last unit, if it had the most threads
 
     def _trial_position(self) -> int | None:
         """Return the position of the next unit in the current trial, or None outside trials."""
@@ -206,13 +220,20 @@ class AdaptiveThreads(ThreadPolicy):
 
     @contextlib.contextmanager
     def unit(self) -> Iterator[None]:  # noqa: D102
+        if self._trial_position() == 0 and self._cores_used is not None:
+            if self._cores_used >= self.full_use * self.most:  # every thread had its core: skip this trial
+                logger.debug("Intra-op threads: %d kept (%.2f cores busy), no trial", self.most, self._cores_used)
+                self.chosen = self.most
+                self._trial_start += self.retrial_units
         threads = self.threads_for_unit()
         in_trial = self._trial_position() is not None
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
-        start = self.clock()
+        start, cpu_start = self.clock(), self.cpu_clock()
         yield
         seconds = self.clock() - start
+        cpu_seconds = self.cpu_clock() - cpu_start
+        self._cores_used = cpu_seconds / seconds if threads == self.most and seconds > 0 else None
         self._units += 1
         if in_trial:
             self.record(threads, seconds)

@@ -74,6 +74,44 @@ def test_adaptive_threads_notice_a_later_neighbour(restore_threads):
     assert policy.chosen == 1 and used[4:] == [1] * 6
 
 
+class FakeCpuClock:
+    """The process' CPU time: a fake wall clock's advance times the cores each thread count keeps busy."""
+
+    def __init__(self, clock: FakeClock, cores_busy: dict[int, float]):
+        self.clock = clock
+        self.cores_busy = cores_busy
+        self.cpu = 0.0
+        self.last_wall = clock.now
+
+    def __call__(self) -> float:
+        self.cpu += (self.clock.now - self.last_wall) * self.cores_busy[torch.get_num_threads()]
+        self.last_wall = self.clock.now
+        return self.cpu
+
+
+def test_adaptive_threads_skip_trials_while_the_cores_are_free(restore_threads):
+    """Units that keep all threads busy skip the trial; once a neighbour takes a core, the next trial runs."""
+    clock = FakeClock({1: 1.0, 2: 0.6})
+    cpu_clock = FakeCpuClock(clock, {1: 1.0, 2: 1.95})  # idle cores: both threads run all the time
+    policy = AdaptiveThreads(2, warmup=2, rounds=3, retrial_units=10, clock=clock, cpu_clock=cpu_clock)
+    assert run_units(policy, clock, 20) == [2] * 20
+    # a neighbour: two threads get 1.3 cores and are slower than one
+    clock.seconds_per_threads = {1: 1.0, 2: 1.5}
+    cpu_clock.cores_busy = {1: 1.0, 2: 1.3}
+    used = run_units(policy, clock, 12)  # trials are due at units 2, 12, 22, ...
+    assert used[:8] == [2, 2, 1, 2, 1, 2, 1, 2]
+    assert used[8:] == [1] * 4 and policy.chosen == 1
+
+
+def test_adaptive_threads_trial_when_the_cores_are_shared(restore_threads):
+    """Threads that do not get a core each (CPU time under 90% of 2 x wall) do not skip the trial."""
+    clock = FakeClock({1: 1.0, 2: 0.95})
+    cpu_clock = FakeCpuClock(clock, {1: 1.0, 2: 1.7})
+    policy = AdaptiveThreads(2, warmup=2, rounds=3, retrial_units=20, clock=clock, cpu_clock=cpu_clock)
+    used = run_units(policy, clock, 10)
+    assert used == [2, 2, 1, 2, 1, 2, 1, 2, 1, 1]
+
+
 def test_policies_restore_torch_threads(restore_threads):
     """Every policy leaves torch's thread count as it found it."""
     torch.set_num_threads(2)
