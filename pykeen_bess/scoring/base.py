@@ -128,8 +128,32 @@ class SharedCandidateScorer(ABC):
         return self.score(side, self.query(side, e, r), self.candidates(side, candidate))
 
 
+#: on the CPU, score rows of at least this many candidates get a row stride rounded up to a multiple of it
+SCORE_ROW_ALIGNMENT = 64
+
+
 def matmul_scores(query: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
-    """Compute ``[*B, b, q] @ [*B, k, q]^T -> [*B, b, k]`` with broadcasting batch dimensions."""
+    """Compute ``[*B, b, q] @ [*B, k, q]^T -> [*B, b, k]`` with broadcasting batch dimensions.
+
+    Without gradients, a 2-D product on the CPU with ``k >= SCORE_ROW_ALIGNMENT`` candidates that
+    are not a multiple of it is written into rows padded to the next multiple (the result is a
+    ``[b, k]`` view with row stride ``>= k``): the BLAS product into rows of an odd width ran at
+    about half speed (``[2000, 256] x [256, 3627]``: 50 GFLOP/s on one thread; 95 into rows of 3,648).
+    """
+    k = candidates.shape[-2]
+    if (
+        query.dim() == 2
+        and candidates.dim() == 2
+        and query.device.type == "cpu"
+        and query.dtype in (torch.float32, torch.float64)
+        and candidates.dtype == query.dtype
+        and k > SCORE_ROW_ALIGNMENT
+        and k % SCORE_ROW_ALIGNMENT
+        and not (torch.is_grad_enabled() and (query.requires_grad or candidates.requires_grad))
+    ):
+        padded = -(-k // SCORE_ROW_ALIGNMENT) * SCORE_ROW_ALIGNMENT
+        out = query.new_empty(query.shape[0], padded)[:, :k]
+        return torch.mm(query, candidates.t(), out=out)
     return torch.matmul(query, candidates.transpose(-1, -2))
 
 

@@ -40,7 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from pykeen_bess import scoring
-from pykeen_bess.scoring import base as _scoring_base  # noqa: F401 - scoring.base for monkeypatching
+from pykeen_bess.scoring import base as _scoring_base
 from pykeen_bess.interactions import InterHTInteraction, TranSInteraction
 from pykeen_bess.scoring import (
     BroadcastScorer,
@@ -626,3 +626,20 @@ def test_supported_interactions():
         "TranSInteraction",
     }
     assert expected <= set(names)
+
+
+@pytest.mark.parametrize("k", [63, 64, 65, 130, 3627])
+def test_matmul_scores_pad_odd_rows_without_gradients(k: int) -> None:
+    """Without gradients, scores of an odd number of candidates are rows of a padded buffer, equal to the product."""
+    generator = torch.Generator().manual_seed(k)
+    query, candidates = torch.randn(7, 16, generator=generator), torch.randn(k, 16, generator=generator)
+    expected = query @ candidates.t()
+    with torch.no_grad():
+        scores = _scoring_base.matmul_scores(query, candidates)
+    torch.testing.assert_close(scores, expected, rtol=1e-6, atol=1e-6)
+    alignment = _scoring_base.SCORE_ROW_ALIGNMENT
+    assert scores.stride() == ((-(-k // alignment) * alignment if k > alignment else k), 1)
+    query.requires_grad_(True)
+    scores = _scoring_base.matmul_scores(query, candidates)  # with gradients: the plain product
+    assert scores.is_contiguous() and scores.requires_grad
+    torch.testing.assert_close(scores, expected, rtol=1e-6, atol=1e-6)
