@@ -5,7 +5,8 @@ threshold* (128 KiB at start, raised up to 32 MiB as such blocks are freed) with
 and returns it with ``munmap``, and gives the top of its heap back to the kernel whenever more than
 its *trim threshold* is free there. A training step allocates and frees tensors of a few MiB (the
 gathered rows of a table and of its optimizer state, their updates, gradient rows), so every step
-asks the kernel for fresh pages and page-faults on their first touch: with ``n = 4`` logical
+asks the kernel for fresh pages and page-faults on their first touch (in most processes; how the
+thresholds move depends on where the kernel places the heap and the mappings): with ``n = 4`` logical
 shards on WN18RR (about 1,900 rows of 256 floats per table and step), the optimizer's row rule took
 3x longer than on reused memory and the whole step 1.45x longer (1.2x at ``n = 1``;
 ``benchmarks/training.py``). PyTorch's performance guide recommends preloading jemalloc or tcmalloc
