@@ -32,11 +32,13 @@ The training loop hands the gradient of a shard table to the optimizer as a *coa
 learning-rate schedulers, ``state_dict`` / ``load_state_dict`` and PyKEEN's checkpoints work
 unchanged; its parameter groups are the dense groups followed by one group of shard tables.
 
-Each rule is one pure function of a step's rows ``[U, W]``, their gradient, the rows of the
-rule's state tensors, the hyper-parameters and the step count (:data:`RULES`, state tensors by
+Each rule is one function of a step's rows ``[U, W]``, their gradient, the rows of the rule's
+state tensors, the hyper-parameters and the step count (:data:`RULES`, state tensors by
 :func:`state_shapes`). :class:`BessOptimizer` reads those rows from the table's storage tier
-(:mod:`pykeen_bess.storage`: the device, host memory or files), applies the rule on the compute
-device and writes rows and state back, so every tier runs the same arithmetic. A table kept
+(:mod:`pykeen_bess.storage`: the device, host memory or files) as copies the rule may update in
+place, applies the rule on the compute device and writes rows and state back, so every tier runs
+the same arithmetic. Lazy Adam runs as one pass of PyTorch's fused Adam kernel where it has one
+(CPU and CUDA), with ``eps`` rescaled so that the update is SparseAdam's. A table kept
 outside the model is represented in the optimizer by a handle (an empty parameter carrying the
 step count); its state tensors stay in its tier, never in the optimizer's ``state``.
 """
