@@ -427,11 +427,31 @@ def _fused_adam_applies(*tensors: torch.Tensor) -> bool:
     """Whether PyTorch's fused Adam kernel can update these rows in place (same device and dtype, contiguous)."""
     first = tensors[0]
     return (
-        hasattr(torch, "_fused_adam_")
-        and first.device.type in ("cpu", "cuda")
-        and (first.is_floating_point() or first.is_complex())
+        (first.is_floating_point() or first.is_complex())
         and all(t.device == first.device and t.dtype == first.dtype and t.is_contiguous() for t in tensors)
+        and _has_fused_adam(first.device.type)
     )
+
+
+#: per device type, whether this torch has a fused Adam kernel for it (CPU: torch 2.4 and later)
+_FUSED_ADAM: dict[str, bool] = {}
+
+
+def _has_fused_adam(device_type: str) -> bool:
+    """Whether ``torch._fused_adam_`` runs on this device type (tried once on a single value)."""
+    if device_type not in _FUSED_ADAM:
+        available = hasattr(torch, "_fused_adam_") and device_type in ("cpu", "cuda")
+        if available:
+            values = [torch.zeros(1, device=device_type) for _ in range(4)]
+            try:
+                torch._fused_adam_(
+                    [values[0]], [values[1]], [values[2]], [values[3]], [], [torch.ones((), device=device_type)],
+                    lr=0.1, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False,
+                )  # fmt: skip
+            except (NotImplementedError, RuntimeError):
+                available = False
+        _FUSED_ADAM[device_type] = available
+    return _FUSED_ADAM[device_type]
 
 
 def _adagrad_lr(group: Mapping[str, Any], step: float) -> float:
