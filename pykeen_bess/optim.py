@@ -33,25 +33,26 @@ learning-rate schedulers, ``state_dict`` / ``load_state_dict`` and PyKEEN's chec
 unchanged; its parameter groups are the dense groups followed by one group of shard tables.
 
 Each rule is one function of a step's rows ``[U, W]``, their gradient, the rows of the rule's
-state tensors, the hyper-parameters and the step count (:data:`RULES`, state tensors by
-:func:`state_shapes`). :class:`BessOptimizer` reads those rows from the table's storage tier
-(:mod:`pykeen_bess.storage`: the device, host memory or files) as copies the rule may update in
-place, applies the rule on the compute device and writes rows and state back, so every tier runs
-the same arithmetic. Lazy Adam runs as one pass of PyTorch's fused Adam kernel where it has one
-(CPU and CUDA), with ``eps`` rescaled so that the update is SparseAdam's. A table kept
+state tensors, the hyper-parameters and the step count (module :mod:`pykeen_bess.row_rules`:
+:data:`~pykeen_bess.row_rules.RULES`, state tensors by :func:`state_shapes`).
+:class:`BessOptimizer` reads those rows from the table's storage tier (:mod:`pykeen_bess.storage`:
+the device, host memory or files) as copies the rule may update in place, applies the rule on the
+compute device and writes rows and state back, so every tier runs the same arithmetic. Lazy Adam
+runs as one pass of PyTorch's fused Adam kernel where it has one (CPU and CUDA), with ``eps``
+rescaled so that the update is SparseAdam's. A table kept
 outside the model is represented in the optimizer by a handle (an empty parameter carrying the
 step count); its state tensors stay in its tier, never in the optimizer's ``state``.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
 import torch
 from torch.optim import SGD, Adagrad, Adam, Optimizer, SparseAdam
 
+from .row_rules import RULES, _rowwise_adagrad, count_step, state_shapes
 from .storage import DeviceStorage
 
 __all__ = [
@@ -356,158 +357,6 @@ def _sparse_rows(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if not grad.is_coalesced():
         grad = grad.coalesce()
     return grad._indices()[0], grad._values()
-
-
-# -- the row rules: functions of rows, gradients, state rows, hyper-parameters and the step ---------
-#
-# A rule takes the rows ``[U, *]`` of a table, their gradient, the rows of its state tensors and
-# the step count, and returns the new rows and state rows; it never sees the table itself, so the
-# same rule updates a table on the device, in host memory or in files (pykeen_bess.storage). The
-# rows and state rows it is given are copies read for it, which it may update in place; the
-# gradient is only read.
-
-
-def state_shapes(rule: str, shape: Sequence[int], group: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], float]]:
-    """Return the state tensors a rule keeps for a parameter of ``shape``: name -> (shape, initial value)."""
-    shape = tuple(shape)
-    if rule == "adam":
-        return {"exp_avg": (shape, 0.0), "exp_avg_sq": (shape, 0.0)}
-    if rule == "adagrad":
-        return {"sum": (shape, float(group["initial_accumulator_value"]))}
-    if rule == "rowwise_adagrad":
-        row_shape = shape[:1] if len(shape) >= 2 else shape
-        return {"sum": (row_shape, float(group["initial_accumulator_value"]))}
-    return {}
-
-
-def _adam(
-    weight: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor], group: Mapping[str, Any], step: float
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Lazy Adam on rows (``torch.optim.SparseAdam`` semantics, bias correction by the global step).
-
-    The rows and state rows are the rule's own copies (read from the tier) and are updated in
-    place. Where PyTorch has a fused Adam kernel for them (floating-point rows on the CPU or a
-    GPU), one pass of that kernel does the update: its ``eps`` is added after dividing by
-    ``sqrt(1 - beta2^t)``, so it is given ``eps / sqrt(1 - beta2^t)``, which is SparseAdam's rule
-    exactly (up to rounding).
-    """
-    beta1, beta2 = group["betas"]
-    bias_correction2 = 1 - beta2**step
-    exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-    if _fused_adam_applies(weight, grad, exp_avg, exp_avg_sq):
-        as_real = torch.view_as_real if weight.is_complex() else (lambda x: x)
-        torch._fused_adam_(
-            [as_real(weight)],
-            [as_real(grad)],
-            [as_real(exp_avg)],
-            [as_real(exp_avg_sq)],
-            [],
-            [torch.tensor(float(step), device=weight.device)],
-            lr=group["lr"],
-            beta1=beta1,
-            beta2=beta2,
-            weight_decay=0.0,
-            eps=group["eps"] / math.sqrt(bias_correction2),
-            amsgrad=False,
-            maximize=group["maximize"],
-        )
-        return weight, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
-    if group["maximize"]:
-        grad = -grad
-    exp_avg = exp_avg.lerp_(grad, 1 - beta1)
-    exp_avg_sq = exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    step_size = group["lr"] * math.sqrt(bias_correction2) / (1 - beta1**step)
-    return weight.addcdiv_(exp_avg, exp_avg_sq.sqrt().add_(group["eps"]), value=-step_size), {
-        "exp_avg": exp_avg,
-        "exp_avg_sq": exp_avg_sq,
-    }
-
-
-def _fused_adam_applies(*tensors: torch.Tensor) -> bool:
-    """Whether PyTorch's fused Adam kernel can update these rows in place (same device and dtype, contiguous)."""
-    first = tensors[0]
-    return (
-        (first.is_floating_point() or first.is_complex())
-        and all(t.device == first.device and t.dtype == first.dtype and t.is_contiguous() for t in tensors)
-        and _has_fused_adam(first.device.type)
-    )
-
-
-#: per device type, whether this torch has a fused Adam kernel for it (CPU: torch 2.4 and later)
-_FUSED_ADAM: dict[str, bool] = {}
-
-
-def _has_fused_adam(device_type: str) -> bool:
-    """Whether ``torch._fused_adam_`` runs on this device type (tried once on a single value)."""
-    if device_type not in _FUSED_ADAM:
-        available = hasattr(torch, "_fused_adam_") and device_type in ("cpu", "cuda")
-        if available:
-            values = [torch.zeros(1, device=device_type) for _ in range(4)]
-            try:
-                torch._fused_adam_(
-                    [values[0]], [values[1]], [values[2]], [values[3]], [], [torch.ones((), device=device_type)],
-                    lr=0.1, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False,
-                )  # fmt: skip
-            except (NotImplementedError, RuntimeError):
-                available = False
-        _FUSED_ADAM[device_type] = available
-    return _FUSED_ADAM[device_type]
-
-
-def _adagrad_lr(group: Mapping[str, Any], step: float) -> float:
-    """Return the learning rate of an Adagrad rule at ``step`` (``lr_decay``)."""
-    return group["lr"] / (1 + (step - 1) * group["lr_decay"])
-
-
-def _adagrad(
-    weight: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor], group: Mapping[str, Any], step: float
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Adagrad on rows (``torch.optim.Adagrad`` with a sparse gradient)."""
-    if group["maximize"]:
-        grad = -grad
-    squares = state["sum"].addcmul_(grad, grad)  # the rule's own copy of the state rows
-    return weight.addcdiv_(grad, squares.sqrt().add_(group["eps"]), value=-_adagrad_lr(group, step)), {"sum": squares}
-
-
-def _rowwise_adagrad(
-    weight: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor], group: Mapping[str, Any], step: float
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Row-wise Adagrad on rows ``[U, ...]`` (state ``sum``: ``[U]``); without rows (0-1 dimensions) plain Adagrad."""
-    if group["maximize"]:
-        grad = -grad
-    squared = grad * grad
-    row_wise = weight.dim() >= 2
-    if row_wise:
-        squared = squared.mean(dim=tuple(range(1, grad.dim())))
-    squares = state["sum"].add_(squared)  # the rule's own copy of the state rows
-    std = squares.sqrt().add_(group["eps"])
-    if row_wise:
-        std = std.view(-1, *([1] * (grad.dim() - 1)))
-    return weight.addcdiv(grad, std, value=-_adagrad_lr(group, step)), {"sum": squares}
-
-
-def _sgd(
-    weight: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor], group: Mapping[str, Any], step: float
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Plain SGD on rows."""
-    return weight.add(grad, alpha=group["lr"] if group["maximize"] else -group["lr"]), {}
-
-
-#: the row rules by name
-RULES: dict[str, Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]] = {
-    "adam": _adam,
-    "adagrad": _adagrad,
-    "sgd": _sgd,
-    "rowwise_adagrad": _rowwise_adagrad,
-}
-
-
-def count_step(state: dict[str, Any]) -> float:
-    """Count one step in a parameter's optimizer state; return the new count."""
-    if "step" not in state:
-        state["step"] = torch.zeros((), dtype=torch.float32)
-    state["step"] += 1
-    return float(state["step"])
 
 
 def row_sparse_grad(param: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

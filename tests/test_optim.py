@@ -54,11 +54,11 @@ def test_row_sparse_rules_equal_pytorch(cls, kwargs, reference_cls) -> None:
 @pytest.mark.parametrize("fused", [True, False])
 def test_lazy_adam_with_and_without_the_fused_kernel(monkeypatch, fused: bool) -> None:
     """Both ways of computing lazy Adam (PyTorch's fused kernel, elementwise operations) equal SparseAdam."""
-    from pykeen_bess import optim
+    from pykeen_bess import row_rules
 
-    if fused and not optim._has_fused_adam("cpu"):
+    if fused and not row_rules._has_fused_adam("cpu"):
         pytest.skip("this torch has no fused Adam kernel for the CPU")
-    monkeypatch.setitem(optim._FUSED_ADAM, "cpu", fused)
+    monkeypatch.setitem(row_rules._FUSED_ADAM, "cpu", fused)
     test_row_sparse_rules_equal_pytorch(
         torch.optim.Adam, dict(lr=0.01, betas=(0.8, 0.99), eps=1e-6, maximize=True), torch.optim.SparseAdam
     )
