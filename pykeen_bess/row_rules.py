@@ -127,7 +127,11 @@ def _adagrad(
 def _rowwise_adagrad(
     weight: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor], group: Mapping[str, Any], step: float
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Row-wise Adagrad on rows ``[U, ...]`` (state ``sum``: ``[U]``); without rows (0-1 dimensions) plain Adagrad."""
+    """Row-wise Adagrad on rows ``[U, ...]`` (state ``sum``: ``[U]``); without rows (0-1 dimensions) plain Adagrad.
+
+    ``weight`` itself is left unchanged (:class:`~pykeen_bess.optim.RowwiseAdagrad` passes a dense
+    parameter here and copies the result in).
+    """
     if group["maximize"]:
         grad = -grad
     squared = grad * grad
