@@ -163,8 +163,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="draw a relation's negatives from its corrupted side's entity type (typed graphs, --pbg)",
     )
+    bess.add_argument("--negatives", type=int, help="negatives per positive, a multiple of --num-shards (default: 64)")
     bess.add_argument(
-        "--negatives", type=int, help="negatives per positive, a multiple of the shard count (default: 64)"
+        "--sharding",
+        choices=["balanced", "random"],
+        help="deal entities to shards so every shardpair holds about equally many triples (default), or randomly",
     )
     bess.add_argument(
         "--replicas",
@@ -376,6 +379,7 @@ def pipeline_kwargs(args: argparse.Namespace, in_group: bool = False) -> dict[st
         "storage",
         "storage_path",
         "partition",
+        "sharding",
     ):
         if flag in settings:
             set_("training_loop_kwargs", settings[flag], flag)

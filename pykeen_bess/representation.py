@@ -160,6 +160,10 @@ class ShardedEmbedding(Representation):
 
     # -- layout ------------------------------------------------------------------------------
 
+    def extra_repr(self) -> str:
+        """Name the sharding: PyKEEN's checkpoint checksum hashes the ``repr`` (a checkpoint resumes into the same)."""
+        return self.sharding.fingerprint
+
     @property
     def n_local(self) -> int:
         """The number of shards held by this process."""
@@ -193,10 +197,7 @@ class ShardedEmbedding(Representation):
         return self.weight if self.storage.is_parameter else self.handle  # type: ignore[return-value]
 
     def read_rows(self, rows: torch.Tensor | slice) -> torch.Tensor:
-        """Read flat rows ``[U]`` (or a slice) of the table to the compute device, detached (counted by the tier).
-
-        :returns: shape: ``[U, row_width]``
-        """
+        """Read flat rows ``[U]`` (or a slice) to the compute device, detached (tier-counted): ``[U, row_width]``."""
         if isinstance(rows, slice):
             return self.storage.read_slice(self.weight, rows)
         return self.storage.read(self.weight, rows)

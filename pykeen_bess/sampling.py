@@ -8,9 +8,10 @@ Every training step is a batch of ``n_shard ** 2`` *blocks* of ``block_size`` sl
 ``s`` of every shardpair. The epoch has ``ceil(max_pair_count / block_size)`` steps. A shardpair
 that runs out of triples (a small or empty one) fills its remaining slots with *padding*,
 marked ``valid = False`` and excluded from the loss, so small shardpairs are neither
-over-sampled nor able to crash a step. With a random entity sharding the shardpairs hold
-``T / n**2`` triples each up to sampling noise, so padding is a small fraction (reported by
-:attr:`BessSampler.padding_fraction`).
+over-sampled nor able to crash a step. With a random entity sharding, hub entities make some
+shardpairs several percent larger than ``T / n**2`` (8% padding on WN18RR with 4 shards); the
+default balanced sharding (:mod:`pykeen_bess.balancing`) evens them to within 0.3%. The
+fraction is reported by :attr:`BessSampler.padding_fraction`.
 
 **Negatives.** For block ``(i, j)`` the sampler draws ``num_negs_per_pos / n_shard`` entities
 uniformly with replacement from the *real* (never padding) rows of every shard ``k``; all

@@ -10,22 +10,30 @@ they belong to no entity, are never sampled and never ranked.
 Relations are not sharded (they are replicated on every worker).
 
 How entities are dealt to shards is a :class:`ShardingStrategy` (one class per strategy):
-:class:`RandomSharding` (the permutation above, the default) and :class:`TypedSharding` (graphs
-with entity types, :mod:`pykeen_bess.pbg`): every shard holds an equal share of every entity type,
-its rows grouped type by type, or, with as many shards as the graph has partitions, shard ``k`` is
-partition ``k`` of every type (PyTorch-BigGraph's layout). Every strategy puts a shard's real rows
-first and its padding rows last, so a shard's real rows are local ids ``0 .. count - 1``.
+:class:`RandomSharding` (the permutation above), :class:`BalancedSharding` (the training loop's
+default: the permutation above, then a few swaps of entities between shards until the ``n ** 2``
+shardpairs hold about equally many training triples, see :mod:`pykeen_bess.balancing`) and
+:class:`TypedSharding` (graphs with entity types, :mod:`pykeen_bess.pbg`): every shard holds an
+equal share of every entity type, its rows grouped type by type, or, with as many shards as the
+graph has partitions, shard ``k`` is partition ``k`` of every type (PyTorch-BigGraph's layout).
+Every strategy puts a shard's real rows first and its padding rows last, so a shard's real rows
+are local ids ``0 .. count - 1``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 import torch
 
+from .balancing import balance_shards
+
 __all__ = [
+    "BalancedSharding",
     "EntitySharding",
     "RandomSharding",
     "ShardingStrategy",
@@ -61,6 +69,50 @@ class RandomSharding(ShardingStrategy):
     def deal(self, num_entities: int, n_shard: int, generator: torch.Generator) -> torch.Tensor:  # noqa: D102
         permutation = torch.randperm(num_entities, generator=generator)
         return _deal(permutation, n_shard)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class BalancedSharding(ShardingStrategy):
+    """:class:`RandomSharding`'s permutation, then swaps until the shardpairs hold equally many triples.
+
+    An epoch has as many steps as the largest shardpair needs (:mod:`pykeen_bess.sampling`); with a
+    random permutation, hub entities make some shardpairs several percent larger than the mean,
+    and the other shardpairs' slots of the extra steps are padding. The swaps
+    (:func:`~pykeen_bess.balancing.balance_shards`) keep every shard's size; within a shard the
+    entities keep the permutation's order.
+    """
+
+    #: shape: ``[T]``, the head ids of the training triples
+    heads: torch.Tensor
+    #: shape: ``[T]``, the tail ids of the training triples
+    tails: torch.Tensor
+    #: stop once the largest shardpair holds at most ``1 + tolerance`` times the mean
+    tolerance: float = 0.003
+
+    @classmethod
+    def from_triples(cls, mapped_triples: torch.Tensor, **kwargs) -> BalancedSharding:
+        """Balance the shardpairs of ``mapped_triples`` (shape: ``[T, 3]``, columns head, relation, tail)."""
+        triples = mapped_triples.cpu()
+        return cls(heads=triples[:, 0].contiguous(), tails=triples[:, 2].contiguous(), **kwargs)
+
+    def check(self, num_entities: int, n_shard: int) -> None:  # noqa: D102
+        if self.heads.numel() and int(max(self.heads.max(), self.tails.max())) >= num_entities:
+            raise ValueError(f"The triples to balance name entities beyond the {num_entities} to shard.")
+
+    def deal(self, num_entities: int, n_shard: int, generator: torch.Generator) -> torch.Tensor:  # noqa: D102
+        permutation = torch.randperm(num_entities, generator=generator)
+        if n_shard == 1:
+            return _deal(permutation, n_shard)
+        position = torch.empty(num_entities, dtype=torch.long)
+        position[permutation] = torch.arange(num_entities)
+        shard = position % n_shard
+        shard = balance_shards(shard, self.heads, self.tails, n_shard, generator, tolerance=self.tolerance)
+        # grouped by shard, in the permutation's order within a shard
+        order = torch.argsort(shard * num_entities + position)
+        return _stack_ragged(order.split(torch.bincount(shard, minlength=n_shard).tolist()))
+
+    def describe(self) -> str:  # noqa: D102
+        return "balanced shardpairs"
 
 
 def _deal(order: torch.Tensor, n_shard: int, first_shard: int = 0) -> torch.Tensor:
@@ -259,6 +311,16 @@ class EntitySharding:
         """
         table = self.shard_entities if shards is None else self.shard_entities[list(shards)]
         return table >= 0
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """Identify the assignment: shards, seed, strategy and a digest of which entity is where.
+
+        Part of the shard tables' ``repr`` and so of PyKEEN's checkpoint checksum: a checkpoint
+        resumes only into the same sharding.
+        """
+        digest = hashlib.sha1(self.shard_entities.numpy().tobytes()).hexdigest()[:12]
+        return f"shards={self.n_shard}, seed={self.seed}, {self.strategy.describe()}, assignment={digest}"
 
     def describe(self) -> str:
         """Return a one-line human-readable summary."""

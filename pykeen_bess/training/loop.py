@@ -35,7 +35,7 @@ from ..pbg.schema import schema_of
 from ..sampling import BessSampler, Corruption
 from ..schemes import ExchangeScheme
 from ..scoring import SharedCandidateScorer
-from ..sharding import EntitySharding
+from ..sharding import EntitySharding, ShardingStrategy
 from ..storage import TableStorage, make_storage
 from ..threads import ThreadsHint, resolve_threads
 from .checkpoints import CheckpointStore
@@ -108,6 +108,7 @@ class BessTrainingLoop(SLCWATrainingLoop):
         host_allocator: AllocatorHint = "auto",
         negatives: str | type[BessSampler] = "uniform",
         checkpoint_format: str = "pykeen",
+        sharding: str | ShardingStrategy | None = None,
         **kwargs: Any,
     ) -> None:
         """Create the loop; every configuration error is raised here, before training starts.
@@ -173,6 +174,9 @@ class BessTrainingLoop(SLCWATrainingLoop):
             shard under a process group) or ``"pbg"`` (PyTorch-BigGraph's checkpoint layout in the
             checkpoint file's directory: shard ``k`` is partition ``k`` of every entity type; see
             :class:`~pykeen_bess.training.checkpoints.PbgCheckpointStore`)
+        :param sharding: ``"balanced"`` (default: every shardpair holds about ``T / n ** 2`` triples, see
+            :mod:`pykeen_bess.balancing`), ``"random"`` or a :class:`~pykeen_bess.sharding.ShardingStrategy`
+            (typed graphs: by type); a checkpoint resumes only with the sharding it was written with
         :param kwargs: passed to :class:`pykeen.training.TrainingLoop` (optimizer, lr scheduler,
             result tracker, ...)
         :raises ValueError: for an unsupported model or invalid parameters
@@ -212,6 +216,7 @@ class BessTrainingLoop(SLCWATrainingLoop):
             factory=triples_factory,
             negatives=negatives,
             checkpoint_format=checkpoint_format,
+            sharding=sharding,
         )
         self._partition_chosen = False
         #: whether the last checkpoint loaded was written by PyTorch-BigGraph (no optimizer state to continue)
@@ -253,12 +258,8 @@ class BessTrainingLoop(SLCWATrainingLoop):
         """
         triples = triples_factory.mapped_triples
         if self._partition is None or self._partition[0] is not triples or self._partition[1] != triples._version:
-            mapped_triples = triples_factory._add_inverse_triples_if_necessary(triples)
-            self._partition = (
-                triples,
-                triples._version,
-                ShardPairPartition.from_triples(mapped_triples, self.sharding),
-            )
+            mapped = triples_factory._add_inverse_triples_if_necessary(triples)
+            self._partition = (triples, triples._version, ShardPairPartition.from_triples(mapped, self.sharding))
         return self._partition[2]
 
     def make_sampler(self, partition: ShardPairPartition, block_size: int) -> BessSampler:
@@ -322,9 +323,7 @@ class BessTrainingLoop(SLCWATrainingLoop):
         # without continue_training the tables are re-initialised (or loaded from a checkpoint)
         self.host_allocator.apply()
         with self.tables.installed(copy_weights=bool(kwargs.get("continue_training"))), self.thread_policy.applied():
-            return super().train(
-                triples_factory=triples_factory, num_epochs=num_epochs, batch_size=batch_size, **kwargs
-            )
+            return super().train(triples_factory, num_epochs=num_epochs, batch_size=batch_size, **kwargs)
 
     def _train(self, triples_factory: CoreTriplesFactory, **kwargs: Any) -> list[float] | None:  # type: ignore[override]
         """Run the BESS epochs (called by PyKEEN's ``TrainingLoop.train``); see :func:`.epochs.run_epochs`."""

@@ -110,7 +110,7 @@ def test_training_equals_dense_reference(
         entity.copy_(recorder.initial["entity"])
         relation.copy_(recorder.initial["relation"])
     optimizer = optimizer_resolver.lookup(optimizer_name)([entity, relation], lr=0.1)
-    sharding = EntitySharding.create(small_factory.num_entities, n_shard, seed=5)
+    sharding = loop.sharding  # the loop's (balanced) sharding: the plan is the same, the tables are global
     sampler = BessSampler(
         ShardPairPartition.from_triples(small_factory.mapped_triples, sharding),
         block_size=block_size,
