@@ -200,6 +200,16 @@ def test_threads_flag(capsys: pytest.CaptureFixture) -> None:
     assert exit_info.value.code == 2 and "positive integer" in capsys.readouterr().err
 
 
+def test_sharding_flag() -> None:
+    """--sharding reaches the loop; without it the loop's default (balanced) applies."""
+    for value in ("balanced", "random"):
+        kwargs = pipeline_kwargs(build_parser().parse_args(["train", "--sharding", value]))
+        assert kwargs["training_loop_kwargs"]["sharding"] == value
+    assert "sharding" not in pipeline_kwargs(build_parser().parse_args(["train"]))["training_loop_kwargs"]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "--sharding", "rows"])
+
+
 def test_host_allocator_flag() -> None:
     """--host-allocator sets the loop's and the bess evaluator's host_allocator (keep: None)."""
     for value, expected in (("auto", "auto"), ("keep", None)):
