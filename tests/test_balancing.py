@@ -119,9 +119,27 @@ def test_a_checkpoint_resumes_only_into_its_own_sharding(nations: Nations, tmp_p
     kwargs = dict(num_epochs=1, batch_size=256, use_tqdm=False, checkpoint_directory=tmp_path, checkpoint_frequency=0)
     make_loop(factory, sharding="random").train(factory, checkpoint_name="random.pt", **kwargs)
     # resuming with the default (balanced) sharding would read every row into another entity's place
-    with pytest.raises(CheckpointMismatchError):
+    with pytest.raises(CheckpointMismatchError, match="includes the entity sharding .*shards=2, seed=0, balanced"):
         make_loop(factory).train(factory, checkpoint_name="random.pt", **{**kwargs, "num_epochs": 2})
     losses = make_loop(factory, sharding="random").train(
         factory, checkpoint_name="random.pt", **{**kwargs, "num_epochs": 2}
     )
     assert len(losses) == 2
+
+
+def test_a_checkpoint_from_before_the_sharding_check_resumes_with_the_random_sharding(
+    nations: Nations, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pykeen_bess.representation import ShardedEmbedding
+
+    factory = nations.training
+    kwargs = dict(batch_size=256, use_tqdm=False, checkpoint_directory=tmp_path, checkpoint_frequency=0)
+    # the uninterrupted run, and a checkpoint as versions before the check wrote it (the repr named no sharding)
+    full = make_loop(factory, sharding="random").train(factory, num_epochs=3, **kwargs, checkpoint_name="full.pt")
+    with monkeypatch.context() as patch:
+        patch.setattr(ShardedEmbedding, "extra_repr", lambda self: "")
+        make_loop(factory, sharding="random").train(factory, num_epochs=2, **kwargs, checkpoint_name="old.pt")
+    with pytest.raises(CheckpointMismatchError, match="sharding='random'"):
+        make_loop(factory).train(factory, num_epochs=3, **kwargs, checkpoint_name="old.pt")
+    resumed = make_loop(factory, sharding="random").train(factory, num_epochs=3, **kwargs, checkpoint_name="old.pt")
+    assert resumed == pytest.approx(full, rel=1e-9)

@@ -31,9 +31,10 @@ from typing import Any
 
 import torch
 from pykeen.stoppers import Stopper
-from pykeen.training.training_loop import TrainingLoop
+from pykeen.training.training_loop import CheckpointMismatchError, TrainingLoop
 from pykeen.triples import CoreTriplesFactory
 
+from ..sharding import RandomSharding
 from .checkpoint_files import (
     latest_own_version,
     pointer_file,
@@ -61,6 +62,16 @@ logger = logging.getLogger(__name__)
 CHECKPOINT_RETRIEVALS = ("one_per_group", "all_replicas")
 #: the checkpoint layouts (``checkpoint_format=``): PyKEEN's files, or PyTorch-BigGraph's
 CHECKPOINT_FORMATS = ("pykeen", "pbg")
+
+
+def legacy_checksum(loop: Any) -> str:
+    """Return the loop's checkpoint checksum as written before the shard tables' ``repr`` named their sharding."""
+    model = str(loop.model)
+    for table in loop.tables:
+        model = model.replace(f"ShardedEmbedding({table.sharding.fingerprint})", "ShardedEmbedding()")
+    digest = hashlib.md5(model.encode("utf-8"))  # the digest PyKEEN checksums with
+    digest.update(str(loop.optimizer).encode("utf-8"))
+    return digest.hexdigest()
 
 
 def tables_directory(file: pathlib.Path) -> pathlib.Path:
@@ -101,9 +112,38 @@ class CheckpointStore(ABC):
             )
 
     def read_state(self, path: pathlib.Path, triples_factory: CoreTriplesFactory | None) -> Any:
-        """Load PyKEEN's checkpoint dictionary of this process from ``path``."""
-        with self.loop.tables.checkpoint_files(pathlib.Path(path).parent):
-            return TrainingLoop._load_state(self.loop, path=path, triples_factory=triples_factory)
+        """Load PyKEEN's checkpoint dictionary of this process from ``path``.
+
+        :raises CheckpointMismatchError: naming this run's sharding, which the checksum covers
+        """
+        try:
+            with self.loop.tables.checkpoint_files(pathlib.Path(path).parent):
+                return TrainingLoop._load_state(self.loop, path=path, triples_factory=triples_factory)
+        except CheckpointMismatchError as error:
+            state = torch.load(path, weights_only=False)
+            if isinstance(self.loop.sharding.strategy, RandomSharding) and state.get("checksum") == legacy_checksum(
+                self.loop
+            ):  # written before the checksum named the sharding, which was then always random
+                logger.warning("Checkpoint %s predates sharding checks; resuming it with the random sharding.", path)
+                return self.read_checksummed(state, triples_factory, tables=pathlib.Path(path).parent)
+            raise CheckpointMismatchError(
+                f"{error} The check includes the entity sharding (this run: {self.loop.sharding.fingerprint}): "
+                f"resume with the model, optimizer, sharding and seed the checkpoint was written with (e.g. "
+                f"training_loop_kwargs=dict(sharding='random') for checkpoints written before 'balanced' became "
+                f"the default)."
+            ) from error
+
+    def read_checksummed(self, state: dict[str, Any], triples_factory: Any, tables: pathlib.Path | None = None) -> Any:
+        """Load a checkpoint dictionary built for this loop (resharded, or legacy) through PyKEEN's ``_load_state``.
+
+        :param tables: the directory of the checkpoint's table files (default: none besides the dictionary)
+        """
+        state["checksum"] = self.loop.checksum  # the representation of the shard tables names the sharding
+        with tempfile.TemporaryDirectory() as directory:
+            file = pathlib.Path(directory, f"checkpoint-{os.getpid()}.pt")
+            torch.save(state, file)
+            with self.loop.tables.checkpoint_files(file.parent if tables is None else tables):
+                return TrainingLoop._load_state(self.loop, path=file, triples_factory=triples_factory)
 
     @abstractmethod
     def save(
@@ -294,7 +334,7 @@ class RankCheckpointStore(CheckpointStore):
             model_state = state["model_state_dict"]
             for key in [key for key in model_state if key.endswith(".stored_table")]:
                 del model_state[key]  # already loaded (the tables of the old shard 0)
-            return self._read_resharded(state, triples_factory)
+            return self.read_checksummed(state, triples_factory)
         table_ids = {id(weight) for weight in loop.tables.weights()}
         table_keys = [name for name, param in loop.model.named_parameters() if id(param) in table_ids]
         params = [param for group in loop.optimizer.param_groups for param in group["params"]]
@@ -307,12 +347,4 @@ class RankCheckpointStore(CheckpointStore):
             table_keys=table_keys,
             table_param_indices=table_indices,
         )
-        return self._read_resharded(state, triples_factory)
-
-    def _read_resharded(self, state: dict[str, Any], triples_factory: Any) -> Any:
-        """Load a resharded checkpoint dictionary through PyKEEN's ``_load_state``."""
-        state["checksum"] = self.loop.checksum  # the representation of the shard tables names the number of shards
-        with tempfile.TemporaryDirectory() as directory:
-            file = pathlib.Path(directory, f"resharded-{os.getpid()}.pt")
-            torch.save(state, file)
-            return self.read_state(file, triples_factory)
+        return self.read_checksummed(state, triples_factory)
