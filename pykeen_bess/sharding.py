@@ -82,21 +82,19 @@ class BalancedSharding(ShardingStrategy):
     entities keep the permutation's order.
     """
 
-    #: shape: ``[T]``, the head ids of the training triples
-    heads: torch.Tensor
-    #: shape: ``[T]``, the tail ids of the training triples
-    tails: torch.Tensor
+    #: shape: ``[T, 3]``, the training triples (head, relation, tail); held by reference, not copied
+    triples: torch.Tensor
     #: stop once the largest shardpair holds at most ``1 + tolerance`` times the mean
     tolerance: float = 0.003
 
     @classmethod
     def from_triples(cls, mapped_triples: torch.Tensor, **kwargs) -> BalancedSharding:
         """Balance the shardpairs of ``mapped_triples`` (shape: ``[T, 3]``, columns head, relation, tail)."""
-        triples = mapped_triples.cpu()
-        return cls(heads=triples[:, 0].contiguous(), tails=triples[:, 2].contiguous(), **kwargs)
+        return cls(triples=mapped_triples, **kwargs)
 
     def check(self, num_entities: int, n_shard: int) -> None:  # noqa: D102
-        if self.heads.numel() and int(max(self.heads.max(), self.tails.max())) >= num_entities:
+        ends = self.triples[:, 0::2]
+        if ends.numel() and int(ends.max()) >= num_entities:
             raise ValueError(f"The triples to balance name entities beyond the {num_entities} to shard.")
 
     def deal(self, num_entities: int, n_shard: int, generator: torch.Generator) -> torch.Tensor:  # noqa: D102
@@ -106,7 +104,9 @@ class BalancedSharding(ShardingStrategy):
         position = torch.empty(num_entities, dtype=torch.long)
         position[permutation] = torch.arange(num_entities)
         shard = position % n_shard
-        shard = balance_shards(shard, self.heads, self.tails, n_shard, generator, tolerance=self.tolerance)
+        triples = self.triples.cpu()
+        heads, tails = triples[:, 0].contiguous(), triples[:, 2].contiguous()
+        shard = balance_shards(shard, heads, tails, n_shard, generator, tolerance=self.tolerance)
         # grouped by shard, in the permutation's order within a shard
         order = torch.argsort(shard * num_entities + position)
         return _stack_ragged(order.split(torch.bincount(shard, minlength=n_shard).tolist()))

@@ -143,3 +143,23 @@ def test_a_checkpoint_from_before_the_sharding_check_resumes_with_the_random_sha
         make_loop(factory).train(factory, num_epochs=3, **kwargs, checkpoint_name="old.pt")
     resumed = make_loop(factory, sharding="random").train(factory, num_epochs=3, **kwargs, checkpoint_name="old.pt")
     assert resumed == pytest.approx(full, rel=1e-9)
+
+
+def test_resharding_checks_the_sharding_the_files_were_written_with(tmp_path: pathlib.Path) -> None:
+    from pykeen_bess.training.checkpoints import check_pointer_sharding
+
+    triples = hub_graph(num_entities=300, num_triples=2000)
+    balanced = EntitySharding.create(300, 4, seed=1, strategy=BalancedSharding.from_triples(triples))
+    random = EntitySharding.create(300, 4, seed=1)
+    path = tmp_path / "run.pt"
+    written = dict(world_size=2, sharding=balanced.with_shards(2).fingerprint)
+    check_pointer_sharding(path, written, balanced)  # the same triples and seed re-derive it
+    with pytest.raises(ValueError, match="written with another sharding"):
+        check_pointer_sharding(path, written, random)
+    other = EntitySharding.create(300, 4, seed=1, strategy=BalancedSharding.from_triples(triples[:1000]))
+    with pytest.raises(ValueError, match="training triples it was written with"):
+        check_pointer_sharding(path, written, other)
+    # pointers written before the sharding was recorded: the sharding was random
+    check_pointer_sharding(path, dict(world_size=2), random)
+    with pytest.raises(ValueError, match="random; not recorded"):
+        check_pointer_sharding(path, dict(world_size=2), balanced)

@@ -10,7 +10,8 @@ A distributed checkpoint ``NAME`` lives in a directory all ranks share (as PyTor
 * ``NAME.v{version}.rank{s}-of-{n}.replica{q}-of-{R}``: the same, written by every replica
   (``checkpoint_retrieval="all_replicas"``);
 * ``NAME``: written last, by rank 0: a small pointer ``{"format", "version", "world_size" (the number of
-  shards), "replicas", "retrieval", "epoch", "seed", "random_seed", "stopper_dict"}``. The last two are
+  shards), "replicas", "retrieval", "epoch", "seed", "sharding", "random_seed", "stopper_dict"}`` ("sharding":
+  the fingerprint of the entity sharding, checked before resharding). The last two are
   the fields PyKEEN itself reads from the file named ``checkpoint_name`` before the training loop
   loads it (``pipeline()`` takes the random seed from it, an early stopper its state), so a
   distributed checkpoint resumes through ``pipeline()`` like a single-file one.
@@ -117,6 +118,7 @@ def save_distributed_checkpoint(
     all_replicas: bool = False,
     version: int | None = None,
     before_pointer: Callable[[int], None] | None = None,
+    sharding: str | None = None,
     after_pointer: Callable[[int], None] | None = None,
 ) -> pathlib.Path | None:
     """Write a new version of a distributed checkpoint (collective: every process calls it).
@@ -135,6 +137,7 @@ def save_distributed_checkpoint(
         file, before the pointer moves (e.g. files of the version that only one process writes)
     :param after_pointer: called by every process with the previous version once the pointer has moved
         (e.g. removing the previous version's files)
+    :param sharding: the fingerprint of the entity sharding the files hold (checked before resharding)
     :returns: this process' file of the new version (None if it writes none)
     :raises ValueError: if ``version`` is not newer than the pointer's
     """
@@ -169,6 +172,7 @@ def save_distributed_checkpoint(
             seed=seed,
             random_seed=random_seed,
             stopper_dict=dict(stopper_dict or {}),
+            sharding=sharding,
         )
         torch.save(pointer, temporary_pointer)
         os.replace(temporary_pointer, path)

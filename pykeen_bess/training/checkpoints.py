@@ -74,6 +74,23 @@ def legacy_checksum(loop: Any) -> str:
     return digest.hexdigest()
 
 
+def check_pointer_sharding(path: pathlib.Path, pointer: Mapping[str, Any], sharding: Any) -> None:
+    """Check that resharding re-derives the sharding the checkpoint's files were written with.
+
+    :raises ValueError: if the pointer records another sharding, or records none (written before it was
+        recorded, when the sharding was always random) and this run's is not random
+    """
+    written = pointer.get("sharding")
+    derived = sharding.with_shards(pointer_shards(pointer))
+    if written == derived.fingerprint or written is None and isinstance(derived.strategy, RandomSharding):
+        return
+    raise ValueError(
+        f"Checkpoint {path} was written with another sharding ({written or 'random; not recorded'}) than this run "
+        f"derives for its {pointer_shards(pointer)} shards ({derived.fingerprint}): resume it with the sharding, "
+        "seed and training triples it was written with."
+    )
+
+
 def tables_directory(file: pathlib.Path) -> pathlib.Path:
     """Return the directory that holds the copies of table files (``storage="mmap"``) of a checkpoint file."""
     return file.with_name(f"{file.name}.tables")
@@ -252,6 +269,7 @@ class RankCheckpointStore(CheckpointStore):
             random_seed=self.loop.model._random_seed,
             stopper_dict=stopper.get_summary_dict() if stopper is not None else None,
             all_replicas=self.all_replicas,
+            sharding=self.loop.sharding.fingerprint,
         )
 
     def rank_file(self, path: pathlib.Path) -> pathlib.Path | None:
@@ -284,6 +302,7 @@ class RankCheckpointStore(CheckpointStore):
                     f"Checkpoint {path} was written with sharding seed {pointer['seed']}, this run uses {seed}: pass "
                     f"seed={pointer['seed']} to resume it."
                 )
+            check_pointer_sharding(path, pointer, self.loop.sharding)
             result = self._load_resharded(path, pointer, triples_factory)
         if pointer is not None and pointer.get("retrieval") == "all_replicas":
             self.verify_replicas_agree(path)

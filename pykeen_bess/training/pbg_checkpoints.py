@@ -125,6 +125,7 @@ class PbgCheckpointStore(RankCheckpointStore):
             version=version,
             before_pointer=lambda v: self.write_model(directory, v),
             after_pointer=remove,
+            sharding=loop.sharding.fingerprint,
         )
 
     def _row_sums(self) -> tuple[torch.Tensor, float] | None:
