@@ -93,6 +93,7 @@ def make_loop(factory, **kwargs) -> BessTrainingLoop:
         (lambda: Nations().training, dict(num_shards=2, checkpoint_format="pbg"), "num_partitions=2"),
         (lambda: typed_graph().training, dict(checkpoint_format="pbg", partition="encoding"), "partition='token'"),
         (lambda: typed_graph().training, dict(checkpoint_format="hdf5"), "Unknown checkpoint_format"),
+        (lambda: typed_graph().training, dict(num_shards=2, sharding="random"), "does not apply to a typed graph"),
     ],
 )
 def test_bad_settings_fail_before_training(factory, kwargs, message) -> None:
