@@ -69,10 +69,10 @@ class _Triples:
         self.heads = heads.cpu().numpy()
         self.tails = tails.cpu().numpy()
         self.n = n
-        loops = self.heads == self.tails
-        # self-loops move both ends at once: the estimates leave them to the exact recount
-        self.other = None if not loops.any() else ~loops
-        self.loops = loops
+        #: shape: ``[T]``, bool: the self-loops, which move both ends at once (the estimates leave them
+        #: to the exact recount)
+        self.loops = self.heads == self.tails
+        self.has_loops = bool(self.loops.any())
 
     def pairs(self, shard: np.ndarray) -> np.ndarray:
         """Return the shardpair ``i * n + j`` of every triple, shape: ``[T]`` (int16 for up to 181 shards)."""
@@ -163,9 +163,9 @@ def _propose(
     # the pair entered when the head moves: the target's row, the same column (and vice versa)
     leave_head = current - excess[(target[heads] - shard[heads]).astype(pairs.dtype) * pairs.dtype.type(n) + pairs]
     leave_tail = current - excess[(target[tails] - shard[tails]).astype(pairs.dtype) + pairs]
-    if triples.other is not None:
-        leave_head[~triples.other] = 0
-        leave_tail[~triples.other] = 0
+    if triples.has_loops:
+        leave_head[triples.loops] = 0
+        leave_tail[triples.loops] = 0
     gain = np.bincount(heads, weights=leave_head, minlength=num_entities)
     gain += np.bincount(tails, weights=leave_tail, minlength=num_entities)
     return target, gain
