@@ -55,6 +55,8 @@ RESOLVERS: tuple[tuple[str, str], ...] = (
     ("pykeen.nn.modules", "interaction_resolver"),
     ("pykeen.models", "model_resolver"),
     ("pykeen.optimizers", "optimizer_resolver"),
+    ("pykeen.losses", "loss_resolver"),
+    ("pykeen.triples.weights", "loss_weighter_resolver"),
 )
 #: PyKEEN modules that hold the resolvers the plugin registers into
 REQUIRED_MODULES: tuple[str, ...] = tuple(sorted({module for module, _ in RESOLVERS}))

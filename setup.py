@@ -64,6 +64,12 @@ setup(
         "pykeen.optimizers": [
             "rowwise_adagrad = pykeen_bess.optim:RowwiseAdagrad",
         ],
+        "pykeen.losses": [
+            "weightednssa = pykeen_bess.loss:WeightedNSSALoss",
+        ],
+        "pykeen.loss_weighters": [
+            "subsampling = pykeen_bess.loss:SubsamplingLossWeighter",
+        ],
         "console_scripts": [
             "pykeen-bess = pykeen_bess.cli:main",
         ],

@@ -56,6 +56,9 @@ class BessBatch:
     candidate_types: torch.Tensor | None = None
     #: the number ``T`` of candidate types the negatives are drawn for (1 without types)
     num_candidate_types: int = 1
+    #: shape: ``[n(i), n(j), b]``, the loss weight of every slot's positive (a PyKEEN loss weighter;
+    #: 0 for padding); None: unweighted
+    weights: torch.Tensor | None = None
 
     @property
     def n_shard(self) -> int:
@@ -125,6 +128,9 @@ class BlockScores:
     #: the part of :attr:`regularization` every process computes for its share of replicated
     #: parameters while the rest is whole on every process (the encoding scheme; 0 otherwise)
     replicated_regularization: torch.Tensor | float = 0.0
+    #: shape: ``[L(i), n(j), b']``, the loss weights of the slots (CPU, from :attr:`BessBatch.weights`);
+    #: None: unweighted
+    weights: torch.Tensor | None = None
 
     @property
     def num_valid(self) -> int:

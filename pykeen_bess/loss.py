@@ -9,18 +9,38 @@ its local blocks, ``[V', 1]`` positive and ``[V', K]`` negative scores, through 
 With ``reduction="mean"`` the local value is weighted by ``V' / V`` (``V`` the real positives of the
 whole step), so that the values of all processes and all sub-batches add up to the mean over the
 step, and the gradients to the gradient of that mean.
+
+**Loss weights.** With a PyKEEN loss weighter (``training_loop_kwargs=dict(loss_weighter=...)``)
+every positive carries a weight (:attr:`~pykeen_bess.batch.BessBatch.weights`), passed to the loss
+as PyKEEN's sLCWA loop does (``pos_weights``). PyKEEN's pointwise losses weight the positive's
+term; its adversarial losses (NSSA) refuse weights, so this module adds :class:`WeightedNSSALoss`
+(``loss="weightednssa"``), which weights a positive's whole term (its own and its negatives'), and
+:class:`SubsamplingLossWeighter` (``loss_weighter="subsampling"``), the frequency-based weights of
+Sun et al.'s RotatE code.
 """
 
 from __future__ import annotations
 
+import copy
+from typing import Any
+
 import torch
-from pykeen.losses import DeltaPointwiseLoss, Loss, PointwiseLoss
+from pykeen.losses import DeltaPointwiseLoss, Loss, MSELoss, NoSampleWeightSupportError, NSSALoss, PointwiseLoss
+from pykeen.triples.weights import LossWeighter
+from pykeen.typing import BoolTensor, FloatTensor, LongTensor, MappedTriples
+from torch.nn import functional
 
 from .batch import BlockScores
+from .partition import ShardPairPartition
 
 __all__ = [
+    "SubsamplingLossWeighter",
+    "WeightedNSSALoss",
     "block_loss",
+    "check_weight_support",
     "delta_pointwise_loss",
+    "normalizes_by_weight",
+    "partition_weights",
 ]
 
 
@@ -30,6 +50,7 @@ def block_loss(
     num_valid_step: int,
     label_smoothing: float = 0.0,
     num_entities: int | None = None,
+    weight_step: float = 0.0,
 ) -> torch.Tensor:
     """Compute this process' share of the step loss (plus the regularization term).
 
@@ -38,19 +59,22 @@ def block_loss(
     :param num_valid_step: the number of real positives in the whole step, over all processes
     :param label_smoothing: PyKEEN's label smoothing (pointwise losses only)
     :param num_entities: the number of entities (needed for label smoothing)
+    :param weight_step: the sum of the loss weights of the whole step's positives (with a loss weighter)
     :returns: a scalar; summing it over sub-batches and processes gives the step loss
     """
     num_valid = scores.num_valid  # known on the host: no device synchronisation
     positive = scores.positive.reshape(-1, 1)
     negative = scores.negative.reshape(-1, scores.negative.shape[-1])
+    weights = None if scores.weights is None else scores.weights.reshape(-1).to(positive)
     if scores.valid_index is not None:
         positive = positive.index_select(0, scores.valid_index)
         negative = negative.index_select(0, scores.valid_index)
+        weights = None if weights is None else weights.index_select(0, scores.valid_index)
     if num_valid == 0:
         # keep the autograd graph connected: its backward runs collectives that every process joins
         value = (scores.positive.sum() + scores.negative.sum()) * 0.0
     else:
-        direct = None if label_smoothing else delta_pointwise_loss(loss, positive, negative)
+        direct = None if label_smoothing or weights is not None else delta_pointwise_loss(loss, positive, negative)
         value = (
             direct
             if direct is not None
@@ -59,10 +83,18 @@ def block_loss(
                 negative_scores=negative,
                 label_smoothing=label_smoothing or None,
                 num_entities=num_entities,
+                pos_weights=weights,
             )
         )
         if loss.reduction == "mean":
-            value = value * (num_valid / max(num_valid_step, 1))
+            if weights is not None and normalizes_by_weight(loss):
+                # PyKEEN's weighted mean divides by the weights' sum (positives' weights, 1 per negative)
+                num_negatives = negative.shape[-1]
+                value = value * (
+                    (weights.sum() + num_valid * num_negatives) / (weight_step + num_valid_step * num_negatives)
+                )
+            else:
+                value = value * (num_valid / max(num_valid_step, 1))
     return value + scores.regularization
 
 
@@ -93,3 +125,188 @@ def delta_pointwise_loss(loss: Loss, positive: torch.Tensor, negative: torch.Ten
     margin = loss.margin
     total = loss.margin_activation(margin - positive).sum() + loss.margin_activation(margin + negative).sum()
     return total / (positive.numel() + negative.numel()) if loss.reduction == "mean" else total
+
+
+def partition_weights(weighter: LossWeighter | None, loss: Loss, partition: ShardPairPartition) -> torch.Tensor | None:
+    """Return the loss weight of every training triple, in partition order (the sampler's ``weights``).
+
+    A :class:`SubsamplingLossWeighter` built without triples is fitted (a copy of it) on the
+    partition's triples, those the loop trains on (inverse triples included if the model uses them).
+
+    :param weighter: the loop's resolved PyKEEN loss weighter (None: unweighted)
+    :param loss: the loss (checked to accept weights)
+    :param partition: the training triples by shardpair
+    :returns: shape: ``[T]``, in the weighter's floating dtype; None without a weighter
+    :raises ValueError: if the loss refuses weights, or the weighter returns other than ``T`` finite,
+        non-negative weights
+    """
+    if weighter is None:
+        return None
+    check_weight_support(loss)
+    triples = partition.global_triples()
+    if isinstance(weighter, SubsamplingLossWeighter) and not weighter.fitted:
+        weighter = copy.copy(weighter).fit(triples)
+    weights = torch.as_tensor(weighter.weight_triples(triples)).detach().cpu().reshape(-1)
+    if not weights.is_floating_point():
+        weights = weights.to(torch.get_default_dtype())
+    if weights.numel() != partition.num_triples or not bool(torch.isfinite(weights).all()) or bool((weights < 0).any()):
+        raise ValueError(
+            f"The loss weighter {type(weighter).__name__} must return one finite, non-negative weight per triple "
+            f"({partition.num_triples}); it returned {weights.numel()} values."
+        )
+    return weights
+
+
+def normalizes_by_weight(loss: Loss) -> bool:
+    """Whether the loss's weighted mean divides by the sum of the weights (else by their number).
+
+    PyKEEN's margin-activation pointwise losses and its MSE reduce weighted values with
+    :func:`~pykeen.losses.weighted_reduction` (``sum(w * l) / sum(w)``, every negative weighing 1);
+    BCE uses torch's weighted mean (``sum(w * l) / N``) and :class:`WeightedNSSALoss` averages over
+    the positives.
+    """
+    return isinstance(loss, (DeltaPointwiseLoss, MSELoss))
+
+
+def check_weight_support(loss: Loss) -> None:
+    """Raise before training if ``loss`` refuses loss weights (PyKEEN's pairwise and adversarial losses).
+
+    :raises ValueError: if the loss raises PyKEEN's :class:`~pykeen.losses.NoSampleWeightSupportError`
+    """
+    try:
+        with torch.no_grad():
+            loss.process_slcwa_scores(
+                positive_scores=torch.zeros(1, 1), negative_scores=torch.zeros(1, 2), pos_weights=torch.ones(1)
+            )
+    except NoSampleWeightSupportError as error:
+        raise ValueError(
+            f"The loss {type(loss).__name__} does not support loss weights (loss_weighter). Use a pointwise "
+            f"loss (e.g. 'bcewithlogits', 'softplus') or 'weightednssa' (NSSA weighting each positive's term)."
+        ) from error
+
+
+class WeightedNSSALoss(NSSALoss):
+    """PyKEEN's self-adversarial negative sampling loss, with per-positive loss weights.
+
+    Without weights it equals :class:`~pykeen.losses.NSSALoss`. With ``pos_weights`` ``w`` (shape
+    ``[V]`` or ``[V, 1]``), the positive's term and its negatives' adversarially weighted term are
+    both multiplied by its weight, as in Sun et al.'s code (``subsampling_weight``):
+    ``factor * (reduce(w * -log sigma(m + p)) + reduce(w * sum_k a_k * -log sigma(-m - n_k)))``,
+    reduced over the positives (mean or sum, as PyKEEN; Sun et al. divide by the batch's weight sum
+    instead, which :class:`SubsamplingLossWeighter`'s normalisation to mean 1 approximates).
+
+    ---
+    name: Weighted self-adversarial negative sampling
+    """
+
+    synonyms = {"WeightedNSSA"}
+
+    def process_slcwa_scores(  # noqa: D102
+        self,
+        positive_scores: FloatTensor,
+        negative_scores: FloatTensor,
+        label_smoothing: float | None = None,
+        batch_filter: BoolTensor | None = None,
+        num_entities: int | None = None,
+        pos_weights: FloatTensor | None = None,
+        neg_weights: FloatTensor | None = None,
+    ) -> FloatTensor:
+        if pos_weights is None:
+            return super().process_slcwa_scores(
+                positive_scores=positive_scores,
+                negative_scores=negative_scores,
+                label_smoothing=label_smoothing,
+                batch_filter=batch_filter,
+                num_entities=num_entities,
+                neg_weights=neg_weights,
+            )
+        self._raise_on_weights(neg_weights)
+        if label_smoothing:
+            from pykeen.losses import UnsupportedLabelSmoothingError
+
+            raise UnsupportedLabelSmoothingError(self)
+        if batch_filter is not None:
+            raise NotImplementedError("WeightedNSSALoss does not support filtered negatives with weights.")
+        weights = pos_weights.reshape(-1)
+        positive = -functional.logsigmoid(self.margin + positive_scores.reshape(-1))
+        attention = negative_scores.detach().mul(self.inverse_softmax_temperature).softmax(dim=-1)
+        negative = (attention * self.negative_loss_term_unreduced(negative_scores)).sum(dim=-1)
+        return self.factor * (self._reduction_method(weights * positive) + self._reduction_method(weights * negative))
+
+
+class SubsamplingLossWeighter(LossWeighter):
+    """The frequency-based loss weights of Sun et al.'s RotatE code (``subsampling_weight``).
+
+    A triple ``(h, r, t)`` weighs ``c / sqrt(#(h, r) + #(t, r) + 2 * (start - 1))``, with
+    ``#(h, r)`` the number of fitted (training) triples with head ``h`` and relation ``r``,
+    ``#(t, r)`` those with tail ``t`` and relation ``r`` (Sun et al.'s ``count_frequency`` with
+    ``start=4``), and ``c`` such that the fitted triples' weights average 1. Rare ``(entity,
+    relation)`` pairs weigh more than frequent ones.
+
+    Fitted on construction (``mapped_triples``) or by the BESS training loop, which fits it on the
+    triples it trains on when it is built without triples (``loss_weighter="subsampling"`` in a
+    configuration). Memory: two sorted key tensors of at most ``T`` entries.
+    """
+
+    def __init__(self, mapped_triples: MappedTriples | None = None, start: int = 4, normalize: bool = True):
+        """Create the weighter.
+
+        :param mapped_triples: shape: ``[T, 3]``, the triples to count (None: fitted later by :meth:`fit`)
+        :param start: the count of a pair's first occurrence (Sun et al.: 4)
+        :param normalize: scale the weights to mean 1 over the fitted triples
+        """
+        super().__init__()
+        self.start = int(start)
+        self.normalize = normalize
+        self.scale = 1.0
+        self._counts: tuple[Any, ...] | None = None
+        if mapped_triples is not None:
+            self.fit(mapped_triples)
+
+    @property
+    def fitted(self) -> bool:
+        """Whether the weighter has counted its triples."""
+        return self._counts is not None
+
+    def fit(self, mapped_triples: MappedTriples) -> SubsamplingLossWeighter:
+        """Count the ``(head, relation)`` and ``(tail, relation)`` pairs of the triples.
+
+        :param mapped_triples: shape: ``[T, 3]``
+        :returns: the weighter
+        """
+        triples = mapped_triples.cpu().long()
+        width = int(triples[:, 1].max()) + 1 if triples.numel() else 1
+        self._counts = (width,) + tuple(
+            torch.unique(triples[:, column] * width + triples[:, 1], return_counts=True) for column in (0, 2)
+        )
+        self.scale = 1.0
+        if self.normalize and triples.numel():
+            self.scale = 1.0 / float(self.weight_triples(triples).double().mean())
+        return self
+
+    def _count(self, keys: torch.Tensor, unique: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Return the count of every key (0 for a key never seen)."""
+        position = torch.searchsorted(unique, keys).clamp_max(max(unique.numel() - 1, 0))
+        found = unique[position] == keys if unique.numel() else torch.zeros_like(keys, dtype=torch.bool)
+        return torch.where(found, counts[position], 0)
+
+    def __call__(self, h: LongTensor | None, r: LongTensor | None, t: LongTensor | None) -> FloatTensor:
+        """Return the weights of the (broadcast) triples ``(h, r, t)``.
+
+        :raises ValueError: if the weighter is not fitted, or an argument is None (all entities or
+            relations: not supported)
+        """
+        if self._counts is None:
+            raise ValueError("SubsamplingLossWeighter is not fitted: pass mapped_triples or call fit().")
+        if h is None or r is None or t is None:
+            raise ValueError("SubsamplingLossWeighter weighs given triples only (h, r and t must not be None).")
+        width, (head_keys, head_counts), (tail_keys, tail_counts) = self._counts
+        device = h.device
+        h, r, t = torch.broadcast_tensors(h.cpu().long(), r.cpu().long(), t.cpu().long())
+        known = r < width  # a relation id beyond the fitted ones has no pairs (and must not alias another key)
+        count = (
+            torch.where(known, self._count(h * width + r, head_keys, head_counts), 0)
+            + torch.where(known, self._count(t * width + r, tail_keys, tail_counts), 0)
+            + 2 * (self.start - 1)
+        )
+        return (count.to(torch.float64).rsqrt() * self.scale).to(torch.get_default_dtype()).to(device)

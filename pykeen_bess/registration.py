@@ -38,6 +38,8 @@ ENTRY_POINT_GROUPS: dict[str, tuple[str, str]] = {
     "pykeen.interactions": ("pykeen.nn.modules", "interaction_resolver"),
     "pykeen.models": ("pykeen.models", "model_resolver"),
     "pykeen.optimizers": ("pykeen.optimizers", "optimizer_resolver"),
+    "pykeen.losses": ("pykeen.losses", "loss_resolver"),
+    "pykeen.loss_weighters": ("pykeen.triples.weights", "loss_weighter_resolver"),
 }
 
 _lock = threading.RLock()
@@ -49,6 +51,7 @@ def _plugin_classes() -> dict[str, Sequence[type]]:
     """Return the plugin's own classes per entry-point group (imported lazily)."""
     from .evaluation import BessEvaluator
     from .interactions import InterHTInteraction, TranSInteraction
+    from .loss import SubsamplingLossWeighter, WeightedNSSALoss
     from .models import InterHT, TranS
     from .optim import RowwiseAdagrad
     from .training import BessTrainingLoop
@@ -59,6 +62,8 @@ def _plugin_classes() -> dict[str, Sequence[type]]:
         "pykeen.interactions": [InterHTInteraction, TranSInteraction],
         "pykeen.models": [InterHT, TranS],
         "pykeen.optimizers": [RowwiseAdagrad],
+        "pykeen.losses": [WeightedNSSALoss],
+        "pykeen.loss_weighters": [SubsamplingLossWeighter],
     }
 
 

@@ -67,6 +67,8 @@ class BessSampler:
         num_negs_per_pos: int,
         corruption: Corruption = "ht",
         seed: int = 0,
+        *,
+        weights: torch.Tensor | None = None,
     ):
         """Create the sampler.
 
@@ -77,6 +79,8 @@ class BessSampler:
             ``n_shard`` (the same number is drawn from every shard)
         :param corruption: ``"h"``, ``"t"`` or ``"ht"``
         :param seed: the seed; the plan of epoch ``e`` depends only on ``(seed, e)``
+        :param weights: shape: ``[T]``, the loss weight of every triple in partition order (a PyKEEN
+            loss weighter's, see :func:`pykeen_bess.loss.partition_weights`); None: unweighted
         :raises ValueError: on invalid parameters
         """
         n = partition.n_shard
@@ -91,7 +95,10 @@ class BessSampler:
             )
         if partition.num_triples == 0:
             raise ValueError("Cannot sample batches from an empty set of triples.")
+        if weights is not None and weights.shape != (partition.num_triples,):
+            raise ValueError(f"weights has shape {tuple(weights.shape)}; expected ({partition.num_triples},).")
         self.partition = partition
+        self.weights = weights
         self.block_size = int(block_size)
         self.num_negs_per_pos = int(num_negs_per_pos)
         self.corruption = corruption
@@ -164,6 +171,7 @@ class BessSampler:
             position_in_order = position_in_order.clamp_max(max(self.partition.num_triples - 1, 0))
             positions = order[position_in_order]
             relations = self.partition.relations[positions].view(n, n, b)
+            weights = None if self.weights is None else torch.where(valid, self.weights[positions], 0.0)
             yield BessBatch(
                 heads=self.partition.heads[positions].view(n, n, b),
                 relations=relations,
@@ -174,6 +182,7 @@ class BessSampler:
                 num_head_corrupted=self.num_head_corrupted,
                 epoch=epoch,
                 step=step,
+                weights=None if weights is None else weights.view(n, n, b),
                 **self._candidate_types(relations),
             )
 
@@ -211,6 +220,7 @@ class TypedBessSampler(BessSampler):
         relation_sides: torch.Tensor,
         entity_types: torch.Tensor,
         type_names: Sequence[str] = (),
+        weights: torch.Tensor | None = None,
     ):
         """Create the sampler.
 
@@ -223,10 +233,11 @@ class TypedBessSampler(BessSampler):
             partition holds (inverse relations included)
         :param entity_types: shape: ``[N]``, the type of every entity
         :param type_names: the type names, for error messages
+        :param weights: the loss weights of the triples (see :class:`BessSampler`)
         :raises ValueError: if a shard holds no entity of a type some relation corrupts, or the shards'
             rows are not grouped by type
         """
-        super().__init__(partition, block_size, num_negs_per_pos, corruption, seed)
+        super().__init__(partition, block_size, num_negs_per_pos, corruption, seed, weights=weights)
         sharding = partition.sharding
         n = sharding.n_shard
         sides = {"h": [0], "t": [1], "ht": [0, 1]}[corruption]

@@ -17,17 +17,20 @@ from pykeen.losses import (
     BCEWithLogitsLoss,
     Loss,
     MarginRankingLoss,
+    NSSALoss,
     PointwiseHingeLoss,
     SoftplusLoss,
     SoftPointwiseHingeLoss,
+    loss_resolver,
 )
 from pykeen.models import ERModel, model_resolver
 from pykeen.training import SLCWATrainingLoop, TrainingCallback
 from pykeen.triples import CoreTriplesFactory
+from pykeen.triples.weights import LossWeighter, RelationLossWeighter
 
 from typed_graphs import typed_graph
 
-from pykeen_bess.loss import delta_pointwise_loss
+from pykeen_bess.loss import SubsamplingLossWeighter, WeightedNSSALoss, delta_pointwise_loss
 from pykeen_bess.sampling import BessBatch
 from pykeen_bess.sharding import EntitySharding
 from pykeen_bess.training import BessTrainingLoop
@@ -103,8 +106,14 @@ class Record(TrainingCallback):
         self.steps.append((batch, batch_loss))
 
 
-def slcwa_batch(batch: BessBatch, sharding: EntitySharding) -> dict[str, torch.Tensor]:
-    """PyKEEN's positives ``[V, 3]`` and negatives ``[V, K, 3]`` (each positive gets its block's negatives)."""
+def slcwa_batch(
+    batch: BessBatch, sharding: EntitySharding, weighter: LossWeighter | None = None
+) -> dict[str, torch.Tensor]:
+    """PyKEEN's positives ``[V, 3]`` and negatives ``[V, K, 3]`` (each positive gets its block's negatives).
+
+    With a loss weighter, also PyKEEN's ``pos_weights`` ``[V]`` (as :class:`~pykeen.triples.instances.SLCWAInstances`
+    computes them).
+    """
     n, b = batch.n_shard, batch.block_size
     shard_i = torch.arange(n).view(n, 1, 1).expand(n, n, b)
     shard_j = torch.arange(n).view(1, n, 1).expand(n, n, b)
@@ -125,7 +134,10 @@ def slcwa_batch(batch: BessBatch, sharding: EntitySharding) -> dict[str, torch.T
     head_corrupted = torch.arange(b) < batch.num_head_corrupted
     corrupted[:, :, head_corrupted, :, 0] = negatives[:, :, head_corrupted]
     corrupted[:, :, ~head_corrupted, :, 2] = negatives[:, :, ~head_corrupted]
-    return {"positives": positives[batch.valid], "negatives": corrupted[batch.valid]}
+    result = {"positives": positives[batch.valid], "negatives": corrupted[batch.valid]}
+    if weighter is not None:
+        result["pos_weights"] = weighter.weight_triples(result["positives"])
+    return result
 
 
 @pytest.mark.parametrize("model_name", ["ComplEx", "DistMult", "CP"])
@@ -159,10 +171,19 @@ def check_step_losses(
     exchange: str,
     corruption: str,
     sub_batch_size: int | None,
+    loss: str | None = None,
+    reference_weighter: LossWeighter | None = None,
     **loop_kwargs: Any,
 ) -> None:
-    """Every step's BESS loss equals PyKEEN's sLCWA loss on the batch with the step's negatives (float64)."""
+    """Every step's BESS loss equals PyKEEN's sLCWA loss on the batch with the step's negatives (float64).
+
+    :param loss: replaces the model's loss (in both models)
+    :param reference_weighter: the loss weighter PyKEEN's reference weighs the positives with (the loop's
+        ``loss_weighter`` is in ``loop_kwargs``)
+    """
     model = make_model(model_name, factory)
+    if loss is not None:
+        model.loss = loss_resolver.make(loss)
     loop = BessTrainingLoop(
         model=model,
         triples_factory=factory,
@@ -188,6 +209,8 @@ def check_step_losses(
     assert len(record.steps) > 1 and any(not bool(batch.valid.all()) for batch, _ in record.steps)  # padding, too
 
     reference = make_model(model_name, factory)
+    if loss is not None:
+        reference.loss = loss_resolver.make(loss)
     state = reference.state_dict()
     for index in range(len(reference.entity_representations)):
         state[f"entity_representations.{index}._embeddings.weight"] = record.initial[f"entity{index}"]
@@ -200,11 +223,110 @@ def check_step_losses(
             model=reference,
             loss=reference.loss,
             mode=None,
-            batch=slcwa_batch(batch, loop.sharding),
+            batch=slcwa_batch(batch, loop.sharding, reference_weighter),
             start=None,
             stop=None,
         )
         assert bess_loss == pytest.approx(expected.item(), rel=1e-10, abs=1e-12)
+
+
+@pytest.mark.parametrize("loss", ["bcewithlogits", "softplus", "weightednssa"])
+@pytest.mark.parametrize(
+    ("n_shard", "exchange", "sub_batch_size", "weighter"),
+    [(1, "embedding", None, "subsampling"), (3, "embedding", None, "relation"), (3, "score", 18, "subsampling")],
+)
+def test_weighted_step_loss_equals_pykeen_slcwa(
+    factory: CoreTriplesFactory, loss: str, n_shard: int, exchange: str, sub_batch_size, weighter: str
+) -> None:
+    """With a loss weighter every step's loss equals PyKEEN's sLCWA loss with its ``pos_weights``.
+
+    ``loss_weighter="subsampling"`` (a name, fitted by the loop on its training triples) against a
+    weighter fitted on the same triples; PyKEEN's relation weighter as an instance.
+    """
+    if weighter == "subsampling":
+        reference: LossWeighter = SubsamplingLossWeighter(mapped_triples=factory.mapped_triples)
+        loop_weighter: Any = "subsampling"
+    else:
+        generator = torch.Generator().manual_seed(1)
+        reference = loop_weighter = RelationLossWeighter(
+            weights=torch.rand(factory.num_relations, generator=generator, dtype=torch.float64) + 0.5
+        )
+    check_step_losses(
+        factory,
+        "DistMult",
+        n_shard,
+        exchange,
+        "ht",
+        sub_batch_size,
+        loss=loss,
+        reference_weighter=reference,
+        loss_weighter=loop_weighter,
+    )
+
+
+def test_weighted_typed_negatives_step_loss_equals_pykeen_slcwa() -> None:
+    """Loss weights with typed negatives (a typed graph in 3 partitions)."""
+    graph = typed_graph(num_partitions=3, seed=2)
+    check_step_losses(
+        graph.training,
+        "DistMult",
+        3,
+        "score",
+        "ht",
+        18,
+        loss="softplus",
+        reference_weighter=SubsamplingLossWeighter(mapped_triples=graph.training.mapped_triples),
+        loss_weighter="subsampling",
+        negatives="typed",
+    )
+
+
+def test_loss_without_weight_support_is_refused_before_training(factory: CoreTriplesFactory) -> None:
+    """PyKEEN's NSSA refuses loss weights: the loop says so before the first step."""
+    model = make_model("DistMult", factory)
+    model.loss = NSSALoss()
+    loop = BessTrainingLoop(
+        model=model, triples_factory=factory, num_shards=2, loss_weighter="subsampling", seed=0, num_negs_per_pos=2
+    )
+    with pytest.raises(ValueError, match="does not support loss weights.*weightednssa"):
+        loop.train(factory, num_epochs=1, batch_size=16, use_tqdm=False)
+
+
+def test_weighted_nssa_equals_nssa_without_weights_and_weighs_each_positive_term() -> None:
+    """WeightedNSSA: PyKEEN's NSSA without weights; with weights, each positive's whole term scaled."""
+    generator = torch.Generator().manual_seed(0)
+    positive = 3 * torch.randn(6, 1, generator=generator, dtype=torch.float64)
+    negative = 3 * torch.randn(6, 5, generator=generator, dtype=torch.float64)
+    weights = torch.rand(6, generator=generator, dtype=torch.float64) + 0.1
+    for reduction in ("mean", "sum"):
+        ours, pykeen = WeightedNSSALoss(margin=2.0, reduction=reduction), NSSALoss(margin=2.0, reduction=reduction)
+        torch.testing.assert_close(
+            ours.process_slcwa_scores(positive, negative), pykeen.process_slcwa_scores(positive, negative)
+        )
+        # one positive at a time: the weighted value is the weighted sum (or mean) of the single-positive values
+        single = torch.stack([pykeen.process_slcwa_scores(positive[i : i + 1], negative[i : i + 1]) for i in range(6)])
+        expected = (weights * single).sum() / (6 if reduction == "mean" else 1)
+        torch.testing.assert_close(ours.process_slcwa_scores(positive, negative, pos_weights=weights), expected)
+
+
+def test_subsampling_weights_follow_sun_et_al() -> None:
+    """``1 / sqrt(#(h, r) + #(t, r) + 6)`` (counts of Sun et al.'s ``count_frequency``), mean 1 when normalized."""
+    triples = torch.tensor([[0, 0, 1], [0, 0, 2], [3, 0, 1], [1, 1, 0], [2, 0, 1]])
+    raw = SubsamplingLossWeighter(triples, normalize=False)
+    # Sun et al.: count starts at 4 on a pair's first occurrence, +1 for each further one
+    counts: dict[tuple[int, int], int] = {}
+    for h, r, t in triples.tolist():
+        counts[(h, r)] = counts.get((h, r), 3) + 1
+        counts[(t, -r - 1)] = counts.get((t, -r - 1), 3) + 1
+    expected = torch.tensor([(counts[(h, r)] + counts[(t, -r - 1)]) ** -0.5 for h, r, t in triples.tolist()])
+    torch.testing.assert_close(raw.weight_triples(triples), expected.to(torch.get_default_dtype()))
+    normalized = SubsamplingLossWeighter(triples)
+    assert float(normalized.weight_triples(triples).double().mean()) == pytest.approx(1.0)
+    # unseen pairs and relations count 0 (relation 5 must not alias entity 1's relation 0)
+    unseen = raw(h=torch.tensor([4, 0]), r=torch.tensor([0, 5]), t=torch.tensor([4, 0]))
+    torch.testing.assert_close(unseen, torch.full((2,), 6**-0.5))
+    with pytest.raises(ValueError, match="not fitted"):
+        SubsamplingLossWeighter()(h=triples[:, 0], r=triples[:, 1], t=triples[:, 2])
 
 
 @pytest.mark.parametrize("loss_cls", [SoftplusLoss, PointwiseHingeLoss, SoftPointwiseHingeLoss])

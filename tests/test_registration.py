@@ -18,7 +18,10 @@ from pykeen.evaluation import evaluator_resolver
 from pykeen.nn.modules import interaction_resolver
 from pykeen.models import model_resolver
 from pykeen.optimizers import optimizer_resolver
+from pykeen.losses import loss_resolver
+from pykeen.triples.weights import loss_weighter_resolver
 import pykeen_bess.training, pykeen_bess.evaluation, pykeen_bess.interactions, pykeen_bess.models, pykeen_bess.optim
+import pykeen_bess.loss
 assert training_loop_resolver.lookup("bess") is pykeen_bess.training.BessTrainingLoop
 assert evaluator_resolver.lookup("bess") is pykeen_bess.evaluation.BessEvaluator
 assert interaction_resolver.lookup("interht") is pykeen_bess.interactions.InterHTInteraction
@@ -26,6 +29,8 @@ assert interaction_resolver.lookup("trans") is pykeen_bess.interactions.TranSInt
 assert model_resolver.lookup("interht") is pykeen_bess.models.InterHT
 assert model_resolver.lookup("trans") is pykeen_bess.models.TranS
 assert optimizer_resolver.lookup("rowwise_adagrad") is pykeen_bess.optim.RowwiseAdagrad
+assert loss_resolver.lookup("weightednssa") is pykeen_bess.loss.WeightedNSSALoss
+assert loss_weighter_resolver.lookup("subsampling") is pykeen_bess.loss.SubsamplingLossWeighter
 print("OK")
 """
 
@@ -48,8 +53,13 @@ LOOKUPS = [
     ("pykeen.models", "model_resolver", "interht", "pykeen_bess.models", "InterHT"),
     ("pykeen.models", "model_resolver", "trans", "pykeen_bess.models", "TranS"),
 ]
-#: importing ``pykeen.optimizers`` alone loads no entry point: checked after the others (see the README)
-LAST_LOOKUP = ("pykeen.optimizers", "optimizer_resolver", "rowwise_adagrad", "pykeen_bess.optim", "RowwiseAdagrad")
+#: importing ``pykeen.optimizers``, ``pykeen.losses`` or ``pykeen.triples.weights`` alone loads no entry point:
+#: checked after the others (see the README)
+LAST_LOOKUPS = [
+    ("pykeen.optimizers", "optimizer_resolver", "rowwise_adagrad", "pykeen_bess.optim", "RowwiseAdagrad"),
+    ("pykeen.losses", "loss_resolver", "weightednssa", "pykeen_bess.loss", "WeightedNSSALoss"),
+    ("pykeen.triples.weights", "loss_weighter_resolver", "subsampling", "pykeen_bess.loss", "SubsamplingLossWeighter"),
+]
 
 
 def lookup_program(first_import: str, rotation: int) -> str:
@@ -59,7 +69,7 @@ def lookup_program(first_import: str, rotation: int) -> str:
     and the order of the lookups is rotated so that each resolver is the first one looked up.
     """
     lines = [first_import, "import importlib"]
-    for module, resolver, key, plugin_module, cls in [*LOOKUPS[rotation:], *LOOKUPS[:rotation], LAST_LOOKUP]:
+    for module, resolver, key, plugin_module, cls in [*LOOKUPS[rotation:], *LOOKUPS[:rotation], *LAST_LOOKUPS]:
         lines += [
             f"found = importlib.import_module({module!r}).{resolver}.lookup({key!r})",
             f"assert found is getattr(importlib.import_module({plugin_module!r}), {cls!r}), found",

@@ -264,7 +264,11 @@ class ExchangeScheme(ABC):
                 negative, topology.select_local(batch.candidate_types[..., slots], 0), n, types
             )
         return BlockScores(
-            positive=positive, negative=negative, valid_index=valid_index, regularization=regularization.value
+            positive=positive,
+            negative=negative,
+            valid_index=valid_index,
+            regularization=regularization.value,
+            weights=None if batch.weights is None else topology.select_local(batch.weights[..., slots], 0),
         )
 
     @abstractmethod

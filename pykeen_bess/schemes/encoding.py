@@ -191,6 +191,7 @@ class EncodingScheme(ExchangeScheme):
             valid_index=valid_index,
             regularization=regularization.value + replicated.value,
             replicated_regularization=replicated.value,
+            weights=None if batch.weights is None else batch.weights[..., slots],
         )
 
     def negative_scores(

@@ -18,9 +18,11 @@ from typing import Any
 
 from pykeen.models import ERModel
 from pykeen.nn.representation import Embedding
+from pykeen.triples.weights import loss_weighter_resolver
 
 from ..distributed import Topology, make_topology
 from ..encoding import ColumnSplit, check_encoding_model
+from ..loss import partition_weights
 from ..pbg.schema import GraphSchema
 from ..schemes import AUTO, EncodingScheme, ExchangeScheme, choose_scheme, query_width, scheme_resolver
 from ..scoring import get_scorer
@@ -318,7 +320,11 @@ def _encoding_unavailable(loop: Any, settings: LoopSettings, train_kwargs: dict)
 
 
 def make_sampler(loop: Any, partition: ShardPairPartition, block_size: int) -> BessSampler:
-    """Return the loop's sampler of balanced batches of ``block_size`` slots per block (typed: with the schema)."""
+    """Return the loop's sampler of balanced batches of ``block_size`` slots per block.
+
+    Typed negatives get the graph's schema; a loss weighter (PyKEEN's ``loss_weighter``) the weight
+    of every triple (:func:`~pykeen_bess.loss.partition_weights`).
+    """
     kwargs: dict[str, Any] = {}
     schema = loop.settings.schema
     if issubclass(loop.config.sampler, TypedBessSampler) and schema is not None:
@@ -327,12 +333,14 @@ def make_sampler(loop: Any, partition: ShardPairPartition, block_size: int) -> B
             entity_types=schema.entity_type,
             type_names=schema.entity_types,
         )
+    weighter = loss_weighter_resolver.make_safe(loop.loss_weighter, loop.loss_weighter_kwargs)
     return loop.config.sampler(
         partition,
         block_size=block_size,
         num_negs_per_pos=loop.config.num_negs_per_pos,
         corruption=loop.config.corruption,
         seed=loop.config.seed,
+        weights=partition_weights(weighter, loop.loss, partition),
         **kwargs,
     )
 

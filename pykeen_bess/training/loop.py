@@ -178,13 +178,11 @@ class BessTrainingLoop(SLCWATrainingLoop):
             :mod:`pykeen_bess.balancing`), ``"random"`` or a :class:`~pykeen_bess.sharding.ShardingStrategy`
             (typed graphs: by type); a checkpoint resumes only with the sharding it was written with
         :param kwargs: passed to :class:`pykeen.training.TrainingLoop` (optimizer, lr scheduler,
-            result tracker, ...)
+            result tracker, loss weighter (every positive's weight is passed to the loss as
+            ``pos_weights``, see :mod:`pykeen_bess.loss`), ...)
         :raises ValueError: for an unsupported model or invalid parameters
-        :raises NotImplementedError: for features BESS does not support (loss weighters, inductive
-            mode)
+        :raises NotImplementedError: for features BESS does not support (inductive mode)
         """
-        if kwargs.get("loss_weighter") is not None:
-            raise NotImplementedError("BessTrainingLoop does not support loss weighters.")
         if kwargs.get("mode") is not None:
             raise NotImplementedError("BessTrainingLoop supports transductive training only (mode=None).")
         num_negs_per_pos = resolve_negative_sampler(negative_sampler, negative_sampler_kwargs, num_negs_per_pos)

@@ -134,6 +134,7 @@ class StepRunner:
         self.rows = rows = self.scheme.gather(batch, first, last)
         total = torch.zeros((), dtype=torch.float64, device=self.topology.device)
         num_valid = batch.num_valid
+        weight_step = 0.0 if batch.weights is None else float(batch.weights.sum(dtype=torch.float64))  # CPU plan
         for start in range(first, last, sub_block_size):
             stop = min(start + sub_block_size, last)
             scores = self.scheme.scores(batch, rows, start, stop)
@@ -143,6 +144,7 @@ class StepRunner:
                 num_valid_step=num_valid,
                 label_smoothing=label_smoothing,
                 num_entities=self.num_entities,
+                weight_step=weight_step,
             )
             # the terms the scheme did not weigh (e.g. weight regularizers) are replicated: add this
             # process' share of this sub-batch

@@ -117,6 +117,7 @@ def build_loop(config: dict[str, Any], factory: CoreTriplesFactory) -> BessTrain
         storage=config.get("storage"),
         storage_path=config.get("storage_path"),
         storage_kwargs=config.get("storage_kwargs"),
+        loss_weighter=config.get("loss_weighter"),
     )
 
 

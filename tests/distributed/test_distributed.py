@@ -85,6 +85,8 @@ SCENARIOS = {
         sub_batches=dict(BASE, sub_batch_size=8, batch_size=16, evaluate=True),
         extra_parameter=dict(BASE, extra_parameter=True, optimizer="adam", num_epochs=2),
         export=dict(BASE, export=True),
+        # PyKEEN's softplus divides its weighted mean by the weights' sum: exact over ranks and sub-batches
+        weighted=dict(BASE, sub_batch_size=2, loss_weighter="subsampling"),
     ),
     4: dict(
         embedding=dict(BASE, exchange="embedding", batch_size=4 * 4**2),
@@ -150,6 +152,14 @@ def test_ranks_equal_logical_shards(request: pytest.FixtureRequest, world_size: 
     for result in results:
         assert result["table"].shape == (shard_size, 8)
         assert result["entity_parameter_numel"] == shard_size * 8
+
+
+def test_loss_weights_under_a_process_group(two_ranks: dict[str, Any]) -> None:
+    """Sun et al.'s subsampling weights: the ranks (in sub-batches) equal one process; the weights change the run."""
+    config = SCENARIOS[2]["weighted"]
+    check_equals_local_reference(two_ranks["weighted"], config, 2)
+    _, _, unweighted, _ = local_reference({**config, "loss_weighter": None}, 2)
+    assert two_ranks["weighted"][0]["step_losses"] != pytest.approx(unweighted, rel=1e-6)
 
 
 def test_sub_batches_and_metrics_under_a_process_group(two_ranks: dict[str, Any]) -> None:
