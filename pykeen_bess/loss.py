@@ -12,9 +12,10 @@ step, and the gradients to the gradient of that mean.
 
 **Loss weights.** With a PyKEEN loss weighter (``training_loop_kwargs=dict(loss_weighter=...)``)
 every positive carries a weight (:attr:`~pykeen_bess.batch.BessBatch.weights`), passed to the loss
-as PyKEEN's sLCWA loop does (``pos_weights``). PyKEEN's pointwise losses weight the positive's
-term; its adversarial losses (NSSA) refuse weights, so this module adds :class:`WeightedNSSALoss`
-(``loss="weightednssa"``), which weights a positive's whole term (its own and its negatives'), and
+as PyKEEN's sLCWA loop does (``pos_weights``; its negatives weigh the same, ``neg_weights``, see
+:func:`partition_weights`). PyKEEN's adversarial losses (NSSA) refuse weights, so this module adds
+:class:`WeightedNSSALoss` (``loss="weightednssa"``), which weights a positive's whole term (its own
+and its negatives'), and
 :class:`SubsamplingLossWeighter` (``loss_weighter="subsampling"``), the frequency-based weights of
 Sun et al.'s RotatE code.
 """
@@ -26,7 +27,7 @@ from typing import Any
 
 import torch
 from pykeen.losses import DeltaPointwiseLoss, Loss, MSELoss, NoSampleWeightSupportError, NSSALoss, PointwiseLoss
-from pykeen.triples.weights import LossWeighter
+from pykeen.triples.weights import LossWeighter, RelationLossWeighter
 from pykeen.typing import BoolTensor, FloatTensor, LongTensor, MappedTriples
 from torch.nn import functional
 
@@ -60,6 +61,7 @@ def block_loss(
     :param label_smoothing: PyKEEN's label smoothing (pointwise losses only)
     :param num_entities: the number of entities (needed for label smoothing)
     :param weight_step: the sum of the loss weights of the whole step's positives (with a loss weighter)
+        (every negative triple weighs what its positive weighs, see :func:`partition_weights`)
     :returns: a scalar; summing it over sub-batches and processes gives the step loss
     """
     num_valid = scores.num_valid  # known on the host: no device synchronisation
@@ -84,18 +86,24 @@ def block_loss(
                 label_smoothing=label_smoothing or None,
                 num_entities=num_entities,
                 pos_weights=weights,
+                # PyKEEN's sLCWA loop weighs every negative triple, too: here each weighs its positive's weight
+                neg_weights=_negative_weights(loss, weights, negative),
             )
         )
         if loss.reduction == "mean":
             if weights is not None and normalizes_by_weight(loss):
-                # PyKEEN's weighted mean divides by the weights' sum (positives' weights, 1 per negative)
-                num_negatives = negative.shape[-1]
-                value = value * (
-                    (weights.sum() + num_valid * num_negatives) / (weight_step + num_valid_step * num_negatives)
-                )
+                # PyKEEN's weighted mean divides by the weights' sum, (1 + K) times the positives' weights
+                value = value * (weights.sum() / weight_step)
             else:
                 value = value * (num_valid / max(num_valid_step, 1))
     return value + scores.regularization
+
+
+def _negative_weights(loss: Loss, weights: torch.Tensor | None, negative: torch.Tensor) -> torch.Tensor | None:
+    """shape: ``[V, K]``, every negative's loss weight, its positive's (None where the loss does not use them)."""
+    if weights is None or isinstance(loss, WeightedNSSALoss):
+        return None
+    return weights.unsqueeze(-1).expand_as(negative).contiguous()
 
 
 def delta_pointwise_loss(loss: Loss, positive: torch.Tensor, negative: torch.Tensor) -> torch.Tensor | None:
@@ -133,16 +141,29 @@ def partition_weights(weighter: LossWeighter | None, loss: Loss, partition: Shar
     A :class:`SubsamplingLossWeighter` built without triples is fitted (a copy of it) on the
     partition's triples, those the loop trains on (inverse triples included if the model uses them).
 
+    PyKEEN's sLCWA loop also weighs every negative triple with the weighter. BESS gives a negative
+    its positive's weight, which is the same for PyKEEN's :class:`~pykeen.triples.weights.RelationLossWeighter`
+    (a negative keeps its positive's relation); other weighters are refused with a loss that would
+    use the negatives' own weights, i.e. any but :class:`WeightedNSSALoss` (whose negatives share
+    their positive's weight by definition).
+
     :param weighter: the loop's resolved PyKEEN loss weighter (None: unweighted)
     :param loss: the loss (checked to accept weights)
     :param partition: the training triples by shardpair
     :returns: shape: ``[T]``, in the weighter's floating dtype; None without a weighter
-    :raises ValueError: if the loss refuses weights, or the weighter returns other than ``T`` finite,
-        non-negative weights
+    :raises ValueError: if the loss refuses weights, if it would weigh negatives by a weighter that
+        depends on their entities, or if the weighter returns other than ``T`` finite, non-negative weights
     """
     if weighter is None:
         return None
     check_weight_support(loss)
+    if not isinstance(loss, WeightedNSSALoss) and not isinstance(weighter, RelationLossWeighter):
+        raise ValueError(
+            f"BESS gives every negative triple its positive's loss weight. With {type(loss).__name__}, PyKEEN weighs "
+            f"each negative triple by the weighter itself, which for {type(weighter).__name__} depends on the "
+            f"negative entity; BESS supports this weighter with loss='weightednssa' only (PyKEEN's "
+            f"RelationLossWeighter works with any loss that takes weights)."
+        )
     triples = partition.global_triples()
     if isinstance(weighter, SubsamplingLossWeighter) and not weighter.fitted:
         weighter = copy.copy(weighter).fit(triples)
@@ -161,9 +182,9 @@ def normalizes_by_weight(loss: Loss) -> bool:
     """Whether the loss's weighted mean divides by the sum of the weights (else by their number).
 
     PyKEEN's margin-activation pointwise losses and its MSE reduce weighted values with
-    :func:`~pykeen.losses.weighted_reduction` (``sum(w * l) / sum(w)``, every negative weighing 1);
-    BCE uses torch's weighted mean (``sum(w * l) / N``) and :class:`WeightedNSSALoss` averages over
-    the positives.
+    :func:`~pykeen.losses.weighted_reduction` (``sum(w * l) / sum(w)`` over the positives' and the
+    negatives' weights); BCE uses torch's weighted mean (``sum(w * l) / N``) and
+    :class:`WeightedNSSALoss` averages over the positives.
     """
     return isinstance(loss, (DeltaPointwiseLoss, MSELoss))
 
@@ -190,7 +211,9 @@ class WeightedNSSALoss(NSSALoss):
 
     Without weights it equals :class:`~pykeen.losses.NSSALoss`. With ``pos_weights`` ``w`` (shape
     ``[V]`` or ``[V, 1]``), the positive's term and its negatives' adversarially weighted term are
-    both multiplied by its weight, as in Sun et al.'s code (``subsampling_weight``):
+    both multiplied by its weight, as in Sun et al.'s code (``subsampling_weight``); the negatives
+    share their positive's weight, so ``neg_weights`` (which PyKEEN's sLCWA loop passes too, the
+    weighter's values for the negative triples) are not used:
     ``factor * (reduce(w * -log sigma(m + p)) + reduce(w * sum_k a_k * -log sigma(-m - n_k)))``,
     reduced over the positives (mean or sum, as PyKEEN; Sun et al. divide by the batch's weight sum
     instead, which :class:`SubsamplingLossWeighter`'s normalisation to mean 1 approximates).
@@ -220,7 +243,6 @@ class WeightedNSSALoss(NSSALoss):
                 num_entities=num_entities,
                 neg_weights=neg_weights,
             )
-        self._raise_on_weights(neg_weights)
         if label_smoothing:
             from pykeen.losses import UnsupportedLabelSmoothingError
 

@@ -111,7 +111,8 @@ def slcwa_batch(
 ) -> dict[str, torch.Tensor]:
     """PyKEEN's positives ``[V, 3]`` and negatives ``[V, K, 3]`` (each positive gets its block's negatives).
 
-    With a loss weighter, also PyKEEN's ``pos_weights`` ``[V]`` (as :class:`~pykeen.triples.instances.SLCWAInstances`
+    With a loss weighter, also PyKEEN's ``pos_weights`` ``[V]`` and ``neg_weights`` ``[V, K]`` (the weighter's
+    values for the positive and the negative triples, as :class:`~pykeen.triples.instances.SLCWAInstances`
     computes them).
     """
     n, b = batch.n_shard, batch.block_size
@@ -137,6 +138,7 @@ def slcwa_batch(
     result = {"positives": positives[batch.valid], "negatives": corrupted[batch.valid]}
     if weighter is not None:
         result["pos_weights"] = weighter.weight_triples(result["positives"])
+        result["neg_weights"] = weighter.weight_triples(result["negatives"])
     return result
 
 
@@ -230,15 +232,22 @@ def check_step_losses(
         assert bess_loss == pytest.approx(expected.item(), rel=1e-10, abs=1e-12)
 
 
-@pytest.mark.parametrize("loss", ["bcewithlogits", "softplus", "weightednssa"])
 @pytest.mark.parametrize(
-    ("n_shard", "exchange", "sub_batch_size", "weighter"),
-    [(1, "embedding", None, "subsampling"), (3, "embedding", None, "relation"), (3, "score", 18, "subsampling")],
+    ("loss", "weighter"),
+    [
+        ("bcewithlogits", "relation"),
+        ("softplus", "relation"),
+        ("weightednssa", "relation"),
+        ("weightednssa", "subsampling"),
+    ],
+)
+@pytest.mark.parametrize(
+    ("n_shard", "exchange", "sub_batch_size"), [(1, "embedding", None), (3, "embedding", None), (3, "score", 18)]
 )
 def test_weighted_step_loss_equals_pykeen_slcwa(
     factory: CoreTriplesFactory, loss: str, n_shard: int, exchange: str, sub_batch_size, weighter: str
 ) -> None:
-    """With a loss weighter every step's loss equals PyKEEN's sLCWA loss with its ``pos_weights``.
+    """With a loss weighter every step's loss equals PyKEEN's sLCWA loss with its ``pos_weights`` and ``neg_weights``.
 
     ``loss_weighter="subsampling"`` (a name, fitted by the loop on its training triples) against a
     weighter fitted on the same triples; PyKEEN's relation weighter as an instance.
@@ -274,22 +283,34 @@ def test_weighted_typed_negatives_step_loss_equals_pykeen_slcwa() -> None:
         "score",
         "ht",
         18,
-        loss="softplus",
+        loss="weightednssa",
         reference_weighter=SubsamplingLossWeighter(mapped_triples=graph.training.mapped_triples),
         loss_weighter="subsampling",
         negatives="typed",
     )
 
 
-def test_loss_without_weight_support_is_refused_before_training(factory: CoreTriplesFactory) -> None:
-    """PyKEEN's NSSA refuses loss weights: the loop says so before the first step."""
+@pytest.mark.parametrize(
+    ("loss", "message"),
+    [
+        (NSSALoss(), "does not support loss weights.*weightednssa"),  # PyKEEN's NSSA refuses weights
+        # PyKEEN would weigh each negative triple by its own (entity-dependent) subsampling weight
+        (SoftplusLoss(), "negative entity.*weightednssa.? only"),
+    ],
+)
+def test_unsupported_loss_weights_are_refused_before_training(
+    factory: CoreTriplesFactory, loss: Loss, message: str
+) -> None:
+    """The loop says so before the first step."""
     model = make_model("DistMult", factory)
-    model.loss = NSSALoss()
+    model.loss = loss
     loop = BessTrainingLoop(
         model=model, triples_factory=factory, num_shards=2, loss_weighter="subsampling", seed=0, num_negs_per_pos=2
     )
-    with pytest.raises(ValueError, match="does not support loss weights.*weightednssa"):
-        loop.train(factory, num_epochs=1, batch_size=16, use_tqdm=False)
+    record = Record()
+    with pytest.raises(ValueError, match=message):
+        loop.train(factory, num_epochs=1, batch_size=16, use_tqdm=False, callbacks=record)
+    assert not record.steps
 
 
 def test_weighted_nssa_equals_nssa_without_weights_and_weighs_each_positive_term() -> None:
@@ -307,6 +328,11 @@ def test_weighted_nssa_equals_nssa_without_weights_and_weighs_each_positive_term
         single = torch.stack([pykeen.process_slcwa_scores(positive[i : i + 1], negative[i : i + 1]) for i in range(6)])
         expected = (weights * single).sum() / (6 if reduction == "mean" else 1)
         torch.testing.assert_close(ours.process_slcwa_scores(positive, negative, pos_weights=weights), expected)
+        # PyKEEN's sLCWA loop also passes the negative triples' own weights: the negatives share their positive's
+        other = torch.rand(6, 5, generator=generator, dtype=torch.float64)
+        torch.testing.assert_close(
+            ours.process_slcwa_scores(positive, negative, pos_weights=weights, neg_weights=other), expected
+        )
 
 
 def test_subsampling_weights_follow_sun_et_al() -> None:

@@ -87,10 +87,19 @@ class DistMultWithExtra(DistMult):
         return term
 
 
+def loss_weighter(name: str | None, factory: CoreTriplesFactory) -> Any:
+    """``"relation"``: PyKEEN's relation weighter with fixed weights; other names as given."""
+    if name != "relation":
+        return name
+    from pykeen.triples.weights import RelationLossWeighter
+
+    return RelationLossWeighter(weights=torch.linspace(0.5, 2.0, factory.num_relations, dtype=torch.float64))
+
+
 def build_loop(config: dict[str, Any], factory: CoreTriplesFactory) -> BessTrainingLoop:
     """Create the model and the loop exactly as the single-process reference does."""
     cls = DistMultWithExtra if config.get("extra_parameter") else DistMult
-    model = cls(triples_factory=factory, embedding_dim=8, random_seed=0, loss="softplus").double()
+    model = cls(triples_factory=factory, embedding_dim=8, random_seed=0, loss=config.get("loss", "softplus")).double()
     optimizer = config.get("optimizer", "adagrad")
     process_group = None
     if config.get("mesh"):  # a user-made device mesh, dimensions in the order the config gives
@@ -117,7 +126,7 @@ def build_loop(config: dict[str, Any], factory: CoreTriplesFactory) -> BessTrain
         storage=config.get("storage"),
         storage_path=config.get("storage_path"),
         storage_kwargs=config.get("storage_kwargs"),
-        loss_weighter=config.get("loss_weighter"),
+        loss_weighter=loss_weighter(config.get("loss_weighter"), factory),
     )
 
 

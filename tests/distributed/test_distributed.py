@@ -86,7 +86,8 @@ SCENARIOS = {
         extra_parameter=dict(BASE, extra_parameter=True, optimizer="adam", num_epochs=2),
         export=dict(BASE, export=True),
         # PyKEEN's softplus divides its weighted mean by the weights' sum: exact over ranks and sub-batches
-        weighted=dict(BASE, sub_batch_size=2, loss_weighter="subsampling"),
+        weighted=dict(BASE, sub_batch_size=2, loss_weighter="relation"),
+        weighted_nssa=dict(BASE, sub_batch_size=2, loss_weighter="subsampling", loss="weightednssa"),
     ),
     4: dict(
         embedding=dict(BASE, exchange="embedding", batch_size=4 * 4**2),
@@ -154,12 +155,14 @@ def test_ranks_equal_logical_shards(request: pytest.FixtureRequest, world_size: 
         assert result["entity_parameter_numel"] == shard_size * 8
 
 
-def test_loss_weights_under_a_process_group(two_ranks: dict[str, Any]) -> None:
-    """Sun et al.'s subsampling weights: the ranks (in sub-batches) equal one process; the weights change the run."""
-    config = SCENARIOS[2]["weighted"]
-    check_equals_local_reference(two_ranks["weighted"], config, 2)
+@pytest.mark.parametrize("scenario", ["weighted", "weighted_nssa"])
+def test_loss_weights_under_a_process_group(two_ranks: dict[str, Any], scenario: str) -> None:
+    """Loss weights (PyKEEN's relation weighter with softplus; Sun et al.'s subsampling weights with the
+    weighted NSSA): the ranks (in sub-batches) equal one process, and the weights change the run."""
+    config = SCENARIOS[2][scenario]
+    check_equals_local_reference(two_ranks[scenario], config, 2)
     _, _, unweighted, _ = local_reference({**config, "loss_weighter": None}, 2)
-    assert two_ranks["weighted"][0]["step_losses"] != pytest.approx(unweighted, rel=1e-6)
+    assert two_ranks[scenario][0]["step_losses"] != pytest.approx(unweighted, rel=1e-6)
 
 
 def test_sub_batches_and_metrics_under_a_process_group(two_ranks: dict[str, Any]) -> None:
