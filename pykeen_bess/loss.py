@@ -23,10 +23,11 @@ Sun et al.'s RotatE code.
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any
 
 import torch
-from pykeen.losses import DeltaPointwiseLoss, Loss, MSELoss, NoSampleWeightSupportError, NSSALoss, PointwiseLoss
+from pykeen.losses import DeltaPointwiseLoss, Loss, NoSampleWeightSupportError, NSSALoss, PointwiseLoss
 from pykeen.triples.weights import LossWeighter, RelationLossWeighter
 from pykeen.typing import BoolTensor, FloatTensor, LongTensor, MappedTriples
 from torch.nn import functional
@@ -38,10 +39,10 @@ __all__ = [
     "SubsamplingLossWeighter",
     "WeightedNSSALoss",
     "block_loss",
-    "check_weight_support",
     "delta_pointwise_loss",
     "normalizes_by_weight",
     "partition_weights",
+    "weight_convention",
 ]
 
 
@@ -93,7 +94,8 @@ def block_loss(
         if loss.reduction == "mean":
             if weights is not None and normalizes_by_weight(loss):
                 # PyKEEN's weighted mean divides by the weights' sum, (1 + K) times the positives' weights
-                value = value * (weights.sum() / weight_step)
+                # (a step whose positives all weigh 0 has the value 0, as PyKEEN's clamped division gives)
+                value = value * (weights.sum() / (weight_step if weight_step > 0 else 1.0))
             else:
                 value = value * (num_valid / max(num_valid_step, 1))
     return value + scores.regularization
@@ -156,7 +158,7 @@ def partition_weights(weighter: LossWeighter | None, loss: Loss, partition: Shar
     """
     if weighter is None:
         return None
-    check_weight_support(loss)
+    normalizes_by_weight(loss)  # refuses a loss without weights, or with a weighted mean of unknown form
     if not isinstance(loss, WeightedNSSALoss) and not isinstance(weighter, RelationLossWeighter):
         raise ValueError(
             f"BESS gives every negative triple its positive's loss weight. With {type(loss).__name__}, PyKEEN weighs "
@@ -167,13 +169,24 @@ def partition_weights(weighter: LossWeighter | None, loss: Loss, partition: Shar
     triples = partition.global_triples()
     if isinstance(weighter, SubsamplingLossWeighter) and not weighter.fitted:
         weighter = copy.copy(weighter).fit(triples)
+    elif isinstance(weighter, SubsamplingLossWeighter) and int(triples[:, 1].max()) >= weighter.num_relation_ids:
+        raise ValueError(
+            f"The SubsamplingLossWeighter was fitted on relation ids below {weighter.num_relation_ids}, but the loop "
+            f"trains with relation ids up to {int(triples[:, 1].max())} (inverse triples?). Pass it unfitted (or "
+            f"loss_weighter='subsampling') so that the loop fits it on the triples it trains on."
+        )
     weights = torch.as_tensor(weighter.weight_triples(triples)).detach().cpu().reshape(-1)
     if not weights.is_floating_point():
         weights = weights.to(torch.get_default_dtype())
-    if weights.numel() != partition.num_triples or not bool(torch.isfinite(weights).all()) or bool((weights < 0).any()):
+    name = type(weighter).__name__
+    if weights.numel() != partition.num_triples:
         raise ValueError(
-            f"The loss weighter {type(weighter).__name__} must return one finite, non-negative weight per triple "
-            f"({partition.num_triples}); it returned {weights.numel()} values."
+            f"The loss weighter {name} returned {weights.numel()} weights for {partition.num_triples} triples."
+        )
+    if not bool(torch.isfinite(weights).all()) or bool((weights < 0).any()) or not bool(weights.sum() > 0):
+        raise ValueError(
+            f"The loss weighter {name} must return finite, non-negative weights, not all 0 (got values from "
+            f"{float(weights.min())} to {float(weights.max())})."
         )
     return weights
 
@@ -181,29 +194,68 @@ def partition_weights(weighter: LossWeighter | None, loss: Loss, partition: Shar
 def normalizes_by_weight(loss: Loss) -> bool:
     """Whether the loss's weighted mean divides by the sum of the weights (else by their number).
 
-    PyKEEN's margin-activation pointwise losses and its MSE reduce weighted values with
+    PyKEEN's margin-activation pointwise losses, its MSE and focal loss reduce weighted values with
     :func:`~pykeen.losses.weighted_reduction` (``sum(w * l) / sum(w)`` over the positives' and the
     negatives' weights); BCE uses torch's weighted mean (``sum(w * l) / N``) and
-    :class:`WeightedNSSALoss` averages over the positives.
+    :class:`WeightedNSSALoss` averages over the positives. Which one a loss uses is measured once
+    per loss class (:func:`weight_convention`), so a user's loss is handled, too.
+
+    :raises ValueError: see :func:`weight_convention`
     """
-    return isinstance(loss, (DeltaPointwiseLoss, MSELoss))
+    return weight_convention(loss) == "sum"
 
 
-def check_weight_support(loss: Loss) -> None:
-    """Raise before training if ``loss`` refuses loss weights (PyKEEN's pairwise and adversarial losses).
+_CONVENTIONS: dict[type, str] = {}
 
-    :raises ValueError: if the loss raises PyKEEN's :class:`~pykeen.losses.NoSampleWeightSupportError`
+
+def weight_convention(loss: Loss) -> str:
+    """How the loss's weighted mean is normalised: ``"sum"`` (by the weights' sum) or ``"count"`` (by their number).
+
+    Measured by evaluating the loss on a small batch with the weights ``w`` and ``2 w`` (every
+    negative weighing its positive's weight, as BESS passes them): a value that stays is divided by
+    the weights' sum, one that doubles by their number. Cached per loss class.
+
+    :raises ValueError: if the loss refuses weights (PyKEEN's pairwise and adversarial losses), or its
+        value neither stays nor doubles
     """
+    cls = type(loss)
+    if cls in _CONVENTIONS:
+        return _CONVENTIONS[cls]
+    buffer = next(iter(loss.buffers()), None)
+    device = buffer.device if buffer is not None else torch.device("cpu")
+    dtype = buffer.dtype if buffer is not None and buffer.is_floating_point() else torch.get_default_dtype()
+    positive = torch.tensor([[0.3], [-0.2]], device=device, dtype=dtype)
+    negative = torch.tensor([[0.1, -0.4], [0.5, 0.2]], device=device, dtype=dtype)
+    weights = torch.tensor([0.5, 1.5], device=device, dtype=dtype)
     try:
         with torch.no_grad():
-            loss.process_slcwa_scores(
-                positive_scores=torch.zeros(1, 1), negative_scores=torch.zeros(1, 2), pos_weights=torch.ones(1)
-            )
+            values = [
+                float(
+                    loss.process_slcwa_scores(
+                        positive_scores=positive,
+                        negative_scores=negative,
+                        pos_weights=scale * weights,
+                        neg_weights=_negative_weights(loss, scale * weights, negative),
+                    )
+                )
+                for scale in (1.0, 2.0)
+            ]
     except NoSampleWeightSupportError as error:
         raise ValueError(
-            f"The loss {type(loss).__name__} does not support loss weights (loss_weighter). Use a pointwise "
+            f"The loss {cls.__name__} does not support loss weights (loss_weighter). Use a pointwise "
             f"loss (e.g. 'bcewithlogits', 'softplus') or 'weightednssa' (NSSA weighting each positive's term)."
         ) from error
+    if loss.reduction != "mean" or math.isclose(values[1], 2 * values[0], rel_tol=1e-5):
+        convention = "count"  # (a sum reduction needs no normalisation)
+    elif math.isclose(values[1], values[0], rel_tol=1e-5):
+        convention = "sum"
+    else:
+        raise ValueError(
+            f"The loss {cls.__name__} weighs its values neither by the weights' sum nor by their number "
+            f"(value {values[0]} with weights w, {values[1]} with 2 w); BESS cannot split its mean over blocks."
+        )
+    _CONVENTIONS[cls] = convention
+    return convention
 
 
 class WeightedNSSALoss(NSSALoss):
@@ -289,6 +341,11 @@ class SubsamplingLossWeighter(LossWeighter):
     def fitted(self) -> bool:
         """Whether the weighter has counted its triples."""
         return self._counts is not None
+
+    @property
+    def num_relation_ids(self) -> int:
+        """One more than the largest relation id of the fitted triples (0 before fitting)."""
+        return 0 if self._counts is None else int(self._counts[0])
 
     def fit(self, mapped_triples: MappedTriples) -> SubsamplingLossWeighter:
         """Count the ``(head, relation)`` and ``(tail, relation)`` pairs of the triples.

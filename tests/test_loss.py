@@ -30,7 +30,15 @@ from pykeen.triples.weights import LossWeighter, RelationLossWeighter
 
 from typed_graphs import typed_graph
 
-from pykeen_bess.loss import SubsamplingLossWeighter, WeightedNSSALoss, delta_pointwise_loss
+from pykeen_bess.batch import BlockScores
+from pykeen_bess.loss import (
+    SubsamplingLossWeighter,
+    WeightedNSSALoss,
+    block_loss,
+    delta_pointwise_loss,
+    partition_weights,
+)
+from pykeen_bess.partition import ShardPairPartition
 from pykeen_bess.sampling import BessBatch
 from pykeen_bess.sharding import EntitySharding
 from pykeen_bess.training import BessTrainingLoop
@@ -235,8 +243,9 @@ def check_step_losses(
 @pytest.mark.parametrize(
     ("loss", "weighter"),
     [
-        ("bcewithlogits", "relation"),
-        ("softplus", "relation"),
+        ("bcewithlogits", "relation"),  # weighted mean over the number of scores
+        ("softplus", "relation"),  # ... over the weights' sum
+        ("focal", "relation"),  # ... over the weights' sum (found by measuring, not by class)
         ("weightednssa", "relation"),
         ("weightednssa", "subsampling"),
     ],
@@ -311,6 +320,59 @@ def test_unsupported_loss_weights_are_refused_before_training(
     with pytest.raises(ValueError, match=message):
         loop.train(factory, num_epochs=1, batch_size=16, use_tqdm=False, callbacks=record)
     assert not record.steps
+
+
+def test_partition_weights_refuses_bad_weights_and_stale_relation_ids(factory: CoreTriplesFactory) -> None:
+    """All-zero weights, and a weighter fitted without the inverse relations the loop trains with."""
+    triples = factory.mapped_triples
+    sharding = EntitySharding.create(factory.num_entities, 2)
+    partition = ShardPairPartition.from_triples(triples, sharding)
+    zero = RelationLossWeighter(weights=torch.zeros(factory.num_relations))
+    with pytest.raises(ValueError, match="not all 0"):
+        partition_weights(zero, SoftplusLoss(), partition)
+    inverse = torch.cat([triples, triples[:, [2, 1, 0]] + torch.tensor([0, factory.num_relations, 0])])
+    inverse_partition = ShardPairPartition.from_triples(inverse, sharding)
+    with pytest.raises(ValueError, match="inverse triples"):
+        partition_weights(SubsamplingLossWeighter(triples), WeightedNSSALoss(), inverse_partition)
+    # unfitted: fitted on the partition's triples (all relation ids)
+    weights = partition_weights(SubsamplingLossWeighter(), WeightedNSSALoss(), inverse_partition)
+    assert weights is not None and weights.shape == (inverse.shape[0],) and bool((weights > 0).all())
+
+
+def test_a_step_whose_positives_weigh_nothing_has_loss_zero() -> None:
+    """PyKEEN's weighted mean clamps the weights' sum; BESS's share of a step of zero weights is 0, not NaN."""
+    scores = BlockScores(
+        positive=torch.randn(1, 1, 3),
+        negative=torch.randn(1, 1, 3, 4),
+        valid_index=None,
+        regularization=0.0,
+        weights=torch.zeros(1, 1, 3),
+    )
+    value = block_loss(SoftplusLoss(), scores, num_valid_step=3, weight_step=0.0)
+    assert float(value) == 0.0
+
+
+def test_memory_search_computes_the_weights_once(factory: CoreTriplesFactory) -> None:
+    """batch_size=None probes many samplers; the loss weights are computed for the first only."""
+
+    class Counting(RelationLossWeighter):
+        calls = 0
+
+        def weight_triples(self, mapped_triples):
+            Counting.calls += 1
+            return super().weight_triples(mapped_triples)
+
+    model = make_model("DistMult", factory)
+    loop = BessTrainingLoop(
+        model=model,
+        triples_factory=factory,
+        num_shards=2,
+        seed=0,
+        num_negs_per_pos=2,
+        loss_weighter=Counting(weights=torch.ones(factory.num_relations)),
+    )
+    loop.train(factory, num_epochs=1, batch_size=None, use_tqdm=False)
+    assert Counting.calls == 1
 
 
 def test_weighted_nssa_equals_nssa_without_weights_and_weighs_each_positive_term() -> None:

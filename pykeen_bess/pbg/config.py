@@ -197,8 +197,8 @@ def check_expressible(config: Mapping[str, Any], source: str = "the config") -> 
     weighted = [r["name"] for r in config["relations"] if float(r.get("weight", 1.0)) != 1.0]
     if weighted:
         raise ValueError(
-            f"{source}: relations {weighted} have a loss weight other than 1; PyKEEN's losses weigh every triple "
-            f"alike (no per-relation or per-edge weights)."
+            f"{source}: relations {weighted} have a loss weight other than 1, which the importer does not "
+            f"translate; set the weights to 1 and pass PyKEEN's RelationLossWeighter as the loop's loss_weighter."
         )
     all_negs = [r["name"] for r in config["relations"] if r.get("all_negs")]
     if all_negs:

@@ -49,6 +49,7 @@ __all__ = [
     "choose_encoding_scheme",
     "choose_partition",
     "make_checkpoint_store",
+    "loss_weights",
     "make_sampler",
     "make_scheme",
 ]
@@ -333,16 +334,34 @@ def make_sampler(loop: Any, partition: ShardPairPartition, block_size: int) -> B
             entity_types=schema.entity_type,
             type_names=schema.entity_types,
         )
-    weighter = loss_weighter_resolver.make_safe(loop.loss_weighter, loop.loss_weighter_kwargs)
+    weights = loss_weights(loop, partition)
+    if weights is not None:  # (a user's sampler class without loss weights still works unweighted)
+        kwargs["weights"] = weights
     return loop.config.sampler(
         partition,
         block_size=block_size,
         num_negs_per_pos=loop.config.num_negs_per_pos,
         corruption=loop.config.corruption,
         seed=loop.config.seed,
-        weights=partition_weights(weighter, loop.loss, partition),
         **kwargs,
     )
+
+
+def loss_weights(loop: Any, partition: ShardPairPartition) -> Any:
+    """Return the loss weight of every triple of the partition (None without a loss weighter), once per partition.
+
+    The memory search builds a sampler for every probe; the weights are computed for the first and
+    kept with the partition they belong to.
+    """
+    if loop.loss_weighter is None:
+        return None
+    cached = loop.__dict__.get("_loss_weights")
+    if cached is not None and cached[0] is partition:
+        return cached[1]
+    weighter = loss_weighter_resolver.make_safe(loop.loss_weighter, loop.loss_weighter_kwargs)
+    weights = partition_weights(weighter, loop.loss, partition)
+    loop._loss_weights = (partition, weights)
+    return weights
 
 
 def make_scheme(loop: Any, block_size: int, topology: Topology) -> ExchangeScheme:

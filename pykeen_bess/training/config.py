@@ -300,6 +300,7 @@ def run_configuration(loop: Any, triples_factory: CoreTriplesFactory, **train_kw
         model=type(model).__name__,
         interaction=repr(model.interaction),
         loss=repr(model.loss),
+        loss_weighter=_name(loop.loss_weighter),
         num_entities=model.num_entities,
         num_relations=model.num_relations,
         entity_tables=[
@@ -343,3 +344,10 @@ def verify_same_configuration(topology: Topology, config: Mapping[str, str]) -> 
             "e.g. hpo_pipeline(..., sampler='random', sampler_kwargs=dict(seed=0))."
         )
     raise ValueError(f"The ranks of the process group run different configurations:\n{lines}{hint}")
+
+
+def _name(hint: Any) -> str | None:
+    """Return a hint's name, the same in every process (a class's or an instance's class name, not its address)."""
+    if hint is None or isinstance(hint, str):
+        return hint
+    return getattr(hint, "__name__", type(hint).__name__)

@@ -277,6 +277,7 @@ class BessTrainingLoop(SLCWATrainingLoop):
             sparse_updates=self.config.sparse_updates,
             collect_regularization_term=self.model.collect_regularization_term,
             post_forward_pass=self.model.post_forward_pass,
+            weighted=self.loss_weighter is not None,
         )
 
     # -- PyKEEN's training-loop interface ------------------------------------------------------

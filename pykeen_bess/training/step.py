@@ -51,6 +51,7 @@ class StepRunner:
         sparse_updates: bool,
         collect_regularization_term: Any,
         post_forward_pass: Any,
+        weighted: bool = False,
     ):
         """Bind the runner to a scheme and a loss.
 
@@ -61,6 +62,7 @@ class StepRunner:
         :param collect_regularization_term: the model's method returning (and resetting) the terms the
             scheme does not weigh itself (e.g. weight regularizers of replicated parameters)
         :param post_forward_pass: the model's hook after each forward pass
+        :param weighted: the loop has a loss weighter (batches without weights are refused)
         """
         self.scheme = scheme
         self.loss = loss
@@ -70,6 +72,8 @@ class StepRunner:
         self.num_entities = scheme.model.num_entities
         self.collect_regularization_term = collect_regularization_term
         self.post_forward_pass = post_forward_pass
+        #: the loop has a loss weighter: every batch must carry the positives' weights
+        self.weighted = weighted
         #: the rows of the step being run
         self.rows: RowGather | None = None
         #: the local rows the step updates (of all replicas of the shard), shape: ``[U]``; set by
@@ -135,6 +139,8 @@ class StepRunner:
         total = torch.zeros((), dtype=torch.float64, device=self.topology.device)
         num_valid = batch.num_valid
         weight_step = 0.0 if batch.weights is None else float(batch.weights.sum(dtype=torch.float64))  # CPU plan
+        if batch.weights is None and self.weighted:
+            raise ValueError("The loop has a loss weighter, but its sampler's batches carry no weights.")
         for start in range(first, last, sub_block_size):
             stop = min(start + sub_block_size, last)
             scores = self.scheme.scores(batch, rows, start, stop)
