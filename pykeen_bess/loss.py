@@ -27,7 +27,14 @@ import math
 from typing import Any
 
 import torch
-from pykeen.losses import DeltaPointwiseLoss, Loss, NoSampleWeightSupportError, NSSALoss, PointwiseLoss
+from pykeen.losses import (
+    DeltaPointwiseLoss,
+    Loss,
+    NoSampleWeightSupportError,
+    NSSALoss,
+    PointwiseLoss,
+    UnsupportedLabelSmoothingError,
+)
 from pykeen.triples.weights import LossWeighter, RelationLossWeighter
 from pykeen.typing import BoolTensor, FloatTensor, LongTensor, MappedTriples
 from torch.nn import functional
@@ -40,7 +47,6 @@ __all__ = [
     "WeightedNSSALoss",
     "block_loss",
     "delta_pointwise_loss",
-    "normalizes_by_weight",
     "partition_weights",
     "weight_convention",
 ]
@@ -92,7 +98,7 @@ def block_loss(
             )
         )
         if loss.reduction == "mean":
-            if weights is not None and normalizes_by_weight(loss):
+            if weights is not None and weight_convention(loss) == "sum":
                 # PyKEEN's weighted mean divides by the weights' sum, (1 + K) times the positives' weights
                 # (a step whose positives all weigh 0 has the value 0, as PyKEEN's clamped division gives)
                 value = value * (weights.sum() / (weight_step if weight_step > 0 else 1.0))
@@ -158,7 +164,7 @@ def partition_weights(weighter: LossWeighter | None, loss: Loss, partition: Shar
     """
     if weighter is None:
         return None
-    normalizes_by_weight(loss)  # refuses a loss without weights, or with a weighted mean of unknown form
+    weight_convention(loss)  # refuses a loss without weights, or with a weighted mean of unknown form
     if not isinstance(loss, WeightedNSSALoss) and not isinstance(weighter, RelationLossWeighter):
         raise ValueError(
             f"BESS gives every negative triple its positive's loss weight. With {type(loss).__name__}, PyKEEN weighs "
@@ -191,29 +197,20 @@ def partition_weights(weighter: LossWeighter | None, loss: Loss, partition: Shar
     return weights
 
 
-def normalizes_by_weight(loss: Loss) -> bool:
-    """Whether the loss's weighted mean divides by the sum of the weights (else by their number).
-
-    PyKEEN's margin-activation pointwise losses, its MSE and focal loss reduce weighted values with
-    :func:`~pykeen.losses.weighted_reduction` (``sum(w * l) / sum(w)`` over the positives' and the
-    negatives' weights); BCE uses torch's weighted mean (``sum(w * l) / N``) and
-    :class:`WeightedNSSALoss` averages over the positives. Which one a loss uses is measured once
-    per loss class (:func:`weight_convention`), so a user's loss is handled, too.
-
-    :raises ValueError: see :func:`weight_convention`
-    """
-    return weight_convention(loss) == "sum"
-
-
 _CONVENTIONS: dict[type, str] = {}
 
 
 def weight_convention(loss: Loss) -> str:
     """How the loss's weighted mean is normalised: ``"sum"`` (by the weights' sum) or ``"count"`` (by their number).
 
-    Measured by evaluating the loss on a small batch with the weights ``w`` and ``2 w`` (every
-    negative weighing its positive's weight, as BESS passes them): a value that stays is divided by
-    the weights' sum, one that doubles by their number. Cached per loss class.
+    PyKEEN's margin-activation pointwise losses, its MSE and focal loss reduce weighted values with
+    :func:`~pykeen.losses.weighted_reduction` (``sum(w * l) / sum(w)`` over the positives' and the
+    negatives' weights); BCE uses torch's weighted mean (``sum(w * l) / N``) and
+    :class:`WeightedNSSALoss` averages over the positives. :func:`block_loss` splits the mean over
+    blocks accordingly. Measured (so a user's loss is handled, too) by evaluating the loss on a
+    small batch with the weights ``w`` and ``2 w`` (every negative weighing its positive's weight,
+    as BESS passes them): a value that stays is divided by the weights' sum, one that doubles by
+    their number. Cached per loss class.
 
     :raises ValueError: if the loss refuses weights (PyKEEN's pairwise and adversarial losses), or its
         value neither stays nor doubles
@@ -296,8 +293,6 @@ class WeightedNSSALoss(NSSALoss):
                 neg_weights=neg_weights,
             )
         if label_smoothing:
-            from pykeen.losses import UnsupportedLabelSmoothingError
-
             raise UnsupportedLabelSmoothingError(self)
         if batch_filter is not None:
             raise NotImplementedError("WeightedNSSALoss does not support filtered negatives with weights.")
