@@ -9,7 +9,8 @@ Python file and calls ``get_torchbiggraph_config()``; checkpoints store the conf
 PBG normalises them (``numPartitions`` -> ``num_partitions``) and PBG's defaults are filled in.
 
 :func:`check_expressible` raises a clear error for what a PyKEEN model cannot express
-(featurized entities, relation weights, ``all_negs``). :func:`write_config` writes both
+(featurized entities, ``all_negs``); :func:`relation_weights` reads the relations' loss weights
+(the graph schema keeps them, the BESS loop trains with them). :func:`write_config` writes both
 ``config.json`` and a ``config.py`` that PBG's command-line tools accept.
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
+import math
 import os
 import pathlib
 import pprint
@@ -34,6 +36,7 @@ __all__ = [
     "check_expressible",
     "load_config",
     "normalize_config",
+    "relation_weights",
     "write_config",
 ]
 
@@ -186,7 +189,7 @@ def load_config(config: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]
 def check_expressible(config: Mapping[str, Any], source: str = "the config") -> None:
     """Raise a clear error for what a PyKEEN model and BESS cannot express.
 
-    :raises ValueError: for featurized entity types, relation weights other than 1 and ``all_negs``
+    :raises ValueError: for featurized entity types, ``all_negs`` and invalid relation weights
     """
     featurized = [name for name, entity in config["entities"].items() if entity.get("featurized")]
     if featurized:
@@ -194,18 +197,39 @@ def check_expressible(config: Mapping[str, Any], source: str = "the config") -> 
             f"{source}: entity types {featurized} are featurized (an entity is the mean of feature embeddings); "
             f"PyKEEN's models have one embedding per entity, so featurized graphs cannot be imported."
         )
-    weighted = [r["name"] for r in config["relations"] if float(r.get("weight", 1.0)) != 1.0]
-    if weighted:
-        raise ValueError(
-            f"{source}: relations {weighted} have a loss weight other than 1, which the importer does not "
-            f"translate; set the weights to 1 and pass PyKEEN's RelationLossWeighter as the loop's loss_weighter."
-        )
     all_negs = [r["name"] for r in config["relations"] if r.get("all_negs")]
     if all_negs:
         raise ValueError(
             f"{source}: relations {all_negs} train with all_negs=True (every entity a negative); BESS draws "
             f"num_negs_per_pos shared negatives per block. Set all_negs=False."
         )
+    weights = {r["name"]: r.get("weight", 1.0) for r in config["relations"]}
+    bad = {}
+    for name, weight in weights.items():
+        try:
+            value = float(weight)
+        except (TypeError, ValueError):
+            value = math.nan
+        if not math.isfinite(value) or value < 0:
+            bad[name] = weight
+    if bad:
+        raise ValueError(f"{source}: relation weights must be finite, non-negative numbers: {bad}.")
+    if weights and not any(float(weight) > 0 for weight in weights.values()):
+        raise ValueError(f"{source}: every relation has weight 0; nothing would be trained.")
+
+
+def relation_weights(config: Mapping[str, Any], num_relations: int) -> tuple[float, ...]:
+    """Return PyTorch-BigGraph's loss ``weight`` of every relation id (empty if all are 1).
+
+    With dynamic relations the config's one relation entry gives the weight of all
+    ``num_relations`` relations; otherwise relation id ``i`` is the config's relation ``i``.
+    """
+    relations = config["relations"]
+    if config.get("dynamic_relations"):
+        weights = (float(relations[0].get("weight", 1.0)),) * num_relations
+    else:
+        weights = tuple(float(r.get("weight", 1.0)) for r in relations)
+    return weights if any(weight != 1.0 for weight in weights) else ()
 
 
 def write_config(config: Mapping[str, Any], directory: str | pathlib.Path) -> pathlib.Path:

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from pykeen.triples import CoreTriplesFactory, TriplesFactory
+from pykeen.triples.weights import RelationLossWeighter
 
 from .schema import SCHEMA_KEY, GraphSchema, schema_of
 
@@ -82,6 +83,20 @@ class TypedGraph:
         if self.testing is None:
             raise ValueError("A PyKEEN dataset needs testing triples; this graph has none.")
         return EagerDataset(training=self.training, testing=self.testing, validation=self.validation)
+
+    def loss_weighter(self) -> RelationLossWeighter | None:
+        """Return the relations' loss weights (PyTorch-BigGraph's ``weight``) as PyKEEN's loss weighter.
+
+        The BESS loop applies them by itself; pass this to another training loop
+        (``training_loop_kwargs=dict(loss_weighter=graph.loss_weighter())``). The weights are indexed by
+        the relation ids the training factory trains (an inverse relation weighs what its relation does).
+
+        :returns: None if every relation weighs 1
+        """
+        if not self.schema.weighted:
+            return None
+        weights = self.schema.relation_weight_tensor(self.training).to(torch.get_default_dtype())
+        return RelationLossWeighter(weights=weights)
 
     def entity_labels(self) -> list[str] | None:
         """Return the label of every entity in id order (None without names)."""

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from . import files
-from .config import check_expressible, load_config, write_config
+from .config import check_expressible, load_config, relation_weights, write_config
 from .graph import EDGE_PATH_KEY, SPLITS, TypedGraph
 from .schema import GraphSchema
 
@@ -241,7 +241,10 @@ def _read_entities(entity_path: pathlib.Path, config: Mapping[str, Any]) -> tupl
         relation_names = [r["name"] for r in relations]
         lhs = [types.index(r["lhs"]) for r in relations]
         rhs = [types.index(r["rhs"]) for r in relations]
-    return _schema_and_labels(types, partition_sizes, names, relation_names, lhs, rhs, config["dynamic_relations"])
+    weights = relation_weights(config, len(relation_names))
+    return _schema_and_labels(
+        types, partition_sizes, names, relation_names, lhs, rhs, config["dynamic_relations"], weights
+    )
 
 
 def _schema_and_labels(
@@ -252,6 +255,7 @@ def _schema_and_labels(
     lhs: Sequence[int],
     rhs: Sequence[int],
     dynamic: bool,
+    weights: Sequence[float] = (),
 ) -> tuple[GraphSchema, list[str] | None]:
     """Build the schema and the entity labels (qualified with the type where names repeat across types)."""
     present = [n is not None for parts in names for n in parts]
@@ -276,6 +280,7 @@ def _schema_and_labels(
         relation_rhs=tuple(rhs),
         dynamic_relations=bool(dynamic),
         qualified_labels=qualified,
+        relation_weights=tuple(weights),
     )
     return schema, labels
 
@@ -373,19 +378,26 @@ def graph_config(
     operator = settings.pop("operator", "none")
     types = schema.entity_types
     entities = {t: {"num_partitions": len(sizes)} for t, sizes in zip(types, schema.partition_sizes)}
+    weights = list(schema.relation_weights or (1.0,) * schema.num_relations)
     if schema.dynamic_relations:
+        if len(set(weights)) > 1:
+            raise ValueError(
+                "PyTorch-BigGraph's dynamic relations share one loss weight; this graph's relations have "
+                f"{len(set(weights))} different ones."
+            )
         relations = [
             {
                 "name": DYNAMIC_RELATION,
                 "lhs": types[schema.relation_lhs[0]],
                 "rhs": types[schema.relation_rhs[0]],
                 "operator": operator,
+                "weight": weights[0] if weights else 1.0,
             }
         ]
     else:
         relations = [
-            {"name": name, "lhs": types[lhs], "rhs": types[rhs], "operator": operator}
-            for name, lhs, rhs in zip(schema.relation_names, schema.relation_lhs, schema.relation_rhs)
+            {"name": name, "lhs": types[lhs], "rhs": types[rhs], "operator": operator, "weight": weight}
+            for name, lhs, rhs, weight in zip(schema.relation_names, schema.relation_lhs, schema.relation_rhs, weights)
         ]
     if edge_paths is None:
         training = None

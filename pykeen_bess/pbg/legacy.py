@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from .config import relation_weights
 from .schema import GraphSchema
 
 __all__ = [
@@ -88,6 +89,7 @@ def read_legacy_entities(entity_path: pathlib.Path, config: Mapping[str, Any]) -
         relation_lhs=lhs,
         relation_rhs=rhs,
         dynamic_relations=bool(config["dynamic_relations"]),
+        relation_weights=relation_weights(config, len(names)),
     )
     return schema, None
 

@@ -52,6 +52,8 @@ class GraphSchema:
     dynamic_relations: bool = False
     #: whether entity labels are ``"{type}:{name}"`` (names repeat across types) instead of the names
     qualified_labels: bool = False
+    #: per relation, PyTorch-BigGraph's loss ``weight`` (empty: every relation weighs 1)
+    relation_weights: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         """Check the schema's consistency (types, partitions, relations)."""
@@ -79,6 +81,16 @@ class GraphSchema:
             bad = [t for t in side if not 0 <= t < len(self.entity_types)]
             if bad:
                 raise ValueError(f"Relations refer to entity type indices {bad[:5]} outside the schema.")
+        if self.relation_weights:
+            if len(self.relation_weights) != len(self.relation_names):
+                raise ValueError(
+                    f"{len(self.relation_weights)} relation weights for {len(self.relation_names)} relations."
+                )
+            weights = torch.tensor(self.relation_weights, dtype=torch.float64)
+            if not bool(torch.isfinite(weights).all()) or bool((weights < 0).any()) or not bool((weights > 0).any()):
+                raise ValueError(
+                    f"Relation weights must be finite and non-negative, not all 0: {list(self.relation_weights)[:10]}."
+                )
         if self.dynamic_relations and (len(set(self.relation_lhs)) > 1 or len(set(self.relation_rhs)) > 1):
             raise ValueError("With dynamic relations every relation has the same head type and the same tail type.")
 
@@ -174,6 +186,26 @@ class GraphSchema:
             return table
         return sides[:, [0, 2]]
 
+    @property
+    def weighted(self) -> bool:
+        """Whether some relation has a loss weight other than 1."""
+        return any(float(weight) != 1.0 for weight in self.relation_weights)
+
+    def relation_weight_tensor(self, factory: Any = None) -> torch.Tensor:
+        """Return the loss weight of every relation id a factory trains, ``[R']`` (float64).
+
+        An inverse relation (``factory.create_inverse_triples``) weighs what its forward relation
+        weighs, as PyTorch-BigGraph weighs both sides' losses of an edge alike.
+        """
+        weights = torch.tensor(self.relation_weights or (1.0,) * self.num_relations, dtype=torch.float64)
+        if factory is None:
+            return weights
+        relations = torch.arange(self.num_relations).repeat_interleave(3).view(-1, 3)
+        relations = factory._add_inverse_triples_if_necessary(relations)
+        table = torch.ones(int(relations[:, 1].max()) + 1, dtype=torch.float64)
+        table[relations[:, 1]] = weights[relations[:, 0]]
+        return table
+
     def check_triples(self, mapped_triples: torch.Tensor, source: str = "the triples") -> None:
         """Check that every triple's head and tail have its relation's types.
 
@@ -236,7 +268,8 @@ class GraphSchema:
             for name, sizes in zip(self.entity_types, self.partition_sizes)
         )
         mode = "dynamic " if self.dynamic_relations else ""
-        return f"GraphSchema({types}; {self.num_relations} {mode}relations)"
+        weighted = ", weighted" if self.weighted else ""
+        return f"GraphSchema({types}; {self.num_relations} {mode}relations{weighted})"
 
 
 def schema_of(factory: Any) -> GraphSchema | None:

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .config import check_expressible, load_config
+from .config import check_expressible, load_config, relation_weights
 from .graph import DEFAULT_TYPE, TypedGraph
 from .schema import GraphSchema
 
@@ -216,6 +216,7 @@ def import_tsv(
         relation_rhs=tuple(relation_rhs),
         dynamic_relations=dynamic,
         qualified_labels=qualified,
+        relation_weights=relation_weights(settings, len(relation_names)) if settings is not None else (),
     )
     graph = TypedGraph.from_triples(
         schema, triples, entity_labels=labels, create_inverse_triples=create_inverse_triples, config=settings

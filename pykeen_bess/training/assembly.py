@@ -16,9 +16,10 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from pykeen.models import ERModel
 from pykeen.nn.representation import Embedding
-from pykeen.triples.weights import loss_weighter_resolver
+from pykeen.triples.weights import RelationLossWeighter, loss_weighter_resolver
 
 from ..distributed import Topology, make_topology
 from ..encoding import ColumnSplit, check_encoding_model
@@ -125,6 +126,11 @@ def assemble(loop: Any, settings: LoopSettings, partition: str) -> None:
     :raises ValueError: for settings that do not fit the partition or the processes
     """
     model = settings.model
+    if loop.loss_weighter is None and settings.schema is not None and settings.schema.weighted:
+        # PyTorch-BigGraph's relation weights (a config's "weight"); an explicit loss_weighter wins
+        weights = settings.schema.relation_weight_tensor(settings.factory).to(torch.get_default_dtype())
+        loop.loss_weighter = RelationLossWeighter(weights=weights)
+        logger.info("BESS: the graph's relation weights weigh the loss (PyKEEN's RelationLossWeighter).")
     columns = partition == "encoding"
     exchange = settings.exchange
     if columns and exchange is None:  # partial scores where the interaction is separable, else whole rows

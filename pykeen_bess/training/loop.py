@@ -179,7 +179,7 @@ class BessTrainingLoop(SLCWATrainingLoop):
             (typed graphs: by type); a checkpoint resumes only with the sharding it was written with
         :param kwargs: passed to :class:`pykeen.training.TrainingLoop` (optimizer, lr scheduler,
             result tracker, loss weighter (every positive's weight is passed to the loss as
-            ``pos_weights``, see :mod:`pykeen_bess.loss`), ...)
+            ``pos_weights``, see :mod:`pykeen_bess.loss`; default: a typed graph's relation weights), ...)
         :raises ValueError: for an unsupported model or invalid parameters
         :raises NotImplementedError: for features BESS does not support (inductive mode)
         """

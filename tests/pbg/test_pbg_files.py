@@ -186,7 +186,7 @@ def test_a_relation_whose_triples_violate_its_types(written) -> None:
     ("change", "message"),
     [
         (lambda c: c["entities"]["item"].update(featurized=True), "featurized"),
-        (lambda c: c["relations"][0].update(weight=0.5), "loss weight other than 1"),
+        (lambda c: c["relations"][0].update(weight=-0.5), "finite, non-negative"),
         (lambda c: c["relations"][1].update(all_negs=True), "all_negs"),
         (lambda c: c["relations"][1].update(operator="rotation"), "operator 'rotation'"),
         (lambda c: c.update(comparator="cosine"), "comparator 'cosine'"),
