@@ -141,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--model-kwargs", type=_json_object, help="more model options as JSON, e.g. '{\"p\": 1}'")
     data.add_argument("--loss", help="a PyKEEN loss name (default: the model's default loss)")
     data.add_argument("--loss-kwargs", type=_json_object, help="loss options as JSON, e.g. '{\"margin\": 1.0}'")
+    data.add_argument("--loss-weighter", help="a PyKEEN loss weighter, e.g. subsampling (default: none)")
 
     bess = train.add_argument_group("BESS")
     bess.add_argument("--num-shards", type=int, help="entity shards (default: the world size under torchrun, else 2)")
@@ -346,11 +347,9 @@ def pipeline_kwargs(args: argparse.Namespace, in_group: bool = False) -> dict[st
     for flag, key in (("model", "model"), ("loss", "loss"), ("optimizer", "optimizer"), ("evaluator", "evaluator")):
         if flag in settings:
             set_(key, settings[flag])
-    for flag, key in (("model_kwargs", "model_kwargs"), ("loss_kwargs", "loss_kwargs")):
-        if flag in settings:
-            set_(key, settings[flag])
-    if "optimizer_kwargs" in settings:
-        set_("optimizer_kwargs", settings["optimizer_kwargs"])
+    for key in ("model_kwargs", "loss_kwargs", "optimizer_kwargs"):
+        if key in settings:
+            set_(key, settings[key])
     if "dim" in settings:
         set_("model_kwargs", settings["dim"], "embedding_dim")
     if "lr" in settings:
@@ -380,14 +379,14 @@ def pipeline_kwargs(args: argparse.Namespace, in_group: bool = False) -> dict[st
         "storage_path",
         "partition",
         "sharding",
+        "exchange",
+        "corruption",
+        "loss_weighter",
     ):
         if flag in settings:
             set_("training_loop_kwargs", settings[flag], flag)
     if settings.get("typed_negatives"):
         set_("training_loop_kwargs", "typed", "negatives")
-    for flag, key in (("exchange", "exchange"), ("corruption", "corruption")):
-        if flag in settings:
-            set_("training_loop_kwargs", settings[flag], key)
     if settings.get("dense_updates"):
         set_("training_loop_kwargs", False, "sparse_updates")
     if "negatives" in settings:

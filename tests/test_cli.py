@@ -210,6 +210,18 @@ def test_sharding_flag() -> None:
         build_parser().parse_args(["train", "--sharding", "rows"])
 
 
+def test_loss_weighter_flag(capsys: pytest.CaptureFixture) -> None:
+    """--loss-weighter reaches the loop (Sun et al.'s subsampling with the weighted NSSA loss) and trains."""
+    arguments = ["--dataset", "nations", "--loss", "weightednssa", "--loss-weighter", "subsampling"]
+    kwargs = pipeline_kwargs(build_parser().parse_args(["train", *arguments]))
+    assert kwargs["training_loop_kwargs"]["loss_weighter"] == "subsampling" and kwargs["loss"] == "weightednssa"
+    assert "loss_weighter" not in pipeline_kwargs(build_parser().parse_args(["train"]))["training_loop_kwargs"]
+    code, out, _ = run(capsys, *arguments, *FAST)
+    assert code == 0 and 0 < json.loads(out)["both.realistic.inverse_harmonic_mean_rank"] <= 1
+    code, _, err = run(capsys, *arguments[:2], "--loss-weighter", "nosuch", *FAST)
+    assert code == 2 and "nosuch" in err
+
+
 def test_host_allocator_flag() -> None:
     """--host-allocator sets the loop's and the bess evaluator's host_allocator (keep: None)."""
     for value, expected in (("auto", "auto"), ("keep", None)):
