@@ -41,6 +41,11 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     # metrics, sub-batches, dense updates, clipping, a replicated parameter without gradient in some steps
     "evaluate": dict(REPLICATED, num_shards=2, replicas=2, evaluate=True, predict=True, export=True),
     "sub_batches": dict(REPLICATED, num_shards=2, replicas=2, batch_size=32, sub_batch_size=8),
+    # loss weights: the replicas of a shard split every block's weights with its slots
+    "weighted": dict(REPLICATED, num_shards=2, replicas=2, batch_size=32, sub_batch_size=8, loss_weighter="relation"),
+    "weighted_nssa": dict(
+        REPLICATED, num_shards=2, replicas=2, batch_size=32, loss_weighter="subsampling", loss="weightednssa"
+    ),
     "dense": dict(REPLICATED, num_shards=2, replicas=2, optimizer="adam", sparse_updates=False),
     "clipping": dict(
         REPLICATED, num_shards=2, replicas=2, replica_grouping="consecutive", gradient_clipping_max_norm=0.05
@@ -113,7 +118,10 @@ def test_two_shards_by_two_replicas_equal_two_logical_shards(replicated: dict[st
     check_equals_reference(name, replicated[name])
 
 
-@pytest.mark.parametrize("name", ["sub_batches", "dense", "clipping", "extra_parameter", "mesh", "mesh_transposed"])
+@pytest.mark.parametrize(
+    "name",
+    ["sub_batches", "weighted", "weighted_nssa", "dense", "clipping", "extra_parameter", "mesh", "mesh_transposed"],
+)
 def test_replicas_equal_the_reference_with(replicated: dict[str, Any], name: str) -> None:
     loop, _ = check_equals_reference(name, replicated[name])
     if name == "extra_parameter":

@@ -14,6 +14,7 @@ import torch
 from pykeen.datasets import Nations
 from pykeen.models import ERModel, model_resolver
 from pykeen.nn.modules import interaction_resolver
+from pykeen.triples.weights import RelationLossWeighter
 
 from pykeen_bess.distributed import LocalTopology
 from pykeen_bess.encoding import (
@@ -136,6 +137,22 @@ def test_sub_batches_clipping_and_sgd_equal_the_one_shard_run(nations: Nations) 
     losses, model, _ = train(nations, "DistMult", 3, "encoding", **settings)
     assert losses == pytest.approx(reference_losses, rel=1e-12)
     assert_same_model(model, reference)
+
+
+@pytest.mark.parametrize("exchange", ["encoding", "encoding_lookup"])
+@pytest.mark.parametrize("loss", ["softplus", "weightednssa"])
+def test_loss_weights_in_column_parts_equal_the_one_shard_run(nations: Nations, exchange: str, loss: str) -> None:
+    """Loss weights (per relation; Sun et al.'s subsampling, NSSA only) slice with the blocks of the column schemes."""
+    weights = torch.linspace(0.2, 2.0, nations.training.num_relations, dtype=torch.float64)
+    weighters: list[Any] = [RelationLossWeighter(weights=weights)] + (["subsampling"] if loss == "weightednssa" else [])
+    for weighter in weighters:
+        settings: dict[str, Any] = dict(loss_weighter=weighter, sub_batch_size=50, model_kwargs=dict(loss=loss))
+        reference_losses, reference, _ = train(nations, "DistMult", 1, "token", **settings)
+        losses, model, _ = train(nations, "DistMult", 3, "encoding", exchange=exchange, **settings)
+        assert losses == pytest.approx(reference_losses, rel=1e-12, abs=1e-12)
+        assert_same_model(model, reference)
+    unweighted_losses, _, _ = train(nations, "DistMult", 1, "token", model_kwargs=dict(loss=loss))
+    assert losses != pytest.approx(unweighted_losses, rel=1e-6)
 
 
 def test_the_trained_model_is_an_ordinary_model_with_the_same_metrics(nations: Nations) -> None:
