@@ -37,13 +37,16 @@ from pykeen.triples.utils import load_triples
 from pykeen_bess.evaluation import BessEvaluator
 
 
-def load(directory: pathlib.Path) -> dict[str, TriplesFactory]:
-    """The splits with one entity and relation index over all of them."""
+def load(directory: pathlib.Path, create_inverse_triples: bool = False) -> dict[str, TriplesFactory]:
+    """The splits with one entity and relation index over all of them (the config's ``dataset_kwargs``)."""
     labels = {name: load_triples(directory / f"{name}.txt") for name in ("train", "valid", "test")}
     base = TriplesFactory.from_labeled_triples(np.concatenate(list(labels.values())))
     return {
         name: TriplesFactory.from_labeled_triples(
-            triples, entity_to_id=base.entity_to_id, relation_to_id=base.relation_to_id
+            triples,
+            entity_to_id=base.entity_to_id,
+            relation_to_id=base.relation_to_id,
+            create_inverse_triples=create_inverse_triples,
         )
         for name, triples in labels.items()
     }
@@ -128,7 +131,11 @@ def main() -> None:
     args = parser.parse_args()
     raw = json.loads(args.config.read_text())
     config = raw.get("pipeline", raw)
-    splits = load(args.data)
+    dataset_kwargs = dict(config.get("dataset_kwargs") or {})
+    create_inverse_triples = bool(dataset_kwargs.pop("create_inverse_triples", False))
+    if dataset_kwargs:
+        parser.error(f"the config's dataset_kwargs {sorted(dataset_kwargs)} are not supported here")
+    splits = load(args.data, create_inverse_triples)
     rows = []
     for n in args.num_shards:
         result = run(config, splits, n, args.checkpoints)
