@@ -17,7 +17,8 @@ fraction is reported by :attr:`BessSampler.padding_fraction`.
 uniformly with replacement from the *real* (never padding) rows of every shard ``k``; all
 positives of the block share these ``num_negs_per_pos`` negatives. With corruption ``"ht"``
 the first ``block_size // 2`` slots of every block corrupt their head and the rest their tail;
-with ``"h"`` or ``"t"`` all slots corrupt that side.
+with ``"h"`` or ``"t"`` all slots corrupt that side. :class:`StepSharedBessSampler`
+(``negatives="step"``) draws one such set per step and gives it to every block.
 
 **Typed negatives** (:class:`TypedBessSampler`, ``negatives="typed"``, graphs with entity types,
 :mod:`pykeen_bess.pbg`): a slot's negatives have the type of its corrupted side (a relation's head or
@@ -48,6 +49,7 @@ __all__ = [
     "Corruption",
     "BessBatch",
     "BessSampler",
+    "StepSharedBessSampler",
     "TypedBessSampler",
     "resolve_negatives",
 ]
@@ -291,12 +293,38 @@ class TypedBessSampler(BessSampler):
         return (local + self._type_offsets.view(n, 1, 1, types, 1)).view(n, n, n, types * m)
 
 
+class StepSharedBessSampler(BessSampler):
+    """Uniform negatives shared by all blocks of a step (``negatives="step"``).
+
+    Every shard contributes the same ``m = num_negs_per_pos / n_shard`` entities to every block of
+    a step, so all ``n_shard ** 2`` blocks score against one set of ``num_negs_per_pos`` negatives,
+    as the single block of one shard does. A step then touches ``num_negs_per_pos`` negative rows
+    instead of ``n_shard ** 2`` times as many (each drawn for fewer positives); with one shard it is
+    :class:`BessSampler` itself.
+    """
+
+    def _negatives(self, generator: torch.Generator) -> torch.Tensor:
+        """Draw ``m`` negatives per owner shard, the same for every block.
+
+        :returns: shape: ``[n(k), n(i), n(j), m]``, local ids on shard ``k``, equal over ``(i, j)``
+        """
+        n, m = self.n_shard, self.negatives_per_shard
+        uniform = torch.rand(n, 1, 1, m, generator=generator, dtype=torch.float64)
+        limits = self._shard_counts.view(n, 1, 1, 1)
+        drawn = (uniform * limits.to(torch.float64)).long().clamp_max_(limits - 1)
+        return drawn.expand(n, n, n, m).contiguous()
+
+
 #: the negative samplers by name (``negatives=``)
-NEGATIVES: dict[str, type[BessSampler]] = {"uniform": BessSampler, "typed": TypedBessSampler}
+NEGATIVES: dict[str, type[BessSampler]] = {
+    "uniform": BessSampler,
+    "typed": TypedBessSampler,
+    "step": StepSharedBessSampler,
+}
 
 
 def resolve_negatives(negatives: str | type[BessSampler]) -> type[BessSampler]:
-    """Return the sampler class of ``negatives`` (``"uniform"``, ``"typed"`` or a :class:`BessSampler` subclass).
+    """Return the sampler class of ``negatives`` (``"uniform"``, ``"typed"``, ``"step"`` or a ``BessSampler`` subclass).
 
     :raises ValueError: for an unknown name
     """

@@ -282,6 +282,14 @@ def test_weighted_step_loss_equals_pykeen_slcwa(
     )
 
 
+@pytest.mark.parametrize(("exchange", "sub_batch_size"), [("embedding", None), ("score", 18)])
+def test_step_shared_negatives_step_loss_equals_pykeen_slcwa(
+    factory: CoreTriplesFactory, exchange: str, sub_batch_size: int | None
+) -> None:
+    """negatives="step": every positive of a step is scored against the step's one set of negatives."""
+    check_step_losses(factory, "DistMult", 3, exchange, "ht", sub_batch_size, negatives="step")
+
+
 def test_weighted_typed_negatives_step_loss_equals_pykeen_slcwa() -> None:
     """Loss weights with typed negatives (a typed graph in 3 partitions)."""
     graph = typed_graph(num_partitions=3, seed=2)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pykeen_bess.partition import ShardPairPartition
-from pykeen_bess.sampling import BessSampler
+from pykeen_bess.sampling import BessSampler, StepSharedBessSampler, resolve_negatives
 from pykeen_bess.sharding import EntitySharding
 
 
@@ -151,6 +151,28 @@ def test_negatives_are_drawn_equally_from_every_shard_and_never_padding() -> Non
     # uniform over a shard's real rows: every real row shows up over an epoch or two
     drawn = torch.cat([b.negatives[2].reshape(-1) for e in (1, 2) for b in sampler.epoch(e)])
     assert set(drawn.tolist()) == set(range(int(counts[2])))
+
+
+def test_step_shared_negatives_are_one_set_per_step_drawn_equally_from_every_shard() -> None:
+    """negatives="step": every block of a step gets the same m entities of every shard; the positives are unchanged."""
+    plain = make_sampler(n_shard=3, negatives=12, num_entities=40)
+    shared = StepSharedBessSampler(plain.partition, block_size=4, num_negs_per_pos=12, seed=0)
+    counts = plain.partition.sharding.shard_counts
+    steps = list(shared.epoch(1))
+    assert len(steps) == len(plain)
+    for batch, reference in zip(steps, plain.epoch(1)):
+        assert torch.equal(batch.positions, reference.positions)
+        assert batch.negatives.shape == (3, 3, 3, 4)
+        assert bool((batch.negatives == batch.negatives[:, :1, :1]).all())  # one set for all blocks (i, j)
+        assert bool((batch.negatives >= 0).all()) and bool((batch.negatives < counts.view(3, 1, 1, 1)).all())
+    assert not all(torch.equal(a.negatives, b.negatives) for a, b in zip(steps, steps[1:]))  # a new set per step
+    drawn = torch.cat([b.negatives[2, 0, 0] for e in range(1, 8) for b in shared.epoch(e)])
+    assert set(drawn.tolist()) == set(range(int(counts[2])))
+    assert resolve_negatives("step") is StepSharedBessSampler
+    # one shard: the step's only block, as drawn by the per-block sampler
+    single = make_sampler(n_shard=1, negatives=5)
+    same = StepSharedBessSampler(single.partition, block_size=4, num_negs_per_pos=5, seed=0)
+    assert all(torch.equal(a.negatives, b.negatives) for a, b in zip(single.epoch(1), same.epoch(1)))
 
 
 def test_sampler_is_reproducible_per_epoch() -> None:

@@ -170,7 +170,7 @@ def assemble(loop: Any, settings: LoopSettings, partition: str) -> None:
         partition,
         settings.negatives,
     )
-    if loop.config.sampler is not BessSampler:
+    if issubclass(loop.config.sampler, TypedBessSampler):
         if settings.schema is None:
             raise ValueError(
                 "negatives='typed' needs entity types: train on a typed graph's factories (pykeen_bess.pbg.read, "
@@ -310,7 +310,7 @@ def _encoding_unavailable(loop: Any, settings: LoopSettings, train_kwargs: dict)
         return str(error).split(";")[0]
     if loop.topology.replicas > 1:
         return "replicas"
-    if loop.config.sampler is not BessSampler:
+    if issubclass(loop.config.sampler, TypedBessSampler):
         return "typed negatives"
     if settings.checkpoint_format != "pykeen":
         return f"checkpoint_format={settings.checkpoint_format!r}"

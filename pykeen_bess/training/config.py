@@ -81,7 +81,7 @@ class BessConfig:
     #: how the entity tables are split: ``"token"`` (rows, BESS's shards) or ``"encoding"`` (columns)
     partition: str = "token"
     #: the sampler of balanced batches (``negatives="uniform"``: :class:`~pykeen_bess.sampling.BessSampler`,
-    #: ``"typed"``: :class:`~pykeen_bess.sampling.TypedBessSampler`)
+    #: ``"typed"``: :class:`~pykeen_bess.sampling.TypedBessSampler`, ``"step"``: ``StepSharedBessSampler``)
     sampler: type[BessSampler] = BessSampler
 
     @classmethod
