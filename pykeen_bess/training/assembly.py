@@ -23,7 +23,7 @@ from pykeen.triples.weights import RelationLossWeighter, loss_weighter_resolver
 
 from ..distributed import Topology, make_topology
 from ..encoding import ColumnSplit, check_encoding_model
-from ..loss import partition_weights
+from ..loss import partition_weights, weight_convention
 from ..pbg.schema import GraphSchema
 from ..schemes import AUTO, EncodingScheme, ExchangeScheme, choose_scheme, query_width, scheme_resolver
 from ..scoring import get_scorer
@@ -128,6 +128,14 @@ def assemble(loop: Any, settings: LoopSettings, partition: str) -> None:
     model = settings.model
     if loop.loss_weighter is None and settings.schema is not None and settings.schema.weighted:
         # PyTorch-BigGraph's relation weights (a config's "weight"); an explicit loss_weighter wins
+        try:
+            weight_convention(loop.loss)
+        except ValueError as error:
+            reason = str(error)
+            raise ValueError(
+                f"The graph's relations have loss weights (PyTorch-BigGraph's 'weight'), which the loop applies, "
+                f"but {reason[:1].lower()}{reason[1:]} Or set the weights to 1 in the graph's config."
+            ) from error
         weights = settings.schema.relation_weight_tensor(settings.factory).to(torch.get_default_dtype())
         loop.loss_weighter = RelationLossWeighter(weights=weights)
         logger.info("BESS: the graph's relation weights weigh the loss (PyKEEN's RelationLossWeighter).")

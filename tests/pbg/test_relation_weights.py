@@ -138,3 +138,10 @@ def test_the_loop_trains_with_the_graph_weights(tmp_path: pathlib.Path, n_shard:
     # an explicit weighter wins over the graph's weights
     uniform = RelationLossWeighter(weights=torch.ones(graph.training.num_relations))
     torch.testing.assert_close(_train(graph.training, n_shard, loss_weighter=uniform)[1], plain[1])
+
+
+def test_a_loss_without_weights_is_refused_when_the_loop_is_built(tmp_path: pathlib.Path) -> None:
+    graph = weighted_graph(tmp_path)
+    model = DistMult(triples_factory=graph.training, embedding_dim=8, loss="marginranking")
+    with pytest.raises(ValueError, match="loss weights .* but the loss MarginRankingLoss does not support"):
+        BessTrainingLoop(model=model, triples_factory=graph.training, automatic_memory_optimization=False)
