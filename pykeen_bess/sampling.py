@@ -197,10 +197,14 @@ class BessSampler:
 
         :returns: shape: ``[n(k), n(i), n(j), m]``, local ids on shard ``k``
         """
+        return self._draw(generator, self.n_shard)
+
+    def _draw(self, generator: torch.Generator, blocks: int) -> torch.Tensor:
+        """Draw ``m`` real rows of every shard for ``blocks x blocks`` blocks: ``[n(k), blocks, blocks, m]``."""
         n, m = self.n_shard, self.negatives_per_shard
-        uniform = torch.rand(n, n, n, m, generator=generator, dtype=torch.float64)
-        limits = self._shard_counts.view(n, 1, 1, 1).to(torch.float64)
-        return (uniform * limits).long().clamp_max_(self._shard_counts.view(n, 1, 1, 1) - 1)
+        uniform = torch.rand(n, blocks, blocks, m, generator=generator, dtype=torch.float64)
+        limits = self._shard_counts.view(n, 1, 1, 1)
+        return (uniform * limits.to(torch.float64)).long().clamp_max_(limits - 1)
 
 
 class TypedBessSampler(BessSampler):
@@ -308,11 +312,8 @@ class StepSharedBessSampler(BessSampler):
 
         :returns: shape: ``[n(k), n(i), n(j), m]``, local ids on shard ``k``, equal over ``(i, j)``
         """
-        n, m = self.n_shard, self.negatives_per_shard
-        uniform = torch.rand(n, 1, 1, m, generator=generator, dtype=torch.float64)
-        limits = self._shard_counts.view(n, 1, 1, 1)
-        drawn = (uniform * limits.to(torch.float64)).long().clamp_max_(limits - 1)
-        return drawn.expand(n, n, n, m).contiguous()
+        n = self.n_shard
+        return self._draw(generator, 1).expand(n, n, n, -1).contiguous()
 
 
 #: the negative samplers by name (``negatives=``)
