@@ -59,6 +59,10 @@ class BessBatch:
     #: shape: ``[n(i), n(j), b]``, the loss weight of every slot's positive (a PyKEEN loss weighter;
     #: 0 for padding); None: unweighted
     weights: torch.Tensor | None = None
+    #: whether all blocks of the step share one set of negatives (``negatives[:, i, j]`` equal for all
+    #: ``(i, j)``, :class:`~pykeen_bess.sampling.StepSharedBessSampler`): the schemes then gather, move
+    #: and score the ``K`` rows once for the whole step
+    shared_negatives: bool = False
 
     @property
     def n_shard(self) -> int:
@@ -99,7 +103,8 @@ class RowGather:
     heads: torch.Tensor
     #: shape: ``[L(j), n(i), b]``, index into ``rows`` of the tail of every gathered slot of blocks ``(*, l)``
     tails: torch.Tensor
-    #: shape: ``[L(k), n(i), n(j), m]``, index into ``rows`` of this shard's negatives of every block
+    #: shape: ``[L(k), n(i), n(j), m]``, index into ``rows`` of this shard's negatives of every block;
+    #: ``[L(k), 1, 1, m]`` when all blocks share them (:attr:`BessBatch.shared_negatives`)
     negatives: torch.Tensor
     #: the position of the first real row (1 if there is a dummy row, else 0), known on the host
     first_real: int

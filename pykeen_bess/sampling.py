@@ -62,6 +62,9 @@ CORRUPTIONS: tuple[str, ...] = ("h", "t", "ht")
 class BessSampler:
     """Draws the balanced batches of an epoch from a shardpair partition."""
 
+    #: whether all blocks of a step share one set of negatives (:attr:`BessBatch.shared_negatives`)
+    shares_negatives: bool = False
+
     def __init__(
         self,
         partition: ShardPairPartition,
@@ -185,6 +188,7 @@ class BessSampler:
                 epoch=epoch,
                 step=step,
                 weights=None if weights is None else weights.view(n, n, b),
+                shared_negatives=self.shares_negatives,
                 **self._candidate_types(relations),
             )
 
@@ -304,8 +308,12 @@ class StepSharedBessSampler(BessSampler):
     a step, so all ``n_shard ** 2`` blocks score against one set of ``num_negs_per_pos`` negatives,
     as the single block of one shard does. A step then touches ``num_negs_per_pos`` negative rows
     instead of ``n_shard ** 2`` times as many (each drawn for fewer positives); with one shard it is
-    :class:`BessSampler` itself.
+    :class:`BessSampler` itself. The batches say so (:attr:`BessBatch.shared_negatives`), and the
+    exchange schemes then gather, move and score the ``K`` rows once per step instead of once per
+    block: ``[L(i), n(j) * b', q] x [L(i), K, c]``, the matrix shape of one shard.
     """
+
+    shares_negatives = True
 
     def _negatives(self, generator: torch.Generator) -> torch.Tensor:
         """Draw ``m`` negatives per owner shard, the same for every block.

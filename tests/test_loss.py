@@ -282,12 +282,16 @@ def test_weighted_step_loss_equals_pykeen_slcwa(
     )
 
 
-@pytest.mark.parametrize(("exchange", "sub_batch_size"), [("embedding", None), ("score", 18)])
+@pytest.mark.parametrize("model_name", ["ComplEx", "DistMult", "CP"])
+@pytest.mark.parametrize(
+    ("n_shard", "exchange", "sub_batch_size"), [(3, "embedding", None), (3, "score", 18), (2, "score", 4)]
+)
 def test_step_shared_negatives_step_loss_equals_pykeen_slcwa(
-    factory: CoreTriplesFactory, exchange: str, sub_batch_size: int | None
+    factory: CoreTriplesFactory, model_name: str, n_shard: int, exchange: str, sub_batch_size: int | None
 ) -> None:
-    """negatives="step": every positive of a step is scored against the step's one set of negatives."""
-    check_step_losses(factory, "DistMult", 3, exchange, "ht", sub_batch_size, negatives="step")
+    """negatives="step": every positive of a step is scored against the step's one set of negatives
+    (each negative row regularized with its weight summed over the blocks)."""
+    check_step_losses(factory, model_name, n_shard, exchange, "ht", sub_batch_size, negatives="step")
 
 
 def test_weighted_typed_negatives_step_loss_equals_pykeen_slcwa() -> None:

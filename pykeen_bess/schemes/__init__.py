@@ -75,16 +75,21 @@ def exchange_cost(
     entity_width: int,
     query_width: int,
     element_size: int = 4,
+    shared_negatives: bool = False,
 ) -> int:
     """Return the bytes one process sends to the others per step (forward pass) with a scheme.
 
     See :meth:`ExchangeScheme.cost`: both schemes move the positive tails, ``(n - 1) * b * D``;
     ``embedding`` moves the negatives, ``(n - 1) * K * D``; ``score`` gathers the queries,
-    ``(n - 1) * n * b * q``, and moves the scores back, ``(n - 1) * b * K``.
+    ``(n - 1) * n * b * q``, and moves the scores back, ``(n - 1) * b * K``. With negatives shared by
+    all blocks of a step (``shared_negatives``, ``negatives="step"``) ``embedding`` all-gathers
+    ``(n - 1) * K / n * D``.
 
     :raises ValueError: for an unknown scheme
     """
-    return resolve_scheme(scheme).cost(n_shard, block_size, num_negs_per_pos, entity_width, query_width, element_size)
+    return resolve_scheme(scheme).cost(
+        n_shard, block_size, num_negs_per_pos, entity_width, query_width, element_size, shared_negatives
+    )
 
 
 def replica_cost(
@@ -148,16 +153,20 @@ def choose_scheme(
     query_width: int,
     partitions: Sequence[str] = ("token",),
     model: ERModel | None = None,
+    shared_negatives: bool = False,
 ) -> type[ExchangeScheme]:
     """Return the registered scheme that sends the fewest bytes per step; ties: the first registered.
 
     :param partitions: the entity-table partitions whose schemes are candidates
     :param model: only schemes that can train this model are candidates (e.g. partial scores need a
         column-separable interaction)
+    :param shared_negatives: whether all blocks of a step share one set of negatives
     """
     return min(
         (cls for cls in scheme_resolver if cls.partition in partitions and (model is None or cls.applies(model))),
-        key=lambda cls: cls.cost(n_shard, block_size, num_negs_per_pos, entity_width, query_width),
+        key=lambda cls: cls.cost(
+            n_shard, block_size, num_negs_per_pos, entity_width, query_width, shared_negatives=shared_negatives
+        ),
     )
 
 

@@ -94,6 +94,7 @@ class ExchangeScheme(ABC):
         entity_width: int,
         query_width: int,
         element_size: int = 4,
+        shared_negatives: bool = False,
     ) -> int:
         """Return the bytes one process sends to the others per step (forward pass).
 
@@ -103,17 +104,22 @@ class ExchangeScheme(ABC):
         the positive tails, ``(n - 1) * b * D``, plus what :meth:`negative_cost` says. The backward
         pass sends the same amounts back (gradients).
 
+        :param shared_negatives: whether all blocks of a step share one set of negatives
+            (:attr:`~pykeen_bess.batch.BessBatch.shared_negatives`)
         :returns: bytes sent per process and step
         """
         n, b = n_shard, block_size
         elements = (n - 1) * b * entity_width
-        elements += cls.negative_cost(n, b, num_negs_per_pos, entity_width, query_width)
+        elements += cls.negative_cost(n, b, num_negs_per_pos, entity_width, query_width, shared_negatives)
         return elements * element_size
 
     @classmethod
     @abstractmethod
-    def negative_cost(cls, n: int, b: int, k: int, entity_width: int, query_width: int) -> int:
-        """Return the values one process sends per step to score the negatives (forward pass)."""
+    def negative_cost(cls, n: int, b: int, k: int, entity_width: int, query_width: int, shared: bool = False) -> int:
+        """Return the values one process sends per step to score the negatives (forward pass).
+
+        :param shared: whether all blocks share one set of negatives
+        """
 
     # -- gathering -------------------------------------------------------------------------------
 
@@ -131,11 +137,14 @@ class ExchangeScheme(ABC):
         offset = (torch.arange(topology.n_local) * size).view(-1, 1, 1)
         valid = batch.valid[..., start:stop]
         heads, tails, negatives = batch.heads[..., start:stop], batch.tails[..., start:stop], batch.negatives
+        if batch.shared_negatives:  # one set for all blocks: [n(k), 1, 1, m]
+            negatives = negatives[:, :1, :1]
         if not bool(valid.all()):  # the plan is on the CPU: no device synchronisation
             # padding slots use the dummy row -1; negatives of blocks without real positives here too
             heads = torch.where(valid, heads, -1)
             tails = torch.where(valid, tails, -1)
-            negatives = torch.where(valid.any(dim=-1).unsqueeze(0).unsqueeze(-1), negatives, -1)
+            used = valid.any(dim=-1) if not batch.shared_negatives else valid.any().view(1, 1)
+            negatives = torch.where(used.unsqueeze(0).unsqueeze(-1), negatives, -1)
         # heads of blocks (l, *), tails of blocks (*, l), this shard's negatives of all blocks
         head_rows = _offset_rows(topology.select_local(heads, 0), offset)
         tail_rows = _offset_rows(topology.select_local(tails, 1).transpose(0, 1), offset)
@@ -234,17 +243,23 @@ class ExchangeScheme(ABC):
 
         # negatives of every local block, shared by its slots. They are gathered in the layout
         # [n(i), n(j), L(k), m, D] and viewed as [L(k), n(i), n(j), m, D]: after the (local)
-        # all-to-all the candidates of a block are then contiguous.
+        # all-to-all the candidates of a block are then contiguous. Negatives shared by all blocks
+        # are [L(k), 1, 1, m, D], each row weighing what it weighs in all blocks together.
         types = batch.num_candidate_types
         m = gathered.negatives.shape[-1] // types  # per candidate type
-        negative_shape = (n, n, topology.n_local, types, m)
+        blocks = gathered.negatives.shape[1]  # n, or 1 when the step's blocks share the negatives
+        negative_head, negative_tail = weights.negative_head, weights.negative_tail
+        if blocks < n:
+            negative_head = negative_head.sum(dim=(0, 1), keepdim=True)
+            negative_tail = negative_tail.sum(dim=(0, 1), keepdim=True)
+        negative_shape = (blocks, blocks, topology.n_local, types, m)
         negatives_local = self.lookup.entities(
             normalized,
             gathered.negatives.permute(1, 2, 0, 3),
             regularization,
             self.lookup.role_weights(
-                head=weights.negative_head.view(n, n, 1, types, 1).expand(negative_shape).reshape(n, n, -1, types * m),
-                tail=weights.negative_tail.view(n, n, 1, types, 1).expand(negative_shape).reshape(n, n, -1, types * m),
+                head=_per_row(negative_head, negative_shape),
+                tail=_per_row(negative_tail, negative_shape),
             ),
         ).permute(2, 0, 1, 3, 4)
         negative_scores = []
@@ -280,7 +295,8 @@ class ExchangeScheme(ABC):
         :param side: the corrupted side
         :param query: shape: ``[L(i), n(j), b'', q]``, the scorer's queries of the side's slots
         :param negatives: shape: ``[L(k), n(i), n(j), m, D]``, this process' negatives of every block,
-            packed (all tables' values of a row side by side)
+            packed (all tables' values of a row side by side); ``[L(k), 1, 1, m, D]`` when all blocks
+            share them (:attr:`~pykeen_bess.batch.BessBatch.shared_negatives`)
         :param cache: shared by the sides of one slice (e.g. negatives moved once for both sides)
         :returns: shape: ``[L(i), n(j), b'', K]``
         """
@@ -318,6 +334,12 @@ def select_candidate_type(scores: torch.Tensor, candidate_types: torch.Tensor, n
     scores = scores.view(*slots, n, types, -1)
     index = candidate_types.to(scores.device).view(*slots, 1, 1, 1).expand(*slots, n, 1, scores.shape[-1])
     return scores.gather(-2, index).reshape(*slots, -1)
+
+
+def _per_row(block_weights: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """Spread the weights ``[B, B, T]`` of a block's negatives to its rows: ``[B, B, L(k), T * m]``."""
+    blocks, _, local, types, m = shape
+    return block_weights.view(blocks, blocks, 1, types, 1).expand(shape).reshape(blocks, blocks, local, types * m)
 
 
 def _offset_rows(local_ids: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:

@@ -18,21 +18,34 @@ class EmbeddingMovingScheme(ExchangeScheme):
     """Move negative embeddings to the heads' shard; score every query against its block's ``K`` negatives there.
 
     ``all_to_all([L(k), n(i), n(j), m, D]) -> [L(i), n(k), n(j), m, D]``, once per slice for both
-    sides; then ``[L(i), n(j), b', q] x [L(i), n(j), K, c] -> [L(i), n(j), b', K]``.
+    sides; then ``[L(i), n(j), b', q] x [L(i), n(j), K, c] -> [L(i), n(j), b', K]``. Negatives shared
+    by all blocks (:attr:`~pykeen_bess.batch.BessBatch.shared_negatives`) are all-gathered instead,
+    ``[L(k), m, D] -> [L(i), K, D]``, and every local shard scores all its queries at once:
+    ``[L(i), n(j) * b', q] x [L(i), K, c]``.
     """
 
     synonyms: ClassVar[tuple[str, ...]] = ("embedding",)
 
     @classmethod
-    def negative_cost(cls, n: int, b: int, k: int, entity_width: int, query_width: int) -> int:
-        """Count the negatives' rows: ``(n - 1) * K * D``."""
-        return (n - 1) * k * entity_width
+    def negative_cost(cls, n: int, b: int, k: int, entity_width: int, query_width: int, shared: bool = False) -> int:
+        """Count the negatives' rows: ``(n - 1) * K * D``; ``(n - 1) * m * D`` shared by all blocks."""
+        return (n - 1) * (k // n if shared else k) * entity_width
 
     def negative_scores(  # noqa: D102
         self, side: Side, query: torch.Tensor, negatives: torch.Tensor, cache: dict[str, Any]
     ) -> torch.Tensor:
+        n = self.topology.n_shard
+        shared = negatives.shape[1] < n
         if "moved" not in cache:
-            # [L(k), n(i), n(j), m, D] -> [L(i), n(k), n(j), m, D] -> [L(i), n(j), K, D]
-            moved = self.topology.all_to_all(negatives).transpose(1, 2)
-            cache["moved"] = moved.reshape(moved.shape[0], self.topology.n_shard, -1, moved.shape[-1])
-        return self.scorer.score(side, query, self.candidate_parts(side, cache["moved"]))
+            if shared:  # [L(k), 1, 1, m, D] -> [L(i), n(k), m, D] -> [L(i), K, D]
+                moved = self.topology.all_gather(negatives[:, 0, 0])
+                cache["moved"] = moved.reshape(moved.shape[0], -1, moved.shape[-1])
+            else:  # [L(k), n(i), n(j), m, D] -> [L(i), n(k), n(j), m, D] -> [L(i), n(j), K, D]
+                moved = self.topology.all_to_all(negatives).transpose(1, 2)
+                cache["moved"] = moved.reshape(moved.shape[0], n, -1, moved.shape[-1])
+        candidates = self.candidate_parts(side, cache["moved"])
+        if not shared:
+            return self.scorer.score(side, query, candidates)
+        local, blocks, slots, width = query.shape
+        scores = self.scorer.score(side, query.reshape(local, blocks * slots, width), candidates)
+        return scores.view(local, blocks, slots, -1)

@@ -94,6 +94,7 @@ class EncodingScheme(ExchangeScheme):
         entity_width: int,
         query_width: int,
         element_size: int = 4,
+        shared_negatives: bool = False,
     ) -> int:
         """Return the bytes one process sends per step with ``n`` column parts, for a batch of ``n**2 * b`` positives.
 
@@ -102,7 +103,8 @@ class EncodingScheme(ExchangeScheme):
         ``B = n**2 * b`` positives and their ``K`` shared negatives once, in a ring all-reduce:
         ``2 (n - 1) / n * B * (1 + K)`` values, independent of the entity width ``D``. Row norms for
         constraints and regularizers add ``2 (n - 1) / n`` values per constrained or regularized row;
-        the backward pass sends nothing.
+        the backward pass sends nothing. The plan's one block shares its negatives whatever
+        ``shared_negatives`` says.
         """
         return cls.batch_cost(n_shard, n_shard**2 * block_size, num_negs_per_pos, element_size)
 
@@ -116,7 +118,7 @@ class EncodingScheme(ExchangeScheme):
         return 2 * (n_column - 1) * batch_size * (1 + num_negs_per_pos) * element_size // n_column
 
     @classmethod
-    def negative_cost(cls, n: int, b: int, k: int, entity_width: int, query_width: int) -> int:
+    def negative_cost(cls, n: int, b: int, k: int, entity_width: int, query_width: int, shared: bool = False) -> int:
         """Return the values sent for the negatives' partial scores (see :meth:`cost`)."""
         return 2 * (n - 1) * n * b * k
 

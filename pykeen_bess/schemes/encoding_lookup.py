@@ -98,13 +98,15 @@ class EncodingLookupScheme(EmbeddingMovingScheme):
         entity_width: int,
         query_width: int,
         element_size: int = 4,
+        shared_negatives: bool = False,
     ) -> int:
         """Return the bytes one process sends per step (at most) with ``n`` column parts, batches of ``n**2 * b``.
 
         Every part requests at most ``M = 2 B / n + K`` rows (heads and tails of its ``B / n`` slots,
         the ``K`` shared negatives); it sends the ``n - 1`` others its ``D / n`` columns of theirs:
         ``(n - 1) * M * D / n`` values forward, the same backward (gradients). Duplicate rows make
-        the measured bytes smaller; uneven parts are padded to the largest.
+        the measured bytes smaller; uneven parts are padded to the largest. The plan's one block
+        shares its negatives whatever ``shared_negatives`` says.
         """
         if n_shard == 1:
             return 0
@@ -113,7 +115,7 @@ class EncodingLookupScheme(EmbeddingMovingScheme):
         return 2 * (n_shard - 1) * rows * -(-entity_width // n_shard) * element_size
 
     @classmethod
-    def negative_cost(cls, n: int, b: int, k: int, entity_width: int, query_width: int) -> int:
+    def negative_cost(cls, n: int, b: int, k: int, entity_width: int, query_width: int, shared: bool = False) -> int:
         """Return the values sent for the negatives' rows (see :meth:`cost`)."""
         return (n - 1) * k * -(-entity_width // n)
 

@@ -273,12 +273,17 @@ def choose_partition(loop: Any, settings: LoopSettings, batch_size: int | None, 
     )
     num_negs = loop.config.num_negs_per_pos
     model = settings.model
+    shared = loop.config.sampler.shares_negatives
     costs = {
-        cls.get_name(): cls.cost(n, block_size, num_negs, **widths) for cls in scheme_resolver if cls.applies(model)
+        cls.get_name(): cls.cost(n, block_size, num_negs, **widths, shared_negatives=shared)
+        for cls in scheme_resolver
+        if cls.applies(model)
     }
     reason = _encoding_unavailable(loop, settings, train_kwargs)
     candidates = ("token",) if reason else ("token", "encoding")
-    chosen = choose_scheme(n, block_size, num_negs, partitions=candidates, model=model, **widths)
+    chosen = choose_scheme(
+        n, block_size, num_negs, partitions=candidates, model=model, shared_negatives=shared, **widths
+    )
     logger.info(
         "exchange='auto': bytes sent per process and step with %d parts and batches of %d: %s%s; chose %r.",
         n,
@@ -391,6 +396,7 @@ def make_scheme(loop: Any, block_size: int, topology: Topology) -> ExchangeSchem
             entity_width=sum(table.row_width for table in loop.tables),
             query_width=query_width(loop.scorer, loop.model, loop.tables.tables),
             partitions=(loop.config.partition,),
+            shared_negatives=loop.config.sampler.shares_negatives,
         )
         logger.info("exchange='auto' chose %s for blocks of %d slots.", scheme.get_name(), block_size)
     return scheme(model=loop.model, tables=loop.tables.tables, scorer=loop.scorer, topology=topology)

@@ -186,8 +186,9 @@ def run_epochs(
         )
         # a step's rows: heads and tails of the local blocks, the local shards' negatives of all blocks
         n, local = topology.n_shard, topology.n_local
+        negative_sets = 1 if batches.sampler.shares_negatives else n * n
         step_rows = min(
-            local * (2 * n * block_size + n * n * batches.sampler.negatives_per_shard), loop.memory_plan.rows
+            local * (2 * n * block_size + negative_sets * batches.sampler.negatives_per_shard), loop.memory_plan.rows
         )
         logger.info(
             "BESS storage %s: at most %d unique rows per step and table set, %.1f MiB moved from the tier per "

@@ -88,10 +88,15 @@ SCENARIOS = {
         # PyKEEN's softplus divides its weighted mean by the weights' sum: exact over ranks and sub-batches
         weighted=dict(BASE, sub_batch_size=2, loss_weighter="relation"),
         weighted_nssa=dict(BASE, sub_batch_size=2, loss_weighter="subsampling", loss="weightednssa"),
+        # one set of negatives per step: all-gathered (embedding) or scored in one product per shard (score)
+        step_embedding=dict(BASE, exchange="embedding", negatives="step", sub_batch_size=8),
+        step_score=dict(BASE, exchange="score", negatives="step"),
     ),
     4: dict(
         embedding=dict(BASE, exchange="embedding", batch_size=4 * 4**2),
         score=dict(BASE, exchange="score", batch_size=4 * 4**2),
+        step_embedding=dict(BASE, exchange="embedding", negatives="step", batch_size=4 * 4**2),
+        step_score=dict(BASE, exchange="score", negatives="step", batch_size=4 * 4**2),
     ),
 }
 
@@ -153,6 +158,18 @@ def test_ranks_equal_logical_shards(request: pytest.FixtureRequest, world_size: 
     for result in results:
         assert result["table"].shape == (shard_size, 8)
         assert result["entity_parameter_numel"] == shard_size * 8
+
+
+@pytest.mark.parametrize(("world_size", "exchange"), [(2, "embedding"), (2, "score"), (4, "embedding"), (4, "score")])
+def test_step_shared_negatives_on_ranks_equal_logical_shards(
+    request: pytest.FixtureRequest, world_size: int, exchange: str
+) -> None:
+    """negatives="step" (the schemes' one-set path: all-gather, one product per shard) on gloo ranks."""
+    scenario = f"step_{exchange}"
+    results = request.getfixturevalue("two_ranks" if world_size == 2 else "four_ranks")[scenario]
+    check_equals_local_reference(results, SCENARIOS[world_size][scenario], world_size)
+    _, _, per_block, _ = local_reference({**SCENARIOS[world_size][scenario], "negatives": "uniform"}, world_size)
+    assert results[0]["step_losses"] != pytest.approx(per_block, rel=1e-6)  # other negatives: another run
 
 
 @pytest.mark.parametrize("scenario", ["weighted", "weighted_nssa"])

@@ -13,7 +13,7 @@ from pykeen_bess.loss import block_loss
 from pykeen_bess.models import InterHT
 from pykeen_bess.partition import ShardPairPartition
 from pykeen_bess.representation import ShardedEmbedding
-from pykeen_bess.sampling import BessSampler
+from pykeen_bess.sampling import BessSampler, StepSharedBessSampler
 from pykeen_bess.schemes import choose_scheme, exchange_cost, resolve_scheme
 from pykeen_bess.scoring import get_scorer
 from pykeen_bess.sharding import EntitySharding
@@ -35,7 +35,13 @@ def dataset() -> Nations:
 
 
 def make_setup(
-    dataset: Nations, model_name: str, n_shard: int, corruption: str = "ht", block_size: int = 6, step: int = 0
+    dataset: Nations,
+    model_name: str,
+    n_shard: int,
+    corruption: str = "ht",
+    block_size: int = 6,
+    step: int = 0,
+    sampler_class: type[BessSampler] = BessSampler,
 ):
     cls, kwargs = MODELS[model_name]
     model = cls(triples_factory=dataset.training, random_seed=0, **kwargs).double()
@@ -47,7 +53,9 @@ def make_setup(
         table.copy_from(embedding)
         tables.append(table)
     partition = ShardPairPartition.from_triples(dataset.training.mapped_triples, sharding)
-    sampler = BessSampler(partition, block_size=block_size, num_negs_per_pos=2 * n_shard, corruption=corruption, seed=2)
+    sampler = sampler_class(
+        partition, block_size=block_size, num_negs_per_pos=2 * n_shard, corruption=corruption, seed=2
+    )
     batch = list(sampler.epoch(1))[step]
     return model, sharding, tables, batch
 
@@ -63,6 +71,40 @@ def test_sharded_scores_equal_unsharded_scores(dataset: Nations, model_name: str
     valid = batch.valid
     torch.testing.assert_close(scores.positive[valid], positive[valid], rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(scores.negative[valid], negative[valid], rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("model_name", sorted(MODELS))
+@pytest.mark.parametrize("n_shard", [2, 3])
+@pytest.mark.parametrize("scheme", ["embedding", "score"])
+def test_step_shared_negatives_are_scored_once_with_the_per_block_result(
+    dataset: Nations, model_name: str, n_shard: int, scheme: str
+) -> None:
+    """negatives="step": the one-set path gathers each negative row once and gives the per-block path's scores,
+    loss and gradients (the same plan scored block by block)."""
+    results = []
+    for shared in (True, False):
+        model, sharding, tables, batch = make_setup(dataset, model_name, n_shard, sampler_class=StepSharedBessSampler)
+        assert batch.shared_negatives
+        batch.shared_negatives = shared
+        step = resolve_scheme(scheme)(model, tables, get_scorer(model.interaction), LocalTopology(n_shard))
+        gathered = step.gather(batch)
+        assert gathered.negatives.shape == ((n_shard, 1, 1, 2) if shared else (n_shard, n_shard, n_shard, 2))
+        scores = step.scores(batch, gathered)
+        loss = block_loss(SoftplusLoss(), scores, batch.num_valid).sum()
+        loss.backward()
+        relation_grads = [p.grad.clone() for p in model.relation_representations.parameters()]
+        results.append((scores, loss.detach(), gathered, relation_grads))
+    (shared_scores, shared_loss, shared_rows, shared_relations), (scores, loss, rows, relations) = results
+    positive, negative = reference_scores(model, sharding, batch)
+    valid = batch.valid
+    torch.testing.assert_close(shared_scores.negative[valid], negative[valid], rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(shared_scores.positive[valid], positive[valid], rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(shared_loss, loss)
+    torch.testing.assert_close(shared_rows.rows, rows.rows)
+    for a, b in zip(
+        [leaf.grad for leaf in shared_rows.leaves] + shared_relations, [leaf.grad for leaf in rows.leaves] + relations
+    ):
+        torch.testing.assert_close(a, b)
 
 
 @pytest.mark.parametrize("model_name", ["DistMult", "ComplEx", "InterHT"])
@@ -134,3 +176,12 @@ def test_exchange_cost_model_prefers_score_moving_for_many_negatives() -> None:
     assert choose_scheme(num_negs_per_pos=4096, **kwargs).get_name() == "score"
     assert exchange_cost("embedding", num_negs_per_pos=64, **kwargs) == 4 * (3 * 32 * 256 + 3 * 64 * 256)
     assert exchange_cost("score", n_shard=1, block_size=8, num_negs_per_pos=8, entity_width=4, query_width=4) == 0
+
+
+def test_exchange_cost_model_knows_step_shared_negatives_move_once() -> None:
+    """Negatives shared by all blocks: the embedding scheme all-gathers m rows per shard, the score scheme is unchanged."""
+    kwargs = dict(n_shard=4, block_size=64, num_negs_per_pos=1024, entity_width=512, query_width=513)
+    assert exchange_cost("embedding", shared_negatives=True, **kwargs) == 4 * (3 * 64 * 512 + 3 * 256 * 512)
+    assert exchange_cost("score", shared_negatives=True, **kwargs) == exchange_cost("score", **kwargs)
+    assert choose_scheme(**kwargs).get_name() == "score"
+    assert choose_scheme(shared_negatives=True, **kwargs).get_name() == "embedding"
