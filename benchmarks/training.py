@@ -6,7 +6,8 @@ Adam) trained with
 * PyKEEN's ``SLCWATrainingLoop`` (64 *unshared* negatives per positive, its basic sampler), timed
   on batches after the first few (``--stock-batches``; an epoch takes minutes);
 * ``BessTrainingLoop`` with ``n = 1`` and ``n = 4`` logical shards (64 negatives shared per
-  block, drawn equally from every shard);
+  block, drawn equally from every shard), and with ``n = 4`` and ``negatives="step"`` (one set of
+  64 shared by all 16 blocks of a step, gathered and scored once);
 * a minimal hand-written PyTorch step with the same objective as BESS with one shard: a batch of
   random triples, 64 negatives shared by the whole batch (half of the batch corrupts heads, half
   tails), PyKEEN's DistMult loss and regularizer, ``nn.Embedding(sparse=True)`` with
@@ -25,8 +26,8 @@ process-wide), which everything else runs with.
 100 uniform + 50 batch negatives (152 shared negatives for BESS, a multiple of 4), Adagrad (BESS:
 ``rowwise_adagrad``, PyTorch-BigGraph's ``RowAdagrad``), measured in the same run:
 ``torchbiggraph_train`` with 2 Hogwild workers (its own "Processed N edges in T s" per epoch; the
-best epoch), and BESS at n = 1 and n = 4. Targets: BESS n = 1 >= 1.5x PyTorch-BigGraph, n = 4
-within 1.5x of n = 1.
+best epoch), and BESS at n = 1 and n = 4 (and n = 4 with ``negatives="step"``). Targets: BESS
+n = 1 >= 1.5x PyTorch-BigGraph, n = 4 within 1.5x of n = 1.
 
     python benchmarks/training.py --data ../shared/data/wn18rr
     python benchmarks/training.py --pbg-workload
@@ -181,6 +182,15 @@ def time_handwritten(tf: CoreTriplesFactory, dim: int, negatives: int, batch_siz
     return steady(start, ends, triples.shape[0])[1]
 
 
+#: the BESS runs of both workloads: (shards, negatives)
+BESS_SETTINGS = ((1, "uniform"), (4, "uniform"), (4, "step"))
+
+
+def label(n: int, negatives: str) -> str:
+    """Name a BESS run in the tables."""
+    return f"n={n}" + ("" if negatives == "uniform" else f', negatives="{negatives}"')
+
+
 def distmult_workload(args: argparse.Namespace) -> None:
     """BESS vs PyKEEN's stock loop vs the hand-written step, on WN18RR and a generated graph."""
     datasets = {
@@ -204,10 +214,11 @@ def distmult_workload(args: argparse.Namespace) -> None:
         stock_retained = time_stock(tf, args.dim, args.negatives, args.batch_size, args.stock_batches)
         print(f"stock sLCWA with BESS's allocator setting: {stock_retained:,.0f}/s", flush=True)
         # interleaved repeats, best of each: this machine's timings vary by tens of percent
-        handwritten, bess = 0.0, {1: (0.0, 0.0), 4: (0.0, 0.0)}
+        handwritten = 0.0
+        bess = {setting: (0.0, 0.0) for setting in BESS_SETTINGS}
         for _ in range(args.repeats):
             handwritten = max(handwritten, time_handwritten(tf, args.dim, args.negatives, args.batch_size, args.epochs))
-            for n in bess:
+            for n, negatives in bess:
                 first, best = time_bess(
                     tf,
                     make_model(tf, args.dim),
@@ -217,19 +228,22 @@ def distmult_workload(args: argparse.Namespace) -> None:
                     exchange=args.exchange,
                     num_negs_per_pos=args.negatives,
                     optimizer="adam",
+                    negatives=negatives,
                 )
-                bess[n] = (max(bess[n][0], first), max(bess[n][1], best))
+                setting = (n, negatives)
+                bess[setting] = (max(bess[setting][0], first), max(bess[setting][1], best))
         print(
             f"hand-written: {handwritten:,.0f}/s; BESS: "
-            + ", ".join(f"n={n} {v[1]:,.0f}/s (first epoch {v[0]:,.0f}/s)" for n, v in bess.items()),
+            + ", ".join(f"{label(*k)} {v[1]:,.0f}/s (first epoch {v[0]:,.0f}/s)" for k, v in bess.items()),
             flush=True,
         )
         rows.append((name, "PyKEEN SLCWATrainingLoop", stock, ""))
         rows.append((name, "PyKEEN SLCWATrainingLoop, BESS's allocator setting", stock_retained, ""))
         rows.append((name, "hand-written step (shared negatives)", handwritten, ""))
-        for n, (first, best) in bess.items():
-            ratios = f"{best / stock:.1f} | {best / handwritten:.2f} | {bess[1][1] / best:.2f} | {first:,.0f}"
-            rows.append((name, f"BessTrainingLoop n={n}", best, ratios))
+        single = bess[1, "uniform"][1]
+        for (n, negatives), (first, best) in bess.items():
+            ratios = f"{best / stock:.1f} | {best / handwritten:.2f} | {single / best:.2f} | {first:,.0f}"
+            rows.append((name, f"BessTrainingLoop {label(n, negatives)}", best, ratios))
     print()
     print(
         "| dataset | loop | positives/s (steady) | x stock | x hand-written | n=1 / this | first epoch, positives/s |"
@@ -281,7 +295,7 @@ def pbg_workload(args: argparse.Namespace) -> None:
     for _ in range(args.repeats):
         with tempfile.TemporaryDirectory() as directory:
             results["pbg"] = max(results.get("pbg", 0.0), time_pbg(tf, args, pathlib.Path(directory)))
-        for n in (1, 4):
+        for n, negatives in BESS_SETTINGS:
             model = ComplEx(triples_factory=tf, embedding_dim=args.pbg_dim, regularizer=None, random_seed=0)
             _, best = time_bess(
                 tf,
@@ -292,17 +306,19 @@ def pbg_workload(args: argparse.Namespace) -> None:
                 num_negs_per_pos=152,
                 optimizer="rowwise_adagrad",
                 optimizer_kwargs=dict(lr=0.1),
+                negatives=negatives,
             )
-            results[f"bess{n}"] = max(results.get(f"bess{n}", 0.0), best)
+            key = label(n, negatives)
+            results[key] = max(results.get(key, 0.0), best)
         print(json.dumps({k: round(v) for k, v in results.items()}), flush=True)
     print()
     print("| loop | positives/s (best epoch) | x PyTorch-BigGraph | n=1 / this |")
     print("|---|---:|---:|---:|")
     print(f"| PyTorch-BigGraph 1.0.0, 2 Hogwild workers | {results['pbg']:,.0f} | 1.00 | |")
-    for n in (1, 4):
-        value = results[f"bess{n}"]
-        ratio, scaling = value / results["pbg"], results["bess1"] / value
-        print(f"| BessTrainingLoop n={n} | {value:,.0f} | {ratio:.2f} | {scaling:.2f} |")
+    for n, negatives in BESS_SETTINGS:
+        value = results[label(n, negatives)]
+        ratio, scaling = value / results["pbg"], results["n=1"] / value
+        print(f"| BessTrainingLoop {label(n, negatives)} | {value:,.0f} | {ratio:.2f} | {scaling:.2f} |")
 
 
 def main() -> None:

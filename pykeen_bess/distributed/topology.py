@@ -157,6 +157,14 @@ class Topology(ABC):
         :returns: shape: ``[L, n, ...]``, ``y[l, s] = x`` of shard ``s``
         """
 
+    def all_gather_once(self, x: torch.Tensor) -> torch.Tensor:
+        """Give the process the tensors of all shards once, not once per local shard (differentiable).
+
+        :param x: shape: ``[L, ...]``
+        :returns: shape: ``[n, ...]``, ``y[s] = x`` of shard ``s`` (what :meth:`all_gather` gives every local shard)
+        """
+        return self.all_gather(x)[0]
+
     @abstractmethod
     def gather_shards(self, x: torch.Tensor) -> torch.Tensor | None:
         """Collect every shard's tensor on the main process (not differentiable).
@@ -302,6 +310,10 @@ class LocalTopology(Topology):
         check_leading(x, self.n_shard)
         # every local shard sees all shards' tensors; expand keeps this a view and sums gradients
         return x.unsqueeze(0).expand(self.n_shard, *x.shape)
+
+    def all_gather_once(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        check_leading(x, self.n_shard)
+        return x
 
     def gather_shards(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
         check_leading(x, self.n_shard)

@@ -20,8 +20,8 @@ class EmbeddingMovingScheme(ExchangeScheme):
     ``all_to_all([L(k), n(i), n(j), m, D]) -> [L(i), n(k), n(j), m, D]``, once per slice for both
     sides; then ``[L(i), n(j), b', q] x [L(i), n(j), K, c] -> [L(i), n(j), b', K]``. Negatives shared
     by all blocks (:attr:`~pykeen_bess.batch.BessBatch.shared_negatives`) are all-gathered instead,
-    ``[L(k), m, D] -> [L(i), K, D]``, and every local shard scores all its queries at once:
-    ``[L(i), n(j) * b', q] x [L(i), K, c]``.
+    ``[L(k), m, D] -> [n(k), m, D]``, once per process (:meth:`~pykeen_bess.distributed.Topology.all_gather_once`),
+    and one product scores all local queries: ``[L(i) * n(j) * b', q] x [K, c]``.
     """
 
     synonyms: ClassVar[tuple[str, ...]] = ("embedding",)
@@ -35,17 +35,18 @@ class EmbeddingMovingScheme(ExchangeScheme):
         self, side: Side, query: torch.Tensor, negatives: torch.Tensor, cache: dict[str, Any]
     ) -> torch.Tensor:
         n = self.topology.n_shard
-        shared = negatives.shape[1] < n
-        if "moved" not in cache:
-            if shared:  # [L(k), 1, 1, m, D] -> [L(i), n(k), m, D] -> [L(i), K, D]
-                moved = self.topology.all_gather(negatives[:, 0, 0])
-                cache["moved"] = moved.reshape(moved.shape[0], -1, moved.shape[-1])
-            else:  # [L(k), n(i), n(j), m, D] -> [L(i), n(k), n(j), m, D] -> [L(i), n(j), K, D]
-                moved = self.topology.all_to_all(negatives).transpose(1, 2)
-                cache["moved"] = moved.reshape(moved.shape[0], n, -1, moved.shape[-1])
-        candidates = self.candidate_parts(side, cache["moved"])
-        if not shared:
-            return self.scorer.score(side, query, candidates)
-        local, blocks, slots, width = query.shape
-        scores = self.scorer.score(side, query.reshape(local, blocks * slots, width), candidates)
-        return scores.view(local, blocks, slots, -1)
+        if negatives.shape[1] < n:  # shared by all blocks: [L(k), 1, 1, m, D]
+            if "moved" not in cache:
+                # [L(k), m, D] -> [n(k), m, D] -> [K, D]: every local shard would receive the same K rows,
+                # so the process takes them once (candidates computed once, one product)
+                moved = self.topology.all_gather_once(negatives[:, 0, 0])
+                cache["moved"] = moved.reshape(-1, moved.shape[-1])
+            local, blocks, slots, width = query.shape
+            candidates = self.candidate_parts(side, cache["moved"])  # [K, c]
+            return self.scorer.score(side, query.reshape(local * blocks * slots, width), candidates).view(
+                local, blocks, slots, -1
+            )
+        if "moved" not in cache:  # [L(k), n(i), n(j), m, D] -> [L(i), n(k), n(j), m, D] -> [L(i), n(j), K, D]
+            moved = self.topology.all_to_all(negatives).transpose(1, 2)
+            cache["moved"] = moved.reshape(moved.shape[0], n, -1, moved.shape[-1])
+        return self.scorer.score(side, query, self.candidate_parts(side, cache["moved"]))

@@ -18,6 +18,7 @@ def test_local_topology_collectives_are_transposes_and_copies() -> None:
     torch.testing.assert_close(topology.all_to_all(x), x.transpose(0, 1))
     gathered = topology.all_gather(torch.arange(6).view(3, 2))
     assert gathered.shape == (3, 3, 2) and torch.equal(gathered[1], torch.arange(6).view(3, 2))
+    torch.testing.assert_close(topology.all_gather_once(torch.arange(6).view(3, 2)), gathered[0])
     z = torch.tensor([1 + 2j, 3 - 1j])
     torch.testing.assert_close(topology.all_reduce(z), z)
     assert topology.all_reduce_coalesced([torch.ones(2), z])[1] is not z
@@ -30,6 +31,7 @@ def test_local_topology_collectives_are_transposes_and_copies() -> None:
 def test_probe_topology_keeps_shapes_without_communicating() -> None:
     probe = ProbeTopology(LocalTopology(2))
     assert probe.all_gather(torch.zeros(2, 5)).shape == (2, 2, 5)
+    assert probe.all_gather_once(torch.zeros(2, 5)).shape == (2, 5)
     assert probe.all_to_all(torch.zeros(2, 2, 3)).shape == (2, 2, 3)
 
 

@@ -179,7 +179,7 @@ def test_exchange_cost_model_prefers_score_moving_for_many_negatives() -> None:
 
 
 def test_exchange_cost_model_knows_step_shared_negatives_move_once() -> None:
-    """Negatives shared by all blocks: the embedding scheme all-gathers m rows per shard, the score scheme is unchanged."""
+    """Negatives shared by all blocks: the embedding scheme all-gathers m rows per shard; the score scheme as before."""
     kwargs = dict(n_shard=4, block_size=64, num_negs_per_pos=1024, entity_width=512, query_width=513)
     assert exchange_cost("embedding", shared_negatives=True, **kwargs) == 4 * (3 * 64 * 512 + 3 * 256 * 512)
     assert exchange_cost("score", shared_negatives=True, **kwargs) == exchange_cost("score", **kwargs)
