@@ -80,13 +80,9 @@ def _threads(text: str) -> str | int:
     """Parse ``--threads``: ``auto`` or a positive integer."""
     if text == "auto":
         return text
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected 'auto' or a positive integer, not {text!r}") from None
-    if value < 1:
+    if not text.strip().isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"expected 'auto' or a positive integer, not {text!r}")
-    return value
+    return int(text)
 
 
 def _json_object(text: str) -> dict[str, Any]:
@@ -159,11 +155,13 @@ def build_parser() -> argparse.ArgumentParser:
         "d / num_shards coordinates of all entities; separable interactions) (default: token)",
     )
     bess.add_argument("--corruption", choices=["h", "t", "ht"], help="corrupted side(s) (default: ht)")
-    bess.add_argument(
+    draws = bess.add_mutually_exclusive_group()
+    draws.add_argument(
         "--typed-negatives",
         action="store_true",
         help="draw a relation's negatives from its corrupted side's entity type (typed graphs, --pbg)",
     )
+    draws.add_argument("--step-negatives", action="store_true", help="one set of negatives per step, not per block")
     bess.add_argument("--negatives", type=int, help="negatives per positive, a multiple of --num-shards (default: 64)")
     bess.add_argument(
         "--sharding",
@@ -385,8 +383,9 @@ def pipeline_kwargs(args: argparse.Namespace, in_group: bool = False) -> dict[st
     ):
         if flag in settings:
             set_("training_loop_kwargs", settings[flag], flag)
-    if settings.get("typed_negatives"):
-        set_("training_loop_kwargs", "typed", "negatives")
+    for flag, draw in (("typed_negatives", "typed"), ("step_negatives", "step")):
+        if settings.get(flag):
+            set_("training_loop_kwargs", draw, "negatives")
     if settings.get("dense_updates"):
         set_("training_loop_kwargs", False, "sparse_updates")
     if "negatives" in settings:
