@@ -47,6 +47,9 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         REPLICATED, num_shards=2, replicas=2, batch_size=32, loss_weighter="subsampling", loss="weightednssa"
     ),
     "dense": dict(REPLICATED, num_shards=2, replicas=2, optimizer="adam", sparse_updates=False),
+    # one set of negatives per step, which the replicas of a shard gather for their own slots
+    "step_embedding": dict(REPLICATED, num_shards=2, replicas=2, batch_size=32, sub_batch_size=8, negatives="step"),
+    "step_score": dict(REPLICATED, num_shards=2, replicas=2, exchange="score", optimizer="adam", negatives="step"),
     "clipping": dict(
         REPLICATED, num_shards=2, replicas=2, replica_grouping="consecutive", gradient_clipping_max_norm=0.05
     ),
@@ -120,7 +123,18 @@ def test_two_shards_by_two_replicas_equal_two_logical_shards(replicated: dict[st
 
 @pytest.mark.parametrize(
     "name",
-    ["sub_batches", "weighted", "weighted_nssa", "dense", "clipping", "extra_parameter", "mesh", "mesh_transposed"],
+    [
+        "sub_batches",
+        "weighted",
+        "weighted_nssa",
+        "step_embedding",
+        "step_score",
+        "dense",
+        "clipping",
+        "extra_parameter",
+        "mesh",
+        "mesh_transposed",
+    ],
 )
 def test_replicas_equal_the_reference_with(replicated: dict[str, Any], name: str) -> None:
     loop, _ = check_equals_reference(name, replicated[name])
