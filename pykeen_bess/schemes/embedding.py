@@ -43,7 +43,7 @@ class EmbeddingMovingScheme(ExchangeScheme):
                 cache["moved"] = moved.reshape(-1, moved.shape[-1])
             local, blocks, slots, width = query.shape
             candidates = self.candidate_parts(side, cache["moved"])  # [K, c]
-            return self.scorer.score(side, query.reshape(local * blocks * slots, width), candidates).view(
+            return self.scorer.score(side, query.reshape(local * blocks * slots, width), candidates).reshape(
                 local, blocks, slots, -1
             )
         if "moved" not in cache:  # [L(k), n(i), n(j), m, D] -> [L(i), n(k), n(j), m, D] -> [L(i), n(j), K, D]

@@ -39,7 +39,7 @@ class ScoreMovingScheme(ExchangeScheme):
             candidates = self.candidate_parts(side, negatives[:, 0, 0])  # [L(k), m, c]
             local, n, _, slots, width = gathered.shape
             scores = self.scorer.score(side, gathered.reshape(local, n * n * slots, width), candidates)
-            scores = scores.view(local, n, n, slots, -1)
+            scores = scores.reshape(local, n, n, slots, -1)
         else:
             scores = self.scorer.score(side, gathered, self.candidate_parts(side, negatives))
         # [L(k), n(i), n(j), b', m] -> [L(i), n(k), n(j), b', m] -> [L(i), n(j), b', K]

@@ -42,6 +42,7 @@ def make_setup(
     block_size: int = 6,
     step: int = 0,
     sampler_class: type[BessSampler] = BessSampler,
+    num_negs_per_pos: int | None = None,
 ):
     cls, kwargs = MODELS[model_name]
     model = cls(triples_factory=dataset.training, random_seed=0, **kwargs).double()
@@ -53,9 +54,8 @@ def make_setup(
         table.copy_from(embedding)
         tables.append(table)
     partition = ShardPairPartition.from_triples(dataset.training.mapped_triples, sharding)
-    sampler = sampler_class(
-        partition, block_size=block_size, num_negs_per_pos=2 * n_shard, corruption=corruption, seed=2
-    )
+    negatives = num_negs_per_pos or 2 * n_shard
+    sampler = sampler_class(partition, block_size=block_size, num_negs_per_pos=negatives, corruption=corruption, seed=2)
     batch = list(sampler.epoch(1))[step]
     return model, sharding, tables, batch
 
@@ -105,6 +105,20 @@ def test_step_shared_negatives_are_scored_once_with_the_per_block_result(
         [leaf.grad for leaf in shared_rows.leaves] + shared_relations, [leaf.grad for leaf in rows.leaves] + relations
     ):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("scheme", ["embedding", "score"])
+def test_step_shared_negatives_score_without_gradients(dataset: Nations, scheme: str) -> None:
+    """Without gradients (K = 130: scores in rows padded for BLAS) the one-set path scores as the reference."""
+    model, sharding, tables, batch = make_setup(
+        dataset, "DistMult", 2, sampler_class=StepSharedBessSampler, num_negs_per_pos=130
+    )
+    step = resolve_scheme(scheme)(model, tables, get_scorer(model.interaction), LocalTopology(2))
+    with torch.no_grad():
+        scores = step.scores(batch, step.gather(batch))
+    _, negative = reference_scores(model, sharding, batch)
+    assert scores.negative.shape == (2, 2, 6, 130)
+    torch.testing.assert_close(scores.negative[batch.valid], negative[batch.valid], rtol=1e-9, atol=1e-9)
 
 
 @pytest.mark.parametrize("model_name", ["DistMult", "ComplEx", "InterHT"])
