@@ -310,7 +310,7 @@ class StepSharedBessSampler(BessSampler):
     instead of ``n_shard ** 2`` times as many (each drawn for fewer positives); with one shard it is
     :class:`BessSampler` itself. The batches say so (:attr:`BessBatch.shared_negatives`), and the
     exchange schemes then gather, move and score the ``K`` rows once per step instead of once per
-    block: ``[L(i), n(j) * b', q] x [L(i), K, c]``, the matrix shape of one shard.
+    block (the embedding scheme: ``[L(i) * n(j) * b', q] x [K, c]``, the matrix shape of one shard).
     """
 
     shares_negatives = True
