@@ -29,7 +29,7 @@ from ..distributed import Topology
 from ..optim import row_sparse_grad
 from ..representation import ShardedEmbedding
 from ..scoring import SharedCandidateScorer, Side
-from .lookup import Accumulator, RowLookup, slice_parts
+from .lookup import Accumulator, RowLookup, split_parts
 
 __all__ = [
     "ExchangeScheme",
@@ -215,19 +215,39 @@ class ExchangeScheme(ABC):
         regularization = Accumulator()
         normalized = [self.lookup.normalized_rows(table, leaf) for table, leaf in zip(self.tables, gathered.leaves)]
 
+        # negatives of every local block, shared by its slots. They are gathered in the layout
+        # [n(i), n(j), L(k), m, D] and viewed as [L(k), n(i), n(j), m, D]: after the (local)
+        # all-to-all the candidates of a block are then contiguous. Negatives shared by all blocks
+        # are [L(k), 1, 1, m, D], each row weighing what it weighs in all blocks together.
+        types = batch.num_candidate_types
+        m = gathered.negatives.shape[-1] // types  # per candidate type
+        blocks = gathered.negatives.shape[1]  # n, or 1 when the step's blocks share the negatives
+        negative_head, negative_tail = weights.negative_head, weights.negative_tail
+        if blocks < n:
+            negative_head = negative_head.sum(dim=(0, 1), keepdim=True)
+            negative_tail = negative_tail.sum(dim=(0, 1), keepdim=True)
+        negative_shape = (blocks, blocks, topology.n_local, types, m)
+
+        # the rows of the three roles in one lookup: heads and tails of the positives, negatives
+        heads, tails_out, negatives_local = self.lookup.roles(
+            normalized,
+            [
+                gathered.heads[..., gathered_slots],
+                gathered.tails[..., gathered_slots],
+                gathered.negatives.permute(1, 2, 0, 3),
+            ],
+            regularization,
+            [
+                self.lookup.role_weights(head=topology.select_local(weights.head, 0)),
+                self.lookup.role_weights(tail=topology.select_local(weights.tail, 1).transpose(0, 1)),
+                self.lookup.role_weights(
+                    head=_per_row(negative_head, negative_shape), tail=_per_row(negative_tail, negative_shape)
+                ),
+            ],
+        )
+        negatives_local = negatives_local.permute(2, 0, 1, 3, 4)
+
         # positives: heads stay, tails move to the heads' shard
-        heads = self.lookup.entities(
-            normalized,
-            gathered.heads[..., gathered_slots],
-            regularization,
-            self.lookup.role_weights(head=topology.select_local(weights.head, 0)),
-        )
-        tails_out = self.lookup.entities(
-            normalized,
-            gathered.tails[..., gathered_slots],
-            regularization,
-            self.lookup.role_weights(tail=topology.select_local(weights.tail, 1).transpose(0, 1)),
-        )
         tails = topology.all_to_all(tails_out)
         relations = self.lookup.relations(
             topology.select_local(batch.relations[..., slots], 0),
@@ -241,37 +261,14 @@ class ExchangeScheme(ABC):
             self.lookup.select(tail_parts, self.tail_indices),
         )
 
-        # negatives of every local block, shared by its slots. They are gathered in the layout
-        # [n(i), n(j), L(k), m, D] and viewed as [L(k), n(i), n(j), m, D]: after the (local)
-        # all-to-all the candidates of a block are then contiguous. Negatives shared by all blocks
-        # are [L(k), 1, 1, m, D], each row weighing what it weighs in all blocks together.
-        types = batch.num_candidate_types
-        m = gathered.negatives.shape[-1] // types  # per candidate type
-        blocks = gathered.negatives.shape[1]  # n, or 1 when the step's blocks share the negatives
-        negative_head, negative_tail = weights.negative_head, weights.negative_tail
-        if blocks < n:
-            negative_head = negative_head.sum(dim=(0, 1), keepdim=True)
-            negative_tail = negative_tail.sum(dim=(0, 1), keepdim=True)
-        negative_shape = (blocks, blocks, topology.n_local, types, m)
-        negatives_local = self.lookup.entities(
-            normalized,
-            gathered.negatives.permute(1, 2, 0, 3),
-            regularization,
-            self.lookup.role_weights(
-                head=_per_row(negative_head, negative_shape),
-                tail=_per_row(negative_tail, negative_shape),
-            ),
-        ).permute(2, 0, 1, 3, 4)
         negative_scores = []
         cache: dict[str, Any] = {}
-        for side, side_slots in self._side_slots(batch.num_head_corrupted, start, stop):
+        sides = self._side_slots(batch.num_head_corrupted, start, stop)
+        side_relations = split_parts(relations, [side_slots for _, side_slots in sides])
+        for (side, side_slots), side_relation in zip(sides, side_relations):
             known_parts = tail_parts if side == "head" else head_parts
             known_indices = self.tail_indices if side == "head" else self.head_indices
-            query = self.scorer.query(
-                side,
-                self.lookup.select(known_parts, known_indices, side_slots),
-                slice_parts(relations, side_slots),
-            )
+            query = self.scorer.query(side, self.lookup.select(known_parts, known_indices, side_slots), side_relation)
             negative_scores.append(self.negative_scores(side, query, negatives_local, cache))
         negative = torch.cat(negative_scores, dim=2) if len(negative_scores) > 1 else negative_scores[0]
         if batch.candidate_types is not None:  # typed negatives: each slot against its corrupted side's type

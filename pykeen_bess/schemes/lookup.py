@@ -21,6 +21,7 @@ __all__ = [
     "RowLookup",
     "regularize",
     "slice_parts",
+    "split_parts",
 ]
 
 
@@ -99,6 +100,41 @@ class RowLookup:
             parts.append(x.reshape(*index.shape, -1))
         return torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
 
+    def roles(
+        self,
+        normalized: Sequence[torch.Tensor],
+        indices: Sequence[torch.Tensor],
+        regularization: Accumulator,
+        weights: Sequence[Sequence[torch.Tensor | None]],
+    ) -> list[torch.Tensor]:
+        """Look up the rows of several roles at once, as :meth:`entities` does for each.
+
+        One ``index_select`` per table serves all roles, so the backward pass zero-fills and
+        accumulates each leaf's gradient once instead of once per role.
+
+        :param normalized: per table, the normalized rows of the step (views of the leaves)
+        :param indices: per role, shape ``s_i``, positions in the rows
+        :param regularization: accumulates the weighted regularization terms
+        :param weights: per role, per table, the regularization weight of each row (shape ``s_i``,
+            CPU; None: not regularized in this role)
+        :returns: per role, shape ``[*s_i, D]``
+        """
+        sizes = [index.numel() for index in indices]
+        flat_index = torch.cat([index.reshape(-1) for index in indices])
+        table_weights: list[torch.Tensor | None] = []
+        for table in range(len(self.tables)):
+            role_weights = [role[table] for role in weights]
+            if all(w is None for w in role_weights):
+                table_weights.append(None)
+                continue
+            dtype = next(w for w in role_weights if w is not None).dtype
+            parts = [
+                torch.zeros(size, dtype=dtype) if w is None else w.reshape(-1) for w, size in zip(role_weights, sizes)
+            ]
+            table_weights.append(torch.cat(parts))
+        packed = self.entities(normalized, flat_index, regularization, table_weights)
+        return [part.view(*index.shape, -1) for part, index in zip(packed.split(sizes), indices)]
+
     def relations(self, indices: torch.Tensor, weights: torch.Tensor, regularization: Accumulator) -> Any:
         """Look up the relation representations of ``[L, n, b']`` relation ids (``weights``: same shape, CPU)."""
         indices = indices.to(self.tables[0].compute_device)
@@ -138,6 +174,24 @@ def slice_parts(x: Any, slots: slice) -> Any:
     if isinstance(x, tuple):
         return tuple(part[:, :, slots] for part in x)
     return x[:, :, slots]
+
+
+def split_parts(x: Any, slots: Sequence[slice]) -> list[Any]:
+    """Split the slot axis of one representation tensor (or a tuple of them) into consecutive ranges.
+
+    One ``split`` instead of a slice per range: the backward pass joins the ranges' gradients
+    instead of zero-filling the whole tensor once per range.
+
+    :param x: shape: ``[L, n, b', ...]`` (or a tuple of such)
+    :param slots: consecutive ranges that cover ``0:b'``
+    :returns: per range, ``x[:, :, range]``
+    """
+    if len(slots) == 1:
+        return [slice_parts(x, slots[0])]
+    sizes = [s.stop - s.start for s in slots]
+    if isinstance(x, tuple):
+        return list(zip(*(part.split(sizes, dim=2) for part in x)))
+    return list(x.split(sizes, dim=2))
 
 
 class Accumulator:
