@@ -143,23 +143,26 @@ class EncodingScheme(ExchangeScheme):
         regularization, replicated = Accumulator(), Accumulator()
         lookup = self.lookup
         normalized = [lookup.normalized_rows(table, leaf) for table, leaf in zip(self.tables, gathered.leaves)]
-        heads = lookup.entities(
-            normalized, gathered.heads[..., gathered_slots], regularization, lookup.role_weights(head=weights.head)
-        )
-        tails = lookup.entities(
-            normalized, gathered.tails[..., gathered_slots], regularization, lookup.role_weights(tail=weights.tail)
-        )
         # relations are replicated: every process weighs its share of their regularization
         relations = lookup.relations(batch.relations[..., slots], weights.relation * self.replicated_share, replicated)
         m = gathered.negatives.shape[-1]
-        negatives = lookup.entities(
+        # the rows of the three roles in one lookup
+        heads, tails, negatives = lookup.roles(
             normalized,
-            gathered.negatives.view(1, 1, m),
+            [
+                gathered.heads[..., gathered_slots],
+                gathered.tails[..., gathered_slots],
+                gathered.negatives.view(1, 1, m),
+            ],
             regularization,
-            lookup.role_weights(
-                head=weights.negative_head.view(1, 1, 1).expand(1, 1, m),
-                tail=weights.negative_tail.view(1, 1, 1).expand(1, 1, m),
-            ),
+            [
+                lookup.role_weights(head=weights.head),
+                lookup.role_weights(tail=weights.tail),
+                lookup.role_weights(
+                    head=weights.negative_head.view(1, 1, 1).expand(1, 1, m),
+                    tail=weights.negative_tail.view(1, 1, 1).expand(1, 1, m),
+                ),
+            ],
         )
         head_parts, tail_parts, negative_parts = lookup.unpack(heads), lookup.unpack(tails), lookup.unpack(negatives)
         partial = []
