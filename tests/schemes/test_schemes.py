@@ -199,3 +199,52 @@ def test_exchange_cost_model_knows_step_shared_negatives_move_once() -> None:
     assert exchange_cost("score", shared_negatives=True, **kwargs) == exchange_cost("score", **kwargs)
     assert choose_scheme(**kwargs).get_name() == "score"
     assert choose_scheme(shared_negatives=True, **kwargs).get_name() == "embedding"
+
+
+@pytest.mark.parametrize("model_name", ["DistMult", "ComplEx", "InterHT"])
+def test_one_lookup_of_all_roles_equals_a_lookup_per_role(dataset: Nations, model_name: str) -> None:
+    """``RowLookup.roles`` returns what ``entities`` returns per role: rows, regularization, gradients."""
+    from pykeen.regularizers import LpRegularizer
+
+    from pykeen_bess.schemes.lookup import Accumulator, RowLookup
+
+    model, _, tables, _ = make_setup(dataset, model_name, 2)
+    tables[0].regularizer = LpRegularizer(weight=0.5, p=2.0)  # the first table regularized, others not
+    lookup = RowLookup(model, tables)
+    generator = torch.Generator().manual_seed(0)
+    leaves = [torch.randn(9, table.row_width, dtype=torch.float64, generator=generator) for table in tables]
+    indices = [torch.randint(9, (2, 1, 3), generator=generator), torch.randint(9, (4,), generator=generator)]
+    role_weights = [
+        lookup.role_weights(head=torch.tensor([[[1.0, 2.0, 0.0]], [[0.5, 1.0, 1.0]]], dtype=torch.float64)),
+        [None] * len(tables),  # a role without regularization
+    ]
+    results = []
+    for fused in (True, False):
+        rows = [leaf.clone().requires_grad_() for leaf in leaves]
+        normalized = [lookup.normalized_rows(table, leaf) for table, leaf in zip(tables, rows)]
+        regularization = Accumulator()
+        if fused:
+            parts = lookup.roles(normalized, indices, regularization, role_weights)
+        else:
+            parts = [lookup.entities(normalized, i, regularization, w) for i, w in zip(indices, role_weights)]
+        assert [part.shape[:-1] for part in parts] == [index.shape for index in indices]
+        total = sum((part * (k + 1)).sum() for k, part in enumerate(parts)) + regularization.value
+        total.backward()
+        results.append(([part.detach() for part in parts], regularization.value, [row.grad for row in rows]))
+    (fused_parts, fused_term, fused_grads), (parts, term, grads) = results
+    assert float(term.detach()) > 0
+    torch.testing.assert_close(fused_term, term)
+    for a, b in zip(fused_parts + fused_grads, parts + grads):
+        torch.testing.assert_close(a, b)
+
+
+def test_split_parts_splits_the_slot_axis() -> None:
+    from pykeen_bess.schemes.lookup import split_parts
+
+    x = torch.arange(2 * 1 * 5 * 3).view(2, 1, 5, 3)
+    first, second = split_parts(x, [slice(0, 2), slice(2, 5)])
+    assert torch.equal(first, x[:, :, :2]) and torch.equal(second, x[:, :, 2:])
+    pairs = split_parts((x, x + 1), [slice(0, 4), slice(4, 5)])
+    assert torch.equal(pairs[1][1], (x + 1)[:, :, 4:]) and torch.equal(pairs[0][0], x[:, :, :4])
+    (whole,) = split_parts(x, [slice(0, 5)])
+    assert torch.equal(whole, x)
