@@ -155,13 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
         "d / num_shards coordinates of all entities; separable interactions) (default: token)",
     )
     bess.add_argument("--corruption", choices=["h", "t", "ht"], help="corrupted side(s) (default: ht)")
-    draws = bess.add_mutually_exclusive_group()
-    draws.add_argument(
+    bess.add_argument(
         "--typed-negatives",
         action="store_true",
         help="draw a relation's negatives from its corrupted side's entity type (typed graphs, --pbg)",
     )
-    draws.add_argument("--step-negatives", action="store_true", help="one set of negatives per step, not per block")
+    bess.add_argument("--step-negatives", action="store_true", help="one set of negatives per step, not per block")
     bess.add_argument("--negatives", type=int, help="negatives per positive, a multiple of --num-shards (default: 64)")
     bess.add_argument(
         "--sharding",
@@ -383,9 +382,9 @@ def pipeline_kwargs(args: argparse.Namespace, in_group: bool = False) -> dict[st
     ):
         if flag in settings:
             set_("training_loop_kwargs", settings[flag], flag)
-    for flag, draw in (("typed_negatives", "typed"), ("step_negatives", "step")):
-        if settings.get(flag):
-            set_("training_loop_kwargs", draw, "negatives")
+    draw = "_".join(kind for kind in ("typed", "step") if settings.get(f"{kind}_negatives"))
+    if draw:  # typed, step or both (typed_step)
+        set_("training_loop_kwargs", draw, "negatives")
     if settings.get("dense_updates"):
         set_("training_loop_kwargs", False, "sparse_updates")
     if "negatives" in settings:

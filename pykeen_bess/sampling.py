@@ -50,6 +50,7 @@ __all__ = [
     "BessBatch",
     "BessSampler",
     "StepSharedBessSampler",
+    "StepSharedTypedBessSampler",
     "TypedBessSampler",
     "resolve_negatives",
 ]
@@ -294,11 +295,15 @@ class TypedBessSampler(BessSampler):
 
         :returns: shape: ``[n(k), n(i), n(j), T * m]``, local ids on shard ``k``, type major
         """
+        return self._draw_types(generator, self.n_shard)
+
+    def _draw_types(self, generator: torch.Generator, blocks: int) -> torch.Tensor:
+        """Draw ``m`` rows of every type and shard for ``blocks x blocks`` blocks: ``[n(k), blocks, blocks, T * m]``."""
         n, m, types = self.n_shard, self.negatives_per_shard, self.num_candidate_types
-        uniform = torch.rand(n, n, n, types, m, generator=generator, dtype=torch.float64)
+        uniform = torch.rand(n, blocks, blocks, types, m, generator=generator, dtype=torch.float64)
         counts = self._type_counts.view(n, 1, 1, types, 1)
         local = (uniform * counts.to(torch.float64)).long().minimum(counts - 1)
-        return (local + self._type_offsets.view(n, 1, 1, types, 1)).view(n, n, n, types * m)
+        return (local + self._type_offsets.view(n, 1, 1, types, 1)).view(n, blocks, blocks, types * m)
 
 
 class StepSharedBessSampler(BessSampler):
@@ -324,16 +329,38 @@ class StepSharedBessSampler(BessSampler):
         return self._draw(generator, 1).expand(n, n, n, -1).contiguous()
 
 
+class StepSharedTypedBessSampler(TypedBessSampler):
+    """Typed negatives shared by all blocks of a step (``negatives="typed_step"``).
+
+    :class:`TypedBessSampler`'s draws, but, as in :class:`StepSharedBessSampler`, every shard
+    contributes the same ``m`` entities of every candidate type to every block of a step: all
+    ``n_shard ** 2`` blocks score against one set of ``T * num_negs_per_pos`` negatives, which the
+    exchange schemes gather, move and score once per step. With one shard it is
+    :class:`TypedBessSampler` itself.
+    """
+
+    shares_negatives = True
+
+    def _negatives(self, generator: torch.Generator) -> torch.Tensor:
+        """Draw ``m`` negatives per owner shard and type, the same for every block.
+
+        :returns: shape: ``[n(k), n(i), n(j), T * m]``, local ids on shard ``k``, type major, equal over ``(i, j)``
+        """
+        n = self.n_shard
+        return self._draw_types(generator, 1).expand(n, n, n, -1).contiguous()
+
+
 #: the negative samplers by name (``negatives=``)
 NEGATIVES: dict[str, type[BessSampler]] = {
     "uniform": BessSampler,
     "typed": TypedBessSampler,
     "step": StepSharedBessSampler,
+    "typed_step": StepSharedTypedBessSampler,
 }
 
 
 def resolve_negatives(negatives: str | type[BessSampler]) -> type[BessSampler]:
-    """Return the sampler class of ``negatives`` (``"uniform"``, ``"typed"``, ``"step"`` or a ``BessSampler`` subclass).
+    """Return the sampler class of ``negatives`` (a name in :data:`NEGATIVES` or a ``BessSampler`` subclass).
 
     :raises ValueError: for an unknown name
     """

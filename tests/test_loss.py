@@ -174,6 +174,18 @@ def test_typed_negatives_step_loss_equals_pykeen_slcwa(
     check_step_losses(graph.training, model_name, n_shard, exchange, corruption, sub_batch_size, negatives="typed")
 
 
+@pytest.mark.parametrize("model_name", ["ComplEx", "DistMult"])
+@pytest.mark.parametrize(
+    ("n_shard", "exchange", "sub_batch_size"), [(3, "embedding", None), (3, "score", 18), (2, "embedding", 4)]
+)
+def test_step_shared_typed_negatives_step_loss_equals_pykeen_slcwa(
+    model_name: str, n_shard: int, exchange: str, sub_batch_size
+) -> None:
+    """negatives="typed_step": every positive of a step against the step's one set of its corrupted side's type."""
+    graph = typed_graph(num_partitions=3 if n_shard == 3 else 1, seed=2)
+    check_step_losses(graph.training, model_name, n_shard, exchange, "ht", sub_batch_size, negatives="typed_step")
+
+
 def check_step_losses(
     factory: CoreTriplesFactory,
     model_name: str,

@@ -181,12 +181,13 @@ def assemble(loop: Any, settings: LoopSettings, partition: str) -> None:
     if issubclass(loop.config.sampler, TypedBessSampler):
         if settings.schema is None:
             raise ValueError(
-                "negatives='typed' needs entity types: train on a typed graph's factories (pykeen_bess.pbg.read, "
-                "pbg.import_tsv with a config, or pbg.TypedGraph.from_factories)."
+                f"negatives={settings.negatives!r} needs entity types: train on a typed graph's factories "
+                "(pykeen_bess.pbg.read, pbg.import_tsv with a config, or pbg.TypedGraph.from_factories)."
             )
         if columns:
             raise ValueError(
-                "negatives='typed' needs partition='token' (the encoding partition draws uniform negatives)."
+                f"negatives={settings.negatives!r} needs partition='token' (the encoding partition draws uniform "
+                "negatives)."
             )
     strategy = resolve_sharding(settings.sharding, settings.schema, settings.factory)
     loop.sharding = EntitySharding.create(model.num_entities, n_shard, seed=loop.config.seed, strategy=strategy)

@@ -81,7 +81,8 @@ class BessConfig:
     #: how the entity tables are split: ``"token"`` (rows, BESS's shards) or ``"encoding"`` (columns)
     partition: str = "token"
     #: the sampler of balanced batches (``negatives="uniform"``: :class:`~pykeen_bess.sampling.BessSampler`,
-    #: ``"typed"``: :class:`~pykeen_bess.sampling.TypedBessSampler`, ``"step"``: ``StepSharedBessSampler``)
+    #: ``"typed"``: :class:`~pykeen_bess.sampling.TypedBessSampler`, ``"step"``: ``StepSharedBessSampler``,
+    #: ``"typed_step"``: ``StepSharedTypedBessSampler``; :data:`~pykeen_bess.sampling.NEGATIVES`)
     sampler: type[BessSampler] = BessSampler
 
     @classmethod

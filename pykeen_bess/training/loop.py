@@ -168,9 +168,9 @@ class BessTrainingLoop(SLCWATrainingLoop):
         :param host_allocator: ``"auto"`` (on the CPU: glibc keeps freed blocks for the next step instead of
             returning and page-faulting them every step; :mod:`pykeen_bess.allocator`) or None (leave it)
         :param negatives: ``"uniform"`` (default: every shard's entities, drawn per block), ``"step"``
-            (the same, one set shared by all blocks of a step, gathered, moved and scored once) or ``"typed"``
-            (a relation's negatives have its corrupted side's type; a typed graph, :mod:`pykeen_bess.pbg`), or a
-            ``BessSampler`` subclass
+            (the same, one set shared by all blocks of a step, gathered, moved and scored once), ``"typed"``
+            (a relation's negatives have its corrupted side's type; a typed graph, :mod:`pykeen_bess.pbg`),
+            ``"typed_step"`` (typed, one set per step), or a ``BessSampler`` subclass
         :param checkpoint_format: ``"pykeen"`` (default: PyKEEN's checkpoint file, or versioned files per
             shard under a process group) or ``"pbg"`` (PyTorch-BigGraph's checkpoint layout in the
             checkpoint file's directory: shard ``k`` is partition ``k`` of every entity type; see

@@ -29,9 +29,9 @@ def results(output: pathlib.Path) -> list[dict[str, Any]]:
     return [torch.load(output / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
 
 
-def reference(num_epochs: int) -> tuple[Any, list[float]]:
+def reference(num_epochs: int, **config: Any) -> tuple[Any, list[float]]:
     """The same training in one process with 2 logical shards."""
-    loop, graph = build_loop(dict(num_shards=2))
+    loop, graph = build_loop(dict(num_shards=2, **config))
     losses: list[float] = []
 
     class Record(TrainingCallback):
@@ -84,3 +84,17 @@ def test_ranks_equal_one_process_and_resume_from_their_own_partition_files(tmp_p
     for before, after in zip(results(tmp_path / "full"), results(tmp_path / "resumed")):
         assert after["losses"] == pytest.approx(before["losses"][-len(after["losses"]) :], rel=1e-9)
         torch.testing.assert_close(after["table"], before["table"])
+
+
+@pytest.mark.parametrize("exchange", ["embedding", "score"])
+def test_ranks_with_step_shared_typed_negatives_equal_one_process(tmp_path: pathlib.Path, exchange: str) -> None:
+    """negatives="typed_step" (one set per step, scored once) on 2 gloo ranks equals 2 logical shards."""
+    loop, losses = reference(2, negatives="typed_step", exchange=exchange)
+    run = launch(dict(output=str(tmp_path), num_epochs=2, negatives="typed_step", exchange=exchange))
+    assert run.ok, run.report()
+    table = loop.model.entity_representations[0]._embeddings.weight.detach()
+    for result in results(tmp_path):
+        assert result["losses"] == pytest.approx(losses, rel=1e-9)
+        real = result["global_ids"] >= 0
+        torch.testing.assert_close(result["table"][real], table[result["global_ids"][real]])
+        torch.testing.assert_close(result["relation"], loop.model.relation_representations[0]._embeddings.weight)

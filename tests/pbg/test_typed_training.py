@@ -17,16 +17,22 @@ from typed_graphs import typed_graph
 from pykeen_bess import pbg
 from pykeen_bess.partition import ShardPairPartition
 from pykeen_bess.pbg import TypedGraph, files
-from pykeen_bess.sampling import TypedBessSampler
+from pykeen_bess.sampling import StepSharedTypedBessSampler, TypedBessSampler, resolve_negatives
 from pykeen_bess.sharding import EntitySharding
 from pykeen_bess.training import BessTrainingLoop
 
 
-def typed_sampler(graph: TypedGraph, n_shard: int, corruption: str = "ht", block_size: int = 8) -> TypedBessSampler:
+def typed_sampler(
+    graph: TypedGraph,
+    n_shard: int,
+    corruption: str = "ht",
+    block_size: int = 8,
+    sampler_class: type[TypedBessSampler] = TypedBessSampler,
+) -> TypedBessSampler:
     schema = graph.schema
     sharding = EntitySharding.create(schema.num_entities, n_shard, seed=1, strategy=schema.sharding_strategy())
     partition = ShardPairPartition.from_triples(graph.training.mapped_triples, sharding)
-    return TypedBessSampler(
+    return sampler_class(
         partition,
         block_size=block_size,
         num_negs_per_pos=3 * n_shard,
@@ -38,12 +44,13 @@ def typed_sampler(graph: TypedGraph, n_shard: int, corruption: str = "ht", block
     )
 
 
+@pytest.mark.parametrize("sampler_class", [TypedBessSampler, StepSharedTypedBessSampler])
 @pytest.mark.parametrize("corruption", ["h", "t", "ht"])
 @pytest.mark.parametrize("n_shard", [1, 2, 3])
-def test_typed_negatives_never_cross_types(n_shard: int, corruption: str) -> None:
+def test_typed_negatives_never_cross_types(n_shard: int, corruption: str, sampler_class: type) -> None:
     graph = typed_graph(create_inverse_triples=corruption == "t")
     schema = graph.schema
-    sampler = typed_sampler(graph, n_shard, corruption)
+    sampler = typed_sampler(graph, n_shard, corruption, sampler_class=sampler_class)
     sharding = sampler.partition.sharding
     sides = schema.relation_sides(graph.training)
     n, m = n_shard, 3
@@ -51,6 +58,9 @@ def test_typed_negatives_never_cross_types(n_shard: int, corruption: str) -> Non
     for batch in sampler.epoch(1):
         types = sampler.num_candidate_types
         assert batch.negatives.shape == (n, n, n, types * m)
+        assert batch.shared_negatives == (sampler_class is StepSharedTypedBessSampler)
+        if batch.shared_negatives:  # one set for all blocks (i, j) of the step
+            assert bool((batch.negatives == batch.negatives[:, :1, :1]).all())
         owner = torch.arange(n).view(n, 1, 1, 1).expand_as(batch.negatives)
         negatives = sharding.to_global(owner, batch.negatives).view(n, n, n, types, m)
         assert bool((negatives >= 0).all())  # never padding
@@ -72,6 +82,20 @@ def test_typed_negatives_never_cross_types(n_shard: int, corruption: str) -> Non
         assert drawn[tag] == set(schema.partition_range(tag, 0))
 
 
+def test_step_shared_typed_negatives_with_one_shard_are_the_typed_draws() -> None:
+    """negatives="typed_step" with one shard: the step's only block draws what negatives="typed" draws."""
+    graph = typed_graph()
+    plain, shared = (
+        typed_sampler(graph, 1, sampler_class=cls) for cls in (TypedBessSampler, StepSharedTypedBessSampler)
+    )
+    pairs = list(zip(plain.epoch(1), shared.epoch(1)))
+    assert len(pairs) == len(plain) and all(torch.equal(a.negatives, b.negatives) for a, b in pairs)
+    # more shards: a new set every step
+    steps = list(typed_sampler(graph, 2, sampler_class=StepSharedTypedBessSampler).epoch(1))
+    assert not all(torch.equal(a.negatives, b.negatives) for a, b in zip(steps, steps[1:]))
+    assert resolve_negatives("typed_step") is StepSharedTypedBessSampler
+
+
 def test_a_type_with_fewer_entities_than_shards() -> None:
     graph = typed_graph()
     with pytest.raises(ValueError, match="entity type 'tag' has 7 entities, fewer than num_shards=8"):
@@ -88,6 +112,7 @@ def make_loop(factory, **kwargs) -> BessTrainingLoop:
     [
         (lambda: Nations().training, dict(negatives="typed"), "needs entity types"),
         (lambda: typed_graph().training, dict(negatives="typed", partition="encoding"), "partition='token'"),
+        (lambda: Nations().training, dict(negatives="typed_step"), "negatives='typed_step' needs entity types"),
         (lambda: typed_graph().training, dict(negatives="kinds"), "Unknown negatives='kinds'"),
         (lambda: typed_graph(2).training, dict(num_shards=3, checkpoint_format="pbg"), "user: 2, item: 2, tag: 2"),
         (lambda: Nations().training, dict(num_shards=2, checkpoint_format="pbg"), "num_partitions=2"),

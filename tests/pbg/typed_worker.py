@@ -45,7 +45,7 @@ def build_loop(config: dict[str, Any]) -> tuple[BessTrainingLoop, Any]:
         model=model,
         triples_factory=graph.training,
         num_shards=config.get("num_shards"),
-        negatives="typed",
+        negatives=config.get("negatives", "typed"),
         checkpoint_format="pbg" if config.get("checkpoint_directory") else "pykeen",
         exchange=config.get("exchange", "embedding"),
         num_negs_per_pos=4,
