@@ -211,24 +211,15 @@ class ExchangeScheme(ABC):
         device = self.tables[0].compute_device
         local_valid = topology.select_local(batch.valid[..., slots], 0).reshape(-1)  # on the CPU
         valid_index = None if bool(local_valid.all()) else local_valid.nonzero().view(-1).to(device)
-        weights = regularization_weights(batch, start, stop)
         regularization = Accumulator()
         normalized = [self.lookup.normalized_rows(table, leaf) for table, leaf in zip(self.tables, gathered.leaves)]
+        role_weights, relation_weights = self._regularization_weights(batch, gathered, start, stop)
 
-        # negatives of every local block, shared by its slots. They are gathered in the layout
+        # the rows of the three roles in one lookup: heads and tails of the positives, and the
+        # negatives of every local block, shared by its slots. These are gathered in the layout
         # [n(i), n(j), L(k), m, D] and viewed as [L(k), n(i), n(j), m, D]: after the (local)
         # all-to-all the candidates of a block are then contiguous. Negatives shared by all blocks
-        # are [L(k), 1, 1, m, D], each row weighing what it weighs in all blocks together.
-        types = batch.num_candidate_types
-        m = gathered.negatives.shape[-1] // types  # per candidate type
-        blocks = gathered.negatives.shape[1]  # n, or 1 when the step's blocks share the negatives
-        negative_head, negative_tail = weights.negative_head, weights.negative_tail
-        if blocks < n:
-            negative_head = negative_head.sum(dim=(0, 1), keepdim=True)
-            negative_tail = negative_tail.sum(dim=(0, 1), keepdim=True)
-        negative_shape = (blocks, blocks, topology.n_local, types, m)
-
-        # the rows of the three roles in one lookup: heads and tails of the positives, negatives
+        # are [L(k), 1, 1, m, D].
         heads, tails_out, negatives_local = self.lookup.roles(
             normalized,
             [
@@ -237,22 +228,14 @@ class ExchangeScheme(ABC):
                 gathered.negatives.permute(1, 2, 0, 3),
             ],
             regularization,
-            [
-                self.lookup.role_weights(head=topology.select_local(weights.head, 0)),
-                self.lookup.role_weights(tail=topology.select_local(weights.tail, 1).transpose(0, 1)),
-                self.lookup.role_weights(
-                    head=_per_row(negative_head, negative_shape), tail=_per_row(negative_tail, negative_shape)
-                ),
-            ],
+            role_weights,
         )
         negatives_local = negatives_local.permute(2, 0, 1, 3, 4)
 
         # positives: heads stay, tails move to the heads' shard
         tails = topology.all_to_all(tails_out)
         relations = self.lookup.relations(
-            topology.select_local(batch.relations[..., slots], 0),
-            topology.select_local(weights.relation, 0),
-            regularization,
+            topology.select_local(batch.relations[..., slots], 0), relation_weights, regularization
         )
         head_parts, tail_parts = self.lookup.unpack(heads), self.lookup.unpack(tails)
         positive = self.scorer.score_triples(
@@ -273,7 +256,7 @@ class ExchangeScheme(ABC):
         negative = torch.cat(negative_scores, dim=2) if len(negative_scores) > 1 else negative_scores[0]
         if batch.candidate_types is not None:  # typed negatives: each slot against its corrupted side's type
             negative = select_candidate_type(
-                negative, topology.select_local(batch.candidate_types[..., slots], 0), n, types
+                negative, topology.select_local(batch.candidate_types[..., slots], 0), n, batch.num_candidate_types
             )
         return BlockScores(
             positive=positive,
@@ -282,6 +265,35 @@ class ExchangeScheme(ABC):
             regularization=regularization.value,
             weights=None if batch.weights is None else topology.select_local(batch.weights[..., slots], 0),
         )
+
+    def _regularization_weights(
+        self, batch: BessBatch, gathered: RowGather, start: int, stop: int
+    ) -> tuple[list[list[torch.Tensor | None]], torch.Tensor | None]:
+        """Return the regularization weights of the local rows of slots ``start:stop`` (None: nothing is regularized).
+
+        :returns: per role (heads, tails, negatives) and table, the weight of each looked-up row (CPU), and the
+            relations' weights ``[L(i), n(j), b']``; each negative row shared by all blocks weighs what
+            it weighs in all blocks together
+        """
+        if not self.lookup.regularized:  # no weights to compute
+            return [[None] * len(self.tables)] * 3, None
+        topology = self.topology
+        weights = regularization_weights(batch, start, stop)
+        types = batch.num_candidate_types
+        blocks = gathered.negatives.shape[1]  # n, or 1 when the step's blocks share the negatives
+        negative_head, negative_tail = weights.negative_head, weights.negative_tail
+        if blocks < topology.n_shard:
+            negative_head = negative_head.sum(dim=(0, 1), keepdim=True)
+            negative_tail = negative_tail.sum(dim=(0, 1), keepdim=True)
+        negative_shape = (blocks, blocks, topology.n_local, types, gathered.negatives.shape[-1] // types)
+        role_weights = [
+            self.lookup.role_weights(head=topology.select_local(weights.head, 0)),
+            self.lookup.role_weights(tail=topology.select_local(weights.tail, 1).transpose(0, 1)),
+            self.lookup.role_weights(
+                head=_per_row(negative_head, negative_shape), tail=_per_row(negative_tail, negative_shape)
+            ),
+        ]
+        return role_weights, topology.select_local(weights.relation, 0)
 
     @abstractmethod
     def negative_scores(

@@ -35,6 +35,13 @@ class RowLookup:
         self.head_indices = list(model.interaction.head_indices)
         self.tail_indices = list(model.interaction.tail_indices)
 
+    @property
+    def regularized(self) -> bool:
+        """Whether an entity table or a relation representation has a regularizer (else no weights are needed)."""
+        return any(table.regularizer is not None for table in self.tables) or any(
+            representation.regularizer is not None for representation in self.model.relation_representations
+        )
+
     @staticmethod
     def normalized_rows(table: ShardedEmbedding, leaf: torch.Tensor) -> torch.Tensor:
         """Return the stored rows of a leaf in the representation's shape, normalized as PyKEEN's forward would."""
@@ -135,15 +142,21 @@ class RowLookup:
         packed = self.entities(normalized, flat_index, regularization, table_weights)
         return [part.view(*index.shape, -1) for part, index in zip(packed.split(sizes), indices)]
 
-    def relations(self, indices: torch.Tensor, weights: torch.Tensor, regularization: Accumulator) -> Any:
-        """Look up the relation representations of ``[L, n, b']`` relation ids (``weights``: same shape, CPU)."""
+    def relations(self, indices: torch.Tensor, weights: torch.Tensor | None, regularization: Accumulator) -> Any:
+        """Look up the relation representations of ``[L, n, b']`` relation ids.
+
+        :param indices: shape: ``[L, n, b']``, relation ids
+        :param weights: shape: ``[L, n, b']`` (CPU), the rows' regularization weights; None: not regularized
+        :param regularization: accumulates the weighted regularization terms
+        :returns: the representations (a tuple for several)
+        """
         indices = indices.to(self.tables[0].compute_device)
         parts = []
         for representation in self.model.relation_representations:
             x = representation._plain_forward(indices=indices)
             if representation.normalizer is not None:
                 x = representation.normalizer(x)
-            if representation.regularizer is not None:
+            if representation.regularizer is not None and weights is not None:
                 regularize(representation.regularizer, x, weights, regularization)
             if representation.dropout is not None:
                 x = representation.dropout(x)
