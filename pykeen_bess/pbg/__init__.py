@@ -29,7 +29,8 @@ franca of partitioned graph embedding. This subpackage brings them to PyKEEN::
 
 The BESS training loop reads the schema from the training factory: every shard holds an equal
 share of every entity type (with as many shards as partitions, shard ``k`` is partition ``k``),
-``negatives="typed"`` draws each relation's negatives from the corrupted side's type, the
+``negatives="typed"`` draws each relation's negatives from the corrupted side's type
+(``"typed_step"``: one such set shared by all blocks of a step, as PBG shares negatives in a chunk), the
 relations' loss ``weight`` weighs their positives (unless a ``loss_weighter`` is given), and
 ``checkpoint_format="pbg"`` writes PBG-layout checkpoints during training.
 """
