@@ -251,9 +251,8 @@ class TypedBessSampler(BessSampler):
         super().__init__(partition, block_size, num_negs_per_pos, corruption, seed, weights=weights)
         sharding = partition.sharding
         n = sharding.n_shard
-        sides = {"h": [0], "t": [1], "ht": [0, 1]}[corruption]
         #: the entity types some slot is scored against, in type order (their position is the candidate type)
-        self.types = sorted(set(relation_sides[:, sides].reshape(-1).tolist()) - {-1})
+        self.types = self.candidate_types(relation_sides, corruption)
         position = torch.full((int(entity_types.max()) + 1,), -1, dtype=torch.long)
         position[self.types] = torch.arange(len(self.types))
         #: shape: ``[R', 2]``, the candidate type (position in :attr:`types`) of each relation's head and tail
@@ -276,6 +275,17 @@ class TypedBessSampler(BessSampler):
             )
         self._type_counts = counts
         self._type_offsets = offsets
+
+    @staticmethod
+    def candidate_types(relation_sides: torch.Tensor, corruption: Corruption) -> list[int]:
+        """Return the entity types some slot is scored against (the corrupted sides' types), in type order.
+
+        :param relation_sides: shape: ``[R', 2]``, the head and tail type of every relation id (-1: none)
+        :param corruption: ``"h"``, ``"t"`` or ``"ht"``
+        :returns: the types; every block draws negatives of each (``T`` of them)
+        """
+        sides = {"h": [0], "t": [1], "ht": [0, 1]}[corruption]
+        return sorted(set(relation_sides[:, sides].reshape(-1).tolist()) - {-1})
 
     @property
     def num_candidate_types(self) -> int:

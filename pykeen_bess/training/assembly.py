@@ -272,7 +272,7 @@ def choose_partition(loop: Any, settings: LoopSettings, batch_size: int | None, 
         entity_width=sum(embedding._embeddings.weight.shape[1] for embedding in settings.embeddings),
         query_width=query_width(loop.scorer, loop.model, loop.tables.tables),
     )
-    num_negs = loop.config.num_negs_per_pos
+    num_negs = candidates_per_block(loop)
     model = settings.model
     shared = loop.config.sampler.shares_negatives
     costs = {
@@ -384,6 +384,20 @@ def loss_weights(loop: Any, partition: ShardPairPartition) -> Any:
     return weights
 
 
+def candidates_per_block(loop: Any) -> int:
+    """Return the negatives a block's slots are scored against: ``K``, or ``T * K`` with typed negatives.
+
+    Typed negatives draw ``K`` of each of the ``T`` candidate types for every block, and the schemes
+    move and score all of them (each slot keeps its type's), so the exchange costs count ``T * K``.
+    """
+    num_negs = loop.config.num_negs_per_pos
+    schema = loop.settings.schema
+    if issubclass(loop.config.sampler, TypedBessSampler) and schema is not None:
+        sides = schema.relation_sides(loop.settings.factory)
+        return num_negs * len(TypedBessSampler.candidate_types(sides, loop.config.corruption))
+    return num_negs
+
+
 def make_scheme(loop: Any, block_size: int, topology: Topology) -> ExchangeScheme:
     """Return the loop's exchange scheme for blocks of ``block_size`` slots (``exchange="auto"``: the cheapest)."""
     scheme = loop.config.scheme
@@ -393,7 +407,7 @@ def make_scheme(loop: Any, block_size: int, topology: Topology) -> ExchangeSchem
         scheme = choose_scheme(
             n_shard=loop.topology.n_shard,
             block_size=block_size,
-            num_negs_per_pos=loop.config.num_negs_per_pos,
+            num_negs_per_pos=candidates_per_block(loop),
             entity_width=sum(table.row_width for table in loop.tables),
             query_width=query_width(loop.scorer, loop.model, loop.tables.tables),
             partitions=(loop.config.partition,),

@@ -96,6 +96,32 @@ def test_step_shared_typed_negatives_with_one_shard_are_the_typed_draws() -> Non
     assert resolve_negatives("typed_step") is StepSharedTypedBessSampler
 
 
+@pytest.mark.parametrize("negatives", ["typed", "typed_step"])
+def test_exchange_auto_counts_the_negatives_of_every_candidate_type(negatives: str) -> None:
+    """Typed negatives move and score K of each of the T candidate types: exchange="auto" counts T * K.
+
+    Here (n = 2, blocks of 8, DistMult d64, K = 12, T = 3) the embedding scheme would send fewer bytes
+    for K negatives per block, the score scheme for the 36 the blocks really have.
+    """
+    from pykeen_bess.schemes import ScoreMovingScheme, exchange_cost
+
+    factory = typed_graph().training
+    model = DistMult(triples_factory=factory, embedding_dim=64, random_seed=0)
+    loop = BessTrainingLoop(
+        model=model, triples_factory=factory, num_shards=2, negatives=negatives, num_negs_per_pos=12, exchange="auto"
+    )
+    shared = negatives == "typed_step"
+    costs = {
+        k: {s: exchange_cost(s, 2, 8, k, 64, 64, shared_negatives=shared) for s in ("embedding", "score")}
+        for k in (12, 36)
+    }
+    if not shared:  # the choice depends on counting all types
+        assert costs[12]["embedding"] < costs[12]["score"] and costs[36]["score"] < costs[36]["embedding"]
+    expected = min(costs[36], key=costs[36].get)
+    assert type(loop.make_scheme(8)).get_name() == expected
+    assert (expected == "score") == (type(loop.make_scheme(8)) is ScoreMovingScheme)
+
+
 def test_a_type_with_fewer_entities_than_shards() -> None:
     graph = typed_graph()
     with pytest.raises(ValueError, match="entity type 'tag' has 7 entities, fewer than num_shards=8"):
