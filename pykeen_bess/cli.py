@@ -395,11 +395,13 @@ def pipeline_kwargs(args: argparse.Namespace, in_group: bool = False) -> dict[st
         set_("training_kwargs", settings["epochs"], "num_epochs")
     if "batch_size" in settings:
         set_("training_kwargs", settings["batch_size"] or None, "batch_size")
-    for flag in ("sub_batch_size", "checkpoint_name", "checkpoint_frequency"):
+    for flag in ("sub_batch_size", "checkpoint_name", "checkpoint_frequency", "checkpoint_directory"):
         if flag in settings:
-            set_("training_kwargs", settings[flag], flag)
-    if "checkpoint_directory" in settings:
-        set_("training_kwargs", str(settings["checkpoint_directory"]), "checkpoint_directory")
+            set_("training_kwargs", str(settings[flag]) if flag == "checkpoint_directory" else settings[flag], flag)
+    training = kwargs.get("training_kwargs", {})  # PyKEEN writes no checkpoint without a name
+    named = training.get("checkpoint_name") or training.get("checkpoint_on_failure")
+    if {"checkpoint_directory", "checkpoint_frequency"} & set(settings) and not named:
+        raise UsageError("--checkpoint-directory and --checkpoint-frequency need --checkpoint-name.")
     if "export_pbg" in settings:  # the optimizer's row state goes into the exported checkpoint
         set_("clear_optimizer", False)
     quiet = bool(settings.get("quiet"))

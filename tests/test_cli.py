@@ -54,6 +54,10 @@ def test_errors_are_one_message_with_exit_status_2(capsys: pytest.CaptureFixture
     assert code == 2 and "Unknown dataset 'no-such-dataset'" in err and "Traceback" not in err
     code, _, err = run(capsys, *FAST, "--batch-size", "-3")
     assert code == 2 and "batch_size must be a positive integer" in err
+    # a checkpoint directory without a checkpoint name would train without checkpoints
+    for option in (["--checkpoint-directory", "ckpt"], ["--checkpoint-frequency", "0"]):
+        code, _, err = run(capsys, *FAST, *option)
+        assert code == 2 and "need --checkpoint-name" in err
 
 
 def test_bad_json_options_are_usage_errors(capsys: pytest.CaptureFixture) -> None:
