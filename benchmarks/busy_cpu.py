@@ -17,6 +17,8 @@ busy run's slowdown against the best idle setting of the same work: a busy neigh
 ``c`` cores takes ``1/c`` of the machine, so the target is a slowdown of at most ``c / (c - 1)``
 (2x on 2 cores).
 
+It has no ``--device``: it measures how CPU threads share cores, so everything runs on the CPU.
+
     python benchmarks/busy_cpu.py --data ../shared/data/wn18rr
 """
 

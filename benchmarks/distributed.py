@@ -18,7 +18,8 @@ token plan's padding makes more of them).
 
     python benchmarks/distributed.py --data ../shared/data/wn18rr --skewed 40000:50:300000
 
-On a GPU machine pass ``--backend nccl`` (one rank per GPU the machine holds).
+On a GPU machine pass ``--backend nccl``: every rank computes on its own GPU (``LOCAL_RANK``), so
+every layout's world size must be at most the number of GPUs (checked before any rank starts).
 """
 
 from __future__ import annotations
@@ -69,6 +70,8 @@ def worker(args: argparse.Namespace) -> None:
     )
     start = time.perf_counter()
     loop.train(factory, num_epochs=1, batch_size=args.batch_size, use_tqdm=False)
+    if args.backend == "nccl":
+        torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     topology = loop.topology
     n = topology.n_shard
@@ -170,15 +173,24 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
+    layouts = [tuple(int(x) for x in layout.lower().split("x")) for layout in args.layouts]
+    if args.backend == "nccl":
+        import torch
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        too_big = [f"{s}x{r}" for s, r in layouts if s * r > gpus]
+        if too_big:
+            parser.error(
+                f"--backend nccl runs one rank per CUDA GPU: layouts {too_big} need more than the {gpus} GPUs here"
+            )
     rows = []
     with tempfile.TemporaryDirectory() as generated:
-        graphs = [("WN18RR", args.data)]
+        graphs = [("WN18RR" if args.data.name.lower() == "wn18rr" else args.data.name, args.data)]
         if args.skewed:
             graphs.append((f"skewed {args.skewed}", skewed_graph(args.skewed, pathlib.Path(generated))))
         for graph, data in graphs:
             args.data = data
-            for layout in args.layouts:
-                shards, replicas = (int(x) for x in layout.lower().split("x"))
+            for shards, replicas in layouts:
                 for exchange in args.exchanges:
                     if exchange == "encoding" and (replicas > 1 or shards == 1):
                         continue  # one column part per rank, no replicas; 1 x 1 is the token run

@@ -31,7 +31,12 @@ without building the filter index, the memory search and PyKEEN's metric computa
 least 20x PyKEEN's best with identical metrics, and at least 50% of the matmul rate (filter index,
 counting and Python per block cost less than the scoring).
 
+``--device`` (:mod:`devices`; default: CUDA when torch sees a GPU) is where the model, both
+evaluators and the matmul reference run; on CUDA the peak memory is torch's peak of allocated
+device memory instead of the resident set.
+
     python benchmarks/evaluation.py --data ../shared/data/wn18rr
+    python benchmarks/evaluation.py --data ../shared/data/wn18rr --device cuda
 
 The entity and relation mappings are built from all three splits, so that no test triple is
 dropped (some test entities never occur in training).
@@ -62,6 +67,7 @@ from pykeen.triples.triples_factory import (
 )
 from pykeen.triples.utils import load_triples
 
+from devices import add_device_argument, describe, synchronize
 from training import generate_graph
 
 from pykeen_bess.evaluation import BessEvaluator
@@ -83,14 +89,14 @@ def load_splits(directory: pathlib.Path) -> dict[str, CoreTriplesFactory]:
     }
 
 
-def make_model(splits: Mapping[str, CoreTriplesFactory], dim: int, train_epochs: int) -> DistMult:
-    """DistMult, randomly initialised (seed 0), optionally trained for a few BESS epochs.
+def make_model(splits: Mapping[str, CoreTriplesFactory], dim: int, train_epochs: int, device: torch.device) -> DistMult:
+    """DistMult on ``device``, randomly initialised (seed 0), optionally trained for a few BESS epochs.
 
     Without PyKEEN's default relation regularizer: with 64 negatives per positive it shrinks the
     relations so fast that 5 epochs (stock loop or BESS alike) leave a near-random model (MRR about
     0.03), whose many near-ties are not what an evaluator usually ranks.
     """
-    model = DistMult(triples_factory=splits["train"], embedding_dim=dim, random_seed=0, regularizer=None)
+    model = DistMult(triples_factory=splits["train"], embedding_dim=dim, random_seed=0, regularizer=None).to(device)
     if train_epochs:
         from pykeen_bess.training import BessTrainingLoop
 
@@ -117,9 +123,12 @@ def run(
         "use_tqdm": False,
     }
     release_free_memory()
-    with measure_peak(torch.device("cpu")) as peak:
+    device = model.device
+    with measure_peak(device) as peak:
+        synchronize(device)
         start = time.perf_counter()
         result = evaluator.evaluate(model, splits["test"].mapped_triples, batch_size=batch_size, **kwargs)
+        synchronize(device)
         seconds = time.perf_counter() - start
     return {"seconds": seconds, "peak_bytes": peak.bytes, "metrics": dict(result.to_flat_dict())}
 
@@ -155,18 +164,22 @@ def generate_splits(spec: str, seed: int = 0) -> dict[str, CoreTriplesFactory]:
     }
 
 
-def matmul_seconds(num_queries: int, num_entities: int, dim: int, batch_size: int, slice_size: int) -> float:
+def matmul_seconds(
+    num_queries: int, num_entities: int, dim: int, batch_size: int, slice_size: int, device: torch.device
+) -> float:
     """Time the score products alone: ``[batch_size, d] x [d, slice_size]`` blocks covering ``Q x E``; best of 3."""
     generator = torch.Generator().manual_seed(0)
-    queries = torch.randn(num_queries, dim, generator=generator)
-    entities = torch.randn(num_entities, dim, generator=generator)
+    queries = torch.randn(num_queries, dim, generator=generator).to(device)
+    entities = torch.randn(num_entities, dim, generator=generator).to(device)
     slices = [part.t().contiguous() for part in entities.split(slice_size)]
     best = math.inf
     for _ in range(3):
+        synchronize(device)
         start = time.perf_counter()
         for batch in queries.split(batch_size):
             for candidates in slices:
                 torch.mm(batch, candidates)
+        synchronize(device)
         best = min(best, time.perf_counter() - start)
     return best
 
@@ -175,11 +188,11 @@ def benchmark_dataset(
     name: str, splits: Mapping[str, CoreTriplesFactory], args: argparse.Namespace
 ) -> list[dict[str, Any]]:
     """Run every evaluator on one dataset and the matmul reference; return the rows of the table."""
-    model = make_model(splits, args.dim, args.train_epochs)
+    model = make_model(splits, args.dim, args.train_epochs, args.device)
     test = splits["test"]
     print(
         f"# {name}: {test.num_entities:,} entities, test {test.num_triples:,} triples; DistMult d={args.dim}, "
-        f"{args.train_epochs} training epochs; torch {torch.__version__}, {torch.get_num_threads()} threads",
+        f"{args.train_epochs} training epochs; torch {torch.__version__}, {describe(args.device)}",
         flush=True,
     )
     rows: list[dict[str, Any]] = []
@@ -199,7 +212,7 @@ def benchmark_dataset(
     num_queries = 2 * test.num_triples
     flops = 2.0 * num_queries * test.num_entities * args.dim
     batch_size, slice_size = sizes or (256, test.num_entities)
-    seconds = matmul_seconds(num_queries, test.num_entities, args.dim, batch_size, slice_size)
+    seconds = matmul_seconds(num_queries, test.num_entities, args.dim, batch_size, slice_size, args.device)
     print(f"  matmul alone ({batch_size} x {slice_size} blocks): {seconds:.2f} s, {flops / seconds / 1e9:.0f} GFLOP/s")
     for row in rows:
         row["matmul_seconds"] = seconds
@@ -229,11 +242,14 @@ def main() -> None:
     )
     parser.add_argument("--rtol", type=float, default=1e-6, help="relative tolerance of 'equal' metrics")
     parser.add_argument("--output", type=pathlib.Path, default=None, help="also write the raw results as JSON here")
+    add_device_argument(parser)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     warnings.filterwarnings("ignore", message="Encountered tensors on device_types")
 
-    datasets: dict[str, Mapping[str, CoreTriplesFactory]] = {"WN18RR": load_splits(args.data)}
+    datasets: dict[str, Mapping[str, CoreTriplesFactory]] = {
+        "WN18RR" if args.data.name.lower() == "wn18rr" else args.data.name: load_splits(args.data)
+    }
     if args.generated:
         datasets[f"generated {args.generated}"] = generate_splits(args.generated)
     rows = [row for name, splits in datasets.items() for row in benchmark_dataset(name, splits, args)]

@@ -11,7 +11,7 @@ file (``Q<id>``, ``P<id>``). Each contender then runs in a fresh process (so pea
 
 The table gives the wall time, the peak resident memory (the kernel's high-water mark) and the
 increase over the process after its imports, per triple. ``--skip-pykeen`` leaves PyKEEN out (it
-takes minutes at full size).
+takes minutes at full size). It has no ``--device``: reading and writing files is host work.
 
     python benchmarks/pbg_import.py --workdir /tmp/pbg-import
     python benchmarks/pbg_import.py --workdir /tmp/pbg-import --entities 250000 --triples 1700000   # smaller

@@ -15,6 +15,8 @@ printed too.
     python benchmarks/quality.py --config configs/wn18rr_rotate.json --data ../shared/data/wn18rr --num-shards 1 4
     python benchmarks/quality.py --config configs/nations_rotate.json --data nations --num-shards 1
 
+``--device`` (:mod:`devices`; default: CUDA when torch sees a GPU) is passed to ``pipeline()``.
+
 A long run can be split over several sessions with ``--checkpoints DIR``: training writes a
 checkpoint every 10 minutes, and the same command resumes from it (the printed time is then the
 last session's only).
@@ -29,11 +31,13 @@ import sys
 import time
 
 import numpy as np
+import torch
 from pykeen.datasets import dataset_resolver
 from pykeen.pipeline import pipeline
 from pykeen.triples import TriplesFactory
 from pykeen.triples.utils import load_triples
 
+from devices import add_device_argument, describe
 from pykeen_bess.evaluation import BessEvaluator
 
 
@@ -53,9 +57,13 @@ def load(directory: pathlib.Path, create_inverse_triples: bool = False) -> dict[
 
 
 def run(
-    config: dict, splits: dict[str, TriplesFactory], num_shards: int, checkpoints: pathlib.Path | None = None
+    config: dict,
+    splits: dict[str, TriplesFactory],
+    num_shards: int,
+    checkpoints: pathlib.Path | None = None,
+    device: torch.device | None = None,
 ) -> dict:
-    """Train and evaluate the configuration with ``num_shards`` shards; return time and metrics.
+    """Train and evaluate the configuration with ``num_shards`` shards (on ``device``); return time and metrics.
 
     With ``checkpoints`` (a directory) training writes a checkpoint there every 10 minutes and at
     the end, and a run of the same configuration and shard count resumes from it; the time is then
@@ -74,6 +82,8 @@ def run(
             checkpoint_frequency=10,
         )
     kwargs.setdefault("evaluation_kwargs", {})["use_tqdm"] = False
+    if device is not None:
+        kwargs["device"] = device
     start = time.perf_counter()
     result = pipeline(training=splits["train"], validation=splits["valid"], testing=splits["test"], **kwargs)
     seconds = time.perf_counter() - start
@@ -128,7 +138,9 @@ def main() -> None:
         type=pathlib.Path,
         help="a directory for training checkpoints (every 10 minutes): running the command again resumes",
     )
+    add_device_argument(parser)
     args = parser.parse_args()
+    print(f"# device: {describe(args.device)}", flush=True)
     raw = json.loads(args.config.read_text())
     config = raw.get("pipeline", raw)
     dataset_kwargs = dict(config.get("dataset_kwargs") or {})
@@ -138,7 +150,7 @@ def main() -> None:
     splits = load(args.data, create_inverse_triples)
     rows = []
     for n in args.num_shards:
-        result = run(config, splits, n, args.checkpoints)
+        result = run(config, splits, n, args.checkpoints, args.device)
         print(json.dumps({"num_shards": n, **result}), flush=True)
         rows.append((n, result))
     print()

@@ -25,8 +25,13 @@ triples (``T x 3`` int64) and the filter index (24 bytes per triple). Setup (sta
 compared with the one-minute target. Nothing may grow with ``E x E`` or ``T x negatives``:
 ``E x E`` floats would be 25 TB, ``T x negatives`` 17 GB.
 
+``--device`` (:mod:`devices`; default: CUDA when torch sees a GPU) is where the model is trained
+and evaluated; on CUDA every stage also reports torch's peak of allocated device memory. The
+graph, the triples factory and the partition stay in host memory.
+
     python benchmarks/scale.py                        # the full run (about half an hour on 2 cores)
     python benchmarks/scale.py --steps 200            # a shorter check: 200 training steps per shard count
+    python benchmarks/scale.py --device cuda          # on a GPU (target: 10M triples/s, TransE d100)
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from pykeen.models import TransE
 from pykeen.training.callbacks import TrainingCallback
 from pykeen.triples import CoreTriplesFactory
 
+from devices import add_device_argument, describe, synchronize
 from pykeen_bess.evaluation import BessEvaluator
 from pykeen_bess.training import BessTrainingLoop
 
@@ -58,12 +64,16 @@ def resident_bytes() -> int:
 
 
 class Stage:
-    """Wall time and sampled peak resident memory of one stage."""
+    """Wall time, sampled peak resident memory and (on CUDA) peak allocated device memory of one stage."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, device: torch.device | None = None):
         self.name = name
         self.seconds = 0.0
         self.before = self.peak = resident_bytes()
+        self.device = device if device is not None and device.type == "cuda" else None
+        self.device_peak: int | None = None
+        if self.device is not None:
+            torch.cuda.reset_peak_memory_stats(self.device)
         self.note = ""
 
     def sample(self) -> None:
@@ -71,10 +81,10 @@ class Stage:
 
 
 @contextmanager
-def stage(name: str, stages: list[Stage]) -> Iterator[Stage]:
-    """Time a stage and sample its memory every 5 ms."""
+def stage(name: str, stages: list[Stage], device: torch.device | None = None) -> Iterator[Stage]:
+    """Time a stage and sample its memory every 5 ms (and its peak memory on a CUDA ``device``)."""
     gc.collect()
-    record = Stage(name)
+    record = Stage(name, device)
     done = threading.Event()
 
     def sampler() -> None:
@@ -87,14 +97,19 @@ def stage(name: str, stages: list[Stage]) -> Iterator[Stage]:
     try:
         yield record
     finally:
+        if record.device is not None:
+            synchronize(record.device)
         record.seconds = time.perf_counter() - start
         done.set()
         thread.join()
         record.sample()
+        if record.device is not None:
+            record.device_peak = torch.cuda.max_memory_allocated(record.device)
         stages.append(record)
+        on_device = "" if record.device_peak is None else f", peak CUDA memory {record.device_peak / 2**30:.2f} GiB"
         print(
             f"  {name}: {record.seconds:.1f} s, peak {record.peak / 2**30:.2f} GiB "
-            f"(+{(record.peak - record.before) / 2**30:.2f}) {record.note}",
+            f"(+{(record.peak - record.before) / 2**30:.2f}){on_device} {record.note}",
             flush=True,
         )
 
@@ -124,16 +139,18 @@ def generate(num_entities: int, num_relations: int, num_triples: int, seed: int 
 
 
 class FirstStep(TrainingCallback):
-    """Record when the first step starts and stop after ``max_steps`` steps (by raising)."""
+    """Record when the first step starts (after the device's set-up work) and stop after ``max_steps`` steps."""
 
-    def __init__(self, max_steps: int | None):
+    def __init__(self, max_steps: int | None, device: torch.device):
         super().__init__()
         self.max_steps = max_steps
+        self.device = device
         self.first: float | None = None
         self.steps = 0
 
     def pre_batch(self, **kwargs: Any) -> None:
         if self.first is None:
+            synchronize(self.device)
             self.first = time.perf_counter()
 
     def post_batch(self, epoch: int, batch: Any, **kwargs: Any) -> None:
@@ -156,10 +173,12 @@ def run(args: argparse.Namespace, triples: torch.Tensor, num_shards: int) -> lis
             mapped_triples=triples[args.test :], num_entities=args.entities, num_relations=args.relations
         )
         test = triples[: args.test]
-    with stage("model", stages) as record:
-        model = TransE(triples_factory=train, embedding_dim=args.dim, scoring_fct_norm=args.norm, random_seed=0)
+    with stage("model", stages, args.device) as record:
+        model = TransE(triples_factory=train, embedding_dim=args.dim, scoring_fct_norm=args.norm, random_seed=0).to(
+            args.device
+        )
         record.note = f"(entity table {args.entities * args.dim * 4 / 2**30:.2f} GiB)"
-    with stage("loop: sharding and partition", stages):
+    with stage("loop: sharding and partition", stages, args.device):
         loop = BessTrainingLoop(
             model=model,
             triples_factory=train,
@@ -170,14 +189,15 @@ def run(args: argparse.Namespace, triples: torch.Tensor, num_shards: int) -> lis
             automatic_memory_optimization=False,
         )
         loop.partition(train)
-    callback = FirstStep(args.steps)
+    callback = FirstStep(args.steps, args.device)
     start = time.perf_counter()
     steps_per_epoch = 0
-    with stage("train: setup and epoch", stages) as record:
+    with stage("train: setup and epoch", stages, args.device) as record:
         try:
             loop.train(train, num_epochs=1, batch_size=args.batch_size, use_tqdm=not args.quiet, callbacks=callback)
         except StopTraining:
             pass
+        synchronize(args.device)
         end = time.perf_counter()
         steps_per_epoch = len(loop._create_training_data_loader(train, batch_size=args.batch_size))
     assert callback.first is not None
@@ -190,7 +210,7 @@ def run(args: argparse.Namespace, triples: torch.Tensor, num_shards: int) -> lis
         f"{rate:,.0f} triples/s{', partial epoch' if partial else ''})"
     )
     print(f"  {record.note}; setup before the first step in all: {setup:.1f} s", flush=True)
-    with stage("evaluation", stages) as record:
+    with stage("evaluation", stages, args.device) as record:
         evaluator = BessEvaluator()
         result = evaluator.evaluate(
             model, test, additional_filter_triples=[train.mapped_triples], use_tqdm=not args.quiet
@@ -223,8 +243,9 @@ def main() -> None:
     parser.add_argument("--shards", default="1,4")
     parser.add_argument("--steps", type=int, default=None, help="train only this many steps (default: one epoch)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_device_argument(parser)
     args = parser.parse_args()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
+    print(f"torch {torch.__version__}, {describe(args.device)}", flush=True)
     stages: list[Stage] = []
     with stage("generate the graph (not part of a run)", stages) as record:
         triples = generate(args.entities, args.relations, args.triples)
@@ -235,16 +256,22 @@ def main() -> None:
         f"Graph: {args.entities:,} entities, {args.relations} relations, {triples.shape[0]:,} triples; {stages[0].note}"
     )
     print()
-    print("| n | stage | wall time (s) | peak RSS (GiB) | increase (GiB) | notes |")
-    print("|---:|---|---:|---:|---:|---|")
+    cuda = args.device.type == "cuda"
+    cuda_column = " peak CUDA (GiB) |" if cuda else ""
+    print(f"| n | stage | wall time (s) | peak RSS (GiB) | increase (GiB) |{cuda_column} notes |")
+    print(f"|---:|---|---:|---:|---:|{'---:|' if cuda else ''}---|")
     for n, run_stages in results.items():
         summary, *rest = run_stages
         for record in rest:
+            on_device = ""
+            if cuda:
+                on_device = " |" if record.device_peak is None else f" {record.device_peak / 2**30:.2f} |"
             print(
                 f"| {n} | {record.name} | {record.seconds:.1f} | {record.peak / 2**30:.2f} | "
-                f"{(record.peak - record.before) / 2**30:.2f} | {record.note} |"
+                f"{(record.peak - record.before) / 2**30:.2f} |{on_device} {record.note} |"
             )
-        print(f"| {n} | **{summary.name.split(':')[0]}** | {summary.seconds:.1f} | | | {summary.note} |")
+        blank = " |" if cuda else ""
+        print(f"| {n} | **{summary.name.split(':')[0]}** | {summary.seconds:.1f} | | |{blank} {summary.note} |")
 
 
 if __name__ == "__main__":

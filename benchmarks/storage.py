@@ -7,8 +7,10 @@ triples per second (steady epochs: the first is left out when there are several)
 between the tier and the compute device per step (the tier's counters), the peak resident memory
 (``VmHWM``) and the anonymous resident memory after training (``RssAnon``: for files, the table is
 page cache, not anonymous memory), and the filtered MRR on ``--eval-triples`` test triples.
-On this CPU-only machine "device" is the CPU too: the rows of host and file tiers are copied per
-step although compute and storage share the memory, which is the overhead the table shows.
+``--device`` (:mod:`devices`; default: CUDA when torch sees a GPU) is the compute device. On the
+CPU "device" storage is the CPU too: the rows of host and file tiers are copied per step although
+compute and storage share the memory, which is the overhead the table shows; on CUDA the host and
+file tiers stage their rows through pinned host memory.
 
     python benchmarks/storage.py --data ../shared/data/wn18rr
 
@@ -19,7 +21,9 @@ constructor would otherwise allocate the full table), the tables are initialised
 ``--large-steps`` steps of ``--batch-size`` uniformly drawn triples are trained, and
 ``--eval-triples`` held-out triples are ranked against every entity (filtered). It reports the
 time of each stage, steps per second, the process' peak resident, anonymous and file-backed
-memory, and the bytes it read from and wrote to the disk (``/proc/self/io``).
+memory, and the bytes it read from and wrote to the disk (``/proc/self/io``). It computes on the
+CPU: BessTrainingLoop materialises a model built on the meta device on the CPU, so ``--large``
+refuses a CUDA ``--device``.
 
     python benchmarks/storage.py --large 60000000 --dim 128 --storage-dir /work/big --eval-triples 300
 """
@@ -34,6 +38,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from devices import add_device_argument, synchronize
 
 
 def _status(field: str) -> int:
@@ -59,7 +65,7 @@ def worker(args: argparse.Namespace) -> None:
     testing = TriplesFactory.from_path(
         args.data / "test.txt", entity_to_id=training.entity_to_id, relation_to_id=training.relation_to_id
     )
-    model = DistMult(triples_factory=training, embedding_dim=args.dim, random_seed=0, regularizer=None)
+    model = DistMult(triples_factory=training, embedding_dim=args.dim, random_seed=0, regularizer=None).to(args.device)
     with tempfile.TemporaryDirectory(dir=args.storage_dir) as directory:
         loop = BessTrainingLoop(
             model=model,
@@ -88,6 +94,7 @@ def worker(args: argparse.Namespace) -> None:
                 steps.append(1)
 
             def post_epoch(self, **kwargs):  # type: ignore[no-untyped-def]
+                synchronize(args.device)
                 now = time.perf_counter()
                 times.append(now - self.start)
                 self.start = now
@@ -244,12 +251,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--storage-dir", default=None, help="where the mmap tier's files go (default: the temp dir)")
     parser.add_argument("--worker", nargs=2, metavar=("TIER", "OPTIMIZER"), help=argparse.SUPPRESS)
+    add_device_argument(parser)
     args = parser.parse_args()
     if args.worker:
         args.tier, args.optimizer = args.worker
         worker(args)
         return
     if args.large:
+        if args.device.type != "cpu":
+            parser.error("--large computes on the CPU (a model built on the meta device is materialised there)")
         large(args)
         return
     if args.data is None:
@@ -258,7 +268,8 @@ def main() -> None:
     for optimizer in args.optimizers:
         for tier in args.tiers:
             command = [sys.executable, __file__, "--worker", tier, optimizer]
-            for name in ("data", "shards", "epochs", "dim", "negatives", "batch_size", "eval_triples", "threads"):
+            passed = ("data", "shards", "epochs", "dim", "negatives", "batch_size", "eval_triples", "threads", "device")
+            for name in passed:
                 command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
             if args.storage_dir:
                 command += ["--storage-dir", args.storage_dir]
@@ -267,7 +278,7 @@ def main() -> None:
             rows.append((optimizer, tier, result))
             print(f"{optimizer} {tier}: {result['plan']}", file=sys.stderr)
     setting = f"DistMult d{args.dim}, {args.negatives} negatives, batch {args.batch_size}, n={args.shards}"
-    print(f"\n{args.data.name}, {setting}")
+    print(f"\n{args.data.name}, {setting}; compute device {args.device}")
     print(
         "| optimizer | storage | triples/s | vs device | MiB moved per step | peak RSS (MiB) | RssAnon after (MiB) "
         "| eval s | MRR |"

@@ -29,8 +29,13 @@ process-wide), which everything else runs with.
 best epoch), and BESS at n = 1 and n = 4 (and n = 4 with ``negatives="step"``). Targets: BESS
 n = 1 >= 1.5x PyTorch-BigGraph, n = 4 within 1.5x of n = 1.
 
+``--device`` (:mod:`devices`) picks the compute device of PyKEEN's loop, BESS and the hand-written
+step (default: CUDA when torch sees a GPU); PyTorch-BigGraph always trains on the CPU, as its
+Hogwild workers do.
+
     python benchmarks/training.py --data ../shared/data/wn18rr
     python benchmarks/training.py --pbg-workload
+    python benchmarks/training.py --data ../shared/data/wn18rr --device cuda
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ from pykeen.regularizers import LpRegularizer
 from pykeen.training import SLCWATrainingLoop, TrainingCallback
 from pykeen.triples import CoreTriplesFactory, TriplesFactory
 
+from devices import add_device_argument, describe, synchronize
 from pykeen_bess.allocator import resolve_allocator
 from pykeen_bess.training import BessTrainingLoop
 
@@ -72,19 +78,21 @@ def generate_graph(num_entities: int, num_relations: int, num_triples: int, seed
     return CoreTriplesFactory.create(mapped_triples=triples, num_entities=num_entities, num_relations=num_relations)
 
 
-def make_model(triples_factory: CoreTriplesFactory, dim: int) -> DistMult:
-    """Create the benchmark model."""
-    return DistMult(triples_factory=triples_factory, embedding_dim=dim, random_seed=0)
+def make_model(triples_factory: CoreTriplesFactory, dim: int, device: torch.device) -> DistMult:
+    """Create the benchmark model on ``device``."""
+    return DistMult(triples_factory=triples_factory, embedding_dim=dim, random_seed=0).to(device)
 
 
 class EpochClock(TrainingCallback):
-    """Records when every epoch ends (the first one's start is the training's)."""
+    """Records when every epoch ends (the first one's start is the training's), after the device's work."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device) -> None:
         super().__init__()
+        self.device = device
         self.ends: list[float] = []
 
     def post_epoch(self, epoch: int, epoch_loss: float, **kwargs) -> None:
+        synchronize(self.device)
         self.ends.append(time.perf_counter())
 
 
@@ -92,9 +100,11 @@ class _Done(Exception):
     pass
 
 
-def time_stock(tf: CoreTriplesFactory, dim: int, negatives: int, batch_size: int, batches: int) -> float:
+def time_stock(
+    tf: CoreTriplesFactory, dim: int, negatives: int, batch_size: int, batches: int, device: torch.device
+) -> float:
     """Return positives per second of PyKEEN's sLCWA loop on ``batches`` batches after the first 5."""
-    model = make_model(tf, dim)
+    model = make_model(tf, dim, device)
     loop = SLCWATrainingLoop(
         model=model,
         triples_factory=tf,
@@ -106,6 +116,7 @@ def time_stock(tf: CoreTriplesFactory, dim: int, negatives: int, batch_size: int
 
     class Clock(TrainingCallback):
         def post_batch(self, epoch: int, batch, **kwargs) -> None:
+            synchronize(device)
             times.append(time.perf_counter())
             if len(times) > 5 + batches:
                 raise _Done
@@ -128,13 +139,17 @@ def steady(starts: float, ends: list[float], num_triples: int) -> tuple[float, f
 def time_bess(tf: CoreTriplesFactory, model, epochs: int, batch_size: int, **loop_kwargs) -> tuple[float, float]:
     """Return positives per second of BESS: the first epoch (set-up included) and the best steady epoch."""
     loop = BessTrainingLoop(model=model, triples_factory=tf, automatic_memory_optimization=False, **loop_kwargs)
-    clock = EpochClock()
+    device = next(model.parameters()).device
+    clock = EpochClock(device)
+    synchronize(device)
     start = time.perf_counter()
     loop.train(tf, num_epochs=epochs, batch_size=batch_size, use_tqdm=False, callbacks=clock)
     return steady(start, clock.ends, tf.num_triples)
 
 
-def time_handwritten(tf: CoreTriplesFactory, dim: int, negatives: int, batch_size: int, epochs: int) -> float:
+def time_handwritten(
+    tf: CoreTriplesFactory, dim: int, negatives: int, batch_size: int, epochs: int, device: torch.device
+) -> float:
     """Return positives per second of a minimal hand-written step with the same objective (best steady epoch).
 
     The step optimises what BessTrainingLoop optimises for PyKEEN's DistMult with one shard: a batch
@@ -143,24 +158,25 @@ def time_handwritten(tf: CoreTriplesFactory, dim: int, negatives: int, batch_siz
     relation regularizer, unit-norm entity rows, lazy Adam (``torch.optim.SparseAdam`` on an
     ``nn.Embedding(sparse=True)``) for entities and Adam for relations.
     """
+    synchronize(device)
     start = time.perf_counter()
     torch.manual_seed(0)
-    entities = torch.nn.Embedding(tf.num_entities, dim, sparse=True)
-    relations = torch.nn.Embedding(tf.num_relations, dim)
+    entities = torch.nn.Embedding(tf.num_entities, dim, sparse=True, device=device)
+    relations = torch.nn.Embedding(tf.num_relations, dim, device=device)
     with torch.no_grad():
         entities.weight.copy_(functional.normalize(entities.weight, dim=-1))
     entity_optimizer = torch.optim.SparseAdam(entities.parameters(), lr=1e-3)
     relation_optimizer = torch.optim.Adam(relations.parameters(), lr=1e-3)
     loss_function = MarginRankingLoss()
-    regularizer = LpRegularizer(**DistMult.regularizer_default_kwargs)
-    triples = tf.mapped_triples
+    regularizer = LpRegularizer(**DistMult.regularizer_default_kwargs).to(device)
+    triples = tf.mapped_triples.to(device)
     half = batch_size // 2
     ends = []
     for _ in range(epochs):
-        order = torch.randperm(triples.shape[0])
+        order = torch.randperm(triples.shape[0], device=device)
         for batch_start in range(0, triples.shape[0], batch_size):
             batch = triples[order[batch_start : batch_start + batch_size]]
-            negative_ids = torch.randint(tf.num_entities, (negatives,))
+            negative_ids = torch.randint(tf.num_entities, (negatives,), device=device)
             h, r, t = entities(batch[:, 0]), relations(batch[:, 1]), entities(batch[:, 2])
             negative = entities(negative_ids)
             positive_scores = (h * r * t).sum(dim=-1, keepdim=True)
@@ -178,6 +194,7 @@ def time_handwritten(tf: CoreTriplesFactory, dim: int, negatives: int, batch_siz
             with torch.no_grad():
                 touched = torch.cat([batch[:, 0], batch[:, 2], negative_ids]).unique()
                 entities.weight[touched] = functional.normalize(entities.weight[touched], dim=-1)
+        synchronize(device)
         ends.append(time.perf_counter())
     return steady(start, ends, triples.shape[0])[1]
 
@@ -194,7 +211,7 @@ def label(n: int, negatives: str) -> str:
 def distmult_workload(args: argparse.Namespace) -> None:
     """BESS vs PyKEEN's stock loop vs the hand-written step, on WN18RR and a generated graph."""
     datasets = {
-        "WN18RR": load_wn18rr(args.data),
+        "WN18RR" if args.data.name.lower() == "wn18rr" else args.data.name: load_wn18rr(args.data),
         f"generated ({args.generated_entities:,} entities)": generate_graph(
             args.generated_entities, 50, args.generated_triples
         ),
@@ -205,23 +222,25 @@ def distmult_workload(args: argparse.Namespace) -> None:
     # hand-written step and a second timing of the stock loop included
     stock_default = {}
     for name, tf in datasets.items():
-        stock_default[name] = time_stock(tf, args.dim, args.negatives, args.batch_size, args.stock_batches)
+        stock_default[name] = time_stock(tf, args.dim, args.negatives, args.batch_size, args.stock_batches, args.device)
         print(f"# {name}: stock sLCWA {stock_default[name]:,.0f}/s", flush=True)
     resolve_allocator("auto", "cpu").apply()
     for name, tf in datasets.items():
         print(f"# {name}: {tf.num_entities:,} entities, {tf.num_triples:,} triples", flush=True)
         stock = stock_default[name]
-        stock_retained = time_stock(tf, args.dim, args.negatives, args.batch_size, args.stock_batches)
+        stock_retained = time_stock(tf, args.dim, args.negatives, args.batch_size, args.stock_batches, args.device)
         print(f"stock sLCWA with BESS's allocator setting: {stock_retained:,.0f}/s", flush=True)
         # interleaved repeats, best of each: this machine's timings vary by tens of percent
         handwritten = 0.0
         bess = {setting: (0.0, 0.0) for setting in BESS_SETTINGS}
         for _ in range(args.repeats):
-            handwritten = max(handwritten, time_handwritten(tf, args.dim, args.negatives, args.batch_size, args.epochs))
+            handwritten = max(
+                handwritten, time_handwritten(tf, args.dim, args.negatives, args.batch_size, args.epochs, args.device)
+            )
             for n, negatives in bess:
                 first, best = time_bess(
                     tf,
-                    make_model(tf, args.dim),
+                    make_model(tf, args.dim, args.device),
                     args.epochs,
                     args.batch_size,
                     num_shards=n,
@@ -296,7 +315,9 @@ def pbg_workload(args: argparse.Namespace) -> None:
         with tempfile.TemporaryDirectory() as directory:
             results["pbg"] = max(results.get("pbg", 0.0), time_pbg(tf, args, pathlib.Path(directory)))
         for n, negatives in BESS_SETTINGS:
-            model = ComplEx(triples_factory=tf, embedding_dim=args.pbg_dim, regularizer=None, random_seed=0)
+            model = ComplEx(triples_factory=tf, embedding_dim=args.pbg_dim, regularizer=None, random_seed=0).to(
+                args.device
+            )
             _, best = time_bess(
                 tf,
                 model,
@@ -314,7 +335,7 @@ def pbg_workload(args: argparse.Namespace) -> None:
     print()
     print("| loop | positives/s (best epoch) | x PyTorch-BigGraph | n=1 / this |")
     print("|---|---:|---:|---:|")
-    print(f"| PyTorch-BigGraph 1.0.0, 2 Hogwild workers | {results['pbg']:,.0f} | 1.00 | |")
+    print(f"| PyTorch-BigGraph 1.0.0, 2 Hogwild workers (CPU) | {results['pbg']:,.0f} | 1.00 | |")
     for n, negatives in BESS_SETTINGS:
         value = results[label(n, negatives)]
         ratio, scaling = value / results["pbg"], results["n=1"] / value
@@ -338,7 +359,9 @@ def main() -> None:
     parser.add_argument("--pbg-entities", type=int, default=100_000)
     parser.add_argument("--pbg-triples", type=int, default=500_000)
     parser.add_argument("--pbg-dim", type=int, default=64, help="complex dimensions (PyTorch-BigGraph's: twice)")
+    add_device_argument(parser)
     args = parser.parse_args()
+    print(f"# device: {describe(args.device)}; torch {torch.__version__}", flush=True)
     if args.pbg_workload:
         pbg_workload(args)
     elif args.data is None:

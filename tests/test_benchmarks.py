@@ -1,0 +1,203 @@
+"""The benchmark scripts run end to end on tiny inputs, with ``--device`` as a user passes it.
+
+Each script runs as a user runs it (``python benchmarks/NAME.py ...``, a fresh interpreter) on
+PyKEEN's bundled Nations or a small generated graph, and must print its table; the evaluation
+benchmark must also find every evaluator's metrics equal to PyKEEN's. A CUDA ``--device`` that
+torch cannot use is an error before any work starts (PyKEEN would fall back to the CPU, and the
+table would report CPU figures under a GPU's name).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+BENCHMARKS = ROOT / "benchmarks"
+
+
+def nations_directory() -> str:
+    """PyKEEN's bundled Nations (train.txt, valid.txt, test.txt)."""
+    import pykeen.datasets.nations as nations
+
+    return str(pathlib.Path(nations.__file__).parent)
+
+
+def run_benchmark(name: str, *arguments: str, timeout: int = 240) -> subprocess.CompletedProcess[str]:
+    """Run ``benchmarks/NAME.py`` with ``arguments`` from the repository root, as the README does."""
+    return subprocess.run(
+        [sys.executable, str(BENCHMARKS / f"{name}.py"), *arguments],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def table_rows(output: str) -> list[list[str]]:
+    """The cells of the markdown table rows an output printed (header and separator lines excluded)."""
+    rows = [line.strip().strip("|").split("|") for line in output.splitlines() if line.startswith("|")]
+    return [[cell.strip() for cell in row] for row in rows if not row[0].strip().startswith("-")][1:]
+
+
+def load_devices():
+    """Import ``benchmarks/devices.py`` (the scripts import it from their own folder)."""
+    spec = importlib.util.spec_from_file_location("benchmark_devices", BENCHMARKS / "devices.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_parse_device():
+    """``auto`` resolves to CUDA only where torch sees it; ``cpu`` is the CPU; other kinds are refused."""
+    devices = load_devices()
+    expected = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    assert devices.parse_device("auto") == expected
+    assert devices.parse_device("cpu") == torch.device("cpu")
+    for text in ("tpu", "mps", "nonsense"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            devices.parse_device(text)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_without_a_gpu_is_refused():
+    """Without CUDA, ``--device cuda`` fails in argument parsing (PyKEEN would silently use the CPU)."""
+    devices = load_devices()
+    for text in ("cuda", "cuda:0", "cuda:1"):
+        with pytest.raises(argparse.ArgumentTypeError, match="no CUDA device"):
+            devices.parse_device(text)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+@pytest.mark.parametrize(
+    ("name", "arguments"),
+    [
+        ("training", ["--data", "DATA", "--device", "cuda"]),
+        ("evaluation", ["--data", "DATA", "--device", "cuda"]),
+        ("scale", ["--device", "cuda"]),
+        ("storage", ["--data", "DATA", "--device", "cuda"]),
+        ("quality", ["--config", "configs/nations_rotate.json", "--data", "nations", "--device", "cuda"]),
+        ("distributed", ["--data", "DATA", "--backend", "nccl"]),
+    ],
+)
+def test_scripts_refuse_cuda_without_a_gpu(name: str, arguments: list[str]):
+    """Every script that computes refuses a CUDA device it cannot use, with a usage error, before any work."""
+    result = run_benchmark(name, *(nations_directory() if a == "DATA" else a for a in arguments), timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert "CUDA" in result.stderr or "GPU" in result.stderr
+
+
+@pytest.mark.slow
+def test_training_benchmark():
+    """Stock loop, hand-written step and the three BESS settings on Nations and a generated graph."""
+    result = run_benchmark(
+        "training",
+        *("--data", nations_directory(), "--dim", "8", "--negatives", "4", "--batch-size", "32", "--epochs", "2"),
+        *("--generated-entities", "200", "--generated-triples", "500", "--stock-batches", "2", "--repeats", "1"),
+        *("--device", "cpu"),
+    )
+    assert result.returncode == 0, result.stderr
+    rows = table_rows(result.stdout)
+    assert [row[0] for row in rows] == ["nations"] * 6 + ["generated (200 entities)"] * 6
+    assert all(float(row[2].replace(",", "")) > 0 for row in rows)
+    assert "CPU" in result.stdout
+
+
+@pytest.mark.slow
+def test_evaluation_benchmark_metrics_equal_pykeen():
+    """Both evaluators on both datasets; every BessEvaluator row's metrics equal PyKEEN's."""
+    result = run_benchmark(
+        "evaluation",
+        *("--data", nations_directory(), "--generated", "300:5:3000:50", "--dim", "8", "--train-epochs", "1"),
+        *("--pykeen-batch-sizes", "64", "--bess-shards", "1,2", "--device", "cpu"),
+    )
+    assert result.returncode == 0, result.stderr
+    rows = [row for row in table_rows(result.stdout) if row[1] != "matmul alone"]
+    assert [(row[1], row[2]) for row in rows] == [
+        ("PyKEEN RankBasedEvaluator", "batch_size=64"),
+        ("BessEvaluator", "n=1"),
+        ("BessEvaluator", "n=2"),
+    ] * 2
+    assert all(row[7].startswith("yes") for row in rows)
+
+
+@pytest.mark.slow
+def test_scale_benchmark():
+    """Every stage of both shard counts on a small generated graph, with the setup summary."""
+    result = run_benchmark(
+        "scale",
+        *("--entities", "2000", "--relations", "10", "--triples", "20000", "--test", "50", "--dim", "8"),
+        *("--negatives", "8", "--batch-size", "256", "--shards", "1,2", "--steps", "5", "--quiet", "--device", "cpu"),
+    )
+    assert result.returncode == 0, result.stderr
+    stages = [(row[0], row[1].split(":")[0]) for row in table_rows(result.stdout)]
+    expected = ["factory", "model", "loop", "train", "evaluation", "**setup before the first step (target < 60 s)**"]
+    assert [stage for _, stage in stages] == [name.split(":")[0] for name in expected] * 2
+    assert "5/" in result.stdout and "partial epoch" in result.stdout
+
+
+@pytest.mark.slow
+def test_quality_benchmark(tmp_path: pathlib.Path):
+    """A small pipeline configuration through ``pipeline()`` at 1 and 2 shards, with the seen-entity MRR."""
+    config = tmp_path / "tiny.json"
+    config.write_text(
+        json.dumps(
+            {
+                "pipeline": {
+                    "model": "DistMult",
+                    "model_kwargs": {"embedding_dim": 8},
+                    "training_loop": "bess",
+                    "training_kwargs": {"num_epochs": 2, "batch_size": 256},
+                    "evaluator": "bess",
+                    "random_seed": 0,
+                }
+            }
+        )
+    )
+    result = run_benchmark("quality", "--config", str(config), "--data", "nations", "--num-shards", "1", "2")
+    assert result.returncode == 0, result.stderr
+    rows = table_rows(result.stdout)
+    assert [row[1] for row in rows] == ["1", "2"]
+    assert all(0 < float(row[3].split()[0]) <= 1 for row in rows)
+
+
+@pytest.mark.slow
+def test_storage_benchmark():
+    """The device and host tiers train and evaluate in worker processes on the chosen device."""
+    result = run_benchmark(
+        "storage",
+        *("--data", nations_directory(), "--tiers", "device", "host", "--optimizers", "adam", "--epochs", "2"),
+        *("--dim", "8", "--negatives", "4", "--batch-size", "64", "--eval-triples", "20", "--threads", "1"),
+        *("--device", "cpu"),
+    )
+    assert result.returncode == 0, result.stderr
+    rows = table_rows(result.stdout)
+    assert [(row[0], row[1]) for row in rows] == [("adam", "device"), ("adam", "host")]
+    assert "compute device cpu" in result.stdout
+
+
+@pytest.mark.slow
+def test_distributed_benchmark():
+    """One process, then two gloo ranks; the measured bytes per step equal the cost model's."""
+    result = run_benchmark(
+        "distributed",
+        *("--data", nations_directory(), "--layouts", "1x1", "2x1", "--exchanges", "embedding", "--dim", "8"),
+        *("--negatives", "4", "--batch-size", "64"),
+    )
+    assert result.returncode == 0, result.stderr
+    rows = table_rows(result.stdout)
+    assert [(row[0], row[1], row[2]) for row in rows] == [
+        ("nations", "1 x 1", "embedding"),
+        ("nations", "2 x 1", "embedding"),
+    ]
+    assert [row[5] for row in rows] == [row[6] for row in rows]
+    assert int(rows[1][5].replace(",", "")) > 0
