@@ -139,13 +139,25 @@ class EncodingScheme(ExchangeScheme):
         device = self.tables[0].compute_device
         local_valid = batch.valid[..., slots].reshape(-1)
         valid_index = None if bool(local_valid.all()) else local_valid.nonzero().view(-1).to(device)
-        weights = regularization_weights(batch, start, stop)
         regularization, replicated = Accumulator(), Accumulator()
         lookup = self.lookup
         normalized = [lookup.normalized_rows(table, leaf) for table, leaf in zip(self.tables, gathered.leaves)]
-        # relations are replicated: every process weighs its share of their regularization
-        relations = lookup.relations(batch.relations[..., slots], weights.relation * self.replicated_share, replicated)
         m = gathered.negatives.shape[-1]
+        relation_weights: torch.Tensor | None = None
+        role_weights: list[list[torch.Tensor | None]] = [[None] * len(self.tables)] * 3
+        if lookup.regularized:  # else no weights to compute
+            weights = regularization_weights(batch, start, stop)
+            # relations are replicated: every process weighs its share of their regularization
+            relation_weights = weights.relation * self.replicated_share
+            role_weights = [
+                lookup.role_weights(head=weights.head),
+                lookup.role_weights(tail=weights.tail),
+                lookup.role_weights(
+                    head=weights.negative_head.view(1, 1, 1).expand(1, 1, m),
+                    tail=weights.negative_tail.view(1, 1, 1).expand(1, 1, m),
+                ),
+            ]
+        relations = lookup.relations(batch.relations[..., slots], relation_weights, replicated)
         # the rows of the three roles in one lookup
         heads, tails, negatives = lookup.roles(
             normalized,
@@ -155,14 +167,7 @@ class EncodingScheme(ExchangeScheme):
                 gathered.negatives.view(1, 1, m),
             ],
             regularization,
-            [
-                lookup.role_weights(head=weights.head),
-                lookup.role_weights(tail=weights.tail),
-                lookup.role_weights(
-                    head=weights.negative_head.view(1, 1, 1).expand(1, 1, m),
-                    tail=weights.negative_tail.view(1, 1, 1).expand(1, 1, m),
-                ),
-            ],
+            role_weights,
         )
         head_parts, tail_parts, negative_parts = lookup.unpack(heads), lookup.unpack(tails), lookup.unpack(negatives)
         partial = []
