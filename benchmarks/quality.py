@@ -3,8 +3,9 @@
 Runs a PyKEEN pipeline configuration (the JSON that ``pykeen experiments run`` and ``python -m
 pykeen_bess train --config`` read) on a dataset directory of label TSV files (``train.txt``,
 ``valid.txt``, ``test.txt``) for each shard count in ``--num-shards``, and prints the wall time
-(training and evaluation) and the filtered test metrics (both sides, realistic ranks, filtered
-by train and valid).
+(training and evaluation), the epochs trained and the filtered test metrics (both sides,
+realistic ranks, filtered by train and valid). With an early stopper in the configuration the
+JSON line also gives its validation curve and the best epoch, whose model is the one tested.
 
 The entity ids come from all three splits, as in LibKGE and the papers' evaluations: WN18RR's test
 set has 210 triples with an entity that never occurs in training; they are ranked with their
@@ -96,7 +97,18 @@ def run(
         additional_filter_triples=[splits["train"].mapped_triples, splits["valid"].mapped_triples],
         use_tqdm=False,
     )
+    stopper = getattr(result, "stopper", None)
+    stopping = {}
+    if stopper is not None and getattr(stopper, "results", None):  # an early stopper: its validation curve
+        stopping = dict(
+            best_epoch=stopper.best_epoch,
+            validation=[
+                (stopper.frequency * (index + 1), round(value, 4)) for index, value in enumerate(stopper.results)
+            ],
+        )
     return dict(
+        epochs=len(result.losses),
+        **stopping,
         seconds=seconds,
         mrr=result.get_metric("mrr"),
         hits_at_1=result.get_metric("hits@1"),
@@ -155,13 +167,15 @@ def main() -> None:
         rows.append((n, result))
     print()
     print(
-        "| config | shards | wall time (min) | test MRR (all test triples) | Hits@1 | Hits@3 | Hits@10 "
+        "| config | shards | wall time (min) | epochs | test MRR (all test triples) | Hits@1 | Hits@3 | Hits@10 "
         "| MRR of the triples whose entities occur in training |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for n, r in rows:
+        epochs = f"{r['epochs']}" + (f" (best {r['best_epoch']})" if r.get("best_epoch") else "")
         print(
-            f"| `{args.config.name}` | {n} | {r['seconds'] / 60:.1f} | {r['mrr']:.4f} ({r['test_triples']:,}) "
+            f"| `{args.config.name}` | {n} | {r['seconds'] / 60:.1f} | {epochs} "
+            f"| {r['mrr']:.4f} ({r['test_triples']:,}) "
             f"| {r['hits_at_1']:.4f} | {r['hits_at_3']:.4f} | {r['hits_at_10']:.4f} "
             f"| {r['seen_mrr']:.4f} ({r['seen_triples']:,}) |"
         )

@@ -147,7 +147,10 @@ def test_scale_benchmark():
 
 @pytest.mark.slow
 def test_quality_benchmark(tmp_path: pathlib.Path):
-    """A small pipeline configuration through ``pipeline()`` at 1 and 2 shards, with the seen-entity MRR."""
+    """A small configuration with an early stopper through ``pipeline()`` at 1 and 2 shards.
+
+    Each shard count prints the validation curve, the best epoch, the test metrics and the seen-entity MRR.
+    """
     config = tmp_path / "tiny.json"
     config.write_text(
         json.dumps(
@@ -156,8 +159,10 @@ def test_quality_benchmark(tmp_path: pathlib.Path):
                     "model": "DistMult",
                     "model_kwargs": {"embedding_dim": 8},
                     "training_loop": "bess",
-                    "training_kwargs": {"num_epochs": 2, "batch_size": 256},
+                    "training_kwargs": {"num_epochs": 3, "batch_size": 256},
                     "evaluator": "bess",
+                    "stopper": "early",
+                    "stopper_kwargs": {"frequency": 1, "patience": 5, "metric": "mrr"},
                     "random_seed": 0,
                 }
             }
@@ -165,6 +170,12 @@ def test_quality_benchmark(tmp_path: pathlib.Path):
     )
     result = run_benchmark("quality", "--config", str(config), "--data", "nations", "--num-shards", "1", "2")
     assert result.returncode == 0, result.stderr
+    runs = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert [run["num_shards"] for run in runs] == [1, 2]
+    for run in runs:
+        assert run["epochs"] == 3 and [epoch for epoch, _ in run["validation"]] == [1, 2, 3]
+        assert run["best_epoch"] in (1, 2, 3)
+        assert 0 < run["seen_mrr"] <= 1 and run["seen_triples"] == run["test_triples"] == 201
     rows = table_rows(result.stdout)
     assert [row[1] for row in rows] == ["1", "2"]
     assert all(0 < float(row[3].split()[0]) <= 1 for row in rows)
