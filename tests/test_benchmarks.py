@@ -178,7 +178,7 @@ def test_quality_benchmark(tmp_path: pathlib.Path):
         assert 0 < run["seen_mrr"] <= 1 and run["seen_triples"] == run["test_triples"] == 201
     rows = table_rows(result.stdout)
     assert [row[1] for row in rows] == ["1", "2"]
-    assert all(0 < float(row[3].split()[0]) <= 1 for row in rows)
+    assert all(row[3].startswith("3 (best ") and 0 < float(row[4].split()[0]) <= 1 for row in rows)
 
 
 @pytest.mark.slow
