@@ -38,12 +38,16 @@ def parse_device(text: str) -> torch.device:
     return torch.device("cuda", index)
 
 
-def add_device_argument(parser: argparse.ArgumentParser) -> None:
-    """Add ``--device`` (default ``auto``) to a benchmark's parser; ``args.device`` is a :class:`torch.device`."""
+def add_device_argument(parser: argparse.ArgumentParser, default: str | None = "auto") -> None:
+    """Add ``--device`` to a benchmark's parser; ``args.device`` is a :class:`torch.device`.
+
+    :param default: the device when the flag is not given (None: ``args.device`` is None, for
+        scripts whose modes choose their own default)
+    """
     parser.add_argument(
         "--device",
         type=parse_device,
-        default="auto",
+        default=default,
         help="the compute device: auto (CUDA when torch sees a GPU, else the CPU), cpu, cuda or cuda:INDEX",
     )
 

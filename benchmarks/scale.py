@@ -152,11 +152,13 @@ class FirstStep(TrainingCallback):
         if self.first is None:
             synchronize(self.device)
             self.first = time.perf_counter()
+        elif self.max_steps is not None and self.steps >= self.max_steps:
+            # before the next step, not after the last one: callbacks registered later (the optimizer
+            # update of BESS's step) must see every counted step through
+            raise StopTraining
 
     def post_batch(self, epoch: int, batch: Any, **kwargs: Any) -> None:
         self.steps += 1
-        if self.max_steps is not None and self.steps >= self.max_steps:
-            raise StopTraining
 
 
 class StopTraining(Exception):

@@ -23,7 +23,7 @@ constructor would otherwise allocate the full table), the tables are initialised
 time of each stage, steps per second, the process' peak resident, anonymous and file-backed
 memory, and the bytes it read from and wrote to the disk (``/proc/self/io``). It computes on the
 CPU: BessTrainingLoop materialises a model built on the meta device on the CPU, so ``--large``
-refuses a CUDA ``--device``.
+runs there without ``--device`` and refuses a CUDA ``--device``.
 
     python benchmarks/storage.py --large 60000000 --dim 128 --storage-dir /work/big --eval-triples 300
 """
@@ -39,7 +39,7 @@ import sys
 import tempfile
 import time
 
-from devices import add_device_argument, synchronize
+from devices import add_device_argument, parse_device, synchronize
 
 
 def _status(field: str) -> int:
@@ -172,7 +172,9 @@ def large(args: argparse.Namespace) -> None:
     with torch.device("meta"):  # no full entity table in memory
         model = DistMult(triples_factory=training, embedding_dim=args.dim, random_seed=0, regularizer=None)
     stage("graph and model")
-    directory = tempfile.mkdtemp(dir=args.storage_dir)
+    # the table files (31 GB in the example) are removed when the run ends, also on an error
+    files = tempfile.TemporaryDirectory(dir=args.storage_dir)
+    directory = files.name
     loop = BessTrainingLoop(
         model=model,
         triples_factory=training,
@@ -233,6 +235,7 @@ def large(args: argparse.Namespace) -> None:
     print("| stage | seconds | detail |\n|---|---|---|")
     for name, seconds, detail in stages:
         print(f"| {name} | {seconds:.1f} | {detail} |")
+    files.cleanup()
 
 
 def main() -> None:
@@ -251,8 +254,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--storage-dir", default=None, help="where the mmap tier's files go (default: the temp dir)")
     parser.add_argument("--worker", nargs=2, metavar=("TIER", "OPTIMIZER"), help=argparse.SUPPRESS)
-    add_device_argument(parser)
+    add_device_argument(parser, default=None)  # --large: the CPU; otherwise "auto"
     args = parser.parse_args()
+    if args.large and args.device is None:
+        args.device = parse_device("cpu")
+    elif args.device is None:
+        args.device = parse_device("auto")
     if args.worker:
         args.tier, args.optimizer = args.worker
         worker(args)

@@ -212,3 +212,16 @@ def test_distributed_benchmark():
     ]
     assert [row[5] for row in rows] == [row[6] for row in rows]
     assert int(rows[1][5].replace(",", "")) > 0
+
+
+@pytest.mark.slow
+def test_storage_benchmark_large_removes_its_files(tmp_path: pathlib.Path):
+    """``--large`` trains from files on the CPU (without ``--device``) and leaves no table files behind."""
+    result = run_benchmark(
+        "storage",
+        *("--large", "1000", "--large-steps", "25", "--batch-size", "64", "--dim", "8", "--negatives", "4"),
+        *("--eval-triples", "10", "--threads", "1", "--storage-dir", str(tmp_path)),
+    )
+    assert result.returncode == 0, result.stderr
+    assert "25 training steps" in result.stdout and "filtered evaluation of 10 triples" in result.stdout
+    assert list(tmp_path.iterdir()) == []
