@@ -47,6 +47,13 @@ def table_rows(output: str) -> list[list[str]]:
     return [[cell.strip() for cell in row] for row in rows if not row[0].strip().startswith("-")][1:]
 
 
+def successful_run(name: str, *arguments: str) -> tuple[str, list[list[str]]]:
+    """Run a benchmark that must succeed; return its standard output and the rows of its table."""
+    result = run_benchmark(name, *arguments)
+    assert result.returncode == 0, result.stderr
+    return result.stdout, table_rows(result.stdout)
+
+
 def load_devices():
     """Import ``benchmarks/devices.py`` (the scripts import it from their own folder)."""
     spec = importlib.util.spec_from_file_location("benchmark_devices", BENCHMARKS / "devices.py")
@@ -99,29 +106,26 @@ def test_scripts_refuse_cuda_without_a_gpu(name: str, arguments: list[str]):
 @pytest.mark.slow
 def test_training_benchmark():
     """Stock loop, hand-written step and the three BESS settings on Nations and a generated graph."""
-    result = run_benchmark(
+    output, rows = successful_run(
         "training",
         *("--data", nations_directory(), "--dim", "8", "--negatives", "4", "--batch-size", "32", "--epochs", "2"),
         *("--generated-entities", "200", "--generated-triples", "500", "--stock-batches", "2", "--repeats", "1"),
         *("--device", "cpu"),
     )
-    assert result.returncode == 0, result.stderr
-    rows = table_rows(result.stdout)
     assert [row[0] for row in rows] == ["nations"] * 6 + ["generated (200 entities)"] * 6
     assert all(float(row[2].replace(",", "")) > 0 for row in rows)
-    assert "CPU" in result.stdout
+    assert "CPU" in output
 
 
 @pytest.mark.slow
 def test_evaluation_benchmark_metrics_equal_pykeen():
     """Both evaluators on both datasets; every BessEvaluator row's metrics equal PyKEEN's."""
-    result = run_benchmark(
+    output, rows = successful_run(
         "evaluation",
         *("--data", nations_directory(), "--generated", "300:5:3000:50", "--dim", "8", "--train-epochs", "1"),
         *("--pykeen-batch-sizes", "64", "--bess-shards", "1,2", "--device", "cpu"),
     )
-    assert result.returncode == 0, result.stderr
-    rows = [row for row in table_rows(result.stdout) if row[1] != "matmul alone"]
+    rows = [row for row in table_rows(output) if row[1] != "matmul alone"]
     assert [(row[1], row[2]) for row in rows] == [
         ("PyKEEN RankBasedEvaluator", "batch_size=64"),
         ("BessEvaluator", "n=1"),
@@ -133,16 +137,15 @@ def test_evaluation_benchmark_metrics_equal_pykeen():
 @pytest.mark.slow
 def test_scale_benchmark():
     """Every stage of both shard counts on a small generated graph, with the setup summary."""
-    result = run_benchmark(
+    output, rows = successful_run(
         "scale",
         *("--entities", "2000", "--relations", "10", "--triples", "20000", "--test", "50", "--dim", "8"),
         *("--negatives", "8", "--batch-size", "256", "--shards", "1,2", "--steps", "5", "--quiet", "--device", "cpu"),
     )
-    assert result.returncode == 0, result.stderr
-    stages = [(row[0], row[1].split(":")[0]) for row in table_rows(result.stdout)]
+    stages = [(row[0], row[1].split(":")[0]) for row in table_rows(output)]
     expected = ["factory", "model", "loop", "train", "evaluation", "**setup before the first step (target < 60 s)**"]
     assert [stage for _, stage in stages] == [name.split(":")[0] for name in expected] * 2
-    assert "5/" in result.stdout and "partial epoch" in result.stdout
+    assert "5/" in output and "partial epoch" in output
 
 
 @pytest.mark.slow
@@ -168,15 +171,13 @@ def test_quality_benchmark(tmp_path: pathlib.Path):
             }
         )
     )
-    result = run_benchmark("quality", "--config", str(config), "--data", "nations", "--num-shards", "1", "2")
-    assert result.returncode == 0, result.stderr
-    runs = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    output, rows = successful_run("quality", "--config", str(config), "--data", "nations", "--num-shards", "1", "2")
+    runs = [json.loads(line) for line in output.splitlines() if line.startswith("{")]
     assert [run["num_shards"] for run in runs] == [1, 2]
     for run in runs:
         assert run["epochs"] == 3 and [epoch for epoch, _ in run["validation"]] == [1, 2, 3]
         assert run["best_epoch"] in (1, 2, 3)
         assert 0 < run["seen_mrr"] <= 1 and run["seen_triples"] == run["test_triples"] == 201
-    rows = table_rows(result.stdout)
     assert [row[1] for row in rows] == ["1", "2"]
     assert all(row[3].startswith("3 (best ") and 0 < float(row[4].split()[0]) <= 1 for row in rows)
 
@@ -184,28 +185,24 @@ def test_quality_benchmark(tmp_path: pathlib.Path):
 @pytest.mark.slow
 def test_storage_benchmark():
     """The device and host tiers train and evaluate in worker processes on the chosen device."""
-    result = run_benchmark(
+    output, rows = successful_run(
         "storage",
         *("--data", nations_directory(), "--tiers", "device", "host", "--optimizers", "adam", "--epochs", "2"),
         *("--dim", "8", "--negatives", "4", "--batch-size", "64", "--eval-triples", "20", "--threads", "1"),
         *("--device", "cpu"),
     )
-    assert result.returncode == 0, result.stderr
-    rows = table_rows(result.stdout)
     assert [(row[0], row[1]) for row in rows] == [("adam", "device"), ("adam", "host")]
-    assert "compute device cpu" in result.stdout
+    assert "compute device cpu" in output
 
 
 @pytest.mark.slow
 def test_distributed_benchmark():
     """One process, then two gloo ranks; the measured bytes per step equal the cost model's."""
-    result = run_benchmark(
+    output, rows = successful_run(
         "distributed",
         *("--data", nations_directory(), "--layouts", "1x1", "2x1", "--exchanges", "embedding", "--dim", "8"),
         *("--negatives", "4", "--batch-size", "64"),
     )
-    assert result.returncode == 0, result.stderr
-    rows = table_rows(result.stdout)
     assert [(row[0], row[1], row[2]) for row in rows] == [
         ("nations", "1 x 1", "embedding"),
         ("nations", "2 x 1", "embedding"),
@@ -217,11 +214,10 @@ def test_distributed_benchmark():
 @pytest.mark.slow
 def test_storage_benchmark_large_removes_its_files(tmp_path: pathlib.Path):
     """``--large`` trains from files on the CPU (without ``--device``) and leaves no table files behind."""
-    result = run_benchmark(
+    output, rows = successful_run(
         "storage",
         *("--large", "1000", "--large-steps", "25", "--batch-size", "64", "--dim", "8", "--negatives", "4"),
         *("--eval-triples", "10", "--threads", "1", "--storage-dir", str(tmp_path)),
     )
-    assert result.returncode == 0, result.stderr
-    assert "25 training steps" in result.stdout and "filtered evaluation of 10 triples" in result.stdout
+    assert "25 training steps" in output and "filtered evaluation of 10 triples" in output
     assert list(tmp_path.iterdir()) == []
