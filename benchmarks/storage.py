@@ -256,10 +256,8 @@ def main() -> None:
     parser.add_argument("--worker", nargs=2, metavar=("TIER", "OPTIMIZER"), help=argparse.SUPPRESS)
     add_device_argument(parser, default=None)  # --large: the CPU; otherwise "auto"
     args = parser.parse_args()
-    if args.large and args.device is None:
-        args.device = parse_device("cpu")
-    elif args.device is None:
-        args.device = parse_device("auto")
+    if args.device is None:
+        args.device = parse_device("cpu" if args.large else "auto")
     if args.worker:
         args.tier, args.optimizer = args.worker
         worker(args)
