@@ -15,6 +15,11 @@ printed too.
 
     python benchmarks/quality.py --config configs/wn18rr_rotate.json --data ../shared/data/wn18rr --num-shards 1 4
     python benchmarks/quality.py --config configs/nations_rotate.json --data nations --num-shards 1
+    python benchmarks/quality.py --config configs/umls_rotate.json --data umls --num-shards 1 4 --seeds 0 1 2
+
+``--seeds`` overrides the configuration's ``random_seed``: every shard count is run with every seed,
+and a last line gives, per seed, the MRR difference of each larger shard count from the smallest
+(the issue's target: n = 4 within 0.005 of n = 1 with the same configuration).
 
 ``--device`` (:mod:`devices`; default: CUDA when torch sees a GPU) is passed to ``pipeline()``.
 
@@ -60,26 +65,38 @@ def load(directory: pathlib.Path, create_inverse_triples: bool = False) -> dict[
 def run(
     config: dict,
     splits: dict[str, TriplesFactory],
-    num_shards: int,
+    num_shards: int | None,
     checkpoints: pathlib.Path | None = None,
     device: torch.device | None = None,
+    seed: int | None = None,
 ) -> dict:
     """Train and evaluate the configuration with ``num_shards`` shards (on ``device``); return time and metrics.
 
+    ``num_shards=None`` runs stock PyKEEN instead: the configuration with PyKEEN's sLCWA loop (its
+    basic negative sampler, ``num_negs_per_pos`` unshared negatives per positive) and rank-based
+    evaluator, without the BESS loop's ``training_loop_kwargs``.
+
     With ``checkpoints`` (a directory) training writes a checkpoint there every 10 minutes and at
-    the end, and a run of the same configuration and shard count resumes from it; the time is then
-    that of this run only.
+    the end, and a run of the same configuration, shard count and seed resumes from it; the time is
+    then that of this run only. ``seed`` (if given) replaces the configuration's ``random_seed``.
     """
     kwargs = dict(config)
     for key in ("dataset", "dataset_kwargs", "training", "validation", "testing"):
         kwargs.pop(key, None)
-    kwargs["training_loop_kwargs"] = {**kwargs.get("training_loop_kwargs", {}), "num_shards": num_shards}
+    if seed is not None:
+        kwargs["random_seed"] = seed
+    if num_shards is None:
+        kwargs.update(training_loop="slcwa", evaluator="rankbased")
+        kwargs.pop("training_loop_kwargs", None)
+    else:
+        kwargs["training_loop_kwargs"] = {**kwargs.get("training_loop_kwargs", {}), "num_shards": num_shards}
+    name = "stock" if num_shards is None else f"n{num_shards}"
     training_kwargs = kwargs["training_kwargs"] = dict(kwargs.get("training_kwargs", {}), use_tqdm=False)
     if checkpoints is not None:
         checkpoints.mkdir(parents=True, exist_ok=True)
         training_kwargs.update(
             checkpoint_directory=str(checkpoints),
-            checkpoint_name=f"quality-n{num_shards}.pt",
+            checkpoint_name=f"quality-{name}.pt" if seed is None else f"quality-{name}-seed{seed}.pt",
             checkpoint_frequency=10,
         )
     kwargs.setdefault("evaluation_kwargs", {})["use_tqdm"] = False
@@ -150,6 +167,17 @@ def main() -> None:
         type=pathlib.Path,
         help="a directory for training checkpoints (every 10 minutes): running the command again resumes",
     )
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        help="random seeds replacing the config's random_seed: each shard count runs with each seed",
+    )
+    parser.add_argument(
+        "--stock",
+        action="store_true",
+        help="also run the config with stock PyKEEN (sLCWA loop, unshared negatives, rank-based evaluator) first",
+    )
     add_device_argument(parser)
     args = parser.parse_args()
     print(f"# device: {describe(args.device)}", flush=True)
@@ -160,25 +188,44 @@ def main() -> None:
     if dataset_kwargs:
         parser.error(f"the config's dataset_kwargs {sorted(dataset_kwargs)} are not supported here")
     splits = load(args.data, create_inverse_triples)
+    seeds: list[int | None] = list(args.seeds) if args.seeds else [None]
     rows = []
-    for n in args.num_shards:
-        result = run(config, splits, n, args.checkpoints, args.device)
-        print(json.dumps({"num_shards": n, **result}), flush=True)
-        rows.append((n, result))
+    for seed in seeds:
+        for n in ([None] if args.stock else []) + list(args.num_shards):
+            result = run(config, splits, n, args.checkpoints, args.device, seed)
+            shown = config.get("random_seed") if seed is None else seed
+            print(json.dumps({"num_shards": n, "seed": shown, **result}), flush=True)
+            rows.append((n, shown, result))
     print()
     print(
-        "| config | shards | wall time (min) | epochs | test MRR (all test triples) | Hits@1 | Hits@3 | Hits@10 "
-        "| MRR of the triples whose entities occur in training |"
+        "| config | shards | seed | wall time (min) | epochs | test MRR (all test triples) | Hits@1 | Hits@3 "
+        "| Hits@10 | MRR of the triples whose entities occur in training |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for n, r in rows:
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for n, shown, r in rows:
         epochs = f"{r['epochs']}" + (f" (best {r['best_epoch']})" if r.get("best_epoch") else "")
+        shards = "stock PyKEEN (sLCWA)" if n is None else n
         print(
-            f"| `{args.config.name}` | {n} | {r['seconds'] / 60:.1f} | {epochs} "
+            f"| `{args.config.name}` | {shards} | {shown} | {r['seconds'] / 60:.1f} | {epochs} "
             f"| {r['mrr']:.4f} ({r['test_triples']:,}) "
             f"| {r['hits_at_1']:.4f} | {r['hits_at_3']:.4f} | {r['hits_at_10']:.4f} "
             f"| {r['seen_mrr']:.4f} ({r['seen_triples']:,}) |"
         )
+    print_differences(rows)
+
+
+def print_differences(rows: list[tuple[int | None, int | None, dict]]) -> None:
+    """Print, per seed, the MRR difference of every larger shard count from the smallest (and the mean)."""
+    rows = [row for row in rows if row[0] is not None]  # BESS runs only
+    if not rows:
+        return
+    smallest = min(n for n, _, _ in rows if n is not None)
+    base = {seed: r["mrr"] for n, seed, r in rows if n == smallest}
+    for n in sorted({n for n, _, _ in rows if n is not None} - {smallest}):
+        differences = {seed: r["mrr"] - base[seed] for m, seed, r in rows if m == n}
+        parts = ", ".join(f"seed {seed} {difference:+.4f}" for seed, difference in differences.items())
+        mean = sum(differences.values()) / len(differences)
+        print(f"\n# test MRR, n = {n} minus n = {smallest}: {parts}; mean {mean:+.4f} (target: within 0.005)")
 
 
 if __name__ == "__main__":

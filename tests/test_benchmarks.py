@@ -150,9 +150,10 @@ def test_scale_benchmark():
 
 @pytest.mark.slow
 def test_quality_benchmark(tmp_path: pathlib.Path):
-    """A small configuration with an early stopper through ``pipeline()`` at 1 and 2 shards.
+    """A small configuration with an early stopper through ``pipeline()``: stock PyKEEN, 1 and 2 shards, two seeds.
 
-    Each shard count prints the validation curve, the best epoch, the test metrics and the seen-entity MRR.
+    Each run prints the validation curve, the best epoch, the test metrics and the seen-entity MRR;
+    the last line gives each seed's MRR difference between the shard counts.
     """
     config = tmp_path / "tiny.json"
     config.write_text(
@@ -171,15 +172,37 @@ def test_quality_benchmark(tmp_path: pathlib.Path):
             }
         )
     )
-    output, rows = successful_run("quality", "--config", str(config), "--data", "nations", "--num-shards", "1", "2")
+    output, rows = successful_run(
+        "quality",
+        "--config",
+        str(config),
+        "--data",
+        "nations",
+        "--num-shards",
+        "1",
+        "2",
+        "--seeds",
+        "3",
+        "5",
+        "--stock",
+    )
     runs = [json.loads(line) for line in output.splitlines() if line.startswith("{")]
-    assert [run["num_shards"] for run in runs] == [1, 2]
+    order = [(3, None), (3, 1), (3, 2), (5, None), (5, 1), (5, 2)]
+    assert [(run["seed"], run["num_shards"]) for run in runs] == order
     for run in runs:
         assert run["epochs"] == 3 and [epoch for epoch, _ in run["validation"]] == [1, 2, 3]
         assert run["best_epoch"] in (1, 2, 3)
         assert 0 < run["seen_mrr"] <= 1 and run["seen_triples"] == run["test_triples"] == 201
-    assert [row[1] for row in rows] == ["1", "2"]
-    assert all(row[3].startswith("3 (best ") and 0 < float(row[4].split()[0]) <= 1 for row in rows)
+    assert runs[1]["mrr"] != runs[4]["mrr"]  # the seed reaches the pipeline
+    assert runs[0]["mrr"] != runs[1]["mrr"]  # stock PyKEEN trains differently
+    assert [(row[1], row[2]) for row in rows] == [
+        ("stock PyKEEN (sLCWA)" if n is None else str(n), str(seed)) for seed, n in order
+    ]
+    assert all(row[4].startswith("3 (best ") and 0 < float(row[5].split()[0]) <= 1 for row in rows)
+    bess = [run for run in runs if run["num_shards"] is not None]
+    differences = [run["mrr"] - first["mrr"] for first, run in zip(bess[::2], bess[1::2])]
+    expected = f"seed 3 {differences[0]:+.4f}, seed 5 {differences[1]:+.4f}; mean {sum(differences) / 2:+.4f}"
+    assert f"# test MRR, n = 2 minus n = 1: {expected}" in output
 
 
 @pytest.mark.slow
