@@ -31,6 +31,7 @@ last session's only).
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import pathlib
 import sys
@@ -40,6 +41,7 @@ import numpy as np
 import torch
 from pykeen.datasets import dataset_resolver
 from pykeen.pipeline import pipeline
+from pykeen.training import TrainingLoop
 from pykeen.triples import TriplesFactory
 from pykeen.triples.utils import load_triples
 
@@ -74,7 +76,7 @@ def run(
 
     ``num_shards=None`` runs stock PyKEEN instead: the configuration with PyKEEN's sLCWA loop (its
     basic negative sampler, ``num_negs_per_pos`` unshared negatives per positive) and rank-based
-    evaluator, without the BESS loop's ``training_loop_kwargs``.
+    evaluator; of the ``training_loop_kwargs`` it keeps those PyKEEN's loop takes (a loss weighter).
 
     With ``checkpoints`` (a directory) training writes a checkpoint there every 10 minutes and at
     the end, and a run of the same configuration, shard count and seed resumes from it; the time is
@@ -85,9 +87,14 @@ def run(
         kwargs.pop(key, None)
     if seed is not None:
         kwargs["random_seed"] = seed
-    if num_shards is None:
-        kwargs.update(training_loop="slcwa", evaluator="rankbased")
-        kwargs.pop("training_loop_kwargs", None)
+    if num_shards is None:  # keep what PyKEEN's loop takes too (a loss weighter), drop BESS's options
+        stock_parameters = inspect.signature(TrainingLoop.__init__).parameters
+        loop_kwargs = kwargs.pop("training_loop_kwargs", None) or {}
+        kwargs.update(
+            training_loop="slcwa",
+            evaluator="rankbased",
+            training_loop_kwargs={key: value for key, value in loop_kwargs.items() if key in stock_parameters},
+        )
     else:
         kwargs["training_loop_kwargs"] = {**kwargs.get("training_loop_kwargs", {}), "num_shards": num_shards}
     name = "stock" if num_shards is None else f"n{num_shards}"
