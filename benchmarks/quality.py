@@ -35,6 +35,7 @@ import inspect
 import json
 import pathlib
 import sys
+from statistics import mean, stdev
 import time
 
 import numpy as np
@@ -222,17 +223,31 @@ def main() -> None:
 
 
 def print_differences(rows: list[tuple[int | None, int | None, dict]]) -> None:
-    """Print, per seed, the MRR difference of every larger shard count from the smallest (and the mean)."""
-    rows = [row for row in rows if row[0] is not None]  # BESS runs only
-    if not rows:
+    """Print the BESS runs' MRR over seeds (mean, standard deviation) and, per seed, the difference of every
+    larger shard count from the smallest (with its mean and the mean's standard error)."""
+    by_shards: dict[int, dict] = {}
+    for n, seed, r in rows:
+        if n is not None:  # not stock PyKEEN
+            by_shards.setdefault(n, {})[seed] = r["mrr"]
+    if not by_shards:
         return
-    smallest = min(n for n, _, _ in rows if n is not None)
-    base = {seed: r["mrr"] for n, seed, r in rows if n == smallest}
-    for n in sorted({n for n, _, _ in rows if n is not None} - {smallest}):
-        differences = {seed: r["mrr"] - base[seed] for m, seed, r in rows if m == n}
+    print()
+    if len(next(iter(by_shards.values()))) > 1:
+        for n, mrrs in by_shards.items():
+            values = list(mrrs.values())
+            print(
+                f"# test MRR, n = {n}, {len(values)} seeds: mean {mean(values):.4f}, "
+                f"standard deviation {stdev(values):.4f}"
+            )
+    smallest = min(by_shards)
+    for n in sorted(set(by_shards) - {smallest}):
+        differences = {seed: mrr - by_shards[smallest][seed] for seed, mrr in by_shards[n].items()}
         parts = ", ".join(f"seed {seed} {difference:+.4f}" for seed, difference in differences.items())
-        mean = sum(differences.values()) / len(differences)
-        print(f"\n# test MRR, n = {n} minus n = {smallest}: {parts}; mean {mean:+.4f} (target: within 0.005)")
+        values = list(differences.values())
+        error = f", standard error {stdev(values) / len(values) ** 0.5:.4f}" if len(values) > 1 else ""
+        print(
+            f"# test MRR, n = {n} minus n = {smallest}: {parts}; mean {mean(values):+.4f}{error} (target: within 0.005)"
+        )
 
 
 if __name__ == "__main__":

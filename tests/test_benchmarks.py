@@ -202,7 +202,9 @@ def test_quality_benchmark(tmp_path: pathlib.Path):
     bess = [run for run in runs if run["num_shards"] is not None]
     differences = [run["mrr"] - first["mrr"] for first, run in zip(bess[::2], bess[1::2])]
     expected = f"seed 3 {differences[0]:+.4f}, seed 5 {differences[1]:+.4f}; mean {sum(differences) / 2:+.4f}"
-    assert f"# test MRR, n = 2 minus n = 1: {expected}" in output
+    assert f"# test MRR, n = 2 minus n = 1: {expected}, standard error " in output
+    first = [run["mrr"] for run in bess[::2]]
+    assert f"# test MRR, n = 1, 2 seeds: mean {sum(first) / 2:.4f}, standard deviation " in output
 
 
 @pytest.mark.slow
