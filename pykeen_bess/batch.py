@@ -6,7 +6,9 @@
   an exchange scheme, :mod:`~pykeen_bess.schemes`);
 * :class:`BlockScores`: the scores of the local blocks (from the scheme, for :mod:`~pykeen_bess.loss`);
 * :class:`RegularizationWeights`: how PyKEEN's sLCWA loop weighs each looked-up row in the
-  regularization term (:func:`regularization_weights`).
+  regularization term (:func:`regularization_weights`);
+* :class:`EpochPlan`: the plans of consecutive steps stacked along a step axis, and
+  :class:`EpochDraws`: the random draws of an epoch's first steps (a static step's plan).
 
 ``n`` is the number of shards, ``L`` the shards held by this process, ``b`` the slots of a block
 (``b'`` of a sub-batch), ``m = K / n`` the negatives each shard contributes to a block, ``K`` the
@@ -16,11 +18,14 @@ negatives per positive. All plan tensors live on the CPU.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 
 import torch
 
 __all__ = [
     "BessBatch",
+    "EpochDraws",
+    "EpochPlan",
     "BlockScores",
     "RegularizationWeights",
     "RowGather",
@@ -110,6 +115,9 @@ class RowGather:
     first_real: int
     #: the first slot of the blocks the rows were gathered for (``heads`` / ``tails`` start there)
     first_slot: int = 0
+    #: every looked-up row is its own row, in the order the scores look them up (heads, tails, then the
+    #: negatives as ``[n(i), n(j), L(k), m]``): the lookup selects nothing (a static step's rows)
+    in_role_order: bool = False
 
     @property
     def real_rows(self) -> torch.Tensor:
@@ -203,3 +211,80 @@ def regularization_weights(batch: BessBatch, start: int = 0, stop: int | None = 
         negative_head=(of_type * corrupts_head.unsqueeze(-1)).sum(dim=-2) / (num_valid * num_negatives),
         negative_tail=(of_type * (1.0 - corrupts_head).unsqueeze(-1)).sum(dim=-2) / (num_valid * num_negatives),
     )
+
+
+@dataclasses.dataclass(eq=False)
+class EpochPlan:
+    """The plans of consecutive steps of an epoch, stacked along a leading step axis ``S`` (on the CPU).
+
+    Step ``s`` of the plan is :class:`~pykeen_bess.batch.BessBatch` ``first_step + s``; the fields are
+    those of a batch with the step axis in front (:meth:`batch`).
+    """
+
+    #: shape: ``[S, n(i), n(j), b]``, local head ids
+    heads: torch.Tensor
+    #: shape: ``[S, n(i), n(j), b]``, relation ids
+    relations: torch.Tensor
+    #: shape: ``[S, n(i), n(j), b]``, local tail ids
+    tails: torch.Tensor
+    #: shape: ``[S, n(i), n(j), b]``, False for padding slots
+    valid: torch.Tensor
+    #: shape: ``[S, n(i), n(j), b]``, positions in the partition (-1 for padding)
+    positions: torch.Tensor
+    #: shape: ``[S, n(k), n(i), n(j), T * m]``, local ids of the negatives on shard ``k``
+    negatives: torch.Tensor
+    #: the first ``num_head_corrupted`` slots of every block corrupt heads
+    num_head_corrupted: int
+    #: the epoch (1-based)
+    epoch: int
+    #: the step of the epoch the plan starts at (0-based)
+    first_step: int
+    #: shape: ``[S, n(i), n(j), b]``, candidate types of the slots (typed negatives), or None
+    candidate_types: torch.Tensor | None = None
+    #: the number ``T`` of candidate types
+    num_candidate_types: int = 1
+    #: shape: ``[S, n(i), n(j), b]``, loss weights of the positives, or None
+    weights: torch.Tensor | None = None
+    #: whether all blocks of a step share one set of negatives
+    shared_negatives: bool = False
+
+    def __len__(self) -> int:
+        """Return the number of steps ``S``."""
+        return self.heads.shape[0]
+
+    def batch(self, step: int) -> BessBatch:
+        """Return step ``first_step + step`` as a batch (views of the stacked tensors)."""
+        return BessBatch(
+            heads=self.heads[step],
+            relations=self.relations[step],
+            tails=self.tails[step],
+            valid=self.valid[step],
+            positions=self.positions[step],
+            negatives=self.negatives[step],
+            num_head_corrupted=self.num_head_corrupted,
+            epoch=self.epoch,
+            step=self.first_step + step,
+            candidate_types=None if self.candidate_types is None else self.candidate_types[step],
+            num_candidate_types=self.num_candidate_types,
+            weights=None if self.weights is None else self.weights[step],
+            shared_negatives=self.shared_negatives,
+        )
+
+    def batches(self, start: int = 0) -> Iterator[BessBatch]:
+        """Iterate over the steps from ``start`` on as batches."""
+        for step in range(start, len(self)):
+            yield self.batch(step)
+
+
+@dataclasses.dataclass(eq=False)
+class EpochDraws:
+    """The random draws of an epoch's first steps (:meth:`BessSampler.draw_epoch`), on the CPU."""
+
+    #: the epoch (1-based)
+    epoch: int
+    #: shape: ``[T]``, float64 in ``[0, 1)``: the epoch's order is ``argsort(pair + keys)``
+    keys: torch.Tensor
+    #: shape: ``[S', n(k), n(i), n(j), T * m]``, the negatives of the first ``S'`` steps (None for none)
+    negatives: torch.Tensor | None
+    #: the negatives' generator, after those steps (the later steps continue with it)
+    generator: torch.Generator

@@ -35,12 +35,12 @@ continues identically.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Literal
 
 import torch
 
-from .batch import BessBatch
+from .batch import BessBatch, EpochDraws, EpochPlan
 from .partition import ShardPairPartition
 from .seeds import derive_seed
 
@@ -49,6 +49,8 @@ __all__ = [
     "Corruption",
     "BessBatch",
     "BessSampler",
+    "EpochDraws",
+    "EpochPlan",
     "StepSharedBessSampler",
     "StepSharedTypedBessSampler",
     "TypedBessSampler",
@@ -124,6 +126,11 @@ class BessSampler:
         return self.partition.n_shard
 
     @property
+    def num_candidate_types(self) -> int:
+        """The number ``T`` of candidate types the negatives are drawn for (1 without types)."""
+        return 1
+
+    @property
     def negatives_per_shard(self) -> int:
         """The number of negatives drawn from each shard per block, ``m``."""
         return self.num_negs_per_pos // self.n_shard
@@ -152,46 +159,123 @@ class BessSampler:
         :returns: shape: ``[T]``, positions into the partition arrays; shardpair ``p`` occupies
             ``pair_offsets[p]:pair_offsets[p+1]`` in a uniformly random order
         """
-        num_triples = self.partition.num_triples
-        pair = torch.repeat_interleave(torch.arange(self._counts.numel()), self._counts)
-        keys = torch.rand(num_triples, generator=self._generator(epoch, 0), dtype=torch.float64)
-        return torch.argsort(pair.to(torch.float64) + keys)
+        return torch.argsort(self.pair_keys() + self.epoch_keys(epoch))
 
-    def epoch(self, epoch: int) -> Iterator[BessBatch]:
+    def pair_keys(self) -> torch.Tensor:
+        """Return the shardpair of every triple in partition order, float64 ``[T]`` (the sort keys' integer part)."""
+        return torch.repeat_interleave(torch.arange(self._counts.numel()), self._counts).to(torch.float64)
+
+    def epoch_keys(self, epoch: int) -> torch.Tensor:
+        """Return the random part of the sort keys, float64 ``[T]`` in ``[0, 1)`` (order: ``argsort(pair + keys)``)."""
+        return torch.rand(self.partition.num_triples, generator=self._generator(epoch, 0), dtype=torch.float64)
+
+    def draw_epoch(self, epoch: int, steps: int) -> EpochDraws:
+        """Draw what the epoch's first ``steps`` steps are made of, without ordering the triples on the host.
+
+        A static step (:mod:`pykeen_bess.training.static_step`) sorts the keys on its device and takes every
+        step's triples from there; :meth:`remaining_steps` then draws the rest of the epoch as :meth:`epoch`
+        would. Together they give the batches of :meth:`epoch`.
+
+        :param epoch: the epoch (1-based)
+        :param steps: the leading steps whose negatives are drawn
+        """
+        generator = self._generator(epoch, 1)
+        negatives = torch.stack([self._negatives(generator) for _ in range(steps)]) if steps else None
+        return EpochDraws(epoch=epoch, keys=self.epoch_keys(epoch), negatives=negatives, generator=generator)
+
+    def remaining_steps(
+        self, draws: EpochDraws, order: Callable[[torch.Tensor], torch.Tensor], start: int
+    ) -> EpochPlan:
+        """Draw the steps ``start..`` of an epoch whose first ``start`` steps' negatives ``draws`` holds.
+
+        :param draws: from :meth:`draw_epoch` with ``steps=start``
+        :param order: maps positions in the epoch's order (a CPU tensor) to positions in the partition
+            (the sorted keys, wherever they were sorted)
+        :param start: the first step
+        """
+        return self._steps(draws.epoch, order, draws.generator, start, len(self))
+
+    @property
+    def full_steps(self) -> int:
+        """The number of leading steps of every epoch without padding, ``min_p floor(count_p / b)``.
+
+        Shardpair ``p`` fills its blocks up to step ``floor(count_p / b) - 1``, so the steps without
+        any padding slot are exactly the first ``full_steps`` of an epoch; the rest (if any) hold
+        padding. A static step (:mod:`pykeen_bess.training.static_step`) runs the full steps.
+        """
+        return min(int((self._counts // self.block_size).min()), len(self))
+
+    def epoch(self, epoch: int, steps_per_chunk: int = 32) -> Iterator[BessBatch]:
         """Iterate over the batches of an epoch.
 
+        The steps are drawn ``steps_per_chunk`` at a time (:meth:`epoch_plan` draws them all at once;
+        both give the same batches).
+
         :param epoch: the epoch (1-based, as PyKEEN counts)
+        :param steps_per_chunk: steps drawn together (memory: a chunk's plan)
         :yields: the batches, ``len(self)`` of them
         """
         order = self._epoch_order(epoch)
         negative_generator = self._generator(epoch, 1)
+        for start in range(0, len(self), steps_per_chunk):
+            plan = self._steps(epoch, order, negative_generator, start, min(start + steps_per_chunk, len(self)))
+            yield from plan.batches()
+
+    def epoch_plan(self, epoch: int) -> EpochPlan:
+        """Draw the plans of all steps of an epoch at once, as stacked tensors (the batches of :meth:`epoch`).
+
+        :param epoch: the epoch (1-based)
+        :returns: the epoch's plan, ``len(self)`` steps
+        """
+        return self._steps(epoch, self._epoch_order(epoch), self._generator(epoch, 1), 0, len(self))
+
+    def _steps(
+        self,
+        epoch: int,
+        order: torch.Tensor | Callable[[torch.Tensor], torch.Tensor],
+        negative_generator: torch.Generator,
+        start: int,
+        stop: int,
+    ) -> EpochPlan:
+        """Draw steps ``start:stop`` of an epoch; the generator must have drawn the negatives of the steps before.
+
+        :param order: shape: ``[T]``, the epoch's order of the triples (:meth:`_epoch_order`), or a function
+            that looks positions in it up
+        :param negative_generator: the epoch's generator of negatives
+        """
         n, b = self.n_shard, self.block_size
-        offsets = self.partition.pair_offsets[:-1].view(n * n, 1)
-        counts = self._counts.view(n * n, 1)
-        slots = torch.arange(b).view(1, b)
-        for step in range(len(self)):
-            within = step * b + slots
-            valid = within < counts
-            # padding slots point at the shardpair's first triple (or triple 0 for an empty one)
-            position_in_order = offsets + torch.where(valid, within, torch.zeros_like(within))
-            position_in_order = position_in_order.clamp_max(max(self.partition.num_triples - 1, 0))
-            positions = order[position_in_order]
-            relations = self.partition.relations[positions].view(n, n, b)
-            weights = None if self.weights is None else torch.where(valid, self.weights[positions], 0.0)
-            yield BessBatch(
-                heads=self.partition.heads[positions].view(n, n, b),
-                relations=relations,
-                tails=self.partition.tails[positions].view(n, n, b),
-                valid=valid.view(n, n, b),
-                positions=torch.where(valid, positions, torch.full_like(positions, -1)).view(n, n, b),
-                negatives=self._negatives(negative_generator),
-                num_head_corrupted=self.num_head_corrupted,
-                epoch=epoch,
-                step=step,
-                weights=None if weights is None else weights.view(n, n, b),
-                shared_negatives=self.shares_negatives,
-                **self._candidate_types(relations),
-            )
+        num_steps = stop - start
+        offsets = self.partition.pair_offsets[:-1].view(1, n * n, 1)
+        counts = self._counts.view(1, n * n, 1)
+        within = torch.arange(start, stop).view(num_steps, 1, 1) * b + torch.arange(b).view(1, 1, b)
+        valid = within < counts  # [S, n * n, b]
+        # padding slots point at the shardpair's first triple (or triple 0 for an empty one)
+        position_in_order = offsets + torch.where(valid, within, torch.zeros_like(within))
+        position_in_order = position_in_order.clamp_max(max(self.partition.num_triples - 1, 0))
+        flat = position_in_order.view(-1)
+        positions = order(flat) if callable(order) else order.index_select(0, flat)
+        shape = (num_steps, n, n, b)
+        relations = self.partition.relations.index_select(0, positions).view(shape)
+        valid = valid.view(-1)
+        weights = None
+        if self.weights is not None:
+            weights = torch.where(valid, self.weights.index_select(0, positions), 0.0).view(shape)
+        # one draw per step, in step order: the generator's stream is that of the step-by-step sampler
+        negatives = torch.stack([self._negatives(negative_generator) for _ in range(num_steps)])
+        return EpochPlan(
+            heads=self.partition.heads.index_select(0, positions).view(shape),
+            relations=relations,
+            tails=self.partition.tails.index_select(0, positions).view(shape),
+            valid=valid.view(shape),
+            positions=torch.where(valid, positions, torch.full_like(positions, -1)).view(shape),
+            negatives=negatives,
+            num_head_corrupted=self.num_head_corrupted,
+            epoch=epoch,
+            first_step=start,
+            weights=weights,
+            shared_negatives=self.shares_negatives,
+            **self._candidate_types(relations),
+        )
 
     def _candidate_types(self, relations: torch.Tensor) -> dict:
         """Which negatives each slot is scored against (none to choose: all slots share the block's)."""
@@ -293,8 +377,8 @@ class TypedBessSampler(BessSampler):
         return len(self.types)
 
     def _candidate_types(self, relations: torch.Tensor) -> dict:
-        n, _, b = relations.shape
-        corrupts_tail = (torch.arange(b) >= self.num_head_corrupted).long().view(1, 1, b).expand_as(relations)
+        b = relations.shape[-1]  # [..., n, n, b]
+        corrupts_tail = (torch.arange(b) >= self.num_head_corrupted).long().expand_as(relations)
         return dict(
             candidate_types=self.relation_candidates[relations, corrupts_tail],
             num_candidate_types=self.num_candidate_types,

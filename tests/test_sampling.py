@@ -237,3 +237,35 @@ def test_random_streams_are_derived_with_seed_sequence() -> None:
         keys = torch.rand(sampler.partition.num_triples, generator=generator, dtype=torch.float64)
         pair = torch.repeat_interleave(torch.arange(sampler.n_shard**2), sampler.partition.pair_counts.view(-1))
         assert torch.equal(sampler._epoch_order(epoch), torch.argsort(pair.to(torch.float64) + keys))
+
+
+@pytest.mark.parametrize("sampler_class", [BessSampler, StepSharedBessSampler])
+def test_an_epoch_drawn_at_once_or_from_device_draws_equals_the_step_by_step_epoch(sampler_class) -> None:
+    """``epoch_plan`` (all steps at once) and ``draw_epoch`` + ``remaining_steps`` (a static step's) give ``epoch``."""
+    base = make_sampler()
+    sampler = sampler_class(base.partition, block_size=4, num_negs_per_pos=6, corruption="ht", seed=0)
+    fields = ("heads", "relations", "tails", "valid", "positions", "negatives")
+    for epoch in (1, 2):
+        reference = list(sampler.epoch(epoch, steps_per_chunk=3))
+        plan = sampler.epoch_plan(epoch)
+        start = sampler.full_steps
+        assert 0 < start < len(reference)
+        draws = sampler.draw_epoch(epoch, start)
+        order = torch.argsort(sampler.pair_keys() + draws.keys)
+        rest = list(sampler.remaining_steps(draws, order.__getitem__, start).batches())
+        for step, expected in enumerate(reference):
+            batch = plan.batch(step)
+            assert batch.step == expected.step == step
+            for name in fields:
+                assert torch.equal(getattr(batch, name), getattr(expected, name)), name
+            if step < start:  # the full steps: no padding, and the negatives the draws hold
+                assert bool(expected.valid.all())
+                assert torch.equal(draws.negatives[step], expected.negatives)
+                assert torch.equal(
+                    order[sampler.partition.pair_offsets[:-1] + step * sampler.block_size],
+                    expected.positions[..., 0].reshape(-1),
+                )
+            else:
+                assert not bool(expected.valid.all())
+                for name in fields:
+                    assert torch.equal(getattr(rest[step - start], name), getattr(expected, name)), name
