@@ -194,6 +194,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="update the entity tables densely (any optimizer, slower) instead of row-sparsely",
     )
+    bess.add_argument(
+        "--static-step",
+        choices=["auto", "on", "off"],
+        help="auto (default): on a GPU, steps run as one CUDA graph where possible; on: also on the CPU; off: eager",
+    )
 
     training = train.add_argument_group("training")
     training.add_argument("--epochs", type=int, help="training epochs (default: 100)")
@@ -341,20 +346,14 @@ def pipeline_kwargs(args: argparse.Namespace, in_group: bool = False) -> dict[st
         set_("dataset", load_dataset(settings["dataset"]))
     elif isinstance(kwargs.get("dataset"), str) and pathlib.Path(kwargs["dataset"]).is_dir():
         kwargs["dataset"] = load_dataset(kwargs["dataset"])
-    for flag, key in (("model", "model"), ("loss", "loss"), ("optimizer", "optimizer"), ("evaluator", "evaluator")):
-        if flag in settings:
-            set_(key, settings[flag])
-    for key in ("model_kwargs", "loss_kwargs", "optimizer_kwargs"):
+    for key in ("model", "loss", "optimizer", "evaluator", "model_kwargs", "loss_kwargs", "optimizer_kwargs", "device"):
         if key in settings:
             set_(key, settings[key])
-    if "dim" in settings:
-        set_("model_kwargs", settings["dim"], "embedding_dim")
-    if "lr" in settings:
-        set_("optimizer_kwargs", settings["lr"], "lr")
+    for flag, key, inner in (("dim", "model_kwargs", "embedding_dim"), ("lr", "optimizer_kwargs", "lr")):
+        if flag in settings:
+            set_(key, settings[flag], inner)
     if "seed" in settings:
         set_("random_seed", settings["seed"])
-    if "device" in settings:
-        set_("device", settings["device"])
 
     # BESS
     replicated = "replicas" in settings or "replica_grouping" in settings
@@ -387,6 +386,8 @@ def pipeline_kwargs(args: argparse.Namespace, in_group: bool = False) -> dict[st
         set_("training_loop_kwargs", draw, "negatives")
     if settings.get("dense_updates"):
         set_("training_loop_kwargs", False, "sparse_updates")
+    if "static_step" in settings:  # auto: None, the loop's default
+        set_("training_loop_kwargs", {"on": True, "off": False}.get(settings["static_step"]), "static_step")
     if "negatives" in settings:
         set_("negative_sampler_kwargs", settings["negatives"], "num_negs_per_pos")
 

@@ -157,7 +157,7 @@ class RowwiseAdagrad(Optimizer):
                     grad = torch.view_as_real(param.grad) if param.grad.is_complex() else param.grad
                     weight, new = _rowwise_adagrad(real, grad, {"sum": state["sum"]}, group, step)
                     real.copy_(weight)
-                    state["sum"] = new["sum"]
+                    state["sum"].copy_(new["sum"])  # in place: a captured step reads this tensor
         return loss
 
 

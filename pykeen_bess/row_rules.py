@@ -16,7 +16,9 @@ from typing import Any
 import torch
 
 __all__ = [
+    "DENSE_RULES",
     "RULES",
+    "STATIC_RULES",
     "count_step",
     "state_shapes",
 ]
@@ -167,3 +169,128 @@ def count_step(state: dict[str, Any]) -> float:
         state["step"] = torch.zeros((), dtype=torch.float32)
     state["step"] += 1
     return float(state["step"])
+
+
+# -- rules with the step count and learning rate as device tensors (static and captured steps) ----------
+#
+# A captured step (a CUDA graph) bakes every Python number into the graph; the step count and the
+# learning rate change between replays, so these rules take them as 0-dimensional tensors on the
+# rows' device and never read them on the host. They compute the same values as the rules above
+# (up to rounding) and return new tensors: the caller decides whether to write them (a step with a
+# non-finite loss writes nothing). ``step`` is the count including this step.
+
+
+def _static_adam(
+    weight: torch.Tensor,
+    grad: torch.Tensor,
+    state: Mapping[str, torch.Tensor],
+    group: Mapping[str, Any],
+    step: torch.Tensor,
+    lr: torch.Tensor,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Lazy Adam on rows (``torch.optim.SparseAdam``): ``eps`` is added before the bias correction."""
+    beta1, beta2 = group["betas"]
+    if group["maximize"]:
+        grad = -grad
+    exp_avg = torch.lerp(state["exp_avg"], grad, 1 - beta1)
+    exp_avg_sq = torch.addcmul(state["exp_avg_sq"] * beta2, grad, grad, value=1 - beta2)
+    step_size = lr * torch.sqrt(1 - beta2**step) / (1 - beta1**step)
+    update = exp_avg / (exp_avg_sq.sqrt() + group["eps"])
+    return weight - step_size.to(weight.dtype) * update, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+
+
+def _static_dense_adam(
+    weight: torch.Tensor,
+    grad: torch.Tensor,
+    state: Mapping[str, torch.Tensor],
+    group: Mapping[str, Any],
+    step: torch.Tensor,
+    lr: torch.Tensor,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``torch.optim.Adam`` (no weight decay, no AMSGrad): ``eps`` is added after the bias correction."""
+    beta1, beta2 = group["betas"]
+    if group["maximize"]:
+        grad = -grad
+    exp_avg = torch.lerp(state["exp_avg"], grad, 1 - beta1)
+    exp_avg_sq = torch.addcmul(state["exp_avg_sq"] * beta2, grad, grad, value=1 - beta2)
+    step_size = lr / (1 - beta1**step)
+    denominator = exp_avg_sq.sqrt() / torch.sqrt(1 - beta2**step).to(weight.dtype) + group["eps"]
+    return weight - step_size.to(weight.dtype) * (exp_avg / denominator), {
+        "exp_avg": exp_avg,
+        "exp_avg_sq": exp_avg_sq,
+    }
+
+
+def _static_adagrad_lr(group: Mapping[str, Any], step: torch.Tensor, lr: torch.Tensor) -> torch.Tensor:
+    """Return the learning rate of an Adagrad rule at ``step`` (``lr_decay``), a tensor."""
+    return lr / (1 + (step - 1) * group["lr_decay"])
+
+
+def _static_adagrad(
+    weight: torch.Tensor,
+    grad: torch.Tensor,
+    state: Mapping[str, torch.Tensor],
+    group: Mapping[str, Any],
+    step: torch.Tensor,
+    lr: torch.Tensor,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Adagrad on rows (``torch.optim.Adagrad``, sparse or dense gradient)."""
+    if group["maximize"]:
+        grad = -grad
+    squares = torch.addcmul(state["sum"], grad, grad)
+    step_size = _static_adagrad_lr(group, step, lr).to(weight.dtype)
+    return weight - step_size * grad / (squares.sqrt() + group["eps"]), {"sum": squares}
+
+
+def _static_rowwise_adagrad(
+    weight: torch.Tensor,
+    grad: torch.Tensor,
+    state: Mapping[str, torch.Tensor],
+    group: Mapping[str, Any],
+    step: torch.Tensor,
+    lr: torch.Tensor,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Row-wise Adagrad on rows ``[U, ...]`` (state ``sum``: ``[U]``); without rows (0-1 dimensions) plain Adagrad."""
+    if group["maximize"]:
+        grad = -grad
+    squared = grad * grad
+    row_wise = weight.dim() >= 2
+    if row_wise:
+        squared = squared.mean(dim=tuple(range(1, grad.dim())))
+    squares = state["sum"] + squared
+    std = squares.sqrt() + group["eps"]
+    if row_wise:
+        std = std.view(-1, *([1] * (grad.dim() - 1)))
+    step_size = _static_adagrad_lr(group, step, lr).to(weight.dtype)
+    return weight - step_size * grad / std, {"sum": squares}
+
+
+def _static_sgd(
+    weight: torch.Tensor,
+    grad: torch.Tensor,
+    state: Mapping[str, torch.Tensor],
+    group: Mapping[str, Any],
+    step: torch.Tensor,
+    lr: torch.Tensor,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Plain SGD (no momentum, no weight decay)."""
+    step_size = lr.to(weight.dtype)
+    return (weight + step_size * grad if group["maximize"] else weight - step_size * grad), {}
+
+
+#: the row rules of :data:`RULES` with the step count and learning rate as device tensors
+STATIC_RULES: dict[str, Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]] = {
+    "adam": _static_adam,
+    "adagrad": _static_adagrad,
+    "sgd": _static_sgd,
+    "rowwise_adagrad": _static_rowwise_adagrad,
+}
+
+#: the dense updates of the replicated parameters as the user's optimizer does them, by rule name
+#: (``torch.optim.Adam``'s differs from the lazy row rule in where ``eps`` is added)
+DENSE_RULES: dict[str, Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]] = {
+    "adam": _static_dense_adam,
+    "adagrad": _static_adagrad,
+    "sgd": _static_sgd,
+    "rowwise_adagrad": _static_rowwise_adagrad,
+}

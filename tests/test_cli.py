@@ -302,3 +302,11 @@ def test_pytorch_biggraph_command_errors(capsys: pytest.CaptureFixture, tmp_path
     (tmp_path / "a.tsv").write_text("a\tr\tb\n")
     assert main(["pbg", "import", str(tmp_path / "a.tsv"), "--output", str(tmp_path / "o"), "--model", "PairRE"]) == 2
     assert "cannot express the model 'PairRE'" in capsys.readouterr().err
+
+
+def test_static_step_flag_sets_the_loop_option() -> None:
+    for value, expected in (("on", True), ("off", False)):
+        kwargs = pipeline_kwargs(build_parser().parse_args(["train", "--static-step", value]))
+        assert kwargs["training_loop_kwargs"]["static_step"] is expected
+    kwargs = pipeline_kwargs(build_parser().parse_args(["train", "--static-step", "auto"]))
+    assert kwargs["training_loop_kwargs"]["static_step"] is None

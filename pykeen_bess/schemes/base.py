@@ -229,6 +229,7 @@ class ExchangeScheme(ABC):
             ],
             regularization,
             role_weights,
+            identity=gathered.in_role_order,
         )
         negatives_local = negatives_local.permute(2, 0, 1, 3, 4)
 

@@ -8,7 +8,10 @@ moves); it weighs every looked-up row's regularizer term as PyKEEN's sLCWA loop 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import contextvars
+
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -78,6 +81,7 @@ class RowLookup:
         index: torch.Tensor,
         regularization: Accumulator,
         weights: Sequence[torch.Tensor | None],
+        identity: bool = False,
     ) -> torch.Tensor:
         """Look up entity rows for a role and pack all tables' parts into ``[*index.shape, D]``.
 
@@ -85,6 +89,8 @@ class RowLookup:
         :param index: shape: ``s``, positions in the rows
         :param regularization: accumulates the weighted regularization terms
         :param weights: per table, the regularization weight of each looked-up row, shape ``s`` (CPU)
+        :param identity: the rows are the looked-up rows already, in order (``index`` is ``0, 1, ...``):
+            nothing is selected
         :returns: shape: ``[*s, D]``
         """
         flat_index = index.reshape(-1)
@@ -94,7 +100,7 @@ class RowLookup:
             # are selected as their real view ([*, d, 2]), whose index_add is about 3x faster
             complex_rows = rows.is_complex()
             source = torch.view_as_real(rows) if complex_rows else rows
-            x = source.index_select(0, flat_index).view(*index.shape, *source.shape[1:])
+            x = (source if identity else source.index_select(0, flat_index)).view(*index.shape, *source.shape[1:])
             needs_rows = (table.regularizer is not None and table_weights is not None) or table.dropout is not None
             if complex_rows and needs_rows:
                 x = torch.view_as_complex(x)
@@ -113,6 +119,7 @@ class RowLookup:
         indices: Sequence[torch.Tensor],
         regularization: Accumulator,
         weights: Sequence[Sequence[torch.Tensor | None]],
+        identity: bool = False,
     ) -> list[torch.Tensor]:
         """Look up the rows of several roles at once, as :meth:`entities` does for each.
 
@@ -124,6 +131,7 @@ class RowLookup:
         :param regularization: accumulates the weighted regularization terms
         :param weights: per role, per table, the regularization weight of each row (shape ``s_i``,
             CPU; None: not regularized in this role)
+        :param identity: the rows are the roles' rows, in role order (nothing is selected)
         :returns: per role, shape ``[*s_i, D]``
         """
         sizes = [index.numel() for index in indices]
@@ -139,7 +147,7 @@ class RowLookup:
                 torch.zeros(size, dtype=dtype) if w is None else w.reshape(-1) for w, size in zip(role_weights, sizes)
             ]
             table_weights.append(torch.cat(parts))
-        packed = self.entities(normalized, flat_index, regularization, table_weights)
+        packed = self.entities(normalized, flat_index, regularization, table_weights, identity=identity)
         return [part.view(*index.shape, -1) for part, index in zip(packed.split(sizes), indices)]
 
     def relations(self, indices: torch.Tensor, weights: torch.Tensor | None, regularization: Accumulator) -> Any:
@@ -237,6 +245,38 @@ def regularize(regularizer: Any, x: torch.Tensor, weights: torch.Tensor, accumul
         if bool(selected.all()):
             rows = rows_all
         else:
-            rows = rows_all.index_select(0, selected.nonzero().view(-1).to(x.device))
+            rows = rows_all.index_select(0, _device_index(selected, x.device))
         regularizer.update(rows)
         accumulator.add(regularizer.pop_regularization_term() * (rows.shape[0] * value))
+
+
+#: while a static step is traced (:mod:`pykeen_bess.training.static_step`): the device copies of the
+#: row groups' indices, by content, so that a captured step reads them from device memory
+_STATIC_INDICES: contextvars.ContextVar[dict | None] = contextvars.ContextVar("static_indices", default=None)
+
+
+@contextlib.contextmanager
+def static_indices(store: dict) -> Iterator[dict]:
+    """Keep the device copies of the regularization groups' indices in ``store`` while the block runs.
+
+    A step whose plan is the same in every step (all slots real) has the same groups every step: the
+    first run copies each index to the device once, later runs (and a CUDA graph captured from
+    them) use those copies, so no host-to-device copy happens inside the step.
+    """
+    token = _STATIC_INDICES.set(store)
+    try:
+        yield store
+    finally:
+        _STATIC_INDICES.reset(token)
+
+
+def _device_index(selected: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Return the positions of the True entries of a CPU mask on ``device`` (cached while a static step is traced)."""
+    index = selected.nonzero().view(-1)
+    store = _STATIC_INDICES.get()
+    if store is None:
+        return index.to(device)
+    key = (str(device), index.numel(), index.numpy().tobytes())
+    if key not in store:
+        store[key] = index.to(device)
+    return store[key]

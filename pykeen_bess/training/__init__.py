@@ -7,7 +7,10 @@
   (written back afterwards in one process, kept sharded under a process group);
 * :mod:`~pykeen_bess.training.step`: one step (forward and backward over sub-batches, the gradient
   hand-off, the replicated reduction) and the optimizer step composed of training callbacks
-  (global-norm clipping);
+  (global-norm clipping): the eager step;
+* :mod:`~pykeen_bess.training.static_step`: the static step of fixed shapes a GPU replays as one CUDA
+  graph, over the device-side plan (:mod:`~pykeen_bess.training.static_plan`) and the optimizer's
+  updates on the device (:mod:`~pykeen_bess.training.static_update`);
 * :mod:`~pykeen_bess.training.sizes`: block sizes and the automatic memory search;
 * :mod:`~pykeen_bess.training.checkpoints`: checkpoint stores (one atomic file, or versioned rank
   files with resharding);

@@ -31,6 +31,7 @@ best-epoch file, and re-raises.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import pathlib
@@ -50,10 +51,13 @@ from pykeen.training.callbacks import (
 )
 from pykeen.training.training_loop import NonFiniteLossError
 from pykeen.triples import CoreTriplesFactory
+import torch
 from tqdm.autonotebook import tqdm, trange
 
 from .config import run_configuration, verify_same_configuration
 from .sizes import block_size_for
+from ..sampling import BessSampler, EpochDraws
+from .static_step import StaticStep, static_step_obstacle
 from .step import BessOptimizerCallback, GlobalNormClippingCallback, StepRunner, ValueClippingCallback
 
 __all__ = [
@@ -199,6 +203,12 @@ def run_epochs(
             loop.memory_plan.describe(),
         )
 
+    static = _static_step(
+        loop, runner, batches, callback, block_size, sub_block_size, label_smoothing, only_size_probing
+    )
+    loop.static = static
+    plans = _EpochPlans(batches.sampler, static, loop._epoch + 1, num_epochs) if static is not None else None
+
     show_epochs = use_tqdm and main and not only_size_probing
     epoch_kwargs = dict(desc=f"Training epochs on {loop.device}", unit="epoch", disable=not show_epochs)
     epoch_kwargs.update(tqdm_kwargs or {})
@@ -207,26 +217,40 @@ def run_epochs(
     for epoch in epochs:
         try:
             loop.model.train()
-            steps = tqdm(
-                batches.epoch(epoch),
+            progress = tqdm(
                 total=len(batches),
                 desc=f"Training batches on {loop.device}",
                 leave=False,
                 unit="batch",
                 disable=not (show_epochs and use_tqdm_batch),
             )
-            epoch_loss = 0.0
-            for batch in steps:
-                with loop.thread_policy.unit():
-                    epoch_loss += _step(runner, callback, batch, sub_block_size, label_smoothing, len(batches), loop)
-                if only_size_probing:
-                    return None
+            with progress:
+                if static is None:
+                    steps = batches.epoch(epoch)
+                    epoch_loss = 0.0
+                else:  # the full steps as one static step each, the steps with padding eagerly
+                    assert plans is not None
+                    draws, fields = plans.get(epoch)
+                    epoch_loss = _static_steps(static, epoch, len(batches), fields, progress)
+                    steps = batches.sampler.remaining_steps(draws, static.order_lookup, static.num_steps).batches()
+                for batch in steps:
+                    with loop.thread_policy.unit():
+                        epoch_loss += _step(
+                            runner, callback, batch, sub_block_size, label_smoothing, len(batches), loop
+                        )
+                    progress.update(1)
+                    if only_size_probing:
+                        return None
+                if static is not None:
+                    static.resume_after_eager()
             epoch_loss /= len(batches)
             loop.losses_per_epochs.append(epoch_loss)
             previous = loop.losses_per_epochs[-2] if len(loop.losses_per_epochs) > 1 else float("nan")
             epochs.set_postfix(dict(loss=epoch_loss, prev_loss=previous))
             loop._epoch = epoch
         except (MemoryError, RuntimeError) as error:
+            if static is not None:
+                static.abandon()  # the optimizer's step counts as far as steps were applied
             if only_size_probing or isinstance(error, NonFiniteLossError):
                 # a non-finite loss leaves no partial update behind and must not be checkpointed
                 raise
@@ -250,11 +274,15 @@ def run_epochs(
                 loop._save_state(checkpoint_path, stopper, best, triples_factory)
                 last_checkpoint = time.time()
         if loop._should_stop:
+            if plans is not None:
+                plans.close()
             if last_best_epoch is not None and best_epoch_model_file_path is not None:
                 loop._load_state(path=best_epoch_model_file_path)
                 _remove(best_epoch_model_file_path)
             return loop.losses_per_epochs
 
+    if plans is not None:
+        plans.close()
     callback.post_train(losses=loop.losses_per_epochs)
     if stopper is not None and last_best_epoch is not None and best_epoch_model_file_path is not None:
         loop._load_state(path=best_epoch_model_file_path)
@@ -295,3 +323,102 @@ def _remove(path: pathlib.Path | None) -> None:
     """Delete the temporary best-epoch file (PyKEEN does so on failure and after loading it)."""
     if path is not None and pathlib.Path(path).is_file():
         os.remove(path)
+
+
+def _static_step(
+    loop: Any,
+    runner: StepRunner,
+    batches: Any,
+    callback: MultiTrainingCallback,
+    block_size: int,
+    sub_block_size: int,
+    label_smoothing: float,
+    only_size_probing: bool,
+) -> StaticStep | None:
+    """Return the static step of this training, or None where the eager step runs (the reason logged).
+
+    :raises ValueError: if the loop asks for the static step (``static_step=True``) and it cannot apply
+    """
+    mode = loop.static_step
+    if mode is False or only_size_probing or (mode is None and loop.device.type != "cuda"):
+        return None
+    obstacle = static_step_obstacle(
+        runner,
+        loop.tables,
+        loop.optimizer,
+        batches.sampler,
+        sub_block_size=sub_block_size,
+        block_size=block_size,
+        callbacks=callback.callbacks,
+        weighted=loop.loss_weighter is not None,
+    )
+    if obstacle is not None:
+        if mode:
+            raise ValueError(f"static_step=True: the static step cannot train this configuration: {obstacle}.")
+        logger.info("BESS: the eager step trains this configuration; the static step cannot, as %s.", obstacle)
+        return None
+    static = StaticStep(
+        runner, loop.tables, loop.optimizer, loop.model, batches.sampler, label_smoothing, capture=mode is None
+    )
+    logger.info(
+        "BESS: %d of %d steps per epoch run as the static step%s; the rest (with padding) eagerly.",
+        static.num_steps,
+        len(batches),
+        " (captured as a CUDA graph)" if static.capture else "",
+    )
+    return static
+
+
+def _static_steps(
+    static: StaticStep, epoch: int, num_steps: int, fields: dict[str, torch.Tensor], progress: Any
+) -> float:
+    """Run the full steps of an epoch as static steps; return the sum of their losses (one host read).
+
+    :raises NonFiniteLossError: if a step's loss was non-finite (that step and the later ones wrote nothing)
+    """
+    static.load_plan(fields)
+    static.run(static.num_steps, progress)
+    loss_sum, applied = static.finish_epoch()
+    if applied < static.num_steps:
+        raise NonFiniteLossError(
+            f"The loss is non-finite in epoch {epoch}, step {applied + 1}/{num_steps} (global step "
+            f"{(epoch - 1) * num_steps + applied + 1}). Neither that step nor a later one was applied, and no "
+            f"checkpoint was written for it. Lower the learning rate, add gradient clipping or check the model's "
+            f"constraints."
+        )
+    return loss_sum
+
+
+class _EpochPlans:
+    """The plans of the epochs ``first..last``, each drawn (and pinned) on a thread while the epoch before trains."""
+
+    def __init__(self, sampler: BessSampler, static: StaticStep, first: int, last: int):
+        self.sampler = sampler
+        self.static = static
+        self.last = last
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="bess-plan")
+        self._pending: dict[int, concurrent.futures.Future] = {}
+        if first <= last:
+            self._submit(first)
+
+    def _draw(self, epoch: int) -> tuple[EpochDraws, dict[str, torch.Tensor]]:
+        draws = self.sampler.draw_epoch(epoch, self.static.num_steps)
+        return draws, self.static.host_plan(draws)
+
+    def _submit(self, epoch: int) -> None:
+        if epoch <= self.last and epoch not in self._pending:
+            self._pending[epoch] = self._executor.submit(self._draw, epoch)
+
+    def get(self, epoch: int) -> tuple[EpochDraws, dict[str, torch.Tensor]]:
+        """Return the plan of ``epoch`` (and its device-ready tensors) and start drawing the next one."""
+        self._submit(epoch)
+        result = self._pending.pop(epoch).result()
+        self._submit(epoch + 1)
+        return result
+
+    def close(self) -> None:
+        """Stop drawing plans."""
+        for future in self._pending.values():
+            future.cancel()
+        self._pending.clear()
+        self._executor.shutdown(wait=True)

@@ -51,6 +51,7 @@ from .config import (
 )
 from .epochs import run_epochs
 from .sizes import StepSizes
+from .static_step import StaticStep, check_static_step
 from .step import StepRunner
 from .column_tables import check_column_training
 from .assembly import LoopSettings, assemble, choose_partition, make_sampler, make_scheme
@@ -109,6 +110,7 @@ class BessTrainingLoop(SLCWATrainingLoop):
         negatives: str | type[BessSampler] = "uniform",
         checkpoint_format: str = "pykeen",
         sharding: str | ShardingStrategy | None = None,
+        static_step: bool | None = None,
         **kwargs: Any,
     ) -> None:
         """Create the loop; every configuration error is raised here, before training starts.
@@ -141,8 +143,7 @@ class BessTrainingLoop(SLCWATrainingLoop):
         :param process_group: a ``torch.distributed`` process group to train in (default: the
             world group if one is initialised with more than one rank; under ``torchrun`` it is
             joined first), or a device mesh with the dimensions ``("replica", "shard")``
-        :param replicas: the processes holding each shard (data parallelism over replicas of the
-            shards; ``num_shards * replicas`` = the world size); default 1
+        :param replicas: the processes holding each shard (``num_shards * replicas`` = the world size; default 1)
         :param replica_grouping: how the replicas are laid out over the ranks: ``"orthogonal"``
             (default with replicas: the shards of one replica are consecutive ranks), ``"consecutive"``
             (the replicas of one shard are consecutive ranks), ``"all"`` (one shard, every rank a
@@ -150,23 +151,18 @@ class BessTrainingLoop(SLCWATrainingLoop):
         :param checkpoint_retrieval: ``"one_per_group"`` (one file per shard, written by its first
             replica; resumable on any numbers of shards and replicas) or ``"all_replicas"`` (every
             process writes its own file; resuming checks that the replicas agree)
-        :param memory_budget: bytes a memory probe may use on the CPU (default: half the memory
-            available when the search starts); see :mod:`pykeen_bess.memory`
-        :param storage: where this process keeps its shard tables and their optimizer state
-            (:mod:`pykeen_bess.storage`): ``"device"`` (default; parameters on the model's device),
-            ``"host"`` (host memory; each step moves its rows to the model's device and back) or
-            ``"mmap"`` (``.npy`` memory maps under ``storage_path``); or a
-            :class:`~pykeen_bess.storage.TableStorage`
+        :param memory_budget: bytes a CPU memory probe may use (default: half the available memory)
+        :param storage: where the process keeps its shard tables and optimizer state (:mod:`pykeen_bess.storage`):
+            ``"device"`` (default), ``"host"`` (host memory; each step moves its rows to the device and back),
+            ``"mmap"`` (``.npy`` memory maps under ``storage_path``) or a :class:`~pykeen_bess.storage.TableStorage`
         :param storage_path: the directory of ``storage="mmap"``'s files
         :param storage_kwargs: further arguments of the storage class (e.g. ``overwrite=True``)
-        :param negative_sampler: must be None or PyKEEN's basic sampler: BESS draws its own
-            balanced, shared negatives
+        :param negative_sampler: None or PyKEEN's basic sampler (BESS draws its own negatives)
         :param negative_sampler_kwargs: only ``num_negs_per_pos`` is meaningful
-        :param num_threads: intra-op CPU threads of the steps (:mod:`pykeen_bess.threads`): ``"auto"``
-            (measure 1 thread against all of the process's, again every 500 steps), an integer, or None
-            (torch's setting)
-        :param host_allocator: ``"auto"`` (on the CPU: glibc keeps freed blocks for the next step instead of
-            returning and page-faulting them every step; :mod:`pykeen_bess.allocator`) or None (leave it)
+        :param num_threads: intra-op CPU threads (:mod:`pykeen_bess.threads`): ``"auto"`` (measured), an
+            integer, or None (torch's setting)
+        :param host_allocator: ``"auto"`` (on the CPU: glibc keeps freed blocks, :mod:`pykeen_bess.allocator`)
+            or None (leave it)
         :param negatives: ``"uniform"`` (default: every shard's entities, drawn per block), ``"step"``
             (the same, one set shared by all blocks of a step, gathered, moved and scored once), ``"typed"``
             (a relation's negatives have its corrupted side's type; a typed graph, :mod:`pykeen_bess.pbg`),
@@ -178,6 +174,9 @@ class BessTrainingLoop(SLCWATrainingLoop):
         :param sharding: ``"balanced"`` (default: every shardpair holds about ``T / n ** 2`` triples, see
             :mod:`pykeen_bess.balancing`), ``"random"`` or a :class:`~pykeen_bess.sharding.ShardingStrategy`
             (typed graphs: by type); a checkpoint resumes only with the sharding it was written with
+        :param static_step: None (default: on a GPU the full steps run as one captured CUDA graph where the
+            configuration allows), True (on any device, or an error says why not) or False (eager); see
+            :mod:`pykeen_bess.training.static_step`
         :param kwargs: passed to :class:`pykeen.training.TrainingLoop` (optimizer, lr scheduler,
             result tracker, loss weighter (every positive's weight is passed to the loss as
             ``pos_weights``, see :mod:`pykeen_bess.loss`; default: a typed graph's relation weights), ...)
@@ -224,6 +223,7 @@ class BessTrainingLoop(SLCWATrainingLoop):
         self.thread_policy = resolve_threads(num_threads, self.device)
         #: how the C library's allocator serves the steps' CPU tensors
         self.host_allocator = resolve_allocator(host_allocator, self.device)
+        self.static_step = check_static_step(static_step)  # None: automatically on CUDA
         # the topology, settings, sharding, tables, optimizer, checkpoint store and step sizes
         self.topology: Topology
         self.config: BessConfig
@@ -234,6 +234,8 @@ class BessTrainingLoop(SLCWATrainingLoop):
         self.sizes: StepSizes
         #: the step runner of the current (or last) training
         self.runner: StepRunner | None = None
+        #: the static step of the current (or last) training; None where the eager step trained
+        self.static: StaticStep | None = None
         self._partition: tuple[torch.Tensor, int, ShardPairPartition] | None = None
         assemble(self, self.settings, resolve_partition(partition, exchange)[0])
 

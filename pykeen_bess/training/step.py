@@ -11,8 +11,13 @@ The optimizer step is a training callback, as PyKEEN composes its own (``Optimiz
 with pre-step callbacks for clipping): :class:`BessOptimizerCallback` runs the clipping callbacks
 (:class:`GlobalNormClippingCallback`: by the norm over all shards and replicated parameters, one
 collective; :class:`ValueClippingCallback`), the optimizer step, the constraints of densely
-updated rows and the model's ``post_parameter_update``. No part forces the host to wait for the
-device beyond the one loss value the loop reads per step.
+updated rows and the model's ``post_parameter_update``.
+
+This *eager* step builds its plan on the host and deduplicates the step's rows into a
+data-dependent number of rows; on a GPU it copies the plan's indices to the device every step (from
+pageable memory, which synchronises) and reads the loss on the host. It is the step of the CPU,
+of process groups and of the configurations the static step does not cover; on a GPU the full
+steps of an epoch otherwise run as :mod:`~pykeen_bess.training.static_step`.
 """
 
 from __future__ import annotations
