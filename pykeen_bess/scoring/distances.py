@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any, ClassVar, cast
@@ -78,6 +79,8 @@ class NormScorer(SharedCandidateScorer, ABC):
         return chunked_pairwise(query, candidates, self.pair_scores, checkpoint=True)
 
 
+logger = logging.getLogger(__name__)
+
 __all__ = [
     "DifferenceScorer",
     "InterHTScorer",
@@ -90,6 +93,7 @@ __all__ = [
     "TransEScorer",
     "TripleREScorer",
     "UMScorer",
+    "l1_distances",
 ]
 
 
@@ -135,8 +139,39 @@ class DifferenceScorer(NormScorer, ABC):
     def score(self, side: Side, query: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:  # noqa: D102
         if self.l1:
             check_side(side)
-            return -torch.cdist(query, candidates, p=1)
+            return -l1_distances(query, candidates)
         return super().score(side, query, candidates)
+
+
+def l1_distances(query: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    """Return ``||q - c||_1`` for all pairs: ``[*B, b, d] x [*B, k, d] -> [*B, b, k]``.
+
+    :func:`torch.cdist`, except for training on a GPU: there ``cdist``'s backward for ``p=1`` writes a
+    ``[*B, k, b, d]`` buffer and runs far slower than its forward, so the distances are one kernel
+    compiled by ``torch.compile`` (forward and backward each a fused reduction; nothing of size
+    ``b k d`` is stored); if compiling fails, ``cdist`` (logged once).
+    """
+    global _compiled_l1
+    training = torch.is_grad_enabled() and (query.requires_grad or candidates.requires_grad)
+    if query.device.type != "cuda" or not training or _compiled_l1 is False:
+        return torch.cdist(query, candidates, p=1)
+    if _compiled_l1 is None:
+        _compiled_l1 = torch.compile(_pairwise_l1)
+    try:
+        return _compiled_l1(query, candidates)
+    except Exception as error:  # noqa: BLE001 - a compiler failure falls back to the exact same function, uncompiled
+        _compiled_l1 = False
+        logger.warning("L1 distances: torch.compile failed (%s); using torch.cdist.", error)
+        return torch.cdist(query, candidates, p=1)
+
+
+def _pairwise_l1(query: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    """``||q - c||_1`` written as a broadcast reduction (what the compiler fuses)."""
+    return (query.unsqueeze(-2) - candidates.unsqueeze(-3)).abs().sum(dim=-1)
+
+
+#: the compiled :func:`_pairwise_l1` (None: not compiled yet; False: compiling failed)
+_compiled_l1: Any = None
 
 
 class ProductSumScorer(NormScorer, ABC):

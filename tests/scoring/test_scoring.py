@@ -643,3 +643,22 @@ def test_matmul_scores_pad_odd_rows_without_gradients(k: int) -> None:
     scores = _scoring_base.matmul_scores(query, candidates)  # with gradients: the plain product
     assert scores.is_contiguous() and scores.requires_grad
     torch.testing.assert_close(scores, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_l1_distances_as_a_broadcast_reduction_equal_cdist_forward_and_backward() -> None:
+    """The form the GPU path compiles (a fused reduction) is ``torch.cdist(p=1)``, gradients included."""
+    from pykeen_bess.scoring.distances import _pairwise_l1, l1_distances
+
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(2, 3, 5, 7, dtype=torch.float64, generator=generator, requires_grad=True)
+    candidates = torch.randn(2, 3, 4, 7, dtype=torch.float64, generator=generator, requires_grad=True)
+    expected = torch.cdist(query, candidates, p=1)
+    actual = _pairwise_l1(query, candidates)
+    torch.testing.assert_close(actual, expected)
+    torch.testing.assert_close(l1_distances(query, candidates), expected)
+    weights = torch.randn(expected.shape, dtype=torch.float64, generator=generator)
+    for got, want in zip(
+        torch.autograd.grad(actual, (query, candidates), weights),
+        torch.autograd.grad(expected, (query, candidates), weights),
+    ):
+        torch.testing.assert_close(got, want)
