@@ -285,3 +285,21 @@ def test_a_static_step_reads_nothing_on_the_host_and_stays_within_its_operator_b
             static.step()
     assert ops.synchronising == []
     assert 0 < sum(ops.ops.values()) <= OPERATOR_BUDGET[regularizer], ops.ops.most_common(10)
+
+
+def test_compiled_updates_equal_the_eager_step(factory: CoreTriplesFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused update torch.compile builds on a GPU (forced here on the CPU) trains as the eager step does.
+
+    TransE: a row constraint (unit norm) inside the fused row update, and Adam's dense update.
+    """
+    case = dict(num_shards=2, model_cls=TransE)
+    from pykeen_bess.training import static_update
+
+    _, eager, eager_parameters = train(factory, static_step=False, epochs=2, **case)
+    monkeypatch.setattr(static_update._Fused, "everywhere", True)
+    monkeypatch.setattr(static_update, "fused_rule", static_update._Fused())
+    _, static, static_parameters = train(factory, static_step=True, epochs=2, **case)
+    assert not static_update.fused_rule.failed and static_update.fused_rule.compiled is not None
+    assert static == pytest.approx(eager, rel=1e-9)
+    for actual, expected in zip(static_parameters, eager_parameters):
+        torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-9)
