@@ -214,75 +214,76 @@ def run_epochs(
     epoch_kwargs.update(tqdm_kwargs or {})
     epochs = trange(loop._epoch + 1, 1 + num_epochs, initial=loop._epoch, total=num_epochs, **epoch_kwargs)
     last_checkpoint = time.time()
-    for epoch in epochs:
-        try:
-            loop.model.train()
-            progress = tqdm(
-                total=len(batches),
-                desc=f"Training batches on {loop.device}",
-                leave=False,
-                unit="batch",
-                disable=not (show_epochs and use_tqdm_batch),
-            )
-            with progress:
-                if static is None:
-                    steps = batches.epoch(epoch)
-                    epoch_loss = 0.0
-                else:  # the full steps as one static step each, the steps with padding eagerly
-                    assert plans is not None
-                    draws, fields = plans.get(epoch)
-                    epoch_loss = _static_steps(static, epoch, len(batches), fields, progress)
-                    steps = batches.sampler.remaining_steps(draws, static.order_lookup, static.num_steps).batches()
-                for batch in steps:
-                    with loop.thread_policy.unit():
-                        epoch_loss += _step(
-                            runner, callback, batch, sub_block_size, label_smoothing, len(batches), loop
-                        )
-                    progress.update(1)
-                    if only_size_probing:
-                        return None
-                if static is not None:
-                    static.resume_after_eager()
-            epoch_loss /= len(batches)
-            loop.losses_per_epochs.append(epoch_loss)
-            previous = loop.losses_per_epochs[-2] if len(loop.losses_per_epochs) > 1 else float("nan")
-            epochs.set_postfix(dict(loss=epoch_loss, prev_loss=previous))
-            loop._epoch = epoch
-        except (MemoryError, RuntimeError) as error:
-            if static is not None:
-                static.abandon()  # the optimizer's step counts as far as steps were applied
-            if only_size_probing or isinstance(error, NonFiniteLossError):
-                # a non-finite loss leaves no partial update behind and must not be checkpointed
-                raise
-            logger.warning("The training loop failed during epoch %d: %s", epoch, error)
-            if checkpoint_on_failure_file_path and not topology.is_distributed:
-                best = best_epoch_model_file_path if last_best_epoch is not None else None
-                loop.checkpoints.save(pathlib.Path(checkpoint_on_failure_file_path), stopper, best, triples_factory)
-                logger.warning(
-                    "Saved a failure checkpoint (the current parameters, epoch counter at the last finished "
-                    "epoch) to %s; pass it as checkpoint_name (in its directory) to resume.",
-                    checkpoint_on_failure_file_path,
+    try:  # the thread drawing the next epochs' plans stops however training ends
+        for epoch in epochs:
+            try:
+                loop.model.train()
+                progress = tqdm(
+                    total=len(batches),
+                    desc=f"Training batches on {loop.device}",
+                    leave=False,
+                    unit="batch",
+                    disable=not (show_epochs and use_tqdm_batch),
                 )
-            _remove(best_epoch_model_file_path)
-            raise
-
-        callback.post_epoch(epoch=epoch, epoch_loss=epoch_loss)
-        if save_checkpoints and checkpoint_path is not None:
-            minutes = (time.time() - last_checkpoint) // 60
-            if minutes >= (checkpoint_frequency or 0) or loop._should_stop or epoch == num_epochs:
-                best = best_epoch_model_file_path if last_best_epoch is not None else None
-                loop._save_state(checkpoint_path, stopper, best, triples_factory)
-                last_checkpoint = time.time()
-        if loop._should_stop:
-            if plans is not None:
-                plans.close()
-            if last_best_epoch is not None and best_epoch_model_file_path is not None:
-                loop._load_state(path=best_epoch_model_file_path)
+                with progress:
+                    if static is None:
+                        steps = batches.epoch(epoch)
+                        epoch_loss = 0.0
+                    else:  # the full steps as one static step each, the steps with padding eagerly
+                        assert plans is not None
+                        draws, fields = plans.get(epoch)
+                        epoch_loss = _static_steps(static, epoch, len(batches), fields, progress)
+                        steps = batches.sampler.remaining_steps(draws, static.order_lookup, static.num_steps).batches()
+                    for batch in steps:
+                        with loop.thread_policy.unit():
+                            epoch_loss += _step(
+                                runner, callback, batch, sub_block_size, label_smoothing, len(batches), loop
+                            )
+                        progress.update(1)
+                        if only_size_probing:
+                            return None
+                    if static is not None:
+                        static.resume_after_eager()
+                epoch_loss /= len(batches)
+                loop.losses_per_epochs.append(epoch_loss)
+                previous = loop.losses_per_epochs[-2] if len(loop.losses_per_epochs) > 1 else float("nan")
+                epochs.set_postfix(dict(loss=epoch_loss, prev_loss=previous))
+                loop._epoch = epoch
+            except (MemoryError, RuntimeError) as error:
+                if static is not None:
+                    static.abandon()  # the optimizer's step counts as far as steps were applied
+                if only_size_probing or isinstance(error, NonFiniteLossError):
+                    # a non-finite loss leaves no partial update behind and must not be checkpointed
+                    raise
+                logger.warning("The training loop failed during epoch %d: %s", epoch, error)
+                if checkpoint_on_failure_file_path and not topology.is_distributed:
+                    best = best_epoch_model_file_path if last_best_epoch is not None else None
+                    loop.checkpoints.save(pathlib.Path(checkpoint_on_failure_file_path), stopper, best, triples_factory)
+                    logger.warning(
+                        "Saved a failure checkpoint (the current parameters, epoch counter at the last finished "
+                        "epoch) to %s; pass it as checkpoint_name (in its directory) to resume.",
+                        checkpoint_on_failure_file_path,
+                    )
                 _remove(best_epoch_model_file_path)
-            return loop.losses_per_epochs
+                raise
 
-    if plans is not None:
-        plans.close()
+            callback.post_epoch(epoch=epoch, epoch_loss=epoch_loss)
+            if save_checkpoints and checkpoint_path is not None:
+                minutes = (time.time() - last_checkpoint) // 60
+                if minutes >= (checkpoint_frequency or 0) or loop._should_stop or epoch == num_epochs:
+                    best = best_epoch_model_file_path if last_best_epoch is not None else None
+                    loop._save_state(checkpoint_path, stopper, best, triples_factory)
+                    last_checkpoint = time.time()
+            if loop._should_stop:
+                if last_best_epoch is not None and best_epoch_model_file_path is not None:
+                    loop._load_state(path=best_epoch_model_file_path)
+                    _remove(best_epoch_model_file_path)
+                return loop.losses_per_epochs
+
+    finally:
+        if plans is not None:
+            plans.close()
+
     callback.post_train(losses=loop.losses_per_epochs)
     if stopper is not None and last_best_epoch is not None and best_epoch_model_file_path is not None:
         loop._load_state(path=best_epoch_model_file_path)
