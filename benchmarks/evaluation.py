@@ -2,22 +2,24 @@
 
 Two test sets, each filtered by its train + valid triples and ranked on both sides:
 
-* WN18RR (``--data``; 3,134 test triples, 40,943 entities);
+* a dataset directory (``--data``, e.g. WN18RR: 3,134 test triples, 40,943 entities), optional;
 * a generated graph of FB15k-237's size (``--generated``, default 14,505 entities, 237 relations,
   272,115 triples of which 2,000 are held out as test triples and 2,000 as valid triples; skewed
-  degrees), where every query has many known answers to filter;
+  degrees), where every query has many known answers to filter; built in-process, no download;
 
 each by one DistMult model (dimension 256, seed 0, no relation regularizer, trained for 5 quick
-BESS epochs so that the top ranks are meaningful; ``--train-epochs 0`` keeps the random
-initialisation) with
+BESS epochs; ``--train-epochs 0`` keeps the random initialisation) with
 
 * PyKEEN's ``RankBasedEvaluator`` at its default batch size (``None``: PyKEEN's own choice, 32 on
   the CPU) and at explicit batch sizes (``--pykeen-batch-sizes``, default ``default,256``);
 * ``BessEvaluator`` with ``n = 1`` and ``n = 4`` shards (``--bess-shards``), sizes chosen
   automatically;
 
-all in one run, on the same model. A markdown table reports the wall time, the peak memory (the
-increase of the process's resident-set high-water mark during the evaluation, see
+all in one run, on the same model. Every evaluator runs once untimed (``--no-warmup`` times it
+too: CUDA kernels load, PyKEEN and BessEvaluator search their sizes on the first run), then
+``--repeats`` (BessEvaluator, default 3) or ``--pykeen-repeats`` (default 1) timed runs, the best
+of which counts. A markdown table reports the wall time, the peak memory (the increase of the
+process's resident-set high-water mark during the evaluation, see
 :func:`pykeen_bess.memory.measure_peak`, after returning freed heap memory to the system;
 BessEvaluator's own memory probe resets the high-water mark once, early in its run), whether every
 key of ``to_flat_dict()`` equals the fastest PyKEEN run's value (relative tolerance ``--rtol``),
@@ -28,8 +30,10 @@ time, as a percentage of the machine's matmul rate measured in the same run on t
 BessEvaluator's block sizes; best of three); for BessEvaluator also the rate of its ranking stage
 alone (scoring, filtering and counting: :attr:`~pykeen_bess.evaluation.BessEvaluator.last_timings`,
 without building the filter index, the memory search and PyKEEN's metric computation). Targets: at
-least 20x PyKEEN's best with identical metrics, and at least 50% of the matmul rate (filter index,
-counting and Python per block cost less than the scoring).
+least 20x PyKEEN's best with identical metrics, and at least 30% of the matmul rate.
+
+Other scripts call :func:`evaluation_rows` (``from evaluation import evaluation_rows`` with
+``benchmarks/`` on ``sys.path``), which returns the rows as dicts instead of printing a table.
 
 ``--device`` (:mod:`devices`; default: CUDA when torch sees a GPU) is where the model, both
 evaluators and the matmul reference run; on CUDA the peak memory is torch's peak of allocated
@@ -53,7 +57,7 @@ import math
 import pathlib
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -124,6 +128,8 @@ def run(
     }
     release_free_memory()
     device = model.device
+    if device.type == "cuda":  # memory cached by an earlier evaluator would look taken to the next one
+        torch.cuda.empty_cache()
     with measure_peak(device) as peak:
         synchronize(device)
         start = time.perf_counter()
@@ -131,6 +137,25 @@ def run(
         synchronize(device)
         seconds = time.perf_counter() - start
     return {"seconds": seconds, "peak_bytes": peak.bytes, "metrics": dict(result.to_flat_dict())}
+
+
+def timed_runs(
+    evaluator: Evaluator,
+    model: DistMult,
+    splits: Mapping[str, CoreTriplesFactory],
+    batch_size: int | None,
+    repeats: int,
+    warmup: bool,
+) -> dict[str, Any]:
+    """Evaluate ``repeats`` times (after an untimed first run if ``warmup``); the best time, the first metrics.
+
+    Every run's metrics must be the same (an evaluator's result must not depend on its history).
+    """
+    outcomes = [run(evaluator, model, splits, batch_size) for _ in range(repeats + int(warmup))]
+    timed = outcomes[int(warmup) :]
+    best = min(timed, key=lambda outcome: outcome["seconds"])
+    stable = all(outcome["metrics"] == outcomes[0]["metrics"] for outcome in outcomes)
+    return {**best, "all_seconds": [o["seconds"] for o in timed], "repeatable": stable}
 
 
 def compare(expected: Mapping[str, float], actual: Mapping[str, float], rtol: float) -> tuple[bool, int, float]:
@@ -185,46 +210,184 @@ def matmul_seconds(
 
 
 def benchmark_dataset(
-    name: str, splits: Mapping[str, CoreTriplesFactory], args: argparse.Namespace
+    name: str,
+    splits: Mapping[str, CoreTriplesFactory],
+    device: torch.device,
+    dim: int = 256,
+    train_epochs: int = 5,
+    pykeen_batch_sizes: Sequence[int | None] = (None,),
+    bess_shards: Sequence[int] = (1, 4),
+    repeats: int = 3,
+    pykeen_repeats: int = 1,
+    warmup: bool = True,
+    rtol: float = 0.0,
+    log: Callable[[str], None] = print,
 ) -> list[dict[str, Any]]:
-    """Run every evaluator on one dataset and the matmul reference; return the rows of the table."""
-    model = make_model(splits, args.dim, args.train_epochs, args.device)
+    """Run every evaluator on one dataset and the matmul reference; return one row per evaluator.
+
+    Each row: ``dataset``, ``name``, ``setting``, ``seconds`` (best timed run), ``all_seconds``,
+    ``peak_bytes``, ``metrics`` (PyKEEN's flat dict), ``speedup`` (over the fastest PyKEEN row),
+    ``percent_of_matmul`` (the effective rate ``2 Q E d / seconds`` against the matmul alone),
+    ``metrics_equal`` (every key within ``rtol`` of the fastest PyKEEN row; ``rtol=0``: identical),
+    ``bit_identical`` (how many keys are identical), ``max_rel_diff``; BESS rows also ``timings``,
+    ``ranking_percent_of_matmul``, ``block_sizes`` and ``ranked_again`` (queries ranked again per target).
+    """
+    model = make_model(splits, dim, train_epochs, device)
     test = splits["test"]
-    print(
-        f"# {name}: {test.num_entities:,} entities, test {test.num_triples:,} triples; DistMult d={args.dim}, "
-        f"{args.train_epochs} training epochs; torch {torch.__version__}, {describe(args.device)}",
-        flush=True,
+    log(
+        f"# {name}: {test.num_entities:,} entities, test {test.num_triples:,} triples; DistMult d={dim}, "
+        f"{train_epochs} training epochs; torch {torch.__version__}, {describe(device)}"
     )
     rows: list[dict[str, Any]] = []
-    for text in filter(None, args.pykeen_batch_sizes.split(",")):
-        batch_size = None if text == "default" else int(text)
-        outcome = run(RankBasedEvaluator(), model, splits, batch_size)
+    for batch_size in pykeen_batch_sizes:
+        text = "default" if batch_size is None else str(batch_size)
+        outcome = timed_runs(RankBasedEvaluator(), model, splits, batch_size, pykeen_repeats, warmup)
+        outcome.update(timings=None, block_sizes=None, ranked_again=None)
         rows.append(dict(dataset=name, name="PyKEEN RankBasedEvaluator", setting=f"batch_size={text}", **outcome))
-        print(f"  PyKEEN batch_size={text}: {outcome['seconds']:.1f} s", flush=True)
+        log(f"  PyKEEN batch_size={text}: {outcome['seconds']:.3f} s")
     sizes = None
-    for text in filter(None, args.bess_shards.split(",")):
-        evaluator = BessEvaluator(num_shards=int(text))
-        outcome = run(evaluator, model, splits, None)
+    for num_shards in bess_shards:
+        evaluator = BessEvaluator(num_shards=num_shards)
+        outcome = timed_runs(evaluator, model, splits, None, repeats, warmup)
         sizes = sizes or evaluator.last_block_sizes
-        outcome["timings"] = evaluator.last_timings
-        rows.append(dict(dataset=name, name="BessEvaluator", setting=f"n={text}", **outcome))
-        print(f"  BESS n={text}: {outcome['seconds']:.2f} s (block sizes {evaluator.last_block_sizes})", flush=True)
+        outcome.update(
+            timings=evaluator.last_timings,
+            block_sizes=evaluator.last_block_sizes,
+            ranked_again=evaluator.last_ranked_again,
+        )
+        rows.append(dict(dataset=name, name="BessEvaluator", setting=f"n={num_shards}", **outcome))
+        log(
+            f"  BESS n={num_shards}: {outcome['seconds']:.4f} s (block sizes {evaluator.last_block_sizes}, "
+            f"ranked again {evaluator.last_ranked_again}, stages {evaluator.last_timings})"
+        )
     num_queries = 2 * test.num_triples
-    flops = 2.0 * num_queries * test.num_entities * args.dim
+    flops = 2.0 * num_queries * test.num_entities * dim
     batch_size, slice_size = sizes or (256, test.num_entities)
-    seconds = matmul_seconds(num_queries, test.num_entities, args.dim, batch_size, slice_size, args.device)
-    print(f"  matmul alone ({batch_size} x {slice_size} blocks): {seconds:.2f} s, {flops / seconds / 1e9:.0f} GFLOP/s")
+    seconds = matmul_seconds(num_queries, test.num_entities, dim, batch_size, slice_size, device)
+    log(f"  matmul alone ({batch_size} x {slice_size} blocks): {seconds:.4f} s, {flops / seconds / 1e9:.0f} GFLOP/s")
+    pykeen_rows = [row for row in rows if row["name"].startswith("PyKEEN")]
+    best = min(pykeen_rows, key=lambda row: row["seconds"]) if pykeen_rows else None
     for row in rows:
         row["matmul_seconds"] = seconds
         row["rate"] = flops / row["seconds"]
         row["matmul_rate"] = flops / seconds
+        row["percent_of_matmul"] = 100 * seconds / row["seconds"]
+        timings = row["timings"]
+        row["ranking_percent_of_matmul"] = 100 * seconds / timings["ranking"] if timings else None
+        if best is None:
+            row.update(speedup=None, metrics_equal=None, bit_identical=None, max_rel_diff=None)
+        else:
+            same, exact, largest = compare(best["metrics"], row["metrics"], rtol)
+            row.update(
+                speedup=best["seconds"] / row["seconds"], metrics_equal=same, bit_identical=exact, max_rel_diff=largest
+            )
     return rows
+
+
+def evaluation_rows(
+    device: torch.device | str,
+    data: str | pathlib.Path | None = None,
+    generated: str | None = "14505:237:272115:2000",
+    dim: int = 256,
+    train_epochs: int = 5,
+    pykeen_batch_sizes: Sequence[int | None] = (None,),
+    bess_shards: Sequence[int] = (1, 4),
+    repeats: int = 3,
+    pykeen_repeats: int = 1,
+    warmup: bool = True,
+    rtol: float = 0.0,
+    log: Callable[[str], None] | None = print,
+) -> list[dict[str, Any]]:
+    """Time PyKEEN's RankBasedEvaluator and BessEvaluator on the same models and device; return the rows.
+
+    For use from other scripts (``from evaluation import evaluation_rows`` with ``benchmarks/`` on
+    ``sys.path``). The generated graph (``entities:relations:triples:held_out``, see
+    :func:`generate_splits`) is built in-process, without downloads; ``data`` adds a directory with
+    ``train.txt`` / ``valid.txt`` / ``test.txt`` (e.g. WN18RR). Per dataset one DistMult model is
+    trained for ``train_epochs`` BESS epochs, then PyKEEN's evaluator runs at each of
+    ``pykeen_batch_sizes`` (None: PyKEEN's own choice) ``pykeen_repeats`` times and BessEvaluator
+    with each of ``bess_shards`` ``repeats`` times, each after an untimed ``warmup`` run; the rows
+    are those of :func:`benchmark_dataset` (with ``speedup``, ``percent_of_matmul``,
+    ``metrics_equal``, ``max_rel_diff``).
+
+    On an H100 the defaults take about 30 s, most of it PyKEEN's evaluator and the training.
+
+    :param device: where the models, the evaluators and the matmul reference run
+    :param data: a dataset directory, or None
+    :param generated: the generated graph's spec, or None for none
+    :param log: prints progress lines (None: silent)
+    :returns: the rows of all datasets
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    datasets: dict[str, Mapping[str, CoreTriplesFactory]] = {}
+    if data is not None:
+        directory = pathlib.Path(data)
+        datasets["WN18RR" if directory.name.lower() == "wn18rr" else directory.name] = load_splits(directory)
+    if generated:
+        datasets[f"generated {generated}"] = generate_splits(generated)
+    rows = []
+    for name, splits in datasets.items():
+        rows.extend(
+            benchmark_dataset(
+                name,
+                splits,
+                device,
+                dim=dim,
+                train_epochs=train_epochs,
+                pykeen_batch_sizes=pykeen_batch_sizes,
+                bess_shards=bess_shards,
+                repeats=repeats,
+                pykeen_repeats=pykeen_repeats,
+                warmup=warmup,
+                rtol=rtol,
+                log=log or (lambda line: None),
+            )
+        )
+    return rows
+
+
+def print_table(rows: Sequence[Mapping[str, Any]]) -> None:
+    """Print the rows of :func:`evaluation_rows` as a markdown table."""
+    print()
+    print(
+        "| dataset | evaluator | setting | wall time (s) | peak memory (MiB) | MRR | hits@10 | metrics equal to PyKEEN "
+        "best | speed-up vs PyKEEN best | effective GFLOP/s | % of matmul rate | ranking alone: % of matmul rate |"
+    )
+    print("|---|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|")
+    for name in dict.fromkeys(row["dataset"] for row in rows):
+        mine = [row for row in rows if row["dataset"] == name]
+        for row in mine:
+            if row["metrics_equal"] is None:
+                equal, speedup = "n/a", "n/a"
+            else:
+                equal = (
+                    f"{'yes' if row['metrics_equal'] else 'NO'} ({row['bit_identical']}/{len(row['metrics'])} "
+                    f"bit-identical, max rel. diff {row['max_rel_diff']:.1e})"
+                )
+                speedup = f"{row['speedup']:.1f}x"
+            ranking = row["ranking_percent_of_matmul"]
+            ranking_text = "" if ranking is None else f"{ranking:.0f}%"
+            peak = "n/a" if row["peak_bytes"] is None else f"{row['peak_bytes'] / 2**20:,.0f}"
+            mrr = row["metrics"]["both.realistic.inverse_harmonic_mean_rank"]
+            hits = row["metrics"]["both.realistic.hits_at_10"]
+            print(
+                f"| {name} | {row['name']} | {row['setting']} | {row['seconds']:.3f} | {peak} | {mrr:.4f} | "
+                f"{hits:.4f} | {equal} | {speedup} | {row['rate'] / 1e9:.1f} | "
+                f"{row['percent_of_matmul']:.0f}% | {ranking_text} |"
+            )
+        if mine:
+            print(
+                f"| {name} | matmul alone | same block shapes | {mine[0]['matmul_seconds']:.3f} | | | | | | "
+                f"{mine[0]['matmul_rate'] / 1e9:.1f} | 100% | |"
+            )
 
 
 def main() -> None:
     """Run the benchmark and print the table."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data", type=pathlib.Path, required=True, help="the WN18RR directory (train/valid/test.txt)")
+    parser.add_argument("--data", type=pathlib.Path, default=None, help="a dataset directory (train/valid/test.txt)")
     parser.add_argument(
         "--generated",
         default="14505:237:272115:2000",
@@ -240,58 +403,35 @@ def main() -> None:
     parser.add_argument(
         "--train-epochs", type=int, default=5, help="BESS training epochs before evaluating (0: the random model)"
     )
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs of each BessEvaluator (the best counts)")
+    parser.add_argument("--pykeen-repeats", type=int, default=1, help="timed runs of each PyKEEN evaluator")
+    parser.add_argument("--no-warmup", action="store_true", help="time the first run of every evaluator too")
     parser.add_argument("--rtol", type=float, default=1e-6, help="relative tolerance of 'equal' metrics")
     parser.add_argument("--output", type=pathlib.Path, default=None, help="also write the raw results as JSON here")
     add_device_argument(parser)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     warnings.filterwarnings("ignore", message="Encountered tensors on device_types")
-
-    datasets: dict[str, Mapping[str, CoreTriplesFactory]] = {
-        "WN18RR" if args.data.name.lower() == "wn18rr" else args.data.name: load_splits(args.data)
-    }
-    if args.generated:
-        datasets[f"generated {args.generated}"] = generate_splits(args.generated)
-    rows = [row for name, splits in datasets.items() for row in benchmark_dataset(name, splits, args)]
-
-    print()
-    print(
-        "| dataset | evaluator | setting | wall time (s) | peak memory (MiB) | MRR | hits@10 | metrics equal to PyKEEN "
-        "best | speed-up vs PyKEEN best | effective GFLOP/s | % of matmul rate | ranking alone: % of matmul rate |"
+    rows = evaluation_rows(
+        args.device,
+        data=args.data,
+        generated=args.generated or None,
+        dim=args.dim,
+        train_epochs=args.train_epochs,
+        pykeen_batch_sizes=[
+            None if t == "default" else int(t) for t in filter(None, args.pykeen_batch_sizes.split(","))
+        ],
+        bess_shards=[int(t) for t in filter(None, args.bess_shards.split(","))],
+        repeats=args.repeats,
+        pykeen_repeats=args.pykeen_repeats,
+        warmup=not args.no_warmup,
+        rtol=args.rtol,
+        log=lambda line: print(line, flush=True),
     )
-    print("|---|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|")
-    for name in datasets:
-        mine = [row for row in rows if row["dataset"] == name]
-        pykeen_rows = [row for row in mine if row["name"].startswith("PyKEEN")]
-        best = min(pykeen_rows, key=lambda row: row["seconds"]) if pykeen_rows else None
-        for row in mine:
-            if best is None:
-                equal, speedup = "n/a", "n/a"
-            else:
-                same, exact, largest = compare(best["metrics"], row["metrics"], args.rtol)
-                equal = (
-                    f"{'yes' if same else 'NO'} ({exact}/{len(best['metrics'])} bit-identical, "
-                    f"max rel. diff {largest:.1e})"
-                )
-                speedup = f"{best['seconds'] / row['seconds']:.1f}x"
-            timings = row.get("timings")
-            ranking = "" if not timings else f"{100 * row['matmul_seconds'] / timings['ranking']:.0f}%"
-            peak = "n/a" if row["peak_bytes"] is None else f"{row['peak_bytes'] / 2**20:,.0f}"
-            mrr = row["metrics"]["both.realistic.inverse_harmonic_mean_rank"]
-            hits = row["metrics"]["both.realistic.hits_at_10"]
-            print(
-                f"| {name} | {row['name']} | {row['setting']} | {row['seconds']:.2f} | {peak} | {mrr:.4f} | "
-                f"{hits:.4f} | {equal} | {speedup} | {row['rate'] / 1e9:.1f} | "
-                f"{100 * row['rate'] / row['matmul_rate']:.0f}% | {ranking} |"
-            )
-        if mine:
-            print(
-                f"| {name} | matmul alone | same block shapes | {mine[0]['matmul_seconds']:.2f} | | | | | | "
-                f"{mine[0]['matmul_rate'] / 1e9:.1f} | 100% | |"
-            )
+    print_table(rows)
     if args.output is not None:
         args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(rows, indent=2))
+        args.output.write_text(json.dumps(rows, indent=2, default=str))
 
 
 if __name__ == "__main__":

@@ -134,6 +134,31 @@ def test_evaluation_benchmark_metrics_equal_pykeen():
     assert all(row[7].startswith("yes") for row in rows)
 
 
+def test_evaluation_rows_from_another_script():
+    """``evaluation_rows`` (imported as another script does) builds a generated graph and returns one row per run."""
+    code = (
+        "import json, sys, warnings; sys.path.insert(0, 'benchmarks'); warnings.filterwarnings('ignore')\n"
+        "from evaluation import evaluation_rows\n"
+        "rows = evaluation_rows('cpu', generated='300:5:3000:50', dim=8, train_epochs=1, repeats=1, log=None)\n"
+        "keys = ('dataset', 'name', 'setting', 'seconds', 'speedup', 'percent_of_matmul', 'metrics_equal', "
+        "'max_rel_diff', 'ranked_again')\n"
+        "print(json.dumps([{key: row[key] for key in keys} for row in rows]))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout.strip().splitlines()[-1])
+    assert [(row["name"], row["setting"]) for row in rows] == [
+        ("PyKEEN RankBasedEvaluator", "batch_size=default"),
+        ("BessEvaluator", "n=1"),
+        ("BessEvaluator", "n=4"),
+    ]
+    assert {row["dataset"] for row in rows} == {"generated 300:5:3000:50"}
+    for row in rows:
+        assert row["seconds"] > 0 and row["speedup"] > 0 and row["percent_of_matmul"] > 0
+        assert row["metrics_equal"] is True and row["max_rel_diff"] == 0.0  # identical to PyKEEN's
+    assert set(rows[1]["ranked_again"]) == {"head", "tail"}
+
+
 @pytest.mark.slow
 def test_scale_benchmark():
     """Every stage of both shard counts on a small generated graph, with the setup summary."""

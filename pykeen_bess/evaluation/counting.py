@@ -1,247 +1,310 @@
 """Rank counting: per-query counts of one block of scores, and PyKEEN's ranks from the summed counts.
 
-For a batch of queries every shard counts, over its candidates that are neither filtered nor the
-true entity, ``larger`` (scores strictly higher than the true entity's), ``not_smaller`` (at least as
-high), ``finite`` (PyKEEN's number of options) and ``nan``; only these counts cross processes.
+For a batch of ``B`` queries with true scores ``t`` every shard counts, per query and over its
+candidates, the scores outside a narrow *band* ``[t - tau, t + tau]`` around the true score:
+
+* ``above``: candidates scoring more than ``t + tau``,
+* ``below``: candidates scoring less than ``t - tau``,
+
+(:func:`count_block`), and subtracts the contributions of the excluded ``(query, candidate)``
+pairs, the filtered candidates and the true entity itself (:func:`subtract_excluded`): a block is
+never masked. Every shape is fixed by the batch, the slice and the number of excluded pairs per
+batch, and nothing is read on the host: a block is a fixed sequence of device operations. Without
+candidates inside the band, ``larger = above`` and ``not_smaller = candidates - below``.
+
+Why a band: PyKEEN ranks with the scores of its own interaction (for DistMult an element-wise
+product and a sum over the dimension) and takes the true score from the same row; the blocks here
+are matrix products, which sum in another order, and the true score is a separate batched
+product. Two scores within a few units of rounding can therefore compare otherwise than in
+PyKEEN: this is why the metrics of a float32 DistMult differed from PyKEEN's on an H100 (and, less
+often, on the CPU). Measured on an H100 (torch 2.11, TF32 off) with DistMult d=256 on WN18RR: 8 of
+6,268 queries ranked differently with the separately computed true score and 14 with the true
+score taken from the block's own product (so the summation order of the products is the cause,
+not only the true score's kernel); an entity with the true entity's embedding ties exactly in
+PyKEEN but not here (``tests/evaluation/test_ties.py``). The band's half width
+``tau = tie_tolerance * eps * (|t| + ||q|| max ||c||)`` (``eps`` of the score dtype, ``q`` the
+query features, ``c`` the slice's candidate features; :func:`band_scale` once per batch,
+:func:`band_bounds` per block) bounds the difference of the two roundings: the largest difference
+between a block's score and PyKEEN's seen on the H100 and the CPU was ``6 eps ||q|| max ||c||``.
+A query with candidates inside the band (exact ties included) is counted again and its
+candidates inside the band are compared by PyKEEN's own scores (:func:`pykeen_comparisons`); every
+other comparison cannot differ from PyKEEN's. Queries with non-finite scores are counted again
+element by element (:func:`count_exactly`).
+
 :func:`ranks_from_counts` adds the true entity's own contribution, exactly as PyKEEN's
 :meth:`pykeen.evaluation.ranks.Ranks.from_scores` sees it after
 :func:`pykeen.evaluation.evaluator.filter_scores_` restored its column.
+
+Memory: :func:`count_block` allocates per block two ``[B]`` counts and, on a GPU, one boolean
+``[B, k]`` comparison at a time; on the CPU it works in row chunks of :data:`COUNT_CHUNK_ELEMENTS`
+scores through one cache-sized float buffer.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-from typing import TYPE_CHECKING, Any, cast
-
 import torch
-from pykeen.typing import LABEL_TAIL, RANK_OPTIMISTIC, RANK_PESSIMISTIC, RANK_REALISTIC
-
-if TYPE_CHECKING:
-    from ..distributed import Topology
-    from ..threads import ThreadPolicy
-    from .filtering import FilterIndex, FilterSide
-    from .sharded import ShardedScoring
+from pykeen.models import Model
+from pykeen.typing import LABEL_TAIL
 
 __all__ = [
     "COUNT_CHUNK_ELEMENTS",
-    "rank_batch",
-    "RankCounts",
+    "TIE_TOLERANCE",
+    "band_bounds",
+    "band_scale",
     "count_block",
+    "count_exactly",
+    "pykeen_comparisons",
     "ranks_from_counts",
-    "subtraction_keeps_order",
+    "subtract_excluded",
     "unique_pairs",
 ]
 
-#: the number of scores compared at once when counting (a cache-sized chunk of a block's rows)
+#: the number of scores compared at once on the CPU (a cache-sized chunk of a block's rows)
 COUNT_CHUNK_ELEMENTS = 2**19
 
+#: the default half width of the band, in units of ``eps * (|t| + ||q|| max ||c||)`` (see the module docstring)
+TIE_TOLERANCE = 16.0
 
-@dataclasses.dataclass(eq=False)
-class RankCounts:
-    """Per-query counts of one batch, summed over shards (the true entity excluded)."""
 
-    #: shape: ``[B]``, candidates scoring higher than the true entity
-    larger: torch.Tensor
-    #: shape: ``[B]``, candidates scoring at least as high as the true entity
-    not_smaller: torch.Tensor
-    #: shape: ``[B]``, candidates with a finite score
-    finite: torch.Tensor
-    #: shape: ``[B]``, candidates with a NaN score (before filtering)
-    nan: torch.Tensor
+def band_scale(
+    true_scores: torch.Tensor, query_norms: torch.Tensor, tolerance: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return the per-query parts of the band's half width ``tau = base + slope * max ||c||`` (once per batch).
 
-    def stack(self) -> torch.Tensor:
-        """Return the counts as one ``[4, B]`` tensor."""
-        return torch.stack([self.larger, self.not_smaller, self.finite, self.nan])
+    :param true_scores: shape: ``[B]``, the true scores ``t``
+    :param query_norms: shape: ``[B]``, the norms of the query features
+    :param tolerance: the half width in units of ``eps * (|t| + ||q|| max ||c||)``; 0: exact comparisons
+    :returns: ``base = tolerance * eps * |t|`` and ``slope = tolerance * eps * ||q||``, each of shape ``[B]``
+    """
+    factor = tolerance * torch.finfo(true_scores.dtype).eps
+    return true_scores.abs() * factor, query_norms * factor
 
-    @classmethod
-    def zeros(cls, batch_size: int, device: torch.device) -> RankCounts:
-        """Return zero counts for ``batch_size`` queries."""
-        return cls(*torch.zeros(4, batch_size, dtype=torch.long, device=device))
 
-    @classmethod
-    def from_stacked(cls, x: torch.Tensor) -> RankCounts:
-        """Invert :meth:`stack`."""
-        return cls(*x)
+def band_bounds(
+    true_scores: torch.Tensor, base: torch.Tensor, slope: torch.Tensor, candidate_norm: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return the band ``[t - tau, t + tau]`` of every query against one slice (see the module docstring).
+
+    A non-finite true score gets an empty band (``t - tau`` is NaN or ``-inf < t``): its comparisons
+    are exact, and its query is counted again element by element anyway.
+
+    :param true_scores: shape: ``[B]``, the true scores ``t``
+    :param base: shape: ``[B]``, from :func:`band_scale`
+    :param slope: shape: ``[B]``, from :func:`band_scale`
+    :param candidate_norm: shape: ``[]``, the largest norm of the slice's candidate features
+    :returns: the lower and upper bounds, each of shape ``[B]``
+    """
+    tau = torch.addcmul(base, slope, candidate_norm)
+    return true_scores - tau, true_scores + tau
 
 
 def count_block(
-    scores: torch.Tensor, true_scores: torch.Tensor, num_masked: torch.Tensor, counts: RankCounts, exact: bool
-) -> None:
-    """Add one block's counts; masked entries (filtered candidates, the true entity) are NaN already.
+    scores: torch.Tensor,
+    lower: torch.Tensor,
+    upper: torch.Tensor,
+    counts: torch.Tensor,
+    chunked: bool | None = None,
+) -> torch.Tensor:
+    """Add one block's ``above`` and ``below`` counts to ``counts``; return the sum of every row.
 
-    The block is counted in chunks of :data:`COUNT_CHUNK_ELEMENTS` scores (rows of the block), which
-    stay in the CPU's cache between the passes over them and need no block-sized temporaries.
+    A row's sum is finite unless the block holds a non-finite score in it (or the finite scores
+    overflow), which is how the caller finds the rows that need :func:`count_exactly`; a NaN score
+    is neither above nor below. On the CPU the rows are compared in chunks of
+    :data:`COUNT_CHUNK_ELEMENTS` scores into one float buffer (0 / 1, summed exactly: float32 below
+    ``2^24`` columns, float64 beyond), which stays in the cache; elsewhere each comparison is one
+    boolean ``[B, k]`` tensor.
 
-    Without ``exact`` (the caller guarantees that every unmasked score and every true score is
-    finite, and that :func:`subtraction_keeps_order` holds) one subtraction ranks every candidate:
-    ``v = sign(score - true)`` is ``+1`` for a larger score, ``0`` for a tie, ``-1`` for a smaller
-    one and NaN for a masked entry, so that with ``nansum`` over a row
-
-    * ``larger = (sum(v) + sum(|v|)) / 2``,
-    * ``smaller = (sum(|v|) - sum(v)) / 2`` and ``not_smaller = unmasked - smaller``,
-    * ``finite = unmasked = width - num_masked``;
-
-    sums of ``+-1`` are exact (float32 below ``2^24`` columns, float64 beyond), so the counts equal
-    those of the comparisons, at about a quarter of their cost. With ``exact`` every score is
-    compared (``>``, ``>=``) and finite and NaN scores are counted element by element.
-
-    :param scores: shape: ``[B, k]``, masked entries NaN
-    :param true_scores: shape: ``[B]``
-    :param num_masked: shape: ``[B]``, the masked entries per query
-    :param counts: the accumulators, updated in place
-    :param exact: compare element by element (for blocks with non-finite scores)
+    :param scores: shape: ``[B, k]``
+    :param lower: shape: ``[B]``, the lower ends of the bands
+    :param upper: shape: ``[B]``, the upper ends of the bands
+    :param counts: shape: ``[2, B]``, long: ``above`` and ``below``, updated in place
+    :param chunked: compare in cache-sized chunks (default: on the CPU)
+    :returns: shape: ``[B]``, the row sums of the scores
     """
     batch_size, width = scores.shape
-    true_scores = true_scores.unsqueeze(1)
-    larger = torch.empty(batch_size, dtype=torch.long, device=scores.device)
-    not_smaller = torch.empty_like(larger)
+    lower, upper = lower.unsqueeze(1), upper.unsqueeze(1)
+    if not (scores.device.type == "cpu" if chunked is None else chunked):
+        counts[0] += torch.sum(scores > upper, dim=1)
+        counts[1] += torch.sum(scores < lower, dim=1)
+        return scores.sum(dim=1)
     chunk_rows = max(1, COUNT_CHUNK_ELEMENTS // max(width, 1))
-    if exact:
-        for start in range(0, batch_size, chunk_rows):
-            rows = slice(start, start + chunk_rows)
-            chunk, true_chunk = scores[rows], true_scores[rows]
-            larger[rows] = torch.sum(chunk > true_chunk, dim=1)
-            not_smaller[rows] = torch.sum(chunk >= true_chunk, dim=1)
-        counts.larger += larger
-        counts.not_smaller += not_smaller
-        counts.finite += torch.isfinite(scores).sum(dim=1)
-        counts.nan += torch.isnan(scores).sum(dim=1) - num_masked
-        return
-    unmasked = width - num_masked
     total_dtype = torch.float64 if scores.dtype == torch.float64 or width >= 2**24 else torch.float32
-    buffer = torch.empty((min(chunk_rows, batch_size), width), dtype=scores.dtype, device=scores.device)
+    buffer = torch.empty((min(chunk_rows, batch_size), width), dtype=total_dtype, device=scores.device)
+    found = torch.empty((2, batch_size), dtype=total_dtype, device=scores.device)
+    sums = torch.empty(batch_size, dtype=scores.dtype, device=scores.device)
     for start in range(0, batch_size, chunk_rows):
         rows = slice(start, start + chunk_rows)
-        chunk, true_chunk = scores[rows], true_scores[rows]
-        signs = buffer[: chunk.shape[0]]
-        torch.sub(chunk, true_chunk, out=signs)
-        signs.sign_()
-        balance = torch.nansum(signs, dim=1, dtype=total_dtype)  # larger - smaller
-        signs.abs_()
-        unequal = torch.nansum(signs, dim=1, dtype=total_dtype)  # larger + smaller
-        larger[rows] = ((balance + unequal) * 0.5).long()
-        not_smaller[rows] = unmasked[rows] - ((unequal - balance) * 0.5).long()
-    counts.larger += larger
-    counts.not_smaller += not_smaller
-    counts.finite += unmasked
+        chunk = scores[rows]
+        flags = buffer[: chunk.shape[0]]
+        torch.gt(chunk, upper[rows], out=flags)
+        torch.sum(flags, dim=1, out=found[0, rows])
+        torch.lt(chunk, lower[rows], out=flags)
+        torch.sum(flags, dim=1, out=found[1, rows])
+        torch.sum(chunk, dim=1, out=sums[rows])
+    counts += found.long()
+    return sums
 
 
-def subtraction_keeps_order(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``sign(a - b)`` equals the comparison of finite ``a`` and ``b`` on this device.
+def subtract_excluded(
+    scores: torch.Tensor,
+    lower: torch.Tensor,
+    upper: torch.Tensor,
+    counts: torch.Tensor,
+    rows: torch.Tensor,
+    positions: torch.Tensor,
+    columns: torch.Tensor,
+    position: int,
+    start: int,
+) -> None:
+    """Take the excluded pairs of one block out of its counts (instead of masking the block).
 
-    True with IEEE subnormal arithmetic; False when subnormal results are flushed to zero (e.g.
-    after ``torch.set_flush_denormal(True)``), where two distinct tiny scores would look tied.
+    The scores of all ``P`` excluded pairs of the batch are gathered from the block (pairs of other
+    blocks read a clamped column and are weighted 0), compared with the same bounds as
+    :func:`count_block` and subtracted, so that the counts equal those of a block whose excluded
+    entries were removed. ``P`` is the same for every batch of an evaluation (padding pairs have
+    position ``-1``): the shapes do not depend on the block.
+
+    :param scores: shape: ``[B, k]``, the block
+    :param lower: shape: ``[B]``
+    :param upper: shape: ``[B]``
+    :param counts: shape: ``[2, B]``, long, ``above`` and ``below``, updated in place
+    :param rows: shape: ``[P]``, the row of each excluded pair in the batch
+    :param positions: shape: ``[P]``, the local shard position of each pair's entity (``-1``: none)
+    :param columns: shape: ``[P]``, the column of each pair's entity in its shard's candidates
+    :param position: the block's shard position
+    :param start: the block's first column
     """
-    smallest_normal = torch.finfo(dtype).tiny
-    a = torch.tensor([1.5 * smallest_normal], dtype=dtype, device=device)
-    b = torch.tensor([smallest_normal], dtype=dtype, device=device)
-    return bool(((a - b) > 0).all()) and bool(((b - a) < 0).all())
+    width = scores.shape[1]
+    inside = (positions == position) & (columns >= start) & (columns < start + width)
+    values = scores[rows, (columns - start).clamp(0, max(width - 1, 0))]
+    dropped = torch.stack([(values > upper[rows]) & inside, (values < lower[rows]) & inside]).long()
+    counts.index_add_(1, rows, dropped, alpha=-1)
+
+
+def count_exactly(
+    scores: torch.Tensor,
+    true_scores: torch.Tensor,
+    lower: torch.Tensor,
+    upper: torch.Tensor,
+    excluded: torch.Tensor,
+    counts: torch.Tensor,
+) -> torch.Tensor:
+    """Count one block of the queries ranked again, element by element; return the entries inside the band.
+
+    Outside the band ``larger`` and ``not_smaller`` are plain comparisons with the true score;
+    ``finite`` and ``nan`` are counted as PyKEEN counts options. Entries inside the band are not
+    compared here: the caller compares them by PyKEEN's scores (:func:`pykeen_comparisons`).
+
+    :param scores: shape: ``[n, k]``
+    :param true_scores: shape: ``[n]``
+    :param lower: shape: ``[n]``, the band's lower ends (``= t`` for exact comparisons)
+    :param upper: shape: ``[n]``, the band's upper ends
+    :param excluded: shape: ``[n, k]``, bool, the excluded entries (filtered, the true entity)
+    :param counts: shape: ``[4, n]``, long: ``larger``, ``not_smaller``, ``finite``, ``nan``; updated in place
+    :returns: shape: ``[n, k]``, bool, the finite entries inside a band of positive width
+    """
+    kept = ~excluded
+    true_scores = true_scores.unsqueeze(1)
+    band = (scores >= lower.unsqueeze(1)) & (scores <= upper.unsqueeze(1)) & (upper > lower).unsqueeze(1) & kept
+    compared = kept & ~band
+    counts[0] += torch.sum((scores > true_scores) & compared, dim=1)
+    counts[1] += torch.sum((scores >= true_scores) & compared, dim=1)
+    counts[2] += torch.sum(torch.isfinite(scores) & kept, dim=1)
+    counts[3] += torch.sum(torch.isnan(scores) & kept, dim=1)
+    return band
+
+
+def pykeen_comparisons(
+    model: Model,
+    target: str,
+    triples: torch.Tensor,
+    rows: torch.Tensor,
+    entities: torch.Tensor,
+    max_queries: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Compare candidates with the true entity by PyKEEN's own scores: how many are larger / not smaller.
+
+    The scores come from :meth:`pykeen.models.Model.predict_t` / :meth:`~pykeen.models.Model.predict_h`
+    of up to ``max_queries`` queries at a time against one shared list of entities (their true
+    entities, then the candidates), i.e. PyKEEN's own computation with the broadcast shapes of its
+    evaluation (``[b, 1, d]`` queries against ``[1, m, d]`` entities, ``b, m >= 2``), which gives
+    a pair the score of PyKEEN's full score row wherever a pair's score does not depend on the
+    other entities scored with it (e.g. element-wise interactions; checked for DistMult on the CPU
+    and on an H100).
+
+    :param model: the model
+    :param target: ``"head"`` or ``"tail"``
+    :param triples: shape: ``[n, 3]``, the queries' triples
+    :param rows: shape: ``[m]``, sorted, the query (row of ``triples``) of each candidate
+    :param entities: shape: ``[m]``, the candidates' global ids
+    :param max_queries: the number of queries per call of PyKEEN's scoring
+    :returns: ``larger`` and ``not_smaller``, each of shape ``[n]`` (long)
+    """
+    larger = torch.zeros(triples.shape[0], dtype=torch.long, device=triples.device)
+    not_smaller = torch.zeros_like(larger)
+    column = 2 if target == LABEL_TAIL else 0
+    starts = torch.arange(0, triples.shape[0] + max_queries, max_queries, device=rows.device)
+    boundaries = torch.searchsorted(rows, starts).tolist()  # ranking again: sizes are read on the host
+    for number, (first, last) in enumerate(zip(boundaries[:-1], boundaries[1:])):
+        if first == last:
+            continue
+        begin = number * max_queries
+        chunk = triples[begin : begin + max_queries]
+        size = chunk.shape[0]
+        # at least two queries and two entities: PyKEEN orders the broadcast products as in its evaluation
+        queries = chunk if size > 1 else chunk.repeat(2, 1)
+        ids = torch.cat([queries[:, column], entities[first:last]])
+        if target == LABEL_TAIL:
+            scores = model.predict_t(queries[:, :2], tails=ids)
+        else:
+            scores = model.predict_h(queries[:, 1:], heads=ids)
+        local = rows[first:last] - begin
+        true = scores[local, local]
+        candidate = scores[local, torch.arange(last - first, device=local.device) + queries.shape[0]]
+        larger.index_add_(0, local + begin, (candidate > true).long())
+        not_smaller.index_add_(0, local + begin, (candidate >= true).long())
+    return larger, not_smaller
 
 
 def ranks_from_counts(
-    counts: RankCounts, true_scores: torch.Tensor, is_candidate: torch.Tensor
-) -> dict[str, torch.Tensor]:
+    larger: torch.Tensor,
+    not_smaller: torch.Tensor,
+    finite: torch.Tensor,
+    true_scores: torch.Tensor,
+    is_candidate: torch.Tensor,
+) -> torch.Tensor:
     """PyKEEN's ranks from the counts summed over all shards and the true entity's own contribution.
 
     * optimistic rank ``= larger + 1``,
     * pessimistic rank ``= not_smaller + 1`` (the true score is not smaller than itself),
-    * realistic rank ``= (optimistic + pessimistic) / 2``,
+    * realistic rank ``= (optimistic + pessimistic) / 2`` (float32, computed by the caller),
     * number of options ``= finite + 1`` (``+ 0`` if the true score is not finite).
 
     A query whose *true* score is NaN gets the worst rank (``finite + 1`` for all rank types, the
     true entity counted as an option) instead of PyKEEN's rank 1.
 
-    :param counts: the counts of the batch, summed over shards
+    :param larger: shape: ``[B]``, candidates scoring higher than the true entity (the true entity excluded)
+    :param not_smaller: shape: ``[B]``, candidates scoring at least as high
+    :param finite: shape: ``[B]``, candidates with a finite score
     :param true_scores: shape: ``[B]``
     :param is_candidate: shape: ``[B]``, whether the true entity is a candidate (``restrict_entities_to``)
-    :returns: the three rank types and ``"options"``, each of shape ``[B]``
+    :returns: shape: ``[3, B]``, long: the optimistic and pessimistic ranks and the number of options
     """
     is_candidate = is_candidate.long()
     true_nan = torch.isnan(true_scores)
-    larger = counts.larger
-    not_smaller = counts.not_smaller + is_candidate * (~true_nan).long()
-    options = counts.finite + is_candidate * torch.isfinite(true_scores).long()
+    not_smaller = not_smaller + is_candidate * (~true_nan).long()
+    options = finite + is_candidate * torch.isfinite(true_scores).long()
     # a NaN true score ranks last, with the true entity counted as an option
-    worst = counts.finite + 1
+    worst = finite + 1
     optimistic = torch.where(true_nan, worst, larger + 1)
     pessimistic = torch.where(true_nan, worst, not_smaller)
-    options = torch.where(true_nan, counts.finite + is_candidate, options)
-    return {
-        RANK_OPTIMISTIC: optimistic,
-        RANK_REALISTIC: (optimistic + pessimistic).float() * 0.5,
-        RANK_PESSIMISTIC: pessimistic,
-        "options": options,
-    }
+    options = torch.where(true_nan, finite + is_candidate, options)
+    return torch.stack([optimistic, pessimistic, options])
 
 
 def unique_pairs(
     query_index: torch.Tensor, entities: torch.Tensor, num_entities: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Drop duplicate ``(query, entity)`` pairs; shapes ``[m] -> [m']``, sorted by query."""
+    """Drop duplicate ``(query, entity)`` pairs; shapes ``[m] -> [m']``, sorted by query (top-k prediction)."""
     keys = torch.unique(query_index.cpu() * num_entities + entities.cpu())
     return keys // num_entities, keys % num_entities
-
-
-def rank_batch(
-    scoring: ShardedScoring,
-    index: FilterIndex | None,
-    batch: torch.Tensor,
-    target: str,
-    slice_size: int,
-    topology: Topology | None = None,
-    max_blocks: int | None = None,
-    threads: ThreadPolicy | None = None,
-) -> dict[str, Any]:
-    """Rank the true entities of one batch for one target (the counts of every shard, summed over the processes).
-
-    :param scoring: the sharded scoring
-    :param index: the filter index (None: unfiltered)
-    :param batch: shape: ``[B, 3]``
-    :param target: ``"head"`` or ``"tail"``
-    :param slice_size: candidates per block
-    :param topology: the topology (probes pass a :class:`~pykeen_bess.distributed.ProbeTopology`)
-    :param max_blocks: score only this many blocks (probes)
-    :param threads: the thread policy; each block (scoring and counting) is one of its units
-    :returns: numpy arrays of shape ``[B]`` for the three rank types and ``"options"``, and the
-        NaN counts ``"nan_candidates"`` and ``"nan_true"``
-    """
-    topology = scoring.topology if topology is None else topology
-    heads, relations, tails = batch.unbind(dim=1)
-    known, true = (heads, tails) if target == LABEL_TAIL else (tails, heads)
-    queries = scoring.queries(target, known, relations, topology=topology)
-    true_scores = scoring.true_scores(queries, true, topology=topology)
-    # pairs excluded from the shards' counts: the true entity and the known answers
-    query_index, entities = torch.arange(batch.shape[0], device=batch.device), true
-    if index is not None:
-        filtered_query, filtered_entity = index.filtered(cast("FilterSide", target), known, relations)
-        query_index = torch.cat([query_index, filtered_query.to(batch.device)])
-        entities = torch.cat([entities, filtered_entity.to(batch.device)])
-    query_index, entities = unique_pairs(query_index, entities, scoring.sharding.num_entities)
-
-    def count(exact: bool) -> tuple[RankCounts, torch.Tensor]:
-        counts = RankCounts.zeros(batch.shape[0], device=true_scores.device)
-        # the sign counting needs finite true scores (an infinite one minus an infinite score is NaN)
-        nonfinite = ~torch.isfinite(true_scores).all()
-        blocks = scoring.score_blocks(queries, query_index, entities, slice_size, max_blocks)
-        num_blocks = sum(-(-count // slice_size) for count in scoring.candidate_counts)  # the slices of all shards
-        for _ in range(num_blocks if max_blocks is None else min(num_blocks, max_blocks)):
-            with contextlib.nullcontext() if threads is None else threads.unit():  # scoring and counting
-                block = next(blocks)
-                count_block(block.scores, true_scores, block.num_masked, counts, exact=exact)
-                nonfinite |= block.nonfinite
-                del block  # release the block before the next one is allocated
-        return counts, nonfinite
-
-    if subtraction_keeps_order(true_scores.device, true_scores.dtype):
-        counts, nonfinite = count(exact=False)
-        if bool(nonfinite):  # one read per batch; blocks with NaN or infinite scores need exact counts
-            counts, _ = count(exact=True)
-    else:  # subnormal differences flushed to zero: compare element by element
-        counts, _ = count(exact=True)
-    counts = RankCounts.from_stacked(topology.shard_all_reduce(counts.stack()))
-    ranks = ranks_from_counts(counts, true_scores, scoring.is_candidate(true.to(true_scores.device)))
-    result: dict[str, Any] = {key: value.cpu().numpy() for key, value in ranks.items()}
-    result["nan_candidates"] = int(counts.nan.sum())
-    result["nan_true"] = int(torch.isnan(true_scores).sum())
-    return result

@@ -3,20 +3,18 @@
 :class:`BessEvaluator` is a :class:`pykeen.evaluation.RankBasedEvaluator` whose ranks are never
 computed from a ``[batch, num_entities]`` score matrix. The entities are split into shards (the
 model's own :class:`~pykeen_bess.sharding.EntitySharding` when its entity representations are
-:class:`~pykeen_bess.representation.ShardedEmbedding` tables, else a random one); for a batch of
-``B`` queries every shard scores its local entities in blocks of at most ``slice_size`` with the
-fast shared-candidate scorers (:mod:`pykeen_bess.scoring`) and *counts*, per query,
-
-* ``larger``: candidates scoring strictly higher than the true entity,
-* ``not_smaller``: candidates scoring at least as high,
-* ``finite``: candidates with a finite score (PyKEEN's number of options),
-
-over the candidates that are neither filtered (known triples, see :mod:`pykeen_bess.filtering`)
-nor the true entity itself. Filtered candidates are masked by index (``index_put`` of NaN, which
-no comparison counts) from ``(query, entity)`` pairs, never by a dense mask
-(:meth:`~pykeen_bess.evaluation.sharded.ShardedScoring.score_blocks`). The counts of all shards are
-summed (:meth:`~pykeen_bess.distributed.Topology.shard_all_reduce`, so under ``torch.distributed`` only
-``[4, B]`` integers per batch cross processes), and the true entity's own contribution is added
+:class:`~pykeen_bess.representation.ShardedEmbedding` tables, else a random one); for each target
+(head, tail) the evaluation triples are ranked batch by batch
+(:func:`~pykeen_bess.evaluation.ranking.rank_triples`, one
+:func:`~pykeen_bess.evaluation.ranking.rank_target` per target): every shard scores a batch of
+``B`` queries against its local entities in blocks of at most ``slice_size`` with the fast
+shared-candidate scorers (:mod:`pykeen_bess.scoring`) and *counts*, per query, the candidates
+scoring above and below a narrow band around the true score
+(:mod:`~pykeen_bess.evaluation.counting`), over the candidates that are neither filtered (known
+triples, see :mod:`~pykeen_bess.evaluation.filtering`) nor the true entity itself: the excluded
+pairs' own counts are subtracted, never masked. The counts of all shards are summed once per evaluation
+(:meth:`~pykeen_bess.distributed.Topology.shard_all_reduce`, so under ``torch.distributed`` only
+``[4, Q]`` integers per target cross processes), and the true entity's own contribution is added
 explicitly, exactly as PyKEEN's :meth:`pykeen.evaluation.ranks.Ranks.from_scores` sees it after
 :func:`pykeen.evaluation.evaluator.filter_scores_` restored its column
 (:func:`~pykeen_bess.evaluation.counting.ranks_from_counts`):
@@ -27,21 +25,34 @@ explicitly, exactly as PyKEEN's :meth:`pykeen.evaluation.ranks.Ranks.from_scores
 * number of options ``= finite + 1`` (``+ 0`` if the true score is not finite).
 
 Exact ties are therefore handled as PyKEEN handles them (optimistic / pessimistic / realistic),
-independently of how entities are sharded or sliced. Because the true score is computed once,
-explicitly, and never compared with "its own column", rounding differences between the
-batched matrix product of a block and the true triple's score cannot make the true entity
-count against itself.
+independently of how entities are sharded or sliced. Near-ties, candidates whose score is within
+rounding of the true score, are compared by PyKEEN's own scores (``tie_tolerance``): the matrix
+products here sum in another order than PyKEEN's interaction, and a comparison within rounding
+could otherwise differ from PyKEEN's (the metrics then differed from PyKEEN's on a GPU). Every
+metric is identical to PyKEEN's wherever a pair's score in PyKEEN does not depend on the other
+entities scored with it (element-wise interactions such as DistMult; checked on the CPU and an
+H100). Near-ties are compared by PyKEEN's scores only when this process holds the whole model
+(not for entity tables distributed over processes).
 
 Deviation from PyKEEN, deliberately: a query whose *true* score is NaN gets the worst rank
 (``finite + 1`` for all rank types, with the true entity counted as an option) instead of
 PyKEEN's rank 1; NaN candidate scores are excluded from the options as in PyKEEN. Both are
 reported with one :class:`RuntimeWarning` per evaluation.
 
-No score is read on the host per block: whether a block held non-finite scores is accumulated on
-the device and read once per batch; only then is the batch counted again element by element.
+Synchronisation: the host reads device values only once per evaluation (or per target): the id
+tables are copied to the device once per scoring and device; the filter index is built on the
+device and looked up for all queries of a target at once (the number of answers, the widest
+batch of excluded pairs); then every batch and block runs on the device without host reads
+(``tests/evaluation/test_host_sync.py`` counts the operators); finally the queries to rank again
+(near-ties, non-finite scores) are found with one read, counted again in chunks (with a few
+reads each), and all ranks are copied to the host in one copy. PyKEEN's metrics are then
+computed on the host from the rank arrays, as PyKEEN's own evaluator does.
 
-Memory: per step at most one ``[batch_size, slice_size]`` score block, cache-sized temporaries of
-the counting and the candidate features of one slice exist (see :mod:`~pykeen_bess.evaluation.sizes`).
+Memory: per step at most one ``[batch_size, slice_size]`` score block and its comparisons (see
+:mod:`~pykeen_bess.evaluation.sizes` and :mod:`~pykeen_bess.evaluation.counting`), the candidate
+features of one slice, the filter index (:data:`~pykeen_bess.evaluation.filtering.BYTES_PER_TRIPLE`
+per known triple) and, per target, ``[4, Q]`` counts and the table of excluded pairs
+(:class:`~pykeen_bess.evaluation.excluded.ExcludedPairs`).
 """
 
 from __future__ import annotations
@@ -58,15 +69,17 @@ import torch
 from pykeen.evaluation import RankBasedEvaluator
 from pykeen.evaluation.rank_based_evaluator import RankBasedMetricResults
 from pykeen.models import ERModel, Model
-from pykeen.typing import LABEL_HEAD, LABEL_TAIL, RANK_OPTIMISTIC, RANK_PESSIMISTIC, RANK_REALISTIC, Target
+from pykeen.typing import LABEL_HEAD, LABEL_TAIL, Target
 from tqdm.autonotebook import tqdm
 
 from ..allocator import AllocatorHint, resolve_allocator
 from ..distributed import ProbeTopology, join_torchrun_group
 from ..threads import ThreadPolicy, ThreadsHint, resolve_threads
+from ..representation import ShardedEmbedding
 from .checks import check_ids, check_targets, check_triples
-from .counting import rank_batch
+from .counting import TIE_TOLERANCE
 from .filtering import FilterIndex
+from .ranking import probe_step, rank_triples
 from .sharded import ShardedScoring
 from .sizes import choose_block_sizes
 
@@ -94,6 +107,7 @@ class BessEvaluator(RankBasedEvaluator):
         process_group: Any = None,
         num_threads: ThreadsHint = "auto",
         host_allocator: AllocatorHint = "auto",
+        tie_tolerance: float = TIE_TOLERANCE,
         **kwargs: Any,
     ):
         """Create the evaluator.
@@ -113,6 +127,10 @@ class BessEvaluator(RankBasedEvaluator):
             ``"auto"`` (measure 1 thread against all of the process's), an integer, or None (torch's)
         :param host_allocator: how glibc's allocator serves the score blocks (:mod:`pykeen_bess.allocator`):
             ``"auto"`` (on the CPU: freed blocks stay in the heap for the next) or None (leave it)
+        :param tie_tolerance: the half width of the band around each true score, in units of
+            ``eps * (|t| + ||q|| max ||c||)``, whose candidates are compared by PyKEEN's own scores
+            (:mod:`~pykeen_bess.evaluation.counting`); 0: compare the products' scores only (faster,
+            but a near-tie may then be ranked otherwise than PyKEEN ranks it)
         :param kwargs: passed to :class:`pykeen.evaluation.RankBasedEvaluator` (``metrics``,
             ``metrics_kwargs``, ``add_defaults``, ``clear_on_finalize``, ``mode``)
         """
@@ -125,7 +143,10 @@ class BessEvaluator(RankBasedEvaluator):
             isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1
         ):
             raise ValueError(f"num_shards must be a positive integer or None, but is {num_shards!r}.")
+        if isinstance(tie_tolerance, bool) or not isinstance(tie_tolerance, (int, float)) or not tie_tolerance >= 0:
+            raise ValueError(f"tie_tolerance must be a non-negative number, but is {tie_tolerance!r}.")
         self.num_shards = num_shards
+        self.tie_tolerance = float(tie_tolerance)
         self.memory_budget = memory_budget
         self.process_group = process_group
         self.num_threads = num_threads
@@ -140,6 +161,8 @@ class BessEvaluator(RankBasedEvaluator):
         #: seconds of the last evaluation's stages: ``filter_index`` (building it), ``block_sizes`` (the
         #: memory search, once per model), ``ranking`` (scoring and counting) and ``metrics`` (PyKEEN's)
         self.last_timings: dict[str, float] = {}
+        #: per target, the number of queries of the last evaluation that were ranked again (near-ties, NaN)
+        self.last_ranked_again: dict[str, int] = {}
         #: the caller's ``additional_filter_triples`` during :meth:`evaluate` (joined into the filter index)
         self._additional_filter_triples: list[torch.Tensor] = []
         #: block sizes found by the memory search, reused by later evaluations of the same model (the
@@ -177,6 +200,7 @@ class BessEvaluator(RankBasedEvaluator):
             raise TypeError(f"BessEvaluator needs a pykeen.models.ERModel, not {type(model).__name__}.")
         num_relations = model.num_real_relations
         mapped_triples = check_triples(mapped_triples, model.num_entities, num_relations, "mapped_triples")
+        given = additional_filter_triples is not None
         if additional_filter_triples is not None:
             extra = (
                 [additional_filter_triples]
@@ -187,13 +211,17 @@ class BessEvaluator(RankBasedEvaluator):
                 check_triples(t, model.num_entities, num_relations, "additional_filter_triples", allow_empty=True)
                 for t in extra
             ]
-            # PyKEEN would deduplicate all known triples with ``unique(dim=0)`` (seconds for a few hundred
-            # thousand rows); the filter index deduplicates them itself, so PyKEEN only sees the evaluation triples
+            # PyKEEN would deduplicate all known triples with ``unique(dim=0)`` on the host (seconds for a few
+            # hundred thousand rows, a few milliseconds even for the evaluation triples alone); the filter index
+            # deduplicates them itself, so PyKEEN gets none (and its warning about none given is dropped)
             self._additional_filter_triples = extra
-            additional_filter_triples = [mapped_triples.new_empty((0, 3))]
+            additional_filter_triples = None
         if restrict_entities_to is not None:
             # PyKEEN's checks compare with Python sets: pass plain ints
             restrict_entities_to = check_ids(restrict_entities_to, model.num_entities, "restrict_entities_to").tolist()
+        dropped = _DropRecords("The filtered setting was enabled") if given else None
+        if dropped is not None:
+            logging.getLogger("pykeen.utils").addFilter(dropped)
         try:
             result = super().evaluate(
                 model=model,
@@ -212,6 +240,8 @@ class BessEvaluator(RankBasedEvaluator):
             )
         finally:
             self._additional_filter_triples = []
+            if dropped is not None:
+                logging.getLogger("pykeen.utils").removeFilter(dropped)
         return cast(RankBasedMetricResults, result)
 
     def _evaluate_on_device(
@@ -262,7 +292,7 @@ class BessEvaluator(RankBasedEvaluator):
         tqdm_kwargs: Mapping[str, Any],
         restrict_entities_to: torch.Tensor | None,
     ) -> RankBasedMetricResults:
-        """Rank all evaluation triples batch by batch, fill ``self.ranks`` / ``self.num_candidates`` and finalize."""
+        """Rank all evaluation triples target by target, fill ``self.ranks`` / ``self.num_candidates`` and finalize."""
         scoring = ShardedScoring.for_model(
             model,
             num_shards=self.num_shards,
@@ -273,8 +303,8 @@ class BessEvaluator(RankBasedEvaluator):
         index = None
         if self.filtered:
             assert all_pos_triples is not None
-            known = [all_pos_triples, *(t.to(all_pos_triples.device) for t in self._additional_filter_triples)]
-            index = FilterIndex.from_triples(known, model.num_entities, model.num_real_relations).to(device)
+            known = [all_pos_triples, *self._additional_filter_triples]
+            index = FilterIndex.from_triples(known, model.num_entities, model.num_real_relations, device=device)
         num_triples = mapped_triples.shape[0]
         indexed = time.perf_counter()
         batch_size, slice_size = _block_sizes_for(
@@ -290,41 +320,43 @@ class BessEvaluator(RankBasedEvaluator):
         self.last_block_sizes = (batch_size, slice_size)
         sized = time.perf_counter()
         self.clear()
-        nan_candidates = nan_true = 0
         tqdm_kwargs = dict(tqdm_kwargs)
         if not scoring.topology.is_main_process:
             tqdm_kwargs["disable"] = True
         progress = tqdm(
             **ChainMap(
                 tqdm_kwargs,
-                {"desc": f"Evaluating on {device}", "total": num_triples, "unit": "triple", "unit_scale": True},
+                {
+                    "desc": f"Evaluating on {device}",
+                    "total": num_triples * len(targets),
+                    "unit": "query",
+                    "unit_scale": True,
+                },
             )
         )
         topology = scoring.topology
-        # replicas split the batches: replica q ranks batches q, q + R, ... with its shards
-        ranked: dict[int, dict[str, dict[str, Any]]] = {}
         if self.thread_policy is None or self._thread_device != device:
             self.thread_policy, self._thread_device = resolve_threads(self.num_threads, device), device
         resolve_allocator(self.host_allocator, device).apply()
+        # near-ties are compared by PyKEEN's own scores, which need the whole model in this process
+        resolve_ties = self.tie_tolerance > 0 and topology.holds_all_shards and _holds_whole_model(model)
+        tolerance = self.tie_tolerance if resolve_ties else 0.0
         with progress, self.thread_policy.applied():
-            for number, batch in enumerate(mapped_triples.split(batch_size)):
-                if number % topology.replicas != topology.replica:
-                    continue
-                ranked[number] = {
-                    target: rank_batch(scoring, index, batch, target, slice_size, threads=self.thread_policy)
-                    for target in cast(tuple[Target, ...], targets)
-                }
-                progress.update(batch.shape[0])
-        if topology.replicas > 1:  # every process gets every replica's ranks
-            for other in topology.all_gather_object(ranked):
-                ranked.update(other)
-        for number in sorted(ranked):
-            for target, ranks in ranked[number].items():
-                for rank_type in (RANK_OPTIMISTIC, RANK_REALISTIC, RANK_PESSIMISTIC):
-                    self.ranks[cast(Target, target), rank_type].append(ranks[rank_type])
-                self.num_candidates[cast(Target, target)].append(ranks["options"])
-                nan_candidates += ranks["nan_candidates"]
-                nan_true += ranks["nan_true"]
+            ranked = rank_triples(
+                scoring,
+                mapped_triples,
+                targets,
+                batch_size,
+                slice_size,
+                index,
+                tolerance=tolerance,
+                resolve_ties=resolve_ties,
+                threads=self.thread_policy,
+                on_batch=progress.update,
+            )
+        self.last_ranked_again = ranked.ranked_again
+        ranked.gather_replicas(topology)
+        nan_candidates, nan_true = ranked.append_to(self.ranks, self.num_candidates)
         self.num_entities = scoring.num_candidates
         if nan_candidates or nan_true:
             warnings.warn(
@@ -344,6 +376,22 @@ class BessEvaluator(RankBasedEvaluator):
         }
         logger.info("BESS evaluation timings (seconds): %s", self.last_timings)
         return result
+
+
+class _DropRecords(logging.Filter):
+    """Drop the log records whose message starts with a prefix."""
+
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefix)
+
+
+def _holds_whole_model(model: ERModel) -> bool:
+    """Whether PyKEEN's own scoring of the model works in this process (no entity table is distributed)."""
+    return not any(isinstance(r, ShardedEmbedding) and not r.holds_all_shards for r in model.entity_representations)
 
 
 def _block_sizes_for(
@@ -376,15 +424,7 @@ def _block_sizes_for(
 
     def probe(probe_batch_size: int, probe_slice_size: int) -> None:
         rows = torch.arange(probe_batch_size, device=mapped_triples.device) % mapped_triples.shape[0]
-        rank_batch(
-            scoring,
-            index,
-            mapped_triples[rows],
-            targets[0],
-            probe_slice_size,
-            topology=probe_topology,
-            max_blocks=1,
-        )
+        probe_step(scoring, mapped_triples[rows], targets[0], probe_slice_size, probe_topology)
 
     sizes = choose_block_sizes(
         scoring, mapped_triples.shape[0], batch_size, slice_size, probe, device, memory_budget=evaluator.memory_budget

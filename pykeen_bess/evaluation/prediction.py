@@ -3,7 +3,8 @@
 :func:`predict_top_k` answers a batch of ``(h, r, ?)`` or ``(?, r, t)`` queries with the ``k``
 highest-scoring entities without a ``[Q, num_entities]`` score matrix: every shard scores its
 local entities slice by slice (the block loop of
-:meth:`~pykeen_bess.evaluation.sharded.ShardedScoring.score_blocks`, which the evaluator shares) and
+:meth:`~pykeen_bess.evaluation.sharded.ShardedScoring.score_blocks`, over the candidate slices the
+evaluator scores too) and
 keeps a running top-k; the shards' top-k lists are gathered
 (:meth:`~pykeen_bess.distributed.Topology.all_gather`, ``[n, B, k]`` per batch) and merged. The
 order is total and deterministic: by score

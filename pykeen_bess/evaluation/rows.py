@@ -3,22 +3,39 @@
 :class:`ShardTableRows` reads a model's :class:`~pykeen_bess.representation.ShardedEmbedding`
 tables directly (a slice of local ids is a view); :class:`ForwardRows` reads any PyKEEN
 representation through its ``forward`` on the global ids of a (virtual) sharding.
+
+Local ids may be a ``slice`` or a long tensor on the compute device; rows of parameters are then
+read on the device without any host synchronisation (:class:`ForwardRows` keeps a copy of the
+shard tables' global ids on each device it is asked for). Only tables held in host memory or files
+(:class:`ShardTableRows` over a non-parameter storage) read their rows through the host, which
+waits for the device's ids.
+
+:func:`gather_entities` reads the rows of arbitrary entities by global id: the shard that owns an
+entity contributes its row, the others zeros, and the topology sums them. In one process all
+shards are local and the sum is a copy; under a process group each rank holds one shard of the
+tables and the same code is correct.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..representation import ShardedEmbedding
 from ..sharding import EntitySharding
 
+if TYPE_CHECKING:
+    from ..distributed import Topology
+    from .candidates import DeviceTables
+
 __all__ = [
     "EntityRows",
     "ForwardRows",
     "ShardTableRows",
+    "gather_entities",
     "module_device",
 ]
 
@@ -96,10 +113,26 @@ class ForwardRows(EntityRows):
         self.representations = list(representations)
         self.sharding = sharding
         self.local_shards = tuple(int(s) for s in local_shards)
+        #: shape: ``[n_shard, shard_size]``, the sharding's global ids per device (``-1`` padding clamped to 0)
+        self._shard_entities: dict[torch.device, torch.Tensor] = {}
+
+    def shard_entities(self, device: torch.device) -> torch.Tensor:
+        """Return the global id of every ``(shard, local id)`` on ``device``, shape ``[n_shard, shard_size]``.
+
+        Padding rows (``-1`` in the sharding) read entity 0: callers discard them.
+        """
+        table = self._shard_entities.get(device)
+        if table is None:
+            table = self._shard_entities[device] = self.sharding.shard_entities.clamp_min(0).to(device)
+        return table
 
     def rows(self, position: int, local: slice | torch.Tensor) -> list[torch.Tensor]:  # noqa: D102
         shard = self.local_shards[position]
-        ids = self.sharding.shard_entities[shard, local]
+        if isinstance(local, slice):  # the ids of a slice on the representations' device: no copy per block
+            home = next((d for d in map(module_device, self.representations) if d is not None), torch.device("cpu"))
+            ids = self.shard_entities(home)[shard, local]
+        else:
+            ids = self.shard_entities(local.device)[shard, local]
         result = []
         for representation in self.representations:
             device = module_device(representation)
@@ -114,3 +147,38 @@ def module_device(module: torch.nn.Module) -> torch.device | None:
     for buffer in module.buffers():
         return buffer.device
     return None
+
+
+def gather_entities(
+    rows: EntityRows, tables: DeviceTables, entities: torch.Tensor, topology: Topology
+) -> list[torch.Tensor]:
+    """Return the representations of arbitrary entities, contributed by the shards that own them.
+
+    Each local shard reads the rows of all ``B`` entities (entity 0 of the shard standing in for
+    those it does not own) and keeps those it owns (``torch.where``), so that the shapes do not
+    depend on the ids and the host never waits for the device; the topology sums over
+    processes: every process obtains all rows while holding only its shards.
+
+    :param rows: the entity rows of the local shards
+    :param tables: the id tables on the device of ``entities`` (which local shard and local id holds each entity)
+    :param entities: shape: ``[B]``, global ids (on the compute device)
+    :param topology: the topology to sum with (its local shards are those of ``rows``)
+    :returns: one tensor of shape ``[B, *shape]`` per entity representation
+    """
+    local = tables.entity_local[entities]
+    if len(rows.local_shards) == 1 and topology.holds_all_shards:
+        result = rows.rows(0, local)  # one shard holds every entity
+    else:
+        position = tables.entity_position[entities]
+        parts: list[torch.Tensor] | None = None
+        for index in range(len(rows.local_shards)):
+            owned = position == index
+            values = rows.rows(index, torch.where(owned, local, 0))
+            if parts is None:
+                parts = [torch.zeros_like(v) for v in values]
+            parts = [
+                torch.where(owned.view(-1, *([1] * (v.ndim - 1))).to(v.device), v, p) for v, p in zip(values, parts)
+            ]
+        assert parts is not None
+        result = parts
+    return [topology.shard_all_reduce(x) for x in result]

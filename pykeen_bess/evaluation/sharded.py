@@ -2,16 +2,26 @@
 
 :class:`ShardedScoring` turns ``(known entity, relation)`` queries into the scorer's queries
 (handling inverse relations exactly as :meth:`pykeen.models.Model.predict_h` does), iterates over
-the candidate entities of each local shard in slices and scores blocks of queries against slices
-(``[B, q] x [k, c] -> [B, k]``). :meth:`ShardedScoring.score_blocks` is the block loop, written once:
-it yields the score blocks of a batch with the excluded ``(query, candidate)`` pairs (filtered
-triples, the true entity) masked as NaN, and both the evaluator (counting) and top-k prediction
-(merging) consume it.
+the candidate entities of each local shard in slices (:meth:`ShardedScoring.candidate_blocks`)
+and scores blocks of queries against slices (``[B, q] x [k, c] -> [B, k]``). The evaluator
+(:mod:`~pykeen_bess.evaluation.ranking`) consumes the raw blocks and corrects its counts for the
+excluded pairs; top-k prediction consumes :meth:`ShardedScoring.score_blocks`, which masks the
+excluded ``(query, candidate)`` pairs as NaN.
 
-The query representations are obtained by :meth:`ShardedScoring.gather_entities`: the shard that
-owns an entity contributes its row, the others zeros, and the topology sums them. In one process
-all shards are local and the sum is a copy; under a process group each rank holds one shard of
-the tables and the same code is correct.
+The query representations are obtained by :meth:`ShardedScoring.gather_entities`
+(:func:`~pykeen_bess.evaluation.rows.gather_entities`): the shard that owns an entity contributes
+its row, the others zeros, and the topology sums them. In one process all shards are local and
+the sum is a copy; under a process group each rank holds one shard of the tables and the same
+code is correct.
+
+Synchronisation: the id tables the scoring needs on the compute device (which local shard and
+column holds each entity, the candidates' global ids:
+:class:`~pykeen_bess.evaluation.candidates.DeviceTables`) are copied there once per device
+(:meth:`ShardedScoring.device_tables`); afterwards gathering query rows, reading a candidate slice
+and scoring a block are device operations with shapes fixed by the batch and the slice, without
+host reads (tables in host memory or files excepted, see :mod:`~pykeen_bess.evaluation.rows`).
+:meth:`ShardedScoring.score_blocks` (top-k) still prepares its masks on the host, once per shard
+and batch.
 """
 
 from __future__ import annotations
@@ -28,12 +38,15 @@ from ..distributed import Topology, make_topology
 from ..representation import ShardedEmbedding
 from ..scoring import SharedCandidateScorer, Side, get_scorer
 from ..sharding import EntitySharding
-from .rows import EntityRows, ForwardRows, ShardTableRows, module_device
+from .candidates import CandidateColumns, DeviceTables
+from .rows import EntityRows, ForwardRows, ShardTableRows, gather_entities, module_device
 
 __all__ = [
+    "DeviceTables",
     "Queries",
     "ScoreBlock",
     "ShardedScoring",
+    "feature_norms",
     "rows_and_topology",
 ]
 
@@ -56,7 +69,7 @@ class ScoreBlock:
     position: int
     #: the column of the slice's first candidate (see :class:`ShardedScoring`)
     start: int
-    #: shape: ``[k]``, the global ids of the candidates (CPU)
+    #: shape: ``[k]``, the global ids of the candidates (on the scores' device)
     ids: torch.Tensor
     #: shape: ``[B, k]``, the scores, NaN at the masked ``(query, candidate)`` pairs
     scores: torch.Tensor
@@ -64,6 +77,11 @@ class ScoreBlock:
     num_masked: torch.Tensor
     #: 0-dimensional, True if a score was not finite before masking (on the scores' device; not read here)
     nonfinite: torch.Tensor
+
+
+def feature_norms(features: torch.Tensor) -> torch.Tensor:
+    """Return the Euclidean norm of each feature row, ``[*, f] -> [*]`` (complex features by modulus)."""
+    return torch.linalg.vector_norm(features, dim=-1)
 
 
 def _unpack(parts: Sequence[torch.Tensor]) -> Any:
@@ -82,7 +100,7 @@ class ShardedScoring:
     Candidates of a shard are numbered by *columns* ``0..C_p - 1`` (``p``: position of the shard in
     :attr:`local_shards`): all real local ids in order, or only those of ``restrict_entities_to``,
     or the local ids sorted by global id (``order_by_id``, used by top-k prediction so that
-    column order breaks ties by entity id).
+    column order breaks ties by entity id); see :class:`~pykeen_bess.evaluation.candidates.CandidateColumns`.
     """
 
     def __init__(
@@ -117,38 +135,17 @@ class ShardedScoring:
         )
         self.head_indices = list(model.interaction.head_indices)
         self.tail_indices = list(model.interaction.tail_indices)
-        # candidates of each local shard: None (= columns are local ids 0..count-1) or local ids
-        self.candidate_local: list[torch.Tensor | None] = []
-        # column of each local id, -1 for non-candidates (None when columns are local ids)
-        self.column_of_local: list[torch.Tensor | None] = []
-        allowed = None
-        if restrict_entities_to is not None:
-            allowed = torch.zeros(self.sharding.num_entities, dtype=torch.bool)
-            allowed[restrict_entities_to.cpu()] = True
-        for shard in rows.local_shards:
-            count = int(self.sharding.shard_counts[shard])
-            entities = self.sharding.shard_entities[shard, :count]
-            local = torch.arange(count)
-            if allowed is not None:
-                local = local[allowed[entities]]
-            if order_by_id:
-                local = local[torch.argsort(entities[local])]
-            if allowed is None and not order_by_id:
-                self.candidate_local.append(None)
-                self.column_of_local.append(None)
-                continue
-            column = torch.full((self.sharding.shard_size,), -1, dtype=torch.long)
-            column[local] = torch.arange(local.shape[0])
-            self.candidate_local.append(local)
-            self.column_of_local.append(column)
-        self.candidate_counts = [
-            int(self.sharding.shard_counts[shard]) if local is None else int(local.shape[0])
-            for shard, local in zip(rows.local_shards, self.candidate_local)
-        ]
+        #: the columns of the local shards' candidates, on the host (its fields are also attributes here)
+        self.columns = CandidateColumns.create(self.sharding, rows.local_shards, restrict_entities_to, order_by_id)
+        # per local shard: the local id of each column (None: the columns are the local ids 0..count-1)
+        self.candidate_local = self.columns.candidate_local
+        # per local shard: the column of each local id, -1 for non-candidates (None: the columns are the local ids)
+        self.column_of_local = self.columns.column_of_local
+        self.candidate_counts = self.columns.candidate_counts  # per local shard: the number of candidates
         #: shape: ``[num_entities]``, whether each entity is a candidate (None: all are)
-        self.candidate_mask = allowed
-        # total over all shards
-        self.num_candidates = self.sharding.num_entities if allowed is None else int(allowed.sum())
+        self.candidate_mask = self.columns.candidate_mask
+        self.num_candidates = self.columns.num_candidates  # total over all shards
+        self._device_tables: dict[torch.device, DeviceTables] = {}
 
     # -- construction ------------------------------------------------------------------------
 
@@ -195,37 +192,39 @@ class ShardedScoring:
         """The largest number of candidates of a local shard."""
         return max(self.candidate_counts)
 
+    @property
+    def num_local_candidates(self) -> int:
+        """The number of candidates of the local shards."""
+        return sum(self.candidate_counts)
+
     def is_candidate(self, entities: torch.Tensor) -> torch.Tensor:
         """Return whether global entity ids are candidates, shape ``[B]`` bool (on the ids' device)."""
-        if self.candidate_mask is None:
-            return torch.ones_like(entities, dtype=torch.bool)
-        return self.candidate_mask.to(entities.device)[entities]
+        return self.device_tables(entities.device).is_candidate[entities]
+
+    def device_tables(self, device: torch.device | str) -> DeviceTables:
+        """Return the id tables on ``device``, built and copied there once (the only host-to-device copies)."""
+        device = torch.device(device)
+        tables = self._device_tables.get(device)
+        if tables is None:
+            tables = DeviceTables.build(self.sharding, self.local_shards, self.columns, device)
+            self._device_tables[device] = tables
+        return tables
 
     # -- queries -----------------------------------------------------------------------------
 
     def gather_entities(self, entities: torch.Tensor, topology: Topology | None = None) -> list[torch.Tensor]:
         """Return the representations of arbitrary entities, contributed by the shards that own them.
 
-        Each local shard writes the rows of the entities it owns into zero tensors, and the
-        topology sums over processes: every process obtains all rows while holding only its shards.
+        See :func:`~pykeen_bess.evaluation.rows.gather_entities`: the shapes do not depend on the
+        ids, the host never waits for the device, and the topology sums over processes.
 
-        :param entities: shape: ``[B]``, global ids
+        :param entities: shape: ``[B]``, global ids (on the compute device)
         :param topology: the topology to sum with (default: :attr:`topology`; probes pass a
             :class:`~pykeen_bess.distributed.ProbeTopology`)
         :returns: one tensor of shape ``[B, *shape]`` per entity representation
         """
         topology = self.topology if topology is None else topology
-        entities = entities.cpu()
-        shard, local = self.sharding.to_local(entities)
-        templates = self.rows.rows(0, slice(0, 0))
-        result = [t.new_zeros((entities.shape[0], *t.shape[1:])) for t in templates]
-        for position, shard_id in enumerate(self.local_shards):
-            owned = (shard == shard_id).nonzero().view(-1)
-            if owned.numel() == 0:
-                continue
-            for out, values in zip(result, self.rows.rows(position, local[owned])):
-                out[owned.to(out.device)] = values
-        return [topology.shard_all_reduce(x) for x in result]
+        return gather_entities(self.rows, self.device_tables(entities.device), entities, topology)
 
     def queries(
         self, target: str, known: torch.Tensor, relations: torch.Tensor, topology: Topology | None = None
@@ -280,22 +279,29 @@ class ShardedScoring:
     # -- candidates --------------------------------------------------------------------------
 
     def candidate_blocks(
-        self, side: Side, position: int, slice_size: int
+        self, side: Side, position: int, slice_size: int, device: torch.device | str | None = None
     ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         """Iterate over the candidates of one local shard in slices.
 
         :param side: the scorer side
         :param position: the position of the shard in :attr:`local_shards`
         :param slice_size: the number of candidates per slice
+        :param device: where the candidate ids are wanted (default: the scoring device)
         :yields: ``(first column, global ids [k], candidate features [k, c])``
         """
-        shard = self.local_shards[position]
-        candidate_local = self.candidate_local[position]
+        tables = self.device_tables(self.device if device is None else device)
+        column_local = tables.column_local[position]
+        column_ids = tables.column_ids[position]
         for start in range(0, self.candidate_counts[position], slice_size):
             stop = min(start + slice_size, self.candidate_counts[position])
-            local: slice | torch.Tensor = slice(start, stop) if candidate_local is None else candidate_local[start:stop]
-            ids = self.sharding.shard_entities[shard, local]
-            yield start, ids, self._candidate_parts(side, self.rows.rows(position, local))
+            local: slice | torch.Tensor = slice(start, stop) if column_local is None else column_local[start:stop]
+            yield start, column_ids[start:stop], self._candidate_parts(side, self.rows.rows(position, local))
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the scores (the device of the entity rows)."""
+        template = self.rows.rows(0, slice(0, 0))[0]
+        return template.device
 
     def local_pairs(
         self, position: int, query_index: torch.Tensor, entities: torch.Tensor
@@ -347,7 +353,8 @@ class ShardedScoring:
             # per slice, the masked pairs are one run of the column-sorted pairs
             boundaries = torch.arange(0, self.candidate_counts[position] + slice_size, slice_size)
             runs = torch.searchsorted(masked_column, boundaries).tolist()
-            for index, (start, ids, candidates) in enumerate(self.candidate_blocks(queries.side, position, slice_size)):
+            blocks_of_shard = self.candidate_blocks(queries.side, position, slice_size, queries.features.device)
+            for index, (start, ids, candidates) in enumerate(blocks_of_shard):
                 scores = self.scores(queries, candidates)
                 del candidates
                 nonfinite = ~torch.isfinite(scores.sum())

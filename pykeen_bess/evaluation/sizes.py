@@ -1,8 +1,12 @@
 """The sizes of a score block: queries per batch and candidates per slice, by probe when not given.
 
 Without explicit sizes the ``[batch, slice]`` block is bounded to :data:`CPU_BLOCK_BYTES` on the CPU
-(:data:`CUDA_BLOCK_BYTES` on a GPU) and checked by an out-of-memory-catching probe agreed by all
-processes (:func:`pykeen_bess.memory.search_largest`).
+and checked by an out-of-memory-catching probe agreed by all processes
+(:func:`pykeen_bess.memory.search_largest`). On a GPU the block is sized from the free device
+memory instead (:func:`cuda_block_sizes`: a ``1 / CUDA_MEMORY_FRACTION`` share of it, between
+:data:`CUDA_BLOCK_BYTES` and :data:`CUDA_MAX_BLOCK_BYTES`), whole shards per slice where that
+leaves at least :data:`CUDA_MIN_BATCH` queries per batch: no probe runs (a probe synchronises
+and costs a whole block), and few large blocks keep the GPU busy with few launches.
 """
 
 from __future__ import annotations
@@ -20,15 +24,25 @@ if TYPE_CHECKING:
 __all__ = [
     "CPU_BLOCK_BYTES",
     "CUDA_BLOCK_BYTES",
+    "CUDA_MAX_BLOCK_BYTES",
+    "CUDA_MEMORY_FRACTION",
+    "CUDA_MIN_BATCH",
     "DEFAULT_SLICE_SIZE",
     "TRIVIAL_BLOCK_BYTES",
     "choose_block_sizes",
+    "cuda_block_sizes",
 ]
 
 #: the default bound of one ``[batch, slice]`` score block on the CPU, in bytes
 CPU_BLOCK_BYTES = 32 * 2**20
-#: the default (starting) size of one score block on a GPU, in bytes; the search may double it
+#: the smallest score block on a GPU, in bytes (if the free memory allows)
 CUDA_BLOCK_BYTES = 256 * 2**20
+#: the largest score block on a GPU, in bytes
+CUDA_MAX_BLOCK_BYTES = 2 * 2**30
+#: a score block on a GPU takes at most this fraction's inverse of the free memory (its comparisons need a few more)
+CUDA_MEMORY_FRACTION = 8
+#: on a GPU, a slice covers a whole shard if at least this many queries (or all) still fit into a block
+CUDA_MIN_BATCH = 256
 #: the default number of candidates scored at once per shard
 DEFAULT_SLICE_SIZE = 4096
 #: score blocks of all queries against all candidates of a shard up to this size are used without a probe
@@ -75,6 +89,8 @@ def choose_block_sizes(
     if num_queries * max_columns * itemsize <= TRIVIAL_BLOCK_BYTES:
         # everything in one block per shard, far below the default block: nothing to search
         return batch_size or num_queries, slice_size or max_columns
+    if device.type == "cuda":
+        return cuda_block_sizes(num_queries, max_columns, itemsize, batch_size, slice_size, device, memory_budget)
     block_bytes = CUDA_BLOCK_BYTES if device.type == "cuda" else CPU_BLOCK_BYTES
     block_elements = max(1, block_bytes // itemsize)
     budget = memory_budget
@@ -110,6 +126,40 @@ def choose_block_sizes(
     )
     if not found:
         raise MemoryError(f"Not even batch_size={batch_size} queries against one candidate fit in memory.")
+    return batch_size, slice_size
+
+
+def cuda_block_sizes(
+    num_queries: int,
+    max_columns: int,
+    itemsize: int,
+    batch_size: int | None,
+    slice_size: int | None,
+    device: torch.device,
+    memory_budget: int | None = None,
+) -> tuple[int, int]:
+    """Size the block on a GPU from its free memory (see the module docstring); given sizes are kept.
+
+    :param num_queries: the number of queries per target
+    :param max_columns: the most candidates of a local shard
+    :param itemsize: the bytes of one score
+    :param batch_size: the batch size, or None to choose
+    :param slice_size: the slice size, or None to choose
+    :param device: the GPU
+    :param memory_budget: if given, a block takes at most an eighth of it instead of the free memory's share
+    :returns: ``(batch_size, slice_size)``
+    """
+    if memory_budget is not None:
+        block_bytes = memory_budget // CUDA_MEMORY_FRACTION
+    else:
+        free, _ = torch.cuda.mem_get_info(device)
+        block_bytes = min(max(free // CUDA_MEMORY_FRACTION, CUDA_BLOCK_BYTES), CUDA_MAX_BLOCK_BYTES, free // 2)
+    block_elements = max(1, block_bytes // itemsize)
+    if slice_size is None:
+        queries = min(num_queries, CUDA_MIN_BATCH) if batch_size is None else batch_size
+        slice_size = max(1, min(max_columns, block_elements // max(1, queries)))
+    if batch_size is None:
+        batch_size = max(1, min(num_queries, block_elements // slice_size))
     return batch_size, slice_size
 
 

@@ -1,0 +1,146 @@
+"""The candidates of a scoring's local shards: their columns on the host and the id tables on the device.
+
+:class:`~pykeen_bess.evaluation.sharded.ShardedScoring` numbers the candidates of each local shard
+by *columns* ``0..C_p - 1`` (``p``: the position of the shard among the local shards): all real
+local ids in order, or only those of ``restrict_entities_to``, or the local ids sorted by global id
+(``order_by_id``). :meth:`CandidateColumns.create` builds this numbering on the host, once per
+scoring; :meth:`DeviceTables.build` builds the id tables the scoring needs on the compute device
+(which local shard, local id and column holds each entity; the global and local id of each column)
+and copies them there, once per device
+(:meth:`~pykeen_bess.evaluation.sharded.ShardedScoring.device_tables` keeps one per device). These
+are the scoring's only host-to-device copies of ids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+from ..sharding import EntitySharding
+
+__all__ = [
+    "CandidateColumns",
+    "DeviceTables",
+]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class CandidateColumns:
+    """The columns of the candidates of each local shard, on the host."""
+
+    #: per local shard, the local id of each column (None: the columns are the local ids ``0..count - 1``)
+    candidate_local: list[torch.Tensor | None]
+    #: per local shard, shape ``[shard_size]``: the column of each local id, ``-1`` for non-candidates
+    #: (None: the columns are the local ids)
+    column_of_local: list[torch.Tensor | None]
+    #: per local shard, the number of candidates ``C_p``
+    candidate_counts: list[int]
+    #: shape: ``[num_entities]``, bool, whether each entity is a candidate (None: all are)
+    candidate_mask: torch.Tensor | None
+    #: the number of candidates of all shards (local or not)
+    num_candidates: int
+
+    @classmethod
+    def create(
+        cls,
+        sharding: EntitySharding,
+        local_shards: Sequence[int],
+        restrict_entities_to: torch.Tensor | None = None,
+        order_by_id: bool = False,
+    ) -> CandidateColumns:
+        """Return the columns of the local shards' candidates.
+
+        :param sharding: the entity sharding
+        :param local_shards: the shards processed here, in the order of their positions
+        :param restrict_entities_to: shape: ``[E']``, sorted unique global ids of the only candidates
+        :param order_by_id: number the candidates of each shard by ascending global id
+        :returns: the columns
+        """
+        candidate_local: list[torch.Tensor | None] = []
+        column_of_local: list[torch.Tensor | None] = []
+        allowed = None
+        if restrict_entities_to is not None:
+            allowed = torch.zeros(sharding.num_entities, dtype=torch.bool)
+            allowed[restrict_entities_to.cpu()] = True
+        for shard in local_shards:
+            count = int(sharding.shard_counts[shard])
+            entities = sharding.shard_entities[shard, :count]
+            local = torch.arange(count)
+            if allowed is not None:
+                local = local[allowed[entities]]
+            if order_by_id:
+                local = local[torch.argsort(entities[local])]
+            if allowed is None and not order_by_id:
+                candidate_local.append(None)
+                column_of_local.append(None)
+                continue
+            column = torch.full((sharding.shard_size,), -1, dtype=torch.long)
+            column[local] = torch.arange(local.shape[0])
+            candidate_local.append(local)
+            column_of_local.append(column)
+        candidate_counts = [
+            int(sharding.shard_counts[shard]) if local is None else int(local.shape[0])
+            for shard, local in zip(local_shards, candidate_local)
+        ]
+        num_candidates = sharding.num_entities if allowed is None else int(allowed.sum())
+        return cls(candidate_local, column_of_local, candidate_counts, allowed, num_candidates)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DeviceTables:
+    """The id tables of a scoring on one device (built once per device)."""
+
+    #: shape: ``[E]``, the position of each entity's shard among the local shards, ``-1`` if not local
+    entity_position: torch.Tensor
+    #: shape: ``[E]``, each entity's local id within its shard
+    entity_local: torch.Tensor
+    #: shape: ``[E]``, each entity's column among its shard's candidates, ``-1`` if it is no local candidate
+    entity_column: torch.Tensor
+    #: shape: ``[E]``, bool, whether each entity is a candidate (of any shard)
+    is_candidate: torch.Tensor
+    #: per local shard, shape ``[C_p]``: the global id of each column
+    column_ids: tuple[torch.Tensor, ...]
+    #: per local shard, shape ``[C_p]``: the local id of each column (None: columns are local ids)
+    column_local: tuple[torch.Tensor | None, ...]
+
+    @classmethod
+    def build(
+        cls,
+        sharding: EntitySharding,
+        local_shards: Sequence[int],
+        columns: CandidateColumns,
+        device: torch.device,
+    ) -> DeviceTables:
+        """Build the id tables on the host and copy them to ``device``.
+
+        :param sharding: the entity sharding
+        :param local_shards: the shards processed here, in the order of their positions
+        :param columns: the columns of the local shards' candidates
+        :param device: the compute device
+        :returns: the tables on ``device``
+        """
+        num_entities = sharding.num_entities
+        position = torch.full((num_entities,), -1, dtype=torch.long)
+        column = torch.full((num_entities,), -1, dtype=torch.long)
+        column_ids = []
+        for index, shard in enumerate(local_shards):
+            count = int(sharding.shard_counts[shard])
+            entities = sharding.shard_entities[shard, :count]
+            position[entities] = index
+            local = columns.candidate_local[index]
+            ids = entities if local is None else entities[local]
+            column[ids] = torch.arange(ids.shape[0])
+            column_ids.append(ids.to(device))
+        is_candidate = (
+            torch.ones(num_entities, dtype=torch.bool) if columns.candidate_mask is None else columns.candidate_mask
+        )
+        return cls(
+            entity_position=position.to(device),
+            entity_local=sharding.entity_local.to(device),
+            entity_column=column.to(device),
+            is_candidate=is_candidate.to(device),
+            column_ids=tuple(column_ids),
+            column_local=tuple(None if local is None else local.to(device) for local in columns.candidate_local),
+        )

@@ -1,0 +1,117 @@
+"""The ``(query, candidate)`` pairs excluded from the counts of one target, laid out per batch.
+
+When ranking one target (:func:`~pykeen_bess.evaluation.ranking.rank_target`) the candidates
+that are filtered (the known answers of the :class:`~pykeen_bess.evaluation.filtering.FilterIndex`)
+or the true entity itself are not masked in the score blocks: their own counts are subtracted
+(:func:`~pykeen_bess.evaluation.counting.subtract_excluded`). :meth:`ExcludedPairs.build` looks
+up these pairs for all queries of the target at once on the device and lays them out per batch
+in a ``[num_batches, P]`` table (``P``: the most pairs of a batch, padding pairs point nowhere),
+so that every batch reads its pairs without host synchronisation; building the table reads a
+few sizes on the host. :meth:`ExcludedPairs.of_queries` returns the pairs of the few queries
+that are ranked again, whose blocks mask them as NaN.
+
+Memory: ``3 * 8 * num_batches * P`` bytes for the table, ``3 * 8 * M`` bytes for the ``M`` pairs
+sorted by query and ``8 * Q`` bytes for the number of pairs per query.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import cast
+
+import torch
+
+from .filtering import FilterIndex, FilterSide
+from .sharded import ShardedScoring
+
+__all__ = [
+    "ExcludedPairs",
+]
+
+
+@dataclasses.dataclass(eq=False)
+class ExcludedPairs:
+    """The ``(query, candidate)`` pairs excluded from the counts of one target (filtered, true entity).
+
+    Pairs whose entity is no candidate of a local shard (another process' shard, or outside
+    ``restrict_entities_to``) are kept with position ``-1``: they never match a block.
+    """
+
+    #: shape: ``[num_batches, P]``, the row of each pair's query in its batch (0 for padding)
+    rows: torch.Tensor
+    #: shape: ``[num_batches, P]``, the local shard position of each pair's entity (``-1``: none, padding)
+    positions: torch.Tensor
+    #: shape: ``[num_batches, P]``, the column of each pair's entity among its shard's candidates
+    columns: torch.Tensor
+    #: shape: ``[M]``, the (global) query of every pair, sorted
+    query: torch.Tensor
+    #: shape: ``[M]``, the local shard position of every pair's entity (``-1``: none)
+    position: torch.Tensor
+    #: shape: ``[M]``, the column of every pair's entity
+    column: torch.Tensor
+    #: shape: ``[Q]``, long, the number of excluded pairs of each query that are local candidates
+    per_query: torch.Tensor
+
+    @classmethod
+    def build(
+        cls,
+        scoring: ShardedScoring,
+        index: FilterIndex | None,
+        target: str,
+        known: torch.Tensor,
+        relations: torch.Tensor,
+        true: torch.Tensor,
+        batch_size: int,
+    ) -> ExcludedPairs:
+        """Look up the excluded pairs of all ``Q`` queries at once and lay them out per batch.
+
+        :param scoring: the scoring (for the id tables of the local shards)
+        :param index: the filter index (None: only the true entities are excluded)
+        :param target: ``"head"`` or ``"tail"``
+        :param known: shape: ``[Q]``, the known entity of each query (on the compute device)
+        :param relations: shape: ``[Q]``, the relation of each query
+        :param true: shape: ``[Q]``, the true entity of each query
+        :param batch_size: the queries per batch
+        :returns: the pairs
+        """
+        num_queries = known.shape[0]
+        device = known.device
+        query = torch.arange(num_queries, device=device)
+        entity = true
+        if index is not None:
+            filtered_query, filtered_entity = index.filtered(cast(FilterSide, target), known, relations)
+            other = filtered_entity != true[filtered_query]  # the true entity is excluded once, below
+            query = torch.cat([query, filtered_query[other]])
+            entity = torch.cat([entity, filtered_entity[other]])
+        order = torch.argsort(query, stable=True)
+        query, entity = query[order], entity[order]
+        tables = scoring.device_tables(device)
+        column = tables.entity_column[entity]
+        position = torch.where(column >= 0, tables.entity_position[entity], -1)
+        per_query = torch.zeros(num_queries, dtype=torch.long, device=device)
+        per_query.index_add_(0, query, (position >= 0).long())
+        # one row of P pairs per batch (the pairs are sorted by query, hence by batch)
+        num_batches = -(-num_queries // batch_size)
+        batch = query // batch_size
+        per_batch = torch.bincount(batch, minlength=num_batches)
+        width = max(1, int(per_batch.max()))
+        slot = torch.arange(query.shape[0], device=device) - (torch.cumsum(per_batch, 0) - per_batch)[batch]
+        rows = torch.zeros((num_batches, width), dtype=torch.long, device=device)
+        positions = torch.full((num_batches, width), -1, dtype=torch.long, device=device)
+        columns = torch.zeros((num_batches, width), dtype=torch.long, device=device)
+        rows[batch, slot] = query % batch_size
+        positions[batch, slot] = position
+        columns[batch, slot] = column.clamp_min(0)
+        return cls(rows, positions, columns, query, position, column, per_query)
+
+    def of_queries(self, queries: torch.Tensor, num_queries: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Return the local pairs of some queries: ``(row in queries, position, column)``, each of shape ``[m]``.
+
+        :param queries: shape: ``[n]``, global query indices
+        :param num_queries: ``Q``
+        """
+        member = torch.full((num_queries,), -1, dtype=torch.long, device=queries.device)
+        member[queries] = torch.arange(queries.shape[0], device=queries.device)
+        row = member[self.query]
+        keep = (row >= 0) & (self.position >= 0)
+        return row[keep], self.position[keep], self.column[keep]

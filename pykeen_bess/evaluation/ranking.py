@@ -1,0 +1,452 @@
+"""Ranking all evaluation triples: per target a block loop on the device, then the few queries ranked again.
+
+:func:`rank_target` ranks the ``Q`` true entities of one target (head or tail) in three stages:
+
+1. **Once per evaluation** (:meth:`~pykeen_bess.evaluation.excluded.ExcludedPairs.build`): the
+   excluded ``(query, candidate)`` pairs of all queries, the known answers of the filter index
+   and each query's true entity, are looked up at once on the device and laid out per batch in a
+   ``[num_batches, P]`` table (``P``: the most pairs of a batch, padding pairs point nowhere).
+   This is the only stage with data-dependent shapes before the end: it reads a few sizes on the
+   host.
+2. **Per batch and block** (:func:`rank_batch`, :func:`count_scored_block`): the batch's queries
+   and true scores are computed, then every slice of every local shard is scored
+   (``[B, q] x [k, c] -> [B, k]``), counted outside the narrow band around the true score
+   (:func:`~pykeen_bess.evaluation.counting.count_block`) and corrected for the excluded pairs
+   (:func:`~pykeen_bess.evaluation.counting.subtract_excluded`). The counts stay on the device in
+   ``[4, Q]`` tensors; the host issues the same operators for every block of the batch and never
+   waits for the device.
+3. **Once per evaluation**: the counts are summed over the shards (one collective), and the
+   queries to count again are found with one host read each: those with candidates inside the
+   band (near-ties, whose comparison may depend on the rounding of the product, see
+   :mod:`~pykeen_bess.evaluation.counting`) and those with non-finite scores. Only they are scored
+   again, in chunks of at most ``B``: near-tie queries as in the first pass (with their excluded
+   pairs masked as NaN) while collecting the candidates inside the band, which are then compared
+   by PyKEEN's own scores (:func:`~pykeen_bess.evaluation.counting.pykeen_comparisons`); queries
+   with non-finite scores element by element against a dense mask. This stage reads sizes on the
+   host a few times per chunk.
+
+The ranks and NaN counts (:class:`TargetRanks`, ``[5, Q]``) are returned on the device.
+:func:`rank_triples` ranks every target (replicas split the batches) and copies the ranks of all
+targets to the host in one copy (:class:`HostRanks`); there every process gets every replica's
+ranks (:meth:`HostRanks.gather_replicas`), and they are laid out as PyKEEN's
+:class:`~pykeen.evaluation.RankBasedEvaluator` collects them (:meth:`HostRanks.append_to`).
+
+Memory: the excluded-pair table (``3 * 8 * num_batches * P`` bytes), ``[4, Q]`` counts and
+``[Q]`` true scores per target, and per step one ``[B, k]`` score block with its comparisons
+(:mod:`~pykeen_bess.evaluation.counting`); counting again scores blocks of at most ``B`` of the
+flagged queries with boolean ``[B, k]`` band (and mask) tensors, and PyKEEN scores at most 256
+queries (64 on the CPU) against their true entities and near-ties at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Collection, MutableMapping, Sequence
+from typing import cast
+
+import numpy as np
+import torch
+from pykeen.typing import LABEL_TAIL, RANK_OPTIMISTIC, RANK_PESSIMISTIC, RANK_REALISTIC, RankType, Target
+
+from ..distributed import Topology
+from ..threads import ThreadPolicy
+from .counting import (
+    band_bounds,
+    band_scale,
+    count_block,
+    count_exactly,
+    pykeen_comparisons,
+    ranks_from_counts,
+    subtract_excluded,
+)
+from .excluded import ExcludedPairs
+from .filtering import FilterIndex
+from .sharded import Queries, ShardedScoring, feature_norms
+
+__all__ = [
+    "ExcludedPairs",
+    "HostRanks",
+    "TargetRanks",
+    "count_scored_block",
+    "probe_step",
+    "rank_batch",
+    "rank_target",
+    "rank_triples",
+]
+
+
+@dataclasses.dataclass(eq=False)
+class TargetRanks:
+    """The ranks of one target's queries (those of the batches ranked by this process)."""
+
+    #: shape: ``[5, Q]``, long, on the device: optimistic rank, pessimistic rank, number of options,
+    #: NaN candidate scores and whether the true score is NaN; zeros for the queries of other replicas
+    values: torch.Tensor
+    #: the number of queries ranked again (near-ties or non-finite scores)
+    ranked_again: int
+
+
+@dataclasses.dataclass(eq=False)
+class HostRanks:
+    """The ranks of all targets' queries on the host, batch by batch (see :func:`rank_triples`)."""
+
+    #: per batch number and target: shape ``[5, b]``, long, the batch's columns of :attr:`TargetRanks.values`
+    #: (the batches ranked by this process; after :meth:`gather_replicas` those of every replica)
+    batches: dict[int, dict[str, np.ndarray]]
+    #: per target, the number of queries this process ranked again (near-ties or non-finite scores)
+    ranked_again: dict[str, int]
+
+    def gather_replicas(self, topology: Topology) -> None:
+        """Add the batches ranked by the other replicas: every process gets every replica's ranks."""
+        if topology.replicas > 1:
+            for other in topology.all_gather_object(self.batches):
+                self.batches.update(other)
+
+    def append_to(
+        self,
+        ranks: MutableMapping[tuple[Target, RankType], list[np.ndarray]],
+        num_candidates: MutableMapping[Target, list[np.ndarray]],
+    ) -> tuple[int, int]:
+        """Append the ranks batch by batch, in order, as :class:`pykeen.evaluation.RankBasedEvaluator` collects them.
+
+        :param ranks: per ``(target, rank type)``, the arrays of shape ``[b]`` to append to (the realistic
+            rank is ``(optimistic + pessimistic) / 2`` in float32, as in PyKEEN's ``Ranks``)
+        :param num_candidates: per target, the arrays of shape ``[b]`` of the numbers of options to append to
+        :returns: the number of NaN candidate scores and the number of queries whose true score is NaN
+        """
+        nan_candidates = nan_true = 0
+        for number in sorted(self.batches):
+            for target, batch_values in self.batches[number].items():
+                optimistic, pessimistic, options, nan, nan_true_batch = batch_values
+                realistic = (optimistic + pessimistic).astype(np.float32) * np.float32(0.5)  # as PyKEEN's Ranks
+                for rank_type, values in (
+                    (RANK_OPTIMISTIC, optimistic),
+                    (RANK_REALISTIC, realistic),
+                    (RANK_PESSIMISTIC, pessimistic),
+                ):
+                    ranks[cast(Target, target), rank_type].append(values)
+                num_candidates[cast(Target, target)].append(options)
+                nan_candidates += int(nan.sum())
+                nan_true += int(nan_true_batch.sum())
+        return nan_candidates, nan_true
+
+
+def count_scored_block(
+    scoring: ShardedScoring,
+    queries: Queries,
+    true_scores: torch.Tensor,
+    band: tuple[torch.Tensor, torch.Tensor],
+    candidates: torch.Tensor,
+    position: int,
+    start: int,
+    pairs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    counts: torch.Tensor,
+) -> torch.Tensor:
+    """Score one block and add its counts: the steady state of an evaluation, without host synchronisation.
+
+    :param scoring: the scoring
+    :param queries: ``B`` queries
+    :param true_scores: shape: ``[B]``
+    :param band: the batch's :func:`~pykeen_bess.evaluation.counting.band_scale`, two tensors of shape ``[B]``
+    :param candidates: shape: ``[k, c]``, the slice's candidate features
+    :param position: the slice's shard position
+    :param start: the slice's first column
+    :param pairs: the batch's excluded pairs: rows, positions, columns, each of shape ``[P]``
+    :param counts: shape: ``[2, B]``, long: ``above`` and ``below``, updated in place
+    :returns: shape: ``[B]``, bool: whether a row held a non-finite score
+    """
+    lower, upper = band_bounds(true_scores, *band, feature_norms(candidates).amax())
+    scores = scoring.scores(queries, candidates)
+    sums = count_block(scores, lower, upper, counts)
+    subtract_excluded(scores, lower, upper, counts, *pairs, position=position, start=start)
+    return ~torch.isfinite(sums)
+
+
+def rank_batch(
+    scoring: ShardedScoring,
+    target: str,
+    known: torch.Tensor,
+    relations: torch.Tensor,
+    true: torch.Tensor,
+    pairs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    slice_size: int,
+    tolerance: float,
+    topology: Topology | None = None,
+    threads: ThreadPolicy | None = None,
+    max_blocks: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Count one batch of ``B`` queries against every local candidate, on the device.
+
+    :param scoring: the scoring
+    :param target: ``"head"`` or ``"tail"``
+    :param known: shape: ``[B]``, the known entities
+    :param relations: shape: ``[B]``, the relations
+    :param true: shape: ``[B]``, the true entities
+    :param pairs: the batch's excluded pairs (see :class:`ExcludedPairs`), each of shape ``[P]``
+    :param slice_size: candidates per block
+    :param tolerance: the band's half width
+    :param topology: the topology (probes pass a :class:`~pykeen_bess.distributed.ProbeTopology`)
+    :param threads: the thread policy; each block (scoring and counting) is one of its units
+    :param max_blocks: score only this many blocks (memory probes)
+    :returns: ``above`` / ``below`` counts ``[2, B]``, whether a row held a non-finite score ``[B]``
+        and the true scores ``[B]``
+    """
+    queries = scoring.queries(target, known, relations, topology=topology)
+    true_scores = scoring.true_scores(queries, true, topology=topology)
+    band = band_scale(true_scores, feature_norms(queries.features), tolerance)
+    counts = torch.zeros((2, known.shape[0]), dtype=torch.long, device=true_scores.device)
+    nonfinite = ~torch.isfinite(true_scores)
+    blocks = 0
+    for position in range(len(scoring.local_shards)):
+        for start, _, candidates in scoring.candidate_blocks(queries.side, position, slice_size, known.device):
+            if max_blocks is not None and blocks >= max_blocks:
+                return counts, nonfinite, true_scores
+            with contextlib.nullcontext() if threads is None else threads.unit():
+                nonfinite |= count_scored_block(
+                    scoring, queries, true_scores, band, candidates, position, start, pairs, counts
+                )
+            del candidates
+            blocks += 1
+    return counts, nonfinite, true_scores
+
+
+def probe_step(
+    scoring: ShardedScoring, triples: torch.Tensor, target: str, slice_size: int, topology: Topology
+) -> None:
+    """Run the first block of one batch of ``triples`` (``[B, 3]``), as a memory probe."""
+    heads, relations, tails = triples.unbind(dim=1)
+    known, true = (heads, tails) if target == LABEL_TAIL else (tails, heads)
+    rows = torch.zeros(1, dtype=torch.long, device=triples.device)
+    pairs = (rows, rows - 1, rows)
+    rank_batch(scoring, target, known, relations, true, pairs, slice_size, 0.0, topology=topology, max_blocks=1)
+
+
+def rank_target(
+    scoring: ShardedScoring,
+    triples: torch.Tensor,
+    target: str,
+    batch_size: int,
+    slice_size: int,
+    index: FilterIndex | None,
+    batches: Collection[int],
+    tolerance: float,
+    resolve_ties: bool,
+    threads: ThreadPolicy | None = None,
+    on_batch: Callable[[int], object] | None = None,
+) -> TargetRanks:
+    """Rank the true entities of all evaluation triples for one target (see the module docstring).
+
+    :param scoring: the scoring
+    :param triples: shape: ``[Q, 3]``, the evaluation triples on the compute device
+    :param target: ``"head"`` or ``"tail"``
+    :param batch_size: queries per batch
+    :param slice_size: candidates per block
+    :param index: the filter index on the compute device (None: unfiltered)
+    :param batches: the numbers of the batches this process ranks (all without replicas)
+    :param tolerance: the band's half width (0: exact comparisons, no near-ties to resolve)
+    :param resolve_ties: compare near-ties by PyKEEN's scores (needs the whole model in this process)
+    :param threads: the thread policy of the blocks
+    :param on_batch: called with the number of queries after each batch (progress), or None
+    :returns: the ranks
+    """
+    topology = scoring.topology
+    num_queries = triples.shape[0]
+    device = triples.device
+    heads, relations, tails = triples.unbind(dim=1)
+    known, true = (heads, tails) if target == LABEL_TAIL else (tails, heads)
+    pairs = ExcludedPairs.build(scoring, index, target, known, relations, true, batch_size)
+    # above, below, excluded local candidates, rows with non-finite scores
+    counts = torch.zeros((4, num_queries), dtype=torch.long, device=device)
+    true_scores: torch.Tensor | None = None
+    owned = torch.zeros(num_queries, dtype=torch.bool)
+    for number in batches:
+        owned[number * batch_size : (number + 1) * batch_size] = True
+    owned_on_device = owned.to(device)
+    for number in sorted(batches):
+        rows = slice(number * batch_size, min((number + 1) * batch_size, num_queries))
+        batch_counts, nonfinite, batch_true = rank_batch(
+            scoring,
+            target,
+            known[rows],
+            relations[rows],
+            true[rows],
+            (pairs.rows[number], pairs.positions[number], pairs.columns[number]),
+            slice_size,
+            tolerance,
+            threads=threads,
+        )
+        if true_scores is None:
+            true_scores = torch.zeros(num_queries, dtype=batch_true.dtype, device=device)
+        counts[:2, rows] = batch_counts
+        counts[3, rows] = nonfinite.long()
+        true_scores[rows] = batch_true
+        if on_batch is not None:
+            on_batch(rows.stop - rows.start)
+    if true_scores is None:  # a replica without a batch (fewer batches than replicas): nothing of its own
+        true_scores = torch.zeros(num_queries, device=device)
+    counts[2] = pairs.per_query
+    counts = topology.shard_all_reduce(counts)  # the counts of all shards: one collective per evaluation
+    finite = scoring.num_candidates - counts[2]
+    larger, not_smaller = counts[0].clone(), finite - counts[1]
+    nonfinite = owned_on_device & (counts[3] > 0)
+    near = owned_on_device & ~nonfinite & (finite - counts[0] - counts[1] > 0)  # candidates inside the band
+    nan = torch.zeros_like(larger)
+    ranked_again = 0
+    # the host reads of the ranking: which queries to rank again (near-ties need a band of positive width)
+    for flagged, exact in ((nonfinite, True), (near, False)):
+        if not exact and tolerance == 0:
+            continue
+        again = flagged.nonzero().view(-1)
+        ranked_again += again.shape[0]
+        for chunk in again.split(batch_size):
+            chunk_counts = _rank_again(
+                scoring,
+                triples[chunk],
+                target,
+                chunk,
+                pairs,
+                slice_size,
+                tolerance if resolve_ties else 0.0,
+                threads,
+                finite=None if exact else finite[chunk],
+            )
+            larger[chunk], not_smaller[chunk], finite[chunk], nan[chunk] = chunk_counts.unbind(0)
+    ranks = ranks_from_counts(larger, not_smaller, finite, true_scores, scoring.is_candidate(true))
+    values = torch.cat([ranks, nan.unsqueeze(0), torch.isnan(true_scores).long().unsqueeze(0)])
+    return TargetRanks(values=values * owned_on_device.long(), ranked_again=ranked_again)
+
+
+def rank_triples(
+    scoring: ShardedScoring,
+    triples: torch.Tensor,
+    targets: Sequence[str],
+    batch_size: int,
+    slice_size: int,
+    index: FilterIndex | None,
+    tolerance: float,
+    resolve_ties: bool,
+    threads: ThreadPolicy | None = None,
+    on_batch: Callable[[int], object] | None = None,
+) -> HostRanks:
+    """Rank the true entities of all evaluation triples for every target and copy the ranks to the host.
+
+    Replicas split the batches: replica ``q`` of ``R`` ranks batches ``q, q + R, ...`` (the others'
+    are added by :meth:`HostRanks.gather_replicas`). Every target is ranked by :func:`rank_target`;
+    the ranks of all targets are then copied to the host in one copy (``[targets, 5, Q]``).
+
+    :param scoring: the scoring
+    :param triples: shape: ``[Q, 3]``, the evaluation triples on the compute device
+    :param targets: the targets to rank, ``"head"`` and / or ``"tail"``
+    :param batch_size: queries per batch
+    :param slice_size: candidates per block
+    :param index: the filter index on the compute device (None: unfiltered)
+    :param tolerance: the band's half width (see :func:`rank_target`)
+    :param resolve_ties: compare near-ties by PyKEEN's scores (see :func:`rank_target`)
+    :param threads: the thread policy of the blocks
+    :param on_batch: called with the number of queries after each batch (progress), or None
+    :returns: the ranks of the batches ranked by this process, on the host
+    """
+    topology = scoring.topology
+    # replicas split the batches: replica q ranks batches q, q + R, ...
+    num_batches = -(-triples.shape[0] // batch_size)
+    batches = [number for number in range(num_batches) if number % topology.replicas == topology.replica]
+    per_target = [
+        rank_target(
+            scoring,
+            triples,
+            target,
+            batch_size,
+            slice_size,
+            index,
+            batches,
+            tolerance=tolerance,
+            resolve_ties=resolve_ties,
+            threads=threads,
+            on_batch=on_batch,
+        )
+        for target in targets
+    ]
+    # the one copy of the results to the host: [targets, 5, Q]
+    values = torch.stack([ranks.values for ranks in per_target]).cpu().numpy()
+    ranked: dict[int, dict[str, np.ndarray]] = {}
+    for number in batches:
+        rows = slice(number * batch_size, (number + 1) * batch_size)
+        ranked[number] = {target: values[position, :, rows] for position, target in enumerate(targets)}
+    ranked_again = {target: ranks.ranked_again for target, ranks in zip(targets, per_target)}
+    return HostRanks(batches=ranked, ranked_again=ranked_again)
+
+
+def _rank_again(
+    scoring: ShardedScoring,
+    triples: torch.Tensor,
+    target: str,
+    queries_index: torch.Tensor,
+    pairs: ExcludedPairs,
+    slice_size: int,
+    tolerance: float,
+    threads: ThreadPolicy | None,
+    finite: torch.Tensor | None,
+) -> torch.Tensor:
+    """Count some queries again, their near-ties (candidates inside the band) by PyKEEN's scores.
+
+    With ``finite`` (queries whose scores were all finite: only near-ties to resolve) the blocks
+    are counted as in the first pass, with the excluded pairs masked as NaN, and the candidates
+    inside the band are collected; otherwise (queries with non-finite scores) every block is
+    counted element by element (:func:`~pykeen_bess.evaluation.counting.count_exactly`).
+
+    :param triples: shape: ``[n, 3]``, the queries' triples
+    :param queries_index: shape: ``[n]``, their global query indices
+    :param tolerance: the band's half width (0: no near-ties to resolve)
+    :param finite: shape: ``[n]``, the number of candidates of each query (all scores finite), or None
+    :returns: shape: ``[4, n]``, long: ``larger``, ``not_smaller``, ``finite``, ``nan``, summed over the shards
+    """
+    heads, relations, tails = triples.unbind(dim=1)
+    known, true = (heads, tails) if target == LABEL_TAIL else (tails, heads)
+    queries = scoring.queries(target, known, relations)
+    true_scores = scoring.true_scores(queries, true)
+    band_parts = band_scale(true_scores, feature_norms(queries.features), tolerance)
+    row, position, column = pairs.of_queries(queries_index, pairs.per_query.shape[0])
+    num_queries = triples.shape[0]
+    # larger (or above), not_smaller (or below), finite, nan; the fast path counts the band in the third row
+    counts = torch.zeros((4, num_queries), dtype=torch.long, device=true_scores.device)
+    band_rows, band_ids = [], []
+    for index in range(len(scoring.local_shards)):
+        for start, ids, candidates in scoring.candidate_blocks(queries.side, index, slice_size, triples.device):
+            with contextlib.nullcontext() if threads is None else threads.unit():
+                lower, upper = band_bounds(true_scores, *band_parts, feature_norms(candidates).amax())
+                scores = scoring.scores(queries, candidates)
+                inside = (position == index) & (column >= start) & (column < start + scores.shape[1])
+                if finite is not None:
+                    scores[row[inside], column[inside] - start] = float("nan")
+                    count_block(scores, lower, upper, counts[:2])
+                    band = (scores >= lower.unsqueeze(1)) & (scores <= upper.unsqueeze(1))
+                else:
+                    excluded = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
+                    excluded[row[inside], column[inside] - start] = True
+                    band = count_exactly(scores, true_scores, lower, upper, excluded, counts)
+                if tolerance > 0:
+                    band_row, band_column = band.nonzero(as_tuple=True)
+                    band_rows.append(band_row)
+                    band_ids.append(ids[band_column])
+                del scores, band
+    if finite is not None:
+        band_count = torch.zeros_like(counts[2])
+        for band_row in band_rows:
+            band_count.index_add_(0, band_row, torch.ones_like(band_row))
+        counts[2] = band_count
+    counts = scoring.topology.shard_all_reduce(counts)
+    if finite is not None:  # above, below and the band's size -> larger, not_smaller outside the band
+        counts[1] = finite - counts[1] - counts[2]
+        counts[2] = finite
+        counts[3] = 0
+    if band_rows:
+        rows = torch.cat(band_rows)
+        order = torch.argsort(rows, stable=True)
+        max_queries = 256 if triples.device.type != "cpu" else 64
+        larger, not_smaller = pykeen_comparisons(
+            scoring.model, target, triples, rows[order], torch.cat(band_ids)[order], max_queries
+        )
+        counts[0] += larger
+        counts[1] += not_smaller
+    return counts
