@@ -271,3 +271,17 @@ def test_storage_benchmark_large_removes_its_files(tmp_path: pathlib.Path):
     )
     assert "25 training steps" in output and "filtered evaluation of 10 triples" in output
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_gpu_benchmark_runs_its_sections_on_the_cpu(tmp_path: pathlib.Path):
+    """benchmarks/gpu.py on tiny sizes (the static step uncaptured): every section gives rows, the check passes."""
+    output = tmp_path / "gpu.json"
+    stdout, rows = successful_run(
+        "gpu", "--device", "cpu", "--quick", "--sections", "check", "training", "profile", "--output", str(output)
+    )
+    sections = [row[0] for row in rows]
+    assert {"check", "training", "profile"} <= set(sections), stdout
+    assert all(row[5] == "yes" for row in rows if row[0] == "check"), stdout
+    assert not any("failed" in row[3] for row in rows), stdout
+    assert len(json.loads(output.read_text())["rows"]) == len(rows)
