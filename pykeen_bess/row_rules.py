@@ -180,6 +180,19 @@ def count_step(state: dict[str, Any]) -> float:
 # non-finite loss writes nothing). ``step`` is the count including this step.
 
 
+def _adam_moments(
+    grad: torch.Tensor, state: Mapping[str, torch.Tensor], group: Mapping[str, Any]
+) -> dict[str, torch.Tensor]:
+    """Return Adam's new first and second moments (new tensors) for a gradient (negated with ``maximize``)."""
+    beta1, beta2 = group["betas"]
+    if group["maximize"]:
+        grad = -grad
+    return {
+        "exp_avg": torch.lerp(state["exp_avg"], grad, 1 - beta1),
+        "exp_avg_sq": torch.addcmul(state["exp_avg_sq"] * beta2, grad, grad, value=1 - beta2),
+    }
+
+
 def _static_adam(
     weight: torch.Tensor,
     grad: torch.Tensor,
@@ -190,13 +203,10 @@ def _static_adam(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Lazy Adam on rows (``torch.optim.SparseAdam``): ``eps`` is added before the bias correction."""
     beta1, beta2 = group["betas"]
-    if group["maximize"]:
-        grad = -grad
-    exp_avg = torch.lerp(state["exp_avg"], grad, 1 - beta1)
-    exp_avg_sq = torch.addcmul(state["exp_avg_sq"] * beta2, grad, grad, value=1 - beta2)
+    moments = _adam_moments(grad, state, group)
     step_size = lr * torch.sqrt(1 - beta2**step) / (1 - beta1**step)
-    update = exp_avg / (exp_avg_sq.sqrt() + group["eps"])
-    return weight - step_size.to(weight.dtype) * update, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    update = moments["exp_avg"] / (moments["exp_avg_sq"].sqrt() + group["eps"])
+    return weight - step_size.to(weight.dtype) * update, moments
 
 
 def _static_dense_adam(
@@ -209,16 +219,10 @@ def _static_dense_adam(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``torch.optim.Adam`` (no weight decay, no AMSGrad): ``eps`` is added after the bias correction."""
     beta1, beta2 = group["betas"]
-    if group["maximize"]:
-        grad = -grad
-    exp_avg = torch.lerp(state["exp_avg"], grad, 1 - beta1)
-    exp_avg_sq = torch.addcmul(state["exp_avg_sq"] * beta2, grad, grad, value=1 - beta2)
+    moments = _adam_moments(grad, state, group)
     step_size = lr / (1 - beta1**step)
-    denominator = exp_avg_sq.sqrt() / torch.sqrt(1 - beta2**step).to(weight.dtype) + group["eps"]
-    return weight - step_size.to(weight.dtype) * (exp_avg / denominator), {
-        "exp_avg": exp_avg,
-        "exp_avg_sq": exp_avg_sq,
-    }
+    denominator = moments["exp_avg_sq"].sqrt() / torch.sqrt(1 - beta2**step).to(weight.dtype) + group["eps"]
+    return weight - step_size.to(weight.dtype) * (moments["exp_avg"] / denominator), moments
 
 
 def _static_adagrad_lr(group: Mapping[str, Any], step: torch.Tensor, lr: torch.Tensor) -> torch.Tensor:
