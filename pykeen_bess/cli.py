@@ -160,7 +160,15 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="draw a relation's negatives from its corrupted side's entity type (typed graphs, --pbg)",
     )
-    bess.add_argument("--step-negatives", action="store_true", help="one set of negatives per step, not per block")
+    spread = bess.add_mutually_exclusive_group()
+    spread.add_argument(
+        "--block-negatives",
+        action="store_true",
+        help="one set of negatives per block (num_shards ** 2 sets per step: BESS's original scheme), not one per step",
+    )
+    spread.add_argument(
+        "--step-negatives", action="store_true", help="one set of negatives per step, shared by its blocks (default)"
+    )
     bess.add_argument("--negatives", type=int, help="negatives per positive, a multiple of --num-shards (default: 64)")
     bess.add_argument(
         "--sharding",
@@ -381,9 +389,10 @@ def pipeline_kwargs(args: argparse.Namespace, in_group: bool = False) -> dict[st
     ):
         if flag in settings:
             set_("training_loop_kwargs", settings[flag], flag)
-    draw = "_".join(kind for kind in ("typed", "step") if settings.get(f"{kind}_negatives"))
-    if draw:  # typed, step or both (typed_step)
-        set_("training_loop_kwargs", draw, "negatives")
+    if settings.get("typed_negatives"):  # one set per step unless --block-negatives
+        set_("training_loop_kwargs", "typed" if settings.get("block_negatives") else "typed_step", "negatives")
+    elif settings.get("block_negatives") or settings.get("step_negatives"):
+        set_("training_loop_kwargs", "block" if settings.get("block_negatives") else "step", "negatives")
     if settings.get("dense_updates"):
         set_("training_loop_kwargs", False, "sparse_updates")
     if "static_step" in settings:  # auto: None, the loop's default

@@ -13,12 +13,24 @@ shardpairs several percent larger than ``T / n**2`` (8% padding on WN18RR with 4
 default balanced sharding (:mod:`pykeen_bess.balancing`) evens them to within 0.3%. The
 fraction is reported by :attr:`BessSampler.padding_fraction`.
 
-**Negatives.** For block ``(i, j)`` the sampler draws ``num_negs_per_pos / n_shard`` entities
-uniformly with replacement from the *real* (never padding) rows of every shard ``k``; all
-positives of the block share these ``num_negs_per_pos`` negatives. With corruption ``"ht"``
-the first ``block_size // 2`` slots of every block corrupt their head and the rest their tail;
-with ``"h"`` or ``"t"`` all slots corrupt that side. :class:`StepSharedBessSampler`
-(``negatives="step"``) draws one such set per step and gives it to every block.
+**Negatives.** The sampler draws ``num_negs_per_pos / n_shard`` entities uniformly with
+replacement from the *real* (never padding) rows of every shard ``k``, and positives share these
+``num_negs_per_pos`` negatives. :class:`StepSharedBessSampler` (``negatives="step"``, the default)
+draws one such set per step and gives it to every block; :class:`BessSampler`
+(``negatives="block"``, BESS's original scheme) draws one set per block, ``n_shard ** 2`` per step.
+With one shard the two are the same. With corruption ``"ht"`` the first ``block_size // 2`` slots
+of every block corrupt their head and the rest their tail; with ``"h"`` or ``"t"`` all slots
+corrupt that side.
+
+*Which to use.* One set per step is the default because it trains as well as one shard does:
+a step touches ``num_negs_per_pos`` negative rows whatever ``n_shard`` is. Per-block sets touch up
+to ``n_shard ** 2`` times as many rows, each carrying the gradient of fewer positives, and
+row-sparse Adam moves every row it touches by about its learning rate whatever the gradient's size:
+at four shards that cost 0.01-0.03 filtered MRR against one shard (``benchmarks/parity.py``).
+One set per step also gathers, moves and scores the negatives once per step instead of once per
+block, so it is faster. Per-block sets draw more distinct negatives per step; with Adagrad (whose
+accumulated denominators do not move rarely-seen rows that way) they train as well as one shard,
+and they reproduce BESS's published scheme.
 
 **Typed negatives** (:class:`TypedBessSampler`, ``negatives="typed"``, graphs with entity types,
 :mod:`pykeen_bess.pbg`): a slot's negatives have the type of its corrupted side (a relation's head or
@@ -45,6 +57,7 @@ from .partition import ShardPairPartition
 from .seeds import derive_seed
 
 __all__ = [
+    "DEFAULT_NEGATIVES",
     "NEGATIVES",
     "Corruption",
     "BessBatch",
@@ -355,7 +368,7 @@ class TypedBessSampler(BessSampler):
             total = int((entity_types == self.types[t]).sum())
             raise ValueError(
                 f"Typed negatives: entity type {name!r} has {total} entities, fewer than num_shards={n}, so shard "
-                f"{shard} holds none to draw negatives from. Use at most {total} shards, or negatives='uniform'."
+                f"{shard} holds none to draw negatives from. Use at most {total} shards, or negatives='block'."
             )
         self._type_counts = counts
         self._type_offsets = offsets
@@ -446,11 +459,15 @@ class StepSharedTypedBessSampler(TypedBessSampler):
 
 #: the negative samplers by name (``negatives=``)
 NEGATIVES: dict[str, type[BessSampler]] = {
-    "uniform": BessSampler,
-    "typed": TypedBessSampler,
     "step": StepSharedBessSampler,
+    "block": BessSampler,
+    "uniform": BessSampler,  # the earlier name of "block"
     "typed_step": StepSharedTypedBessSampler,
+    "typed": TypedBessSampler,
 }
+
+#: the negatives a loop draws unless told otherwise (see :data:`NEGATIVES`)
+DEFAULT_NEGATIVES = "step"
 
 
 def resolve_negatives(negatives: str | type[BessSampler]) -> type[BessSampler]:

@@ -226,17 +226,21 @@ def test_loss_weighter_flag(capsys: pytest.CaptureFixture) -> None:
     assert code == 2 and "nosuch" in err
 
 
-def test_step_negatives_flag(capsys: pytest.CaptureFixture) -> None:
-    """--step-negatives reaches the loop and trains 2 shards; with --typed-negatives it draws typed_step."""
-    kwargs = pipeline_kwargs(build_parser().parse_args(["train", "--step-negatives"]))
-    assert kwargs["training_loop_kwargs"]["negatives"] == "step"
-    assert "negatives" not in pipeline_kwargs(build_parser().parse_args(["train"]))["training_loop_kwargs"]
-    code, out, _ = run(capsys, "--dataset", "nations", "--num-shards", "2", "--step-negatives", *FAST)
+def test_negatives_flags(capsys: pytest.CaptureFixture) -> None:
+    """--block-negatives draws per block, --step-negatives (the default) per step; with --typed-negatives typed."""
+
+    def negatives(*flags: str) -> str | None:
+        return pipeline_kwargs(build_parser().parse_args(["train", *flags]))["training_loop_kwargs"].get("negatives")
+
+    assert negatives() is None  # the loop's default, one set per step
+    assert negatives("--step-negatives") == "step"
+    assert negatives("--block-negatives") == "block"
+    assert negatives("--typed-negatives") == negatives("--typed-negatives", "--step-negatives") == "typed_step"
+    assert negatives("--typed-negatives", "--block-negatives") == "typed"
+    with pytest.raises(SystemExit):  # argparse refuses both spreads
+        build_parser().parse_args(["train", "--block-negatives", "--step-negatives"])
+    code, out, _ = run(capsys, "--dataset", "nations", "--num-shards", "2", "--block-negatives", *FAST)
     assert code == 0 and 0 < json.loads(out)["both.realistic.inverse_harmonic_mean_rank"] <= 1
-    both = pipeline_kwargs(build_parser().parse_args(["train", "--step-negatives", "--typed-negatives"]))
-    assert both["training_loop_kwargs"]["negatives"] == "typed_step"
-    typed = pipeline_kwargs(build_parser().parse_args(["train", "--typed-negatives"]))
-    assert typed["training_loop_kwargs"]["negatives"] == "typed"
 
 
 def test_host_allocator_flag() -> None:

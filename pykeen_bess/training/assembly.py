@@ -28,7 +28,7 @@ from ..pbg.schema import GraphSchema
 from ..schemes import AUTO, EncodingScheme, ExchangeScheme, choose_scheme, query_width, scheme_resolver
 from ..scoring import get_scorer
 from ..partition import ShardPairPartition
-from ..sampling import BessSampler, TypedBessSampler
+from ..sampling import DEFAULT_NEGATIVES, BessSampler, TypedBessSampler
 from ..sharding import BalancedSharding, EntitySharding, RandomSharding, ShardingStrategy
 from ..storage import MmapStorage, TableStorage
 from .checkpoints import (
@@ -82,8 +82,8 @@ class LoopSettings:
     schema: GraphSchema | None = None
     #: the training triples the loop was built for (their labels name the entities of PBG checkpoints)
     factory: Any = None
-    #: the negative sampler (``"uniform"``, ``"typed"``)
-    negatives: Any = "uniform"
+    #: the negative sampler (a name in :data:`~pykeen_bess.sampling.NEGATIVES` or a sampler class)
+    negatives: Any = DEFAULT_NEGATIVES
     #: the checkpoint layout (``"pykeen"``, ``"pbg"``)
     checkpoint_format: str = "pykeen"
     #: how entities are dealt to shards (``"balanced"``, ``"random"``, a strategy; None: the default)

@@ -24,7 +24,14 @@ from pykeen.triples import CoreTriplesFactory
 from pykeen.utils import get_batchnorm_modules
 
 from ..distributed import Topology, describe_differences
-from ..sampling import CORRUPTIONS, BessSampler, Corruption, resolve_negatives
+from ..sampling import (
+    CORRUPTIONS,
+    DEFAULT_NEGATIVES,
+    BessSampler,
+    Corruption,
+    StepSharedBessSampler,
+    resolve_negatives,
+)
 from ..schemes import AUTO, ExchangeScheme, resolve_scheme
 
 __all__ = [
@@ -80,10 +87,10 @@ class BessConfig:
     memory_budget: int | None
     #: how the entity tables are split: ``"token"`` (rows, BESS's shards) or ``"encoding"`` (columns)
     partition: str = "token"
-    #: the sampler of balanced batches (``negatives="uniform"``: :class:`~pykeen_bess.sampling.BessSampler`,
-    #: ``"typed"``: :class:`~pykeen_bess.sampling.TypedBessSampler`, ``"step"``: ``StepSharedBessSampler``,
-    #: ``"typed_step"``: ``StepSharedTypedBessSampler``; :data:`~pykeen_bess.sampling.NEGATIVES`)
-    sampler: type[BessSampler] = BessSampler
+    #: the sampler of balanced batches (``negatives="step"``, the default:
+    #: :class:`~pykeen_bess.sampling.StepSharedBessSampler`; ``"block"``: :class:`~pykeen_bess.sampling.BessSampler`;
+    #: ``"typed_step"``, ``"typed"``: their typed forms; :data:`~pykeen_bess.sampling.NEGATIVES`)
+    sampler: type[BessSampler] = StepSharedBessSampler
 
     @classmethod
     def create(
@@ -96,7 +103,7 @@ class BessConfig:
         sparse_updates: Any,
         memory_budget: Any,
         partition: Any = None,
-        negatives: Any = "uniform",
+        negatives: Any = DEFAULT_NEGATIVES,
     ) -> BessConfig:
         """Validate the settings for ``n_shard`` shards.
 

@@ -32,7 +32,7 @@ from ..distributed import Topology
 from ..optim import BessOptimizer, optimizer_hyperparameters
 from ..partition import ShardPairPartition
 from ..pbg.schema import schema_of
-from ..sampling import BessSampler, Corruption
+from ..sampling import DEFAULT_NEGATIVES, BessSampler, Corruption
 from ..schemes import ExchangeScheme
 from ..scoring import SharedCandidateScorer
 from ..sharding import EntitySharding, ShardingStrategy
@@ -70,7 +70,8 @@ class BessTrainingLoop(SLCWATrainingLoop):
     Use it through ``pipeline(training_loop="bess", training_loop_kwargs=dict(num_shards=4))``.
     One step is a balanced batch of ``num_shards ** 2`` blocks: the ``batch_size`` positives are
     split equally over the shardpairs (``block_size = ceil(batch_size / num_shards ** 2)``), and
-    all positives of a block share ``num_negs_per_pos`` negatives drawn equally from every shard.
+    all positives of a step share ``num_negs_per_pos`` negatives drawn equally from every shard
+    (``negatives="block"``: every block draws its own).
     See :mod:`pykeen_bess.sampling` for what an epoch is.
     """
 
@@ -107,7 +108,7 @@ class BessTrainingLoop(SLCWATrainingLoop):
         negative_sampler_kwargs: OptionalKwargs = None,
         num_threads: ThreadsHint = "auto",
         host_allocator: AllocatorHint = "auto",
-        negatives: str | type[BessSampler] = "uniform",
+        negatives: str | type[BessSampler] = DEFAULT_NEGATIVES,
         checkpoint_format: str = "pykeen",
         sharding: str | ShardingStrategy | None = None,
         static_step: bool | None = None,
@@ -163,10 +164,13 @@ class BessTrainingLoop(SLCWATrainingLoop):
             integer, or None (torch's setting)
         :param host_allocator: ``"auto"`` (on the CPU: glibc keeps freed blocks, :mod:`pykeen_bess.allocator`)
             or None (leave it)
-        :param negatives: ``"uniform"`` (default: every shard's entities, drawn per block), ``"step"``
-            (the same, one set shared by all blocks of a step, gathered, moved and scored once), ``"typed"``
-            (a relation's negatives have its corrupted side's type; a typed graph, :mod:`pykeen_bess.pbg`),
-            ``"typed_step"`` (typed, one set per step), or a ``BessSampler`` subclass
+        :param negatives: ``"step"`` (default: ``num_negs_per_pos`` entities drawn equally from every
+            shard, one set shared by all blocks of a step, gathered, moved and scored once), ``"block"``
+            (BESS's original scheme: one such set per block, ``num_shards ** 2`` sets per step; also
+            accepted as ``"uniform"``), ``"typed_step"`` and ``"typed"`` (a relation's negatives have its
+            corrupted side's type, one set per step or per block; a typed graph, :mod:`pykeen_bess.pbg`),
+            or a ``BessSampler`` subclass. With one shard per-step and per-block draws are the same; see
+            :mod:`pykeen_bess.sampling` for when to use which
         :param checkpoint_format: ``"pykeen"`` (default: PyKEEN's checkpoint file, or versioned files per
             shard under a process group) or ``"pbg"`` (PyTorch-BigGraph's checkpoint layout in the
             checkpoint file's directory: shard ``k`` is partition ``k`` of every entity type; see

@@ -127,7 +127,7 @@ def build_loop(config: dict[str, Any], factory: CoreTriplesFactory) -> BessTrain
         storage_path=config.get("storage_path"),
         storage_kwargs=config.get("storage_kwargs"),
         loss_weighter=loss_weighter(config.get("loss_weighter"), factory),
-        negatives=config.get("negatives", "uniform"),
+        negatives=config.get("negatives", "block"),
     )
 
 
