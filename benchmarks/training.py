@@ -5,9 +5,9 @@ Adam) trained with
 
 * PyKEEN's ``SLCWATrainingLoop`` (64 *unshared* negatives per positive, its basic sampler), timed
   on batches after the first few (``--stock-batches``; an epoch takes minutes);
-* ``BessTrainingLoop`` with ``n = 1`` and ``n = 4`` logical shards (64 negatives shared per
-  block, drawn equally from every shard), and with ``n = 4`` and ``negatives="step"`` (one set of
-  64 shared by all 16 blocks of a step, gathered and scored once);
+* ``BessTrainingLoop`` with ``n = 1`` and ``n = 4`` logical shards (the default negatives: one set
+  of 64 drawn equally from every shard and shared by all 16 blocks of a step, gathered and scored
+  once), and with ``n = 4`` and ``negatives="block"`` (BESS's original scheme: 64 per block);
 * a minimal hand-written PyTorch step with the same objective as BESS with one shard: a batch of
   random triples, 64 negatives shared by the whole batch (half of the batch corrupts heads, half
   tails), PyKEEN's DistMult loss and regularizer, ``nn.Embedding(sparse=True)`` with
@@ -22,12 +22,16 @@ PyKEEN users have it, and again after BESS's allocator setting (:mod:`pykeen_bes
 process-wide), which everything else runs with.
 
 **PyTorch-BigGraph's workload** (``--pbg-workload``, with ``torchbiggraph`` installed): ComplEx with
-64 complex dimensions on a generated graph of 500,000 triples, batch 1,000, PyTorch-BigGraph's
-100 uniform + 50 batch negatives (152 shared negatives for BESS, a multiple of 4), Adagrad (BESS:
-``rowwise_adagrad``, PyTorch-BigGraph's ``RowAdagrad``), measured in the same run:
-``torchbiggraph_train`` with 2 Hogwild workers (its own "Processed N edges in T s" per epoch; the
-best epoch), and BESS at n = 1 and n = 4 (and n = 4 with ``negatives="step"``). Targets: BESS
-n = 1 >= 1.5x PyTorch-BigGraph, n = 4 within 1.5x of n = 1.
+64 complex dimensions, batch 1,000, PyTorch-BigGraph's 100 uniform + 50 batch negatives (152
+shared negatives for BESS, a multiple of 4), Adagrad (BESS: ``rowwise_adagrad``, PyTorch-BigGraph's
+``RowAdagrad``), on two generated graphs: 500,000 triples over 100,000 entities (``--pbg-entities``,
+``--pbg-triples``), and a smaller, skewed one, 200,000 triples over 20,000 entities whose heads
+follow Zipf's law (exponent 1.1; ``--pbg-skewed ENTITIES:TRIPLES``, ``none`` to skip). Measured in
+the same run: ``torchbiggraph_train`` with 2 Hogwild workers (its own "Processed N edges in T s"
+per epoch; the best epoch), and BESS at n = 1 and n = 4 (and n = 4 with ``negatives="block"``).
+Targets: BESS n = 1 >= 1.5x PyTorch-BigGraph, n = 4 >= 1.0x.
+
+``--output FILE.json`` writes the rows of the tables with the date, commit, machine and settings.
 
 ``--device`` (:mod:`devices`) picks the compute device of PyKEEN's loop, BESS and the hand-written
 step (default: CUDA when torch sees a GPU); PyTorch-BigGraph always trains on the CPU, as its
@@ -67,11 +71,18 @@ def load_wn18rr(directory: pathlib.Path) -> CoreTriplesFactory:
     return TriplesFactory.from_path(directory / "train.txt")
 
 
-def generate_graph(num_entities: int, num_relations: int, num_triples: int, seed: int = 0) -> CoreTriplesFactory:
-    """Generate a random graph with a skewed (Zipf-like) entity degree distribution."""
+def generate_graph(
+    num_entities: int, num_relations: int, num_triples: int, seed: int = 0, head_exponent: float = 0.5
+) -> CoreTriplesFactory:
+    """Generate a random graph with a skewed (Zipf-like) entity degree distribution.
+
+    Entity ``k`` (from 1) is a tail with weight ``k ** -0.5`` and a head with weight ``k ** -head_exponent``
+    (Zipf's law for exponents about 1: a few heads hold most triples).
+    """
     generator = torch.Generator().manual_seed(seed)
     weights = 1.0 / torch.arange(1, num_entities + 1, dtype=torch.float64) ** 0.5
-    heads = torch.multinomial(weights, num_triples, replacement=True, generator=generator)
+    head_weights = 1.0 / torch.arange(1, num_entities + 1, dtype=torch.float64) ** head_exponent
+    heads = torch.multinomial(head_weights, num_triples, replacement=True, generator=generator)
     tails = torch.multinomial(weights, num_triples, replacement=True, generator=generator)
     relations = torch.randint(num_relations, (num_triples,), generator=generator)
     triples = torch.stack([heads, relations, tails], dim=1).unique(dim=0)
@@ -199,17 +210,17 @@ def time_handwritten(
     return steady(start, ends, triples.shape[0])[1]
 
 
-#: the BESS runs of both workloads: (shards, negatives)
-BESS_SETTINGS = ((1, "uniform"), (4, "uniform"), (4, "step"))
+#: the BESS runs of both workloads: (shards, negatives); one shard draws the same either way
+BESS_SETTINGS = ((1, "step"), (4, "step"), (4, "block"))
 
 
 def label(n: int, negatives: str) -> str:
-    """Name a BESS run in the tables."""
-    return f"n={n}" + ("" if negatives == "uniform" else f', negatives="{negatives}"')
+    """Name a BESS run in the tables (the default negatives, one set per step, unnamed)."""
+    return f"n={n}" + ("" if negatives == "step" else f', negatives="{negatives}"')
 
 
-def distmult_workload(args: argparse.Namespace) -> None:
-    """BESS vs PyKEEN's stock loop vs the hand-written step, on WN18RR and a generated graph."""
+def distmult_workload(args: argparse.Namespace) -> list[dict]:
+    """BESS vs PyKEEN's stock loop vs the hand-written step, on WN18RR and a generated graph; the table's rows."""
     datasets = {
         "WN18RR" if args.data.name.lower() == "wn18rr" else args.data.name: load_wn18rr(args.data),
         f"generated ({args.generated_entities:,} entities)": generate_graph(
@@ -259,7 +270,7 @@ def distmult_workload(args: argparse.Namespace) -> None:
         rows.append((name, "PyKEEN SLCWATrainingLoop", stock, ""))
         rows.append((name, "PyKEEN SLCWATrainingLoop, BESS's allocator setting", stock_retained, ""))
         rows.append((name, "hand-written step (shared negatives)", handwritten, ""))
-        single = bess[1, "uniform"][1]
+        single = bess[1, "step"][1]
         for (n, negatives), (first, best) in bess.items():
             ratios = f"{best / stock:.1f} | {best / handwritten:.2f} | {single / best:.2f} | {first:,.0f}"
             rows.append((name, f"BessTrainingLoop {label(n, negatives)}", best, ratios))
@@ -270,6 +281,16 @@ def distmult_workload(args: argparse.Namespace) -> None:
     print("|---|---|---:|---:|---:|---:|---:|")
     for name, loop, value, ratios in rows:
         print(f"| {name} | {loop} | {value:,.0f} | {ratios or ' | | | '} |")
+    columns = ("x_stock", "x_handwritten", "n1_over_this", "first_epoch_positives_per_s")
+    return [
+        dict(
+            graph=name,
+            loop=loop,
+            positives_per_s=value,
+            **{key: float(part.replace(",", "")) for key, part in zip(columns, ratios.split(" | ")) if ratios},
+        )
+        for name, loop, value, ratios in rows
+    ]
 
 
 def time_pbg(tf: CoreTriplesFactory, args: argparse.Namespace, directory: pathlib.Path) -> float:
@@ -306,40 +327,77 @@ def time_pbg(tf: CoreTriplesFactory, args: argparse.Namespace, directory: pathli
     return max(int(edges) / float(seconds) for edges, seconds in found)
 
 
-def pbg_workload(args: argparse.Namespace) -> None:
-    """PyTorch-BigGraph's own workload: ComplEx d64 (complex), 150 negatives, batch 1000, Adagrad."""
-    tf = generate_graph(args.pbg_entities, 50, args.pbg_triples)
-    print(f"# generated: {tf.num_entities:,} entities, {tf.num_triples:,} triples", flush=True)
-    results: dict[str, float] = {}
-    for _ in range(args.repeats):
-        with tempfile.TemporaryDirectory() as directory:
-            results["pbg"] = max(results.get("pbg", 0.0), time_pbg(tf, args, pathlib.Path(directory)))
+def pbg_workload(args: argparse.Namespace) -> list[dict]:
+    """PyTorch-BigGraph's own workload: ComplEx d64 (complex), 150 negatives, batch 1000, Adagrad; its rows."""
+    graphs = {f"generated ({args.pbg_entities:,} entities)": generate_graph(args.pbg_entities, 50, args.pbg_triples)}
+    if args.pbg_skewed != "none":
+        entities, triples = (int(part) for part in args.pbg_skewed.split(":"))
+        graphs[f"skewed ({entities:,} entities, Zipf heads)"] = generate_graph(entities, 50, triples, head_exponent=1.1)
+    rows: list[dict] = []
+    for name, tf in graphs.items():
+        print(f"# {name}: {tf.num_entities:,} entities, {tf.num_triples:,} triples", flush=True)
+        results: dict[str, float] = {}
+        for _ in range(args.repeats):
+            with tempfile.TemporaryDirectory() as directory:
+                results["pbg"] = max(results.get("pbg", 0.0), time_pbg(tf, args, pathlib.Path(directory)))
+            for n, negatives in BESS_SETTINGS:
+                model = ComplEx(triples_factory=tf, embedding_dim=args.pbg_dim, regularizer=None, random_seed=0).to(
+                    args.device
+                )
+                _, best = time_bess(
+                    tf,
+                    model,
+                    args.epochs,
+                    1000,
+                    num_shards=n,
+                    num_negs_per_pos=152,
+                    optimizer="rowwise_adagrad",
+                    optimizer_kwargs=dict(lr=0.1),
+                    negatives=negatives,
+                )
+                key = label(n, negatives)
+                results[key] = max(results.get(key, 0.0), best)
+            print(json.dumps({k: round(v) for k, v in results.items()}), flush=True)
+        rows.append(dict(graph=name, loop="PyTorch-BigGraph, 2 Hogwild workers (CPU)", positives_per_s=results["pbg"]))
         for n, negatives in BESS_SETTINGS:
-            model = ComplEx(triples_factory=tf, embedding_dim=args.pbg_dim, regularizer=None, random_seed=0).to(
-                args.device
+            value = results[label(n, negatives)]
+            rows.append(
+                dict(
+                    graph=name,
+                    loop=f"BessTrainingLoop {label(n, negatives)}",
+                    positives_per_s=value,
+                    x_pbg=value / results["pbg"],
+                    n1_over_this=results["n=1"] / value,
+                )
             )
-            _, best = time_bess(
-                tf,
-                model,
-                args.epochs,
-                1000,
-                num_shards=n,
-                num_negs_per_pos=152,
-                optimizer="rowwise_adagrad",
-                optimizer_kwargs=dict(lr=0.1),
-                negatives=negatives,
-            )
-            key = label(n, negatives)
-            results[key] = max(results.get(key, 0.0), best)
-        print(json.dumps({k: round(v) for k, v in results.items()}), flush=True)
     print()
-    print("| loop | positives/s (best epoch) | x PyTorch-BigGraph | n=1 / this |")
-    print("|---|---:|---:|---:|")
-    print(f"| PyTorch-BigGraph 1.0.0, 2 Hogwild workers (CPU) | {results['pbg']:,.0f} | 1.00 | |")
-    for n, negatives in BESS_SETTINGS:
-        value = results[label(n, negatives)]
-        ratio, scaling = value / results["pbg"], results["n=1"] / value
-        print(f"| BessTrainingLoop {label(n, negatives)} | {value:,.0f} | {ratio:.2f} | {scaling:.2f} |")
+    print("| graph | loop | positives/s (best epoch) | x PyTorch-BigGraph | n=1 / this |")
+    print("|---|---|---:|---:|---:|")
+    for row in rows:
+        ratios = f"{row['x_pbg']:.2f} | {row['n1_over_this']:.2f}" if "x_pbg" in row else "1.00 | "
+        print(f"| {row['graph']} | {row['loop']} | {row['positives_per_s']:,.0f} | {ratios} |")
+    return rows
+
+
+def write_results(path: pathlib.Path, args: argparse.Namespace, workload: str, rows: list[dict]) -> None:
+    """Write a run's rows with the date, commit, machine and settings as JSON."""
+    import datetime
+    import platform
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = "unknown"
+    settings = {key: str(value) for key, value in vars(args).items() if key != "output"}
+    header = dict(
+        date=datetime.date.today().isoformat(),
+        commit=commit or "unknown",
+        machine=f"{platform.node()} ({platform.machine()}, {torch.get_num_threads()} threads)",
+        device=describe(args.device),
+        workload=workload,
+        configuration=settings,
+    )
+    path.write_text(json.dumps(dict(header, rows=rows), indent=1))
 
 
 def main() -> None:
@@ -359,15 +417,21 @@ def main() -> None:
     parser.add_argument("--pbg-entities", type=int, default=100_000)
     parser.add_argument("--pbg-triples", type=int, default=500_000)
     parser.add_argument("--pbg-dim", type=int, default=64, help="complex dimensions (PyTorch-BigGraph's: twice)")
+    parser.add_argument(
+        "--pbg-skewed", default="20000:200000", help="ENTITIES:TRIPLES of the skewed graph (Zipf heads), or none"
+    )
+    parser.add_argument("--output", type=pathlib.Path, help="write the table's rows as JSON")
     add_device_argument(parser)
     args = parser.parse_args()
     print(f"# device: {describe(args.device)}; torch {torch.__version__}", flush=True)
     if args.pbg_workload:
-        pbg_workload(args)
+        rows, workload = pbg_workload(args), "pbg"
     elif args.data is None:
         parser.error("--data (the WN18RR directory) is needed for the DistMult workload")
     else:
-        distmult_workload(args)
+        rows, workload = distmult_workload(args), "distmult"
+    if args.output is not None:
+        write_results(args.output, args, workload, rows)
 
 
 if __name__ == "__main__":

@@ -118,6 +118,57 @@ def test_training_benchmark():
 
 
 @pytest.mark.slow
+def test_pbg_workload_on_both_graphs(tmp_path: pathlib.Path):
+    """PyTorch-BigGraph itself and the three BESS settings on the uniform and the skewed graph, written as JSON."""
+    output = tmp_path / "pbg.json"
+    _, rows = successful_run(
+        "training",
+        *("--pbg-workload", "--pbg-entities", "400", "--pbg-triples", "3000", "--pbg-skewed", "300:2000"),
+        *("--pbg-dim", "4", "--epochs", "2", "--repeats", "1", "--device", "cpu", "--output", str(output)),
+    )
+    assert [row[0] for row in rows] == ["generated (400 entities)"] * 4 + ["skewed (300 entities, Zipf heads)"] * 4
+    written = json.loads(output.read_text())
+    assert written["workload"] == "pbg" and len(written["rows"]) == 8
+    assert all(row["positives_per_s"] > 0 for row in written["rows"])
+
+
+def test_structured_graph_has_its_patterns(tmp_path: pathlib.Path):
+    """The generated graph for quality checks: its relations, symmetric knows, inverse parent_of / child_of."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        from structured import structured_triples, write_splits
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    triples = {tuple(row) for row in structured_triples(num_people=300, num_groups=30, num_items=100).tolist()}
+    assert {r for _, r, _ in triples} == {
+        "member_of", "located_in", "lives_in", "knows", "parent_of", "child_of", "likes"
+    }  # fmt: skip
+    assert all((t, r, h) in triples for h, r, t in triples if r == "knows")
+    assert all((t, "child_of", h) in triples for h, r, t in triples if r == "parent_of")
+    directory = write_splits(tmp_path, num_people=300, num_groups=30, num_items=100)
+    splits = {name: (directory / f"{name}.txt").read_text().splitlines() for name in ("train", "valid", "test")}
+    assert sum(map(len, splits.values())) == len(triples)
+    seen = {part for line in splits["train"] for part in line.split("\t")[::2]}
+    assert all(set(line.split("\t")[::2]) <= seen for line in splits["test"] + splits["valid"])
+
+
+@pytest.mark.slow
+def test_parity_benchmark(tmp_path: pathlib.Path):
+    """Shard counts against one shard through the command line's settings; a second run skips what is written."""
+    output = tmp_path / "parity.json"
+    arguments = ("--data", "nations", "--variants", "quick=--epochs 1 --dim 8", "--num-shards", "1", "2")
+    stdout, rows = successful_run("parity", *arguments, "--seeds", "0", "1", "--output", str(output))
+    assert [(row[0], row[1], row[2], row[3]) for row in rows] == [
+        ("nations", "quick", "1", "2"),
+        ("nations", "quick", "2", "2"),
+    ]
+    written = json.loads(output.read_text())
+    assert len(written["runs"]) == 4 and {run["num_shards"] for run in written["runs"]} == {1, 2}
+    again = run_benchmark("parity", *arguments, "--seeds", "0", "1", "--output", str(output))
+    assert again.returncode == 0 and '"mrr"' not in again.stdout  # nothing run again
+
+
+@pytest.mark.slow
 def test_evaluation_benchmark_metrics_equal_pykeen():
     """Both evaluators on both datasets; every BessEvaluator row's metrics equal PyKEEN's."""
     output, rows = successful_run(
