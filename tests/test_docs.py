@@ -76,3 +76,18 @@ def test_page_snippets(page: str, tmp_path: pathlib.Path) -> None:
         assert result.returncode == 0, f"{page}, snippet {index}:\n{code}\n{result.stderr[-3000:]}"
         if kind == "command":
             assert "MRR" in result.stdout, f"{page}, snippet {index}: {code}\n{result.stdout[-2000:]}"
+
+
+def test_missing_result_files_give_a_note(tmp_path: pathlib.Path) -> None:
+    """The benchmarks page renders without result files: each benchmark says which file is missing."""
+    sys.path.insert(0, str(DOCS))
+    try:
+        import render_benchmarks
+    finally:
+        sys.path.remove(str(DOCS))
+    (tmp_path / "results").mkdir()
+    render_benchmarks.render(tmp_path / "results", tmp_path / "out")
+    for name, (filename, _, _) in render_benchmarks.RENDERERS.items():
+        text = (tmp_path / "out" / f"{name}.md").read_text()
+        assert f"No result file `benchmarks/results/{filename}`" in text
+    assert (tmp_path / "out" / "bess-blocks.svg").exists()
