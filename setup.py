@@ -40,6 +40,13 @@ setup(
             "torchbiggraph>=1.0,<1.1",
             "setuptools<81",
         ],
+        # the Sphinx site under docs/ (sphinx-build -W -b html docs OUT, as .ci/run builds it)
+        "docs": [
+            "sphinx>=7.2,<9",
+            "myst-parser>=2,<5",
+            "sphinx-rtd-theme>=2,<4",
+            "matplotlib>=3.7",
+        ],
     },
     entry_points={
         # PyKEEN reads only this group; the module installs a post-import hook that registers
