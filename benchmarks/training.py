@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import re
 import subprocess
@@ -267,30 +268,51 @@ def distmult_workload(args: argparse.Namespace) -> list[dict]:
             + ", ".join(f"{label(*k)} {v[1]:,.0f}/s (first epoch {v[0]:,.0f}/s)" for k, v in bess.items()),
             flush=True,
         )
-        rows.append((name, "PyKEEN SLCWATrainingLoop", stock, ""))
-        rows.append((name, "PyKEEN SLCWATrainingLoop, BESS's allocator setting", stock_retained, ""))
-        rows.append((name, "hand-written step (shared negatives)", handwritten, ""))
+        dataset = f"{name} ({tf.num_entities:,} entities, {tf.num_triples:,} triples)"
+        for loop, value in (
+            ("PyKEEN SLCWATrainingLoop", stock),
+            ("PyKEEN SLCWATrainingLoop, BESS's allocator setting", stock_retained),
+        ):
+            rows.append(dict(dataset=dataset, loop=loop, num_shards=None, negatives="unshared", positives_per_s=value))
+        rows.append(
+            dict(
+                dataset=dataset,
+                loop="hand-written step (shared negatives)",
+                num_shards=1,
+                negatives="step",
+                positives_per_s=handwritten,
+            )
+        )
         single = bess[1, "step"][1]
         for (n, negatives), (first, best) in bess.items():
-            ratios = f"{best / stock:.1f} | {best / handwritten:.2f} | {single / best:.2f} | {first:,.0f}"
-            rows.append((name, f"BessTrainingLoop {label(n, negatives)}", best, ratios))
+            rows.append(
+                dict(
+                    dataset=dataset,
+                    loop="BessTrainingLoop",
+                    num_shards=n,
+                    negatives=negatives,
+                    positives_per_s=best,
+                    x_stock=round(best / stock, 1),
+                    x_handwritten=round(best / handwritten, 2),
+                    n1_over_this=round(single / best, 2),
+                    first_epoch_positives_per_s=first,
+                )
+            )
     print()
     print(
         "| dataset | loop | positives/s (steady) | x stock | x hand-written | n=1 / this | first epoch, positives/s |"
     )
     print("|---|---|---:|---:|---:|---:|---:|")
-    for name, loop, value, ratios in rows:
-        print(f"| {name} | {loop} | {value:,.0f} | {ratios or ' | | | '} |")
-    columns = ("x_stock", "x_handwritten", "n1_over_this", "first_epoch_positives_per_s")
-    return [
-        dict(
-            graph=name,
-            loop=loop,
-            positives_per_s=value,
-            **{key: float(part.replace(",", "")) for key, part in zip(columns, ratios.split(" | ")) if ratios},
+    for row in rows:
+        loop = row["loop"] + (f" {label(row['num_shards'], row['negatives'])}" if "x_stock" in row else "")
+        ratios = (
+            f"{row['x_stock']:.1f} | {row['x_handwritten']:.2f} | {row['n1_over_this']:.2f} "
+            f"| {row['first_epoch_positives_per_s']:,.0f}"
+            if "x_stock" in row
+            else " | | | "
         )
-        for name, loop, value, ratios in rows
-    ]
+        print(f"| {row['dataset'].split(' (')[0]} | {loop} | {row['positives_per_s']:,.0f} | {ratios} |")
+    return rows
 
 
 def time_pbg(tf: CoreTriplesFactory, args: argparse.Namespace, directory: pathlib.Path) -> float:
@@ -358,46 +380,70 @@ def pbg_workload(args: argparse.Namespace) -> list[dict]:
                 key = label(n, negatives)
                 results[key] = max(results.get(key, 0.0), best)
             print(json.dumps({k: round(v) for k, v in results.items()}), flush=True)
-        rows.append(dict(graph=name, loop="PyTorch-BigGraph, 2 Hogwild workers (CPU)", positives_per_s=results["pbg"]))
+        rows.append(
+            dict(
+                run=name,
+                contender="PyTorch-BigGraph, 2 Hogwild workers (CPU)",
+                num_shards=None,
+                negatives=None,
+                positives_per_s=results["pbg"],
+                x_pbg=1.0,
+            )
+        )
         for n, negatives in BESS_SETTINGS:
             value = results[label(n, negatives)]
             rows.append(
                 dict(
-                    graph=name,
-                    loop=f"BessTrainingLoop {label(n, negatives)}",
+                    run=name,
+                    contender="BessTrainingLoop",
+                    num_shards=n,
+                    negatives=negatives,
                     positives_per_s=value,
-                    x_pbg=value / results["pbg"],
-                    n1_over_this=results["n=1"] / value,
+                    x_pbg=round(value / results["pbg"], 2),
+                    n1_over_this=round(results["n=1"] / value, 2),
                 )
             )
     print()
     print("| graph | loop | positives/s (best epoch) | x PyTorch-BigGraph | n=1 / this |")
     print("|---|---|---:|---:|---:|")
     for row in rows:
-        ratios = f"{row['x_pbg']:.2f} | {row['n1_over_this']:.2f}" if "x_pbg" in row else "1.00 | "
-        print(f"| {row['graph']} | {row['loop']} | {row['positives_per_s']:,.0f} | {ratios} |")
+        loop = (
+            row["contender"]
+            if row["num_shards"] is None
+            else f"BessTrainingLoop {label(row['num_shards'], row['negatives'])}"
+        )
+        scaling = f"{row['n1_over_this']:.2f}" if "n1_over_this" in row else ""
+        print(f"| {row['run']} | {loop} | {row['positives_per_s']:,.0f} | {row['x_pbg']:.2f} | {scaling} |")
     return rows
 
 
 def write_results(path: pathlib.Path, args: argparse.Namespace, workload: str, rows: list[dict]) -> None:
-    """Write a run's rows with the date, commit, machine and settings as JSON."""
+    """Write a run's rows as the benchmarks page reads them: date, commit, machine, device, configuration, table."""
     import datetime
     import platform
 
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     except OSError:
-        commit = "unknown"
-    settings = {key: str(value) for key, value in vars(args).items() if key != "output"}
-    header = dict(
-        date=datetime.date.today().isoformat(),
-        commit=commit or "unknown",
-        machine=f"{platform.node()} ({platform.machine()}, {torch.get_num_threads()} threads)",
-        device=describe(args.device),
-        workload=workload,
-        configuration=settings,
+        commit = ""
+    configuration = (
+        "ComplEx, 64 complex dimensions, batch 1,000, 152 shared negatives (PyTorch-BigGraph: 100 uniform + 50 "
+        "batch), row-wise Adagrad lr 0.1 (PyTorch-BigGraph: RowAdagrad)"
+        if workload == "pbg"
+        else f"DistMult d{args.dim}, {args.negatives} negatives per positive, batch {args.batch_size}, Adam"
     )
-    path.write_text(json.dumps(dict(header, rows=rows), indent=1))
+    result = dict(
+        benchmark="training-pbg-workload" if workload == "pbg" else "training",
+        script="benchmarks/training.py",
+        date=datetime.date.today().isoformat(),
+        commit=commit or None,
+        machine=f"{platform.node()} ({platform.machine()}, {os.cpu_count()} CPUs)",
+        device=describe(args.device),
+        command="python benchmarks/training.py " + " ".join(sys.argv[1:]),
+        configuration=configuration,
+        tables=[dict(title="positives per second", rows=rows)],
+    )
+    path.write_text(json.dumps(result, indent=1))
 
 
 def main() -> None:

@@ -136,15 +136,18 @@ def training_pbg(data: dict[str, Any], out: Path) -> str:
         ("n1_over_this", "n=1 / this"),
     ]
     text = table(rows, columns)
-    last = [row for row in rows if row["run"] == rows[-1]["run"]]
-    labels = [
-        "PyTorch-BigGraph" if row["num_shards"] is None else f"BESS n={row['num_shards']}, {row['negatives']}"
-        for row in last
-    ]
-    figure, ax = plt.subplots(figsize=(6, 2.2))
-    bars(ax, labels, [row["positives_per_s"] for row in last], ["tab:gray"] + ["tab:blue"] * (len(last) - 1))
-    ax.set_xlabel("positives per second")
-    ax.set_title(f"PyTorch-BigGraph's workload ({last[0]['run']})", fontsize=10)
+    runs = list(dict.fromkeys(row["run"] for row in rows))
+    figure, axes = plt.subplots(1, len(runs), figsize=(6 * len(runs), 2.2), squeeze=False)
+    for ax, run in zip(axes[0], runs):
+        mine = [row for row in rows if row["run"] == run]
+        labels = [
+            "PyTorch-BigGraph" if row["num_shards"] is None else f"BESS n={row['num_shards']}, {row['negatives']}"
+            for row in mine
+        ]
+        colors = ["tab:gray" if row["num_shards"] is None else "tab:blue" for row in mine]
+        bars(ax, labels, [row["positives_per_s"] for row in mine], colors)
+        ax.set_xlabel("positives per second")
+        ax.set_title(f"PyTorch-BigGraph's workload ({run})", fontsize=10)
     return text + save(figure, out, "training-pbg.png")
 
 

@@ -128,8 +128,15 @@ def test_pbg_workload_on_both_graphs(tmp_path: pathlib.Path):
     )
     assert [row[0] for row in rows] == ["generated (400 entities)"] * 4 + ["skewed (300 entities, Zipf heads)"] * 4
     written = json.loads(output.read_text())
-    assert written["workload"] == "pbg" and len(written["rows"]) == 8
-    assert all(row["positives_per_s"] > 0 for row in written["rows"])
+    assert written["benchmark"] == "training-pbg-workload" and written["date"] and written["machine"]
+    rows = written["tables"][0]["rows"]
+    assert [(row["num_shards"], row["negatives"]) for row in rows[:4]] == [
+        (None, None),
+        (1, "step"),
+        (4, "step"),
+        (4, "block"),
+    ]
+    assert all(row["positives_per_s"] > 0 for row in rows)
 
 
 def test_structured_graph_has_its_patterns(tmp_path: pathlib.Path):
