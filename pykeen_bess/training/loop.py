@@ -327,6 +327,12 @@ class BessTrainingLoop(SLCWATrainingLoop):
         :returns: the loss of every epoch
         """
         check_integer("num_epochs", num_epochs, minimum=0)
+        if kwargs.get("continue_training") and self.optimizer is None:
+            raise ValueError(
+                "Cannot continue_training: the optimizer (and its state) was released after the last training, as "
+                "train() and pipeline() do by default (clear_optimizer=True). Train with clear_optimizer=False "
+                "(pipeline: training_kwargs=dict(clear_optimizer=False)) to continue training later."
+            )
         if batch_size is not None:
             check_integer("batch_size", batch_size, minimum=1, hint="or None to search the largest that fits")
         if kwargs.get("sub_batch_size") is not None:
