@@ -347,6 +347,10 @@ class DistributedShardTables(ShardTables):
     def uninstall(self) -> None:  # noqa: D102
         for table in self.tables:
             table.defer_constraints = False
+        # PyKEEN's result.save_to_directory() must refuse this partial model before it writes anything
+        from ..distributed.export import guard_pipeline_results
+
+        guard_pipeline_results()
 
 
 class StoredShardTables(ShardTables):
