@@ -37,7 +37,7 @@ from ..sampling import BessSampler, Corruption
 from ..schemes import ExchangeScheme
 from ..scoring import SharedCandidateScorer
 from ..sharding import EntitySharding, ShardingStrategy
-from ..storage import TableStorage, make_storage
+from ..storage import MmapStorage, TableStorage, make_storage
 from ..threads import ThreadsHint, resolve_threads
 from .checkpoints import CheckpointStore, checkpoint_seed
 from .pbg_checkpoints import PbgCheckpointStore, prepare_pbg_checkpoint
@@ -165,7 +165,10 @@ class BessTrainingLoop(SLCWATrainingLoop):
             ``"device"`` (default), ``"host"`` (host memory; each step moves its rows to the device and back),
             ``"mmap"`` (``.npy`` memory maps under ``storage_path``) or a :class:`~pykeen_bess.storage.TableStorage`
         :param storage_path: the directory of ``storage="mmap"``'s files
-        :param storage_kwargs: further arguments of the storage class (e.g. ``overwrite=True``)
+        :param storage_kwargs: further arguments of the storage class (e.g. ``overwrite=True``). Without
+            ``overwrite``, files of an earlier run under ``storage_path`` are refused when training starts,
+            unless ``train()`` resumes a checkpoint (``checkpoint_name`` of an existing checkpoint): then they
+            are its run's, and are replaced
         :param negative_sampler: None or PyKEEN's basic sampler (BESS draws its own negatives)
         :param negative_sampler_kwargs: only ``num_negs_per_pos`` is meaningful (``filterer=None``, PyKEEN's
             "no filtering", is accepted)
@@ -207,6 +210,8 @@ class BessTrainingLoop(SLCWATrainingLoop):
         num_negs_per_pos = resolve_negative_sampler(negative_sampler, negative_sampler_kwargs, num_negs_per_pos)
         super().__init__(model=model, triples_factory=triples_factory, **kwargs)
         table_storage = make_storage(storage, storage_path, storage_kwargs)
+        if isinstance(table_storage, MmapStorage):  # files of an earlier run: kept until train() knows if it resumes
+            table_storage.defer_existing = True
         if any(parameter.is_meta for parameter in model.parameters()):  # built without its full tables
             materialize(model, table_storage)
         # the optimizer the base class built (or the pipeline passed) defines class and hyper-parameters
@@ -343,6 +348,9 @@ class BessTrainingLoop(SLCWATrainingLoop):
             )
         check_triples_fit_model(triples_factory, self.model)
         self._adopt_checkpoint_seed(kwargs)
+        if isinstance(self.tables.storage, MmapStorage):
+            path = self._checkpoint_path(kwargs)
+            self.tables.storage.claim_existing(resuming=path is not None and path.is_file())
         if isinstance(self.checkpoints, PbgCheckpointStore):
             prepare_pbg_checkpoint(self, kwargs)
         choose_partition(self, self.settings, batch_size, kwargs)
@@ -352,6 +360,15 @@ class BessTrainingLoop(SLCWATrainingLoop):
         self.host_allocator.apply()
         with self.tables.installed(copy_weights=bool(kwargs.get("continue_training"))), self.thread_policy.applied():
             return super().train(triples_factory, num_epochs=num_epochs, batch_size=batch_size, **kwargs)
+
+    @staticmethod
+    def _checkpoint_path(train_kwargs: dict[str, Any]) -> pathlib.Path | None:
+        """Return the checkpoint file ``train()`` resumes if it exists (default: PyKEEN's directory); None: no name."""
+        name = train_kwargs.get("checkpoint_name")
+        if not name:
+            return None
+        directory = train_kwargs.get("checkpoint_directory")
+        return pathlib.Path(PYKEEN_CHECKPOINTS if directory is None else directory) / name
 
     def _adopt_checkpoint_seed(self, train_kwargs: dict[str, Any]) -> None:
         """Resuming a checkpoint: shard and sample with the checkpoint's seed where this loop derived its own.
@@ -363,11 +380,9 @@ class BessTrainingLoop(SLCWATrainingLoop):
         continues as the uninterrupted run would. An explicit ``seed`` is kept (a checkpoint of another
         seed then does not match, and the error says so).
         """
-        name = train_kwargs.get("checkpoint_name")
-        if not name or self.settings.seed is not None or isinstance(self.checkpoints, PbgCheckpointStore):
+        path = self._checkpoint_path(train_kwargs)
+        if path is None or self.settings.seed is not None or isinstance(self.checkpoints, PbgCheckpointStore):
             return
-        directory = train_kwargs.get("checkpoint_directory")
-        path = pathlib.Path(PYKEEN_CHECKPOINTS if directory is None else directory) / name
         seed = checkpoint_seed(path)
         if self.topology.is_distributed:  # every rank assembles alike (rank 0 decides)
             seed = self.topology.broadcast_object(seed)
