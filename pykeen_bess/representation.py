@@ -285,14 +285,21 @@ class ShardedEmbedding(Representation):
         yield f"n_shard={self.sharding.n_shard}"
         yield f"local_shards={list(self.local_shards)}"
 
-    def __getstate__(self) -> dict:
-        """Refuse to pickle a partial table (a model saved that way would silently lack entities)."""
+    def check_whole(self) -> None:
+        """Raise :class:`pickle.PicklingError` if this process holds only some shards (a partial table).
+
+        A model saved with a partial table would silently lack entities.
+        """
         if not self.holds_all_shards:
             raise pickle.PicklingError(
                 f"This entity table holds {self.n_local} of {self.sharding.n_shard} shards (a torch.distributed run). "
                 f"Save the full model with pykeen_bess.distributed.save_to_directory(result, directory) or "
                 f"pykeen_bess.distributed.export_model(model, path), called on every rank."
             )
+
+    def __getstate__(self) -> dict:
+        """Refuse to pickle a partial table (see :meth:`check_whole`)."""
+        self.check_whole()
         state = super().__getstate__()
         state = dict(state)
         state["topology"] = None  # a process group cannot be pickled; a full table needs none

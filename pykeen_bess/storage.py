@@ -240,8 +240,10 @@ class MmapStorage(TableStorage):
     """The tables in ``.npy`` memory maps, one file per table and state tensor, under ``storage_path``.
 
     Files are created (never silently overwritten: an existing file raises unless
-    ``overwrite=True``) and filled in chunks, so no step of the allocation holds a whole table in
-    anonymous memory. :meth:`flush` writes the dirty pages to disk; checkpoints copy the files.
+    ``overwrite=True``; a training loop places such tensors beside the existing file until it
+    knows whether it resumes a checkpoint, see :meth:`claim_existing`) and filled in chunks, so no
+    step of the allocation holds a whole table in anonymous memory. :meth:`flush` writes the dirty
+    pages to disk; checkpoints copy the files.
     """
 
     name = "mmap"
@@ -268,6 +270,11 @@ class MmapStorage(TableStorage):
             raise PermissionError(f"storage_path={str(path)!r} is not writable.")
         self.path = path
         self.overwrite = bool(overwrite)
+        #: place tensors whose file exists beside it, until :meth:`claim_existing` decides (a training loop
+        #: knows only when training starts whether it resumes a checkpoint, whose files these are)
+        self.defer_existing = False
+        #: the existing file each deferred tensor replaces, by the id of its storage
+        self.deferred: dict[int, pathlib.Path] = {}
         #: the file of every placed tensor, by the id of its storage
         self.files: dict[int, pathlib.Path] = {}
         self._arrays: dict[int, np.memmap] = {}
@@ -281,12 +288,11 @@ class MmapStorage(TableStorage):
     def place(self, label: str, shape: Sequence[int], dtype: torch.dtype, fill: float = 0.0) -> torch.Tensor:  # noqa: D102
         if dtype not in _NUMPY_DTYPES:
             raise TypeError(f"storage='mmap' supports {sorted(map(str, _NUMPY_DTYPES))} tables, not {dtype}.")
-        file = self.path / f"{label}.npy"
+        file = target = self.path / f"{label}.npy"
         if file.exists() and not self.overwrite:
-            raise FileExistsError(
-                f"{file} exists (from an earlier run?). Remove it, use another storage_path, or pass "
-                f"storage_kwargs=dict(overwrite=True)."
-            )
+            if not self.defer_existing:
+                raise FileExistsError(_exists_message(file))
+            file = file.with_name(f"{file.name}.new-{os.getpid()}")  # beside it; the existing file stays
         array = np.lib.format.open_memmap(file, mode="w+", dtype=_NUMPY_DTYPES[dtype], shape=tuple(shape))
         _advise_random(array)
         if fill != 0:  # a new file reads as zeros
@@ -296,11 +302,38 @@ class MmapStorage(TableStorage):
         tensor = torch.from_numpy(array)
         self.files[_key(tensor)] = file
         self._arrays[_key(tensor)] = array
+        if file != target:
+            self.deferred[_key(tensor)] = target
         return tensor
+
+    def claim_existing(self, resuming: bool) -> None:
+        """Decide about the existing files the tensors were placed beside (see :attr:`defer_existing`).
+
+        :param resuming: a checkpoint is being resumed: the files are its run's, and are replaced (the
+            checkpoint's copies then fill the tables); else the placed files are removed and the files
+            of the earlier run are refused as without deferring
+        :raises FileExistsError: if there are such files and no checkpoint is resumed
+        """
+        deferred, self.deferred = self.deferred, {}
+        if not deferred:
+            return
+        if resuming:
+            for key, target in deferred.items():
+                os.replace(self.files[key], target)  # the memory map stays valid: it maps the file, not its name
+                self.files[key] = target
+            logger.info("storage='mmap': resuming a checkpoint, its run's files under %s are replaced.", self.path)
+            return
+        for key in deferred:
+            self.files[key].unlink(missing_ok=True)
+        raise FileExistsError(
+            f"{_exists_message(min(deferred.values()))} No checkpoint is being resumed (train(checkpoint_name=...) "
+            f"with an existing checkpoint would resume it and reuse the files)."
+        )
 
     def release(self, tensor: torch.Tensor) -> None:  # noqa: D102
         file = self.files.pop(_key(tensor), None)
         self._arrays.pop(_key(tensor), None)
+        self.deferred.pop(_key(tensor), None)
         if file is not None:
             file.unlink(missing_ok=True)
 
@@ -439,6 +472,13 @@ storage_resolver: ClassResolver[TableStorage] = ClassResolver(
     base=TableStorage,  # type: ignore[type-abstract]
     suffix="Storage",
 )
+
+
+def _exists_message(file: pathlib.Path) -> str:
+    return (
+        f"{file} exists (from an earlier run?). Remove it, use another storage_path, or pass "
+        f"storage_kwargs=dict(overwrite=True)."
+    )
 
 
 def make_storage(

@@ -9,6 +9,7 @@ ordinary PyKEEN model (``predict_target``, stock evaluation, ``torch.load``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import pathlib
 from collections.abc import Iterator
@@ -19,8 +20,10 @@ import torch
 from .topology import Topology, make_topology
 
 __all__ = [
+    "check_whole_model",
     "export_model",
     "gathered_model",
+    "guard_pipeline_results",
     "save_to_directory",
 ]
 
@@ -96,6 +99,47 @@ def export_model(model: Any, path: str | os.PathLike) -> None:
         if full is not None:
             torch.save(full, pathlib.Path(path))
     _barrier(model)
+
+
+def check_whole_model(model: Any) -> None:
+    """Raise :class:`pickle.PicklingError` if ``model`` holds partial entity tables (some shards of a process group)."""
+    from ..representation import ShardedEmbedding
+
+    for module in model.modules():
+        if isinstance(module, ShardedEmbedding):
+            module.check_whole()
+
+
+def guard_pipeline_results() -> None:
+    """Make ``PipelineResult.save_model`` and ``save_to_directory`` refuse a partial model before writing anything.
+
+    Pickling a partial table fails (:meth:`~pykeen_bess.representation.ShardedEmbedding.check_whole`),
+    but only once :func:`torch.save` has opened the file: a good model at that path would be replaced
+    by a truncated file (and ``save_to_directory`` would first replace the directory's results). The
+    training loop installs this guard (once, idempotently) when training leaves the model sharded over
+    processes; a whole model (e.g. inside :func:`save_to_directory` of this module) saves as before.
+    Saving a partial model with ``torch.save`` directly still fails only while writing.
+    """
+    from pykeen.pipeline.api import PipelineResult
+
+    if getattr(PipelineResult.save_model, "_bess_guarded", False):
+        return
+    save_model, save_directory = PipelineResult.save_model, PipelineResult.save_to_directory
+
+    @functools.wraps(save_model)
+    def guarded_save_model(self: Any, path: Any, *args: Any, **kwargs: Any) -> None:
+        check_whole_model(self.model)
+        save_model(self, path, *args, **kwargs)
+
+    @functools.wraps(save_directory)
+    def guarded_save_to_directory(self: Any, directory: Any, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("save_replicates", True):
+            check_whole_model(self.model)
+        save_directory(self, directory, *args, **kwargs)
+
+    guarded_save_model._bess_guarded = True  # type: ignore[attr-defined]
+    PipelineResult.save_model = guarded_save_model  # type: ignore[method-assign]
+    PipelineResult.save_to_directory = guarded_save_to_directory  # type: ignore[method-assign]
 
 
 def save_to_directory(result: Any, directory: str | os.PathLike, **kwargs: Any) -> None:

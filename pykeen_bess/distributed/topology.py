@@ -49,6 +49,7 @@ __all__ = [
     "Topology",
     "check_leading",
     "make_topology",
+    "shard_count_advice",
 ]
 
 #: the reductions of :meth:`Topology.all_reduce`
@@ -423,8 +424,8 @@ def make_topology(
         if replicas is None and replica_grouping is None and num_shards not in (None, world_size):
             raise ValueError(
                 f"num_shards={num_shards} differs from the process group's size {world_size}; under "
-                f"torch.distributed every rank holds one shard (leave num_shards unset), or give replicas="
-                f"{max(1, world_size // num_shards)} so that num_shards * replicas == {world_size}."
+                f"torch.distributed every rank holds one shard (leave num_shards unset)"
+                f"{shard_count_advice(world_size, num_shards)}"
             )
         layout = RankLayout.create(world_size, num_shards, replicas, replica_grouping)
         return DistributedTopology(process_group, layout)
@@ -434,6 +435,23 @@ def make_topology(
             f"(torchrun); in one process every shard is held once."
         )
     return LocalTopology(1 if num_shards is None else num_shards)
+
+
+def shard_count_advice(world_size: int, num_shards: int) -> str:
+    """Return how ``num_shards`` shards can fit ``world_size`` ranks (the end of an error message).
+
+    Each shard needs the same number of replicas, so ``num_shards`` must divide the world size:
+    then ``replicas`` says how many; else the shard counts that divide it, or world sizes that
+    ``num_shards`` divides.
+    """
+    if num_shards <= world_size and world_size % num_shards == 0:
+        return f", or give replicas={world_size // num_shards} so that num_shards * replicas == {world_size}."
+    divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+    return (
+        f". {num_shards} shards cannot share {world_size} ranks (every shard needs the same number of replicas): "
+        f"use num_shards in {divisors} (with replicas = {world_size} / num_shards), or run {num_shards} shards on "
+        f"a multiple of {num_shards} ranks (e.g. torchrun --nproc-per-node={num_shards})."
+    )
 
 
 def _is_device_mesh(value: Any) -> bool:

@@ -18,11 +18,12 @@
 * :mod:`~pykeen_bess.training.loop`: :class:`BessTrainingLoop`, which assembles them.
 """
 
-from .config import SUPPORTED_MODEL_EXAMPLES, BessConfig
+from .config import SUPPORTED_MODEL_EXAMPLES, BessConfig, UnsupportedModelError
 from .loop import BessTrainingLoop
 
 __all__ = [
     "SUPPORTED_MODEL_EXAMPLES",
     "BessConfig",
     "BessTrainingLoop",
+    "UnsupportedModelError",
 ]

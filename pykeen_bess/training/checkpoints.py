@@ -36,6 +36,7 @@ from pykeen.triples import CoreTriplesFactory
 
 from ..sharding import RandomSharding
 from .checkpoint_files import (
+    POINTER_FORMAT,
     latest_own_version,
     pointer_file,
     pointer_shards,
@@ -49,6 +50,7 @@ from .checkpoint_files import (
 __all__ = [
     "CHECKPOINT_FORMATS",
     "CHECKPOINT_RETRIEVALS",
+    "checkpoint_seed",
     "tables_directory",
     "CheckpointStore",
     "FileCheckpointStore",
@@ -89,6 +91,34 @@ def check_pointer_sharding(path: pathlib.Path, pointer: Mapping[str, Any], shard
         f"derives for its {pointer_shards(pointer)} shards ({derived.fingerprint}): resume it with the sharding, "
         "seed and training triples it was written with."
     )
+
+
+def peek_checkpoint(path: pathlib.Path) -> dict[str, Any] | None:
+    """Return the dictionary of the checkpoint file at ``path`` memory-mapped (tensors not read), None if none."""
+    if not path.is_file():
+        return None
+    try:
+        content = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    except RuntimeError:  # not the zip format memory maps need (written with another serialization)
+        content = torch.load(path, map_location="cpu", weights_only=False)
+    return content if isinstance(content, dict) else None
+
+
+def checkpoint_seed(path: pathlib.Path) -> int | None:
+    """Return the seed a loop without an explicit ``seed`` derives for the checkpoint at ``path`` (None: no checkpoint).
+
+    A distributed checkpoint's pointer records the loop's seed; a single file records the model's
+    random seed (PyKEEN's ``random_seed`` entry), from which such a loop derived its seed.
+    """
+    content = peek_checkpoint(pathlib.Path(path))
+    if content is None:
+        return None
+    if content.get("format") == POINTER_FORMAT:
+        return int(content["seed"]) if content.get("seed") is not None else None
+    if "checksum" not in content:  # not a checkpoint of a training loop
+        return None
+    seed = content.get("random_seed")
+    return 0 if seed is None else int(seed)
 
 
 def tables_directory(file: pathlib.Path) -> pathlib.Path:

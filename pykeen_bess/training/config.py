@@ -39,6 +39,7 @@ __all__ = [
     "PARTITIONS",
     "SUPPORTED_MODEL_EXAMPLES",
     "BessConfig",
+    "UnsupportedModelError",
     "check_integer",
     "check_model",
     "check_triples_fit_model",
@@ -67,6 +68,15 @@ SUPPORTED_MODEL_EXAMPLES = (
     "InterHT",
     "TranS",
 )
+
+
+class UnsupportedModelError(ValueError, NotImplementedError):
+    """A model BESS cannot shard or train (raised by :func:`check_model` when the loop is created).
+
+    A :class:`ValueError` (as before) and a :class:`NotImplementedError`, the type PyKEEN raises for
+    models its own loops cannot train in some way (e.g. sub-batching with batch normalization), so
+    callers catching either keep working.
+    """
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -199,7 +209,11 @@ def check_num_negs(num_negs_per_pos: Any, n_shard: int) -> int:
 def resolve_negative_sampler(
     negative_sampler: HintOrType[NegativeSampler], negative_sampler_kwargs: OptionalKwargs, num_negs_per_pos: int | None
 ) -> int | None:
-    """Accept only what is meaningful for BESS from PyKEEN's negative sampler arguments."""
+    """Accept only what is meaningful for BESS from PyKEEN's negative sampler arguments.
+
+    ``num_negs_per_pos`` is used; ``filterer=None`` (and ``filterer_kwargs=None``), PyKEEN's "no
+    filtering", is accepted; anything else is refused.
+    """
     if negative_sampler is not None and negative_sampler_resolver.lookup(negative_sampler) is not BasicNegativeSampler:
         raise ValueError(
             f"BessTrainingLoop draws its own balanced negatives shared within blocks; negative_sampler="
@@ -208,6 +222,15 @@ def resolve_negative_sampler(
         )
     kwargs = dict(negative_sampler_kwargs or {})
     from_sampler = kwargs.pop("num_negs_per_pos", None)
+    # PyKEEN's way of saying "no filtering" (its sLCWA defaults and configs pass filterer=None)
+    for key in ("filterer", "filterer_kwargs"):
+        if key in kwargs and kwargs[key] is None:
+            del kwargs[key]
+    if "filterer" in kwargs:
+        raise ValueError(
+            f"negative_sampler_kwargs=dict(filterer={kwargs['filterer']!r}) is not supported: BESS does not filter "
+            f"false negatives (its negatives are shared within blocks). Leave filterer unset or None."
+        )
     if kwargs:
         raise ValueError(
             f"Unsupported negative_sampler_kwargs for BESS: {sorted(kwargs)}. Only num_negs_per_pos is used; choose "
@@ -224,7 +247,8 @@ def resolve_negative_sampler(
 def check_model(model: Model) -> list[Embedding]:
     """Check that BESS can shard the model; return its entity embeddings.
 
-    :raises ValueError: naming what is not supported and the supported models
+    :raises UnsupportedModelError: (a ValueError and NotImplementedError) naming what is not supported and the
+        supported models
     """
     supported = (
         f"ERModel subclasses whose entity representations are pykeen.nn.Embedding (models such as "
@@ -232,11 +256,11 @@ def check_model(model: Model) -> list[Embedding]:
         f"(e.g. interaction='TripleRE' or 'LineaRE')"
     )
     if not isinstance(model, ERModel):
-        raise ValueError(f"BESS cannot shard {type(model).__name__}: supported are {supported}.")
+        raise UnsupportedModelError(f"BESS cannot shard {type(model).__name__}: supported are {supported}.")
     embeddings = list(model.entity_representations)
     for representation in embeddings:
         if type(representation) is not Embedding:
-            raise ValueError(
+            raise UnsupportedModelError(
                 f"BESS cannot shard {type(model).__name__}: its entity representation {type(representation).__name__} "
                 f"is not a plain pykeen.nn.Embedding. Supported are {supported}."
             )
@@ -245,7 +269,7 @@ def check_model(model: Model) -> list[Embedding]:
         if not isinstance(module, Regularizer) or isinstance(module, NoRegularizer) or not bool(module.weight):
             continue
         if any(id(p) in entity_weights for p in module.tracked_parameters):
-            raise ValueError(
+            raise UnsupportedModelError(
                 f"BESS cannot train {type(model).__name__} with its {type(module).__name__}: it regularizes the whole "
                 f"entity table every step, which is never in one place under BESS. Give it weight 0 (for TransH: "
                 f"model_kwargs=dict(regularizer='normlimit', regularizer_kwargs=dict(weight=0.0)))."
@@ -253,13 +277,13 @@ def check_model(model: Model) -> list[Embedding]:
     for representation in embeddings:
         regularizer = representation.regularizer
         if regularizer is not None and regularizer.apply_only_once:
-            raise ValueError(
+            raise UnsupportedModelError(
                 f"BESS does not support regularizers with apply_only_once=True on entity representations "
                 f"({type(regularizer).__name__} of {type(model).__name__}): PyKEEN applies them to the first lookup of "
                 f"a batch only, which has no counterpart in a step split over shards."
             )
     if get_batchnorm_modules(model):
-        raise ValueError(
+        raise UnsupportedModelError(
             f"BESS cannot train {type(model).__name__}: it has batch normalization layers, whose statistics would "
             f"depend on how a step is split into blocks."
         )

@@ -20,9 +20,17 @@ deliberately in these points:
    given.
 5. Only the main process shows progress bars and logs to the result tracker.
 6. ``slice_size``, ``sampler``, ``num_workers``, ``drop_last`` and ``pin_memory`` do not apply:
-   BESS draws its own balanced, padded batches in the main process.
+   BESS draws its own balanced, padded batches in the main process. As in PyKEEN, ``drop_last=True``
+   with a ``batch_size`` larger than the training triples raises
+   :class:`~pykeen.training.training_loop.NoTrainingBatchError` (PyKEEN would drop its only batch).
 7. Under a process group a failure writes no failure checkpoint (the other ranks may be
    unreachable); checkpoints are written by the loop's checkpoint store (atomic or versioned).
+
+8. PyKEEN's per-batch hooks: a subclass's ``_process_batch`` (one sub-batch's loss) is called for every
+   sub-batch of every step (by the eager step, which then trains every step). ``_train_epoch`` and
+   ``_forward_pass`` are not called: a BESS step gathers its rows once for all its sub-batches and
+   checks the loss summed over them and over the processes (point 1), so a loop refuses a subclass
+   that overrides them when it is created.
 
 The failure branch otherwise matches PyKEEN's: a ``RuntimeError`` or ``MemoryError`` writes the
 failure checkpoint (handing it the best-epoch model when there is one), deletes the temporary
@@ -49,7 +57,7 @@ from pykeen.training.callbacks import (
     TrainingCallbackHint,
     TrainingCallbackKwargsHint,
 )
-from pykeen.training.training_loop import NonFiniteLossError
+from pykeen.training.training_loop import NonFiniteLossError, NoTrainingBatchError
 from pykeen.triples import CoreTriplesFactory
 import torch
 from tqdm.autonotebook import tqdm, trange
@@ -102,13 +110,16 @@ def run_epochs(
         raise ValueError("BessTrainingLoop does not support slice_size; use sub_batch_size.")
     if sampler is not None:
         raise ValueError(f"BessTrainingLoop draws its own balanced batches; sampler={sampler!r} is not supported.")
-    if drop_last:
-        logger.info("drop_last has no effect: BESS steps never have incomplete batches (they are padded).")
     if num_workers:
         logger.info("num_workers has no effect: BESS sampling is vectorised in the main process.")
     topology = loop.topology
     main = topology.is_main_process
     partition = loop.partition(triples_factory)
+    if drop_last:
+        if batch_size is not None and batch_size > partition.num_triples:
+            # PyKEEN's data loader would drop its only, incomplete batch: no batch at all
+            raise NoTrainingBatchError()
+        logger.info("drop_last has no effect: BESS steps never have incomplete batches (they are padded).")
 
     callback = MultiTrainingCallback(callbacks=callbacks, callbacks_kwargs=callbacks_kwargs)
     if loop.result_tracker is not None and main:
@@ -302,7 +313,8 @@ def _step(
 ) -> float:
     """One step: forward and backward, the global loss, then the callbacks (the optimizer step among them)."""
     callback.pre_batch()
-    local_loss = runner.forward_backward(batch, sub_block_size, label_smoothing)
+    process_batch = loop._process_batch if loop.overrides_process_batch else None
+    local_loss = runner.forward_backward(batch, sub_block_size, label_smoothing, process_batch)
     step_loss = float(runner.topology.all_reduce(local_loss))
     if step_loss != step_loss or step_loss in (float("inf"), float("-inf")):
         loop.optimizer.zero_grad(set_to_none=True)
@@ -342,6 +354,14 @@ def _static_step(
     """
     mode = loop.static_step
     if mode is False or only_size_probing or (mode is None and loop.device.type != "cuda"):
+        return None
+    if loop.overrides_process_batch:  # the hook runs on the host for every sub-batch: the eager step calls it
+        if mode:
+            raise ValueError(
+                f"static_step=True: {type(loop).__name__} overrides _process_batch, which only the eager step calls; "
+                f"pass static_step=False or None."
+            )
+        logger.info("BESS: the eager step trains this loop, whose subclass overrides _process_batch.")
         return None
     obstacle = static_step_obstacle(
         runner,

@@ -19,6 +19,7 @@ from typing import Any, ClassVar, cast
 
 import torch
 from class_resolver import HintOrType, OptionalKwargs
+from pykeen.constants import PYKEEN_CHECKPOINTS
 from pykeen.models import ERModel, Model
 from pykeen.sampling import NegativeSampler
 from pykeen.stoppers import Stopper
@@ -36,9 +37,9 @@ from ..sampling import DEFAULT_NEGATIVES, BessSampler, Corruption
 from ..schemes import ExchangeScheme
 from ..scoring import SharedCandidateScorer
 from ..sharding import EntitySharding, ShardingStrategy
-from ..storage import TableStorage, make_storage
+from ..storage import MmapStorage, TableStorage, make_storage
 from ..threads import ThreadsHint, resolve_threads
-from .checkpoints import CheckpointStore
+from .checkpoints import CheckpointStore, checkpoint_seed
 from .pbg_checkpoints import PbgCheckpointStore, prepare_pbg_checkpoint
 from .config import (
     BessConfig,
@@ -64,6 +65,10 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
+#: PyKEEN's training-loop hooks that a BESS step does not call (see :mod:`pykeen_bess.training.epochs`, point 8)
+UNCALLED_HOOKS = ("_train_epoch", "_forward_pass")
+
+
 class BessTrainingLoop(SLCWATrainingLoop):
     """Train any PyKEEN ``ERModel`` with embedding tables with BESS.
 
@@ -73,6 +78,9 @@ class BessTrainingLoop(SLCWATrainingLoop):
     all positives of a step share ``num_negs_per_pos`` negatives drawn equally from every shard
     (``negatives="block"``: every block draws its own).
     See :mod:`pykeen_bess.sampling` for what an epoch is.
+
+    Of PyKEEN's per-batch hooks, a subclass may override :meth:`_process_batch` (one sub-batch's
+    loss); overriding ``_train_epoch`` or ``_forward_pass``, which the loop never calls, is refused.
     """
 
     #: The knobs HPO tunes (they are ``train()`` keyword arguments, see :meth:`train`)
@@ -138,7 +146,8 @@ class BessTrainingLoop(SLCWATrainingLoop):
             ``train()`` argument (what HPO tunes). Default: 64 rounded up to a multiple of
             ``num_shards``.
         :param seed: the seed of the sharding, the sampler and the initial tables; defaults to the
-            model's random seed (``pipeline(random_seed=...)``; under a process group rank 0's), else 0
+            model's random seed (``pipeline(random_seed=...)``; under a process group rank 0's), else 0; without
+            it, a checkpoint being resumed brings its own (see :meth:`_adopt_checkpoint_seed`)
         :param sparse_updates: update the shard tables row-sparsely (see :mod:`pykeen_bess.optim`);
             set False to use any optimizer densely
         :param process_group: a ``torch.distributed`` process group to train in (default: the
@@ -157,9 +166,13 @@ class BessTrainingLoop(SLCWATrainingLoop):
             ``"device"`` (default), ``"host"`` (host memory; each step moves its rows to the device and back),
             ``"mmap"`` (``.npy`` memory maps under ``storage_path``) or a :class:`~pykeen_bess.storage.TableStorage`
         :param storage_path: the directory of ``storage="mmap"``'s files
-        :param storage_kwargs: further arguments of the storage class (e.g. ``overwrite=True``)
+        :param storage_kwargs: further arguments of the storage class (e.g. ``overwrite=True``). Without
+            ``overwrite``, files of an earlier run under ``storage_path`` are refused when training starts,
+            unless ``train()`` resumes a checkpoint (``checkpoint_name`` of an existing checkpoint): then they
+            are its run's, and are replaced
         :param negative_sampler: None or PyKEEN's basic sampler (BESS draws its own negatives)
-        :param negative_sampler_kwargs: only ``num_negs_per_pos`` is meaningful
+        :param negative_sampler_kwargs: only ``num_negs_per_pos`` is meaningful (``filterer=None``, PyKEEN's
+            "no filtering", is accepted)
         :param num_threads: intra-op CPU threads (:mod:`pykeen_bess.threads`): ``"auto"`` (measured), an
             integer, or None (torch's setting)
         :param host_allocator: ``"auto"`` (on the CPU: glibc keeps freed blocks, :mod:`pykeen_bess.allocator`)
@@ -184,14 +197,25 @@ class BessTrainingLoop(SLCWATrainingLoop):
         :param kwargs: passed to :class:`pykeen.training.TrainingLoop` (optimizer, lr scheduler,
             result tracker, loss weighter (every positive's weight is passed to the loss as
             ``pos_weights``, see :mod:`pykeen_bess.loss`; default: a typed graph's relation weights), ...)
-        :raises ValueError: for an unsupported model or invalid parameters
+        :raises ValueError: for invalid parameters
+        :raises UnsupportedModelError: for a model BESS cannot shard (e.g. one with batch normalization, such
+            as ConvE); both a ``ValueError`` and a ``NotImplementedError``
         :raises NotImplementedError: for features BESS does not support (inductive mode)
         """
         if kwargs.get("mode") is not None:
             raise NotImplementedError("BessTrainingLoop supports transductive training only (mode=None).")
+        ignored = [name for name in UNCALLED_HOOKS if getattr(type(self), name) is not getattr(BessTrainingLoop, name)]
+        if ignored:
+            raise NotImplementedError(
+                f"{type(self).__name__} overrides {', '.join(ignored)}, which BessTrainingLoop never calls (its steps "
+                f"gather their rows once for all sub-batches and check the loss over all of them and all processes). "
+                f"Override _process_batch (one sub-batch's loss) instead."
+            )
         num_negs_per_pos = resolve_negative_sampler(negative_sampler, negative_sampler_kwargs, num_negs_per_pos)
         super().__init__(model=model, triples_factory=triples_factory, **kwargs)
         table_storage = make_storage(storage, storage_path, storage_kwargs)
+        if isinstance(table_storage, MmapStorage):  # files of an earlier run: kept until train() knows if it resumes
+            table_storage.defer_existing = True
         if any(parameter.is_meta for parameter in model.parameters()):  # built without its full tables
             materialize(model, table_storage)
         # the optimizer the base class built (or the pipeline passed) defines class and hyper-parameters
@@ -312,6 +336,12 @@ class BessTrainingLoop(SLCWATrainingLoop):
         :returns: the loss of every epoch
         """
         check_integer("num_epochs", num_epochs, minimum=0)
+        if kwargs.get("continue_training") and self.optimizer is None:
+            raise ValueError(
+                "Cannot continue_training: the optimizer (and its state) was released after the last training, as "
+                "train() and pipeline() do by default (clear_optimizer=True). Train with clear_optimizer=False "
+                "(pipeline: training_kwargs=dict(clear_optimizer=False)) to continue training later."
+            )
         if batch_size is not None:
             check_integer("batch_size", batch_size, minimum=1, hint="or None to search the largest that fits")
         if kwargs.get("sub_batch_size") is not None:
@@ -321,6 +351,10 @@ class BessTrainingLoop(SLCWATrainingLoop):
                 self.config, num_negs_per_pos=round_num_negs(num_negs_per_pos, self.topology.n_shard)
             )
         check_triples_fit_model(triples_factory, self.model)
+        self._adopt_checkpoint_seed(kwargs)
+        if isinstance(self.tables.storage, MmapStorage):
+            path = self._checkpoint_path(kwargs)
+            self.tables.storage.claim_existing(resuming=path is not None and path.is_file())
         if isinstance(self.checkpoints, PbgCheckpointStore):
             prepare_pbg_checkpoint(self, kwargs)
         choose_partition(self, self.settings, batch_size, kwargs)
@@ -330,6 +364,44 @@ class BessTrainingLoop(SLCWATrainingLoop):
         self.host_allocator.apply()
         with self.tables.installed(copy_weights=bool(kwargs.get("continue_training"))), self.thread_policy.applied():
             return super().train(triples_factory, num_epochs=num_epochs, batch_size=batch_size, **kwargs)
+
+    @staticmethod
+    def _checkpoint_path(train_kwargs: dict[str, Any]) -> pathlib.Path | None:
+        """Return the checkpoint file ``train()`` resumes if it exists (default: PyKEEN's directory); None: no name."""
+        name = train_kwargs.get("checkpoint_name")
+        if not name:
+            return None
+        directory = train_kwargs.get("checkpoint_directory")
+        return pathlib.Path(PYKEEN_CHECKPOINTS if directory is None else directory) / name
+
+    def _adopt_checkpoint_seed(self, train_kwargs: dict[str, Any]) -> None:
+        """Resuming a checkpoint: shard and sample with the checkpoint's seed where this loop derived its own.
+
+        A loop without an explicit ``seed`` derives it from the model's random seed; PyKEEN restores
+        everything from a checkpoint, whatever the new model's seed. So the seed the checkpoint
+        records (see :func:`~pykeen_bess.training.checkpoints.checkpoint_seed`) wins: the loop is
+        assembled again with it (new tables, whose values the checkpoint then replaces), and resuming
+        continues as the uninterrupted run would. An explicit ``seed`` is kept (a checkpoint of another
+        seed then does not match, and the error says so).
+        """
+        path = self._checkpoint_path(train_kwargs)
+        if path is None or self.settings.seed is not None or isinstance(self.checkpoints, PbgCheckpointStore):
+            return
+        seed = checkpoint_seed(path)
+        if self.topology.is_distributed:  # every rank assembles alike (rank 0 decides)
+            seed = self.topology.broadcast_object(seed)
+        if seed is None or seed == self.config.seed:
+            return
+        logger.info(
+            "Resuming checkpoint %s, written with seed %d: the loop shards and samples with it (this model's random "
+            "seed derives %d).",
+            path,
+            seed,
+            self.config.seed,
+        )
+        self.tables.release_storage()
+        self.settings = dataclasses.replace(self.settings, seed=seed)
+        assemble(self, self.settings, self.config.partition)
 
     def _train(self, triples_factory: CoreTriplesFactory, **kwargs: Any) -> list[float] | None:  # type: ignore[override]
         """Run the BESS epochs (called by PyKEEN's ``TrainingLoop.train``); see :func:`.epochs.run_epochs`."""
@@ -363,8 +435,35 @@ class BessTrainingLoop(SLCWATrainingLoop):
         """Return the slots of a block (PyKEEN's sub-batching splits them)."""
         return batch.block_size
 
-    def _process_batch(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        raise NotImplementedError("A BESS step runs through pykeen_bess.training.step.StepRunner.")
+    def _process_batch(  # type: ignore[override]
+        self,
+        batch: BessBatch,
+        start: int,
+        stop: int,
+        label_smoothing: float = 0.0,
+        slice_size: int | None = None,
+    ) -> torch.Tensor:
+        """Return the loss of the slots ``start:stop`` of every block of the step being run (PyKEEN's hook).
+
+        The loss is this sub-batch's share of the step loss (already reduced over the whole step, so
+        the sub-batches' losses add up to the step loss), a scalar; the step backpropagates it. A
+        subclass may override this hook (e.g. to change or check the loss): the loop then calls it for
+        every sub-batch of every step (the eager step; the static step does not run then). A
+        non-finite loss raises :class:`~pykeen.training.training_loop.NonFiniteLossError` after the
+        step's sub-batches, and the step is not applied.
+
+        :raises RuntimeError: when called outside a step (the step's rows are gathered at its start)
+        """
+        if slice_size is not None:
+            raise ValueError("BessTrainingLoop does not support slice_size; use sub_batch_size.")
+        if self.runner is None:
+            raise RuntimeError("BessTrainingLoop._process_batch computes the loss of a step being run by train().")
+        return self.runner.sub_batch_loss(batch, start, stop, label_smoothing)
+
+    @property
+    def overrides_process_batch(self) -> bool:
+        """Whether a subclass overrides :meth:`_process_batch` (the steps then call it for every sub-batch)."""
+        return type(self)._process_batch is not BessTrainingLoop._process_batch
 
     def _slice_size_search(self, **kwargs: Any) -> int:
         raise MemoryError("BessTrainingLoop does not support slicing; use sub-batching.")

@@ -23,7 +23,7 @@ steps of an epoch otherwise run as :mod:`~pykeen_bess.training.static_step`.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -81,6 +81,10 @@ class StepRunner:
         self.weighted = weighted
         #: the rows of the step being run
         self.rows: RowGather | None = None
+        #: the step being run (within :meth:`forward_backward`)
+        self.batch: BessBatch | None = None
+        #: the part of the last sub-batch's loss every process computes in full (see :meth:`sub_batch_loss`)
+        self._own: torch.Tensor | None = None
         #: the local rows the step updates (of all replicas of the shard), shape: ``[U]``; set by
         #: :meth:`hand_off_gradients`
         self.updated_rows: torch.Tensor | None = None
@@ -129,7 +133,13 @@ class StepRunner:
             table.gradient = row_sparse_grad(weight, rows, values) if rows.numel() else None
             table.touched_values = None  # the union of the replicas' rows: read by the optimizer
 
-    def forward_backward(self, batch: BessBatch, sub_block_size: int, label_smoothing: float) -> torch.Tensor:
+    def forward_backward(
+        self,
+        batch: BessBatch,
+        sub_block_size: int,
+        label_smoothing: float,
+        process_batch: Callable[..., torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """Run forward and backward of all sub-batches of this process' part of a step.
 
         The part is this replica's slots of every block (all slots without replicas), in sub-batches.
@@ -137,38 +147,73 @@ class StepRunner:
         :param batch: the step's plan
         :param sub_block_size: slots per block and sub-batch
         :param label_smoothing: PyKEEN's label smoothing
+        :param process_batch: what computes a sub-batch's loss, called as PyKEEN calls a training loop's
+            ``_process_batch`` (``batch=, start=, stop=, label_smoothing=, slice_size=``); None:
+            :meth:`sub_batch_loss`. A non-finite loss it returns is not backpropagated (the step's loss
+            is then non-finite, and the loop raises).
         :returns: this process' share of the step loss, a float64 scalar on the topology's device
         """
         first, last = self.scheme.slot_range(batch.block_size)
-        self.rows = rows = self.scheme.gather(batch, first, last)
+        self.rows = self.scheme.gather(batch, first, last)
+        self.batch = batch
         total = torch.zeros((), dtype=torch.float64, device=self.topology.device)
-        num_valid = batch.num_valid
+        replicated = self.scheme.replicated_share
+        try:
+            for start in range(first, last, sub_block_size):
+                stop = min(start + sub_block_size, last)
+                self._own = None
+                if process_batch is None:
+                    loss = self.sub_batch_loss(batch, start, stop, label_smoothing)
+                    loss.backward()
+                else:
+                    loss = process_batch(
+                        batch=batch, start=start, stop=stop, label_smoothing=label_smoothing, slice_size=None
+                    )
+                    loss = loss.sum()
+                    if bool(torch.isfinite(loss.detach())):
+                        loss.backward()
+                # terms every process computes in full (the encoding scheme's scores) count with its share
+                own = self._own if self._own is not None else torch.zeros((), dtype=total.dtype)
+                total += (loss.detach().to(total) - own.to(total)) * replicated + own.to(total)
+                self.post_forward_pass()
+        finally:
+            self.batch = None
+        return total
+
+    def sub_batch_loss(self, batch: BessBatch, start: int, stop: int, label_smoothing: float) -> torch.Tensor:
+        """Return the loss of the slots ``start:stop`` of every block of the step being run (not backpropagated).
+
+        The loss is the sub-batch's share of the step loss (PyKEEN's reduction over the step's valid
+        slots, loss weights and regularization terms included), a scalar.
+
+        :raises RuntimeError: outside :meth:`forward_backward` of ``batch`` (the step's rows are gathered there)
+        """
+        rows = self.rows
+        if self.batch is not batch or rows is None:
+            raise RuntimeError(
+                "A BESS sub-batch's loss is computed within its step (StepRunner.forward_backward), which gathers "
+                "the step's rows first."
+            )
         weight_step = 0.0 if batch.weights is None else float(batch.weights.sum(dtype=torch.float64))  # CPU plan
         if batch.weights is None and self.weighted:
             raise ValueError("The loop has a loss weighter, but its sampler's batches carry no weights.")
-        for start in range(first, last, sub_block_size):
-            stop = min(start + sub_block_size, last)
-            scores = self.scheme.scores(batch, rows, start, stop)
-            loss = block_loss(
-                self.loss,
-                scores,
-                num_valid_step=num_valid,
-                label_smoothing=label_smoothing,
-                num_entities=self.num_entities,
-                weight_step=weight_step,
-            )
-            # the terms the scheme did not weigh (e.g. weight regularizers) are replicated: add this
-            # process' share of this sub-batch
-            replicated = self.scheme.replicated_share
-            share = (stop - start) / batch.block_size * self.topology.n_local / self.topology.n_shard * replicated
-            extra = self.collect_regularization_term() * share
-            loss = (loss + extra).sum()  # regularizer terms have shape [1]
-            loss.backward()
-            # terms every process computes in full (the encoding scheme's scores) count with its share
-            own = torch.as_tensor(extra + scores.replicated_regularization).sum().detach().to(total)
-            total += (loss.detach().to(total) - own) * replicated + own
-            self.post_forward_pass()
-        return total
+        scores = self.scheme.scores(batch, rows, start, stop)
+        loss = block_loss(
+            self.loss,
+            scores,
+            num_valid_step=batch.num_valid,
+            label_smoothing=label_smoothing,
+            num_entities=self.num_entities,
+            weight_step=weight_step,
+        )
+        # the terms the scheme did not weigh (e.g. weight regularizers) are replicated: add this
+        # process' share of this sub-batch
+        replicated = self.scheme.replicated_share
+        share = (stop - start) / batch.block_size * self.topology.n_local / self.topology.n_shard * replicated
+        extra = self.collect_regularization_term() * share
+        loss = (loss + extra).sum()  # regularizer terms have shape [1]
+        self._own = torch.as_tensor(extra + scores.replicated_regularization).sum().detach()
+        return loss
 
 
 class GlobalNormClippingCallback(TrainingCallback):

@@ -214,6 +214,19 @@ class ShardTables:
             tables={table.optimizer_parameter: table for table in self},
         )
 
+    def release_storage(self) -> None:
+        """Give the tables' tensors and row state back to their tier (``storage="mmap"``: delete their files).
+
+        For a loop that replaces its tables (it builds new ones); these tables are unusable afterwards.
+        """
+        for table in self.tables:
+            if table.storage.is_parameter:
+                continue
+            for tensor in table.row_state.values():
+                table.storage.release(tensor)
+            table.row_state.clear()
+            table.storage.release(table.weight)
+
     def optimizer_parameters(self) -> list[torch.nn.Parameter]:
         """Return what stands for each table in the optimizer (the parameter, or the handle of a stored table)."""
         return [table.optimizer_parameter for table in self.tables]
@@ -334,6 +347,10 @@ class DistributedShardTables(ShardTables):
     def uninstall(self) -> None:  # noqa: D102
         for table in self.tables:
             table.defer_constraints = False
+        # PyKEEN's result.save_to_directory() must refuse this partial model before it writes anything
+        from ..distributed.export import guard_pipeline_results
+
+        guard_pipeline_results()
 
 
 class StoredShardTables(ShardTables):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pykeen_bess.distributed import LocalTopology, ProbeTopology, harness, make_topology
+from pykeen_bess.distributed.topology import shard_count_advice
 
 
 def test_local_topology_collectives_are_transposes_and_copies() -> None:
@@ -33,6 +34,19 @@ def test_probe_topology_keeps_shapes_without_communicating() -> None:
     assert probe.all_gather(torch.zeros(2, 5)).shape == (2, 2, 5)
     assert probe.all_gather_once(torch.zeros(2, 5)).shape == (2, 5)
     assert probe.all_to_all(torch.zeros(2, 2, 3)).shape == (2, 2, 3)
+
+
+@pytest.mark.parametrize(("world_size", "num_shards"), [(2, 3), (4, 3), (6, 4), (8, 4), (6, 3), (2, 1)])
+def test_shard_count_advice_can_be_followed(world_size: int, num_shards: int) -> None:
+    """The advice for num_shards that differs from the world size names settings that exist."""
+    advice = shard_count_advice(world_size, num_shards)
+    if world_size % num_shards == 0:
+        replicas = world_size // num_shards
+        assert f"replicas={replicas} " in advice and num_shards * replicas == world_size
+    else:
+        assert "replicas=" not in advice
+        assert f"num_shards in {[d for d in range(1, world_size + 1) if world_size % d == 0]}" in advice
+        assert f"--nproc-per-node={num_shards}" in advice
 
 
 def test_make_topology_without_a_group() -> None:

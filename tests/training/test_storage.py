@@ -248,6 +248,41 @@ def test_checkpoints_resume_identically(nations, tmp_path, tier) -> None:
         assert len([p for p in path.iterdir() if p.name.endswith(".tables")]) == 1
 
 
+def test_mmap_files_of_a_resumed_checkpoint_are_reused_without_overwrite(nations, tmp_path) -> None:
+    """The same command again resumes its checkpoint; without a checkpoint the earlier files stay refused."""
+    factory = factory_of(nations)
+    (tmp_path / "a").mkdir()
+    full = train(make_loop(factory, "mmap", tmp_path / "a"), factory)
+    path, storage_dir = tmp_path / "ck", tmp_path / "b"
+    path.mkdir()
+    storage_dir.mkdir()
+
+    def mmap_loop() -> BessTrainingLoop:  # no overwrite=True
+        model = DistMult(triples_factory=factory, embedding_dim=8, random_seed=0)
+        return BessTrainingLoop(
+            model=model,
+            triples_factory=factory,
+            num_shards=3,
+            num_negs_per_pos=6,
+            seed=3,
+            optimizer="adam",
+            optimizer_kwargs=dict(lr=0.05),
+            automatic_memory_optimization=False,
+            storage="mmap",
+            storage_path=storage_dir,
+        )
+
+    first = train_with_checkpoints(mmap_loop(), factory, 1, path)
+    rest = train_with_checkpoints(mmap_loop(), factory, 2, path)
+    assert first + rest == full
+    assert sorted(p.name for p in storage_dir.iterdir()) == sorted(p.name for p in (tmp_path / "a").iterdir())
+    # no checkpoint to resume: the earlier run's files are refused, and left as they were
+    before = {p.name: p.read_bytes() for p in storage_dir.iterdir()}
+    with pytest.raises(FileExistsError, match="overwrite=True.*No checkpoint is being resumed"):
+        train(mmap_loop(), factory)
+    assert {p.name: p.read_bytes() for p in storage_dir.iterdir()} == before
+
+
 def test_resuming_with_another_storage_is_refused(nations, tmp_path) -> None:
     factory = factory_of(nations)
     train_with_checkpoints(make_loop(factory, "host", tmp_path), factory, 1, tmp_path)

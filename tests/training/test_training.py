@@ -629,3 +629,11 @@ def test_dataclasses_holding_tensors_compare_by_identity() -> None:
     ):
         assert value == value
         assert (value == twin) is (value is twin)
+
+
+def test_continue_training_after_the_optimizer_was_cleared(small_factory: CoreTriplesFactory) -> None:
+    """pipeline() clears the optimizer by default: continuing says what to do instead of an AttributeError."""
+    loop = make_loop(small_factory, num_shards=2, num_threads=1)
+    loop.train(small_factory, num_epochs=1, batch_size=64, use_tqdm=False, clear_optimizer=True)
+    with pytest.raises(ValueError, match="clear_optimizer=False"):
+        loop.train(small_factory, num_epochs=2, batch_size=64, use_tqdm=False, continue_training=True)
