@@ -201,7 +201,7 @@ def run(args: argparse.Namespace, triples: torch.Tensor, num_shards: int) -> lis
             pass
         synchronize(args.device)
         end = time.perf_counter()
-        steps_per_epoch = len(loop._create_training_data_loader(train, batch_size=args.batch_size))
+        steps_per_epoch = len(loop.epoch_batches(train, batch_size=args.batch_size))
     assert callback.first is not None
     first_step, setup = callback.first - start, callback.first - setup_start
     epoch_seconds = end - callback.first

@@ -30,7 +30,12 @@ deliberately in these points:
    sub-batch of every step (by the eager step, which then trains every step). ``_train_epoch`` and
    ``_forward_pass`` are not called: a BESS step gathers its rows once for all its sub-batches and
    checks the loss summed over them and over the processes (point 1), so a loop refuses a subclass
-   that overrides them when it is created.
+   that overrides them when it is created. PyKEEN's ``evaluation-loss`` callback calls the loop's
+   ``_create_training_data_loader`` and ``_train_epoch`` (``backward=False``) after every epoch: they
+   compute the loss of its triples as PyKEEN's ``SLCWATrainingLoop`` does (PyKEEN's sLCWA batches with
+   the loop's ``num_negs_per_pos`` and ``corruption``, on the model's current tables, without
+   gradients or updates), in one process; under a process group the callback is refused when
+   training starts.
 
 The failure branch otherwise matches PyKEEN's: a ``RuntimeError`` or ``MemoryError`` writes the
 failure checkpoint (handing it the best-epoch model when there is one), deletes the temporary
@@ -171,7 +176,7 @@ def run_epochs(
     else:
         sub_block_size = block_size
 
-    batches = loop._create_training_data_loader(triples_factory, batch_size=block_size * topology.n_shard**2)
+    batches = loop.epoch_batches(triples_factory, batch_size=block_size * topology.n_shard**2)
     runner = loop.runner = loop.make_runner(block_size)
     pre_step: list[TrainingCallback] = []
     if gradient_clipping_max_norm is not None:

@@ -24,8 +24,17 @@ from pykeen.models import ERModel, Model
 from pykeen.sampling import NegativeSampler
 from pykeen.stoppers import Stopper
 from pykeen.training import SLCWATrainingLoop
-from pykeen.training.training_loop import _get_lr_scheduler_kwargs
+from pykeen.training.callbacks import (
+    EvaluationLossTrainingCallback,
+    MultiTrainingCallback,
+    TrainingCallback,
+    TrainingCallbackHint,
+    callback_resolver,
+)
+from pykeen.training.training_loop import NonFiniteLossError, _get_lr_scheduler_kwargs
 from pykeen.triples import CoreTriplesFactory
+from pykeen.triples.instances import BatchedSLCWAInstances
+from torch.utils.data import DataLoader
 
 from ..allocator import AllocatorHint, resolve_allocator
 from ..batch import BessBatch
@@ -65,7 +74,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-#: PyKEEN's training-loop hooks that a BESS step does not call (see :mod:`pykeen_bess.training.epochs`, point 8)
+#: PyKEEN's training-loop hooks that a BESS step does not call (see :mod:`pykeen_bess.training.epochs`, point 8;
+#: ``_train_epoch`` computes only the evaluation-loss callback's loss)
 UNCALLED_HOOKS = ("_train_epoch", "_forward_pass")
 
 
@@ -80,7 +90,9 @@ class BessTrainingLoop(SLCWATrainingLoop):
     See :mod:`pykeen_bess.sampling` for what an epoch is.
 
     Of PyKEEN's per-batch hooks, a subclass may override :meth:`_process_batch` (one sub-batch's
-    loss); overriding ``_train_epoch`` or ``_forward_pass``, which the loop never calls, is refused.
+    loss); overriding ``_train_epoch`` or ``_forward_pass``, which the training steps never call, is refused.
+    PyKEEN's ``evaluation-loss`` callback works in one process: :meth:`_train_epoch` computes the loss
+    of the given triples as PyKEEN's ``SLCWATrainingLoop`` does, with this loop's number of negatives.
     """
 
     #: The knobs HPO tunes (they are ``train()`` keyword arguments, see :meth:`train`)
@@ -207,8 +219,9 @@ class BessTrainingLoop(SLCWATrainingLoop):
         ignored = [name for name in UNCALLED_HOOKS if getattr(type(self), name) is not getattr(BessTrainingLoop, name)]
         if ignored:
             raise NotImplementedError(
-                f"{type(self).__name__} overrides {', '.join(ignored)}, which BessTrainingLoop never calls (its steps "
-                f"gather their rows once for all sub-batches and check the loss over all of them and all processes). "
+                f"{type(self).__name__} overrides {', '.join(ignored)}, which BessTrainingLoop's steps never "
+                f"call (they gather their rows once for all sub-batches and check the loss over all of them and "
+                f"all processes). "
                 f"Override _process_batch (one sub-batch's loss) instead."
             )
         num_negs_per_pos = resolve_negative_sampler(negative_sampler, negative_sampler_kwargs, num_negs_per_pos)
@@ -351,6 +364,8 @@ class BessTrainingLoop(SLCWATrainingLoop):
                 self.config, num_negs_per_pos=round_num_negs(num_negs_per_pos, self.topology.n_shard)
             )
         check_triples_fit_model(triples_factory, self.model)
+        if asks_evaluation_loss(kwargs.get("callbacks")):
+            self.check_evaluation_loss()  # before training starts
         self._adopt_checkpoint_seed(kwargs)
         if isinstance(self.tables.storage, MmapStorage):
             path = self._checkpoint_path(kwargs)
@@ -423,12 +438,113 @@ class BessTrainingLoop(SLCWATrainingLoop):
         self.tables.now_hold_weights()
         return result
 
-    def _create_training_data_loader(  # type: ignore[override]
-        self, triples_factory: CoreTriplesFactory, **kwargs: Any
-    ) -> EpochBatches:
-        """Return the balanced batches of the epochs (``batch_size`` positives per step), not a data loader."""
-        block_size = kwargs["batch_size"] // self.topology.n_shard**2
+    def epoch_batches(self, triples_factory: CoreTriplesFactory, batch_size: int) -> EpochBatches:
+        """Return the balanced batches of the epochs (``batch_size`` positives per step, a multiple of ``n ** 2``)."""
+        block_size = batch_size // self.topology.n_shard**2
         return EpochBatches(self.make_sampler(self.partition(triples_factory), block_size), first_epoch=self._epoch + 1)
+
+    # -- the loss of given triples (PyKEEN's evaluation-loss callback) ---------------------------
+
+    def _create_training_data_loader(
+        self,
+        triples_factory: CoreTriplesFactory,
+        *,
+        batch_size: int,
+        sampler: str | None = None,
+        drop_last: bool = False,
+        **kwargs: Any,
+    ) -> DataLoader:
+        """Return PyKEEN's sLCWA batches of the triples, with this loop's negatives (PyKEEN's hook).
+
+        BESS trains on its own balanced batches (:meth:`epoch_batches`); PyKEEN calls this hook for
+        the loss of other triples (its ``evaluation-loss`` callback, with :meth:`_train_epoch`). The
+        negatives are PyKEEN's basic sampler's, ``num_negs_per_pos`` per positive drawn uniformly from
+        all entities on the sides ``corruption`` names, unfiltered.
+
+        :raises NotImplementedError: under a process group (see :meth:`check_evaluation_loss`)
+        """
+        self.check_evaluation_loss()
+        if sampler is not None:
+            raise ValueError(f"BessTrainingLoop computes the loss of given triples with sampler=None, not {sampler!r}.")
+        sides = {"h": ("head",), "t": ("tail",), "ht": ("head", "tail")}[self.settings.corruption]
+        return DataLoader(
+            dataset=BatchedSLCWAInstances.from_triples_factory(
+                triples_factory,
+                batch_size=batch_size,
+                shuffle=kwargs.pop("shuffle", True),
+                drop_last=drop_last,
+                negative_sampler="basic",
+                negative_sampler_kwargs=dict(num_negs_per_pos=self.config.num_negs_per_pos, corruption_scheme=sides),
+                loss_weighter=self.loss_weighter,
+                loss_weighter_kwargs=self.loss_weighter_kwargs,
+            ),
+            batch_size=None,  # the dataset yields whole batches
+            batch_sampler=None,
+            **kwargs,
+        )
+
+    def _train_epoch(
+        self,
+        batches: DataLoader,
+        callbacks: MultiTrainingCallback,
+        sub_batch_size: int | None,
+        label_smoothing: float,
+        slice_size: int | None,
+        epoch: int,
+        only_size_probing: bool,
+        backward: bool = True,
+    ) -> float:
+        """Return the mean loss of PyKEEN's sLCWA batches (``backward=False``: what the evaluation-loss callback asks).
+
+        BESS's steps never run through this hook (see :mod:`~pykeen_bess.training.epochs`); it computes
+        the loss of given triples as PyKEEN's ``SLCWATrainingLoop`` does, on the model as it is (its
+        entity rows looked up in the shard tables), without gradients and without changing any
+        parameter or optimizer state.
+
+        :raises NotImplementedError: with ``backward=True`` (training runs through ``train()``)
+        :raises NonFiniteLossError: if a batch's loss is non-finite
+        """
+        if backward:
+            raise NotImplementedError("BessTrainingLoop trains through train(); _train_epoch computes losses only.")
+        self.check_evaluation_loss()
+        total, count = 0.0, 0
+        with torch.no_grad():
+            for batch in batches:
+                callbacks.pre_batch()
+                loss = SLCWATrainingLoop._process_batch_static(
+                    model=self.model,
+                    loss=self.loss,
+                    mode=None,
+                    batch=batch,
+                    start=None,
+                    stop=None,
+                    label_smoothing=label_smoothing,
+                )
+                if not torch.isfinite(loss):
+                    raise NonFiniteLossError("Loss is non-finite.")
+                batch_loss = loss.item()
+                self.model.post_forward_pass()
+                total += batch_loss
+                count += 1
+                callbacks.on_batch(epoch=epoch, batch=batch, batch_loss=batch_loss)
+                callbacks.pre_step()
+                callbacks.post_batch(epoch=epoch, batch=batch)
+                if only_size_probing and count > 1:
+                    break
+        return total / max(count, 1)
+
+    def check_evaluation_loss(self) -> None:
+        """Refuse the loss of given triples where no process holds the whole model.
+
+        :raises NotImplementedError: under a process group (each process holds some shards, and PyKEEN's
+            evaluation-loss callback computes its loss in every process alone)
+        """
+        if self.topology.is_distributed:
+            raise NotImplementedError(
+                "PyKEEN's evaluation-loss callback (the loss of given triples) needs the whole model in one process; "
+                "under a process group each process holds only some shards. Evaluate with a stopper (early stopping) "
+                "or after training instead."
+            )
 
     @staticmethod
     def _get_batch_size(batch: BessBatch) -> int:  # type: ignore[override]
@@ -467,6 +583,24 @@ class BessTrainingLoop(SLCWATrainingLoop):
 
     def _slice_size_search(self, **kwargs: Any) -> int:
         raise MemoryError("BessTrainingLoop does not support slicing; use sub-batching.")
+
+
+def asks_evaluation_loss(callbacks: TrainingCallbackHint) -> bool:
+    """Return whether the ``callbacks`` of ``train()`` include PyKEEN's evaluation-loss callback."""
+    hints: list[Any] = list(callbacks) if isinstance(callbacks, list | tuple) else [callbacks]
+    for hint in hints:
+        if hint is None:
+            continue
+        if isinstance(hint, TrainingCallback):
+            kind: type = type(hint)
+        else:
+            try:
+                kind = callback_resolver.lookup(hint)
+            except (KeyError, ValueError, TypeError):
+                continue  # PyKEEN's resolver raises its own error when it makes the callbacks
+        if issubclass(kind, EvaluationLossTrainingCallback):
+            return True
+    return False
 
 
 class EpochBatches:

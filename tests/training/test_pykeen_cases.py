@@ -17,9 +17,12 @@ from pykeen.datasets import Nations
 from pykeen.losses import Loss, loss_resolver
 from pykeen.models import ConvE, TransE
 from pykeen.trackers.base import PythonResultTracker
+from pykeen.training import SLCWATrainingLoop
+from pykeen.training.callbacks import EvaluationLossTrainingCallback, TrainingCallback
 from pykeen.training.training_loop import NonFiniteLossError, NoTrainingBatchError
 from pykeen.triples import CoreTriplesFactory
 
+from pykeen_bess.distributed import Topology
 from pykeen_bess.training import BessTrainingLoop, UnsupportedModelError
 
 LOSSES = sorted(loss_resolver, key=lambda cls: cls.__name__)
@@ -139,7 +142,7 @@ def test_process_batch_hook_is_called(factory: CoreTriplesFactory) -> None:
     plain = make_loop(factory).train(**kwargs)
     loop = make_loop(factory, cls=CountingLoop, static_step=None)
     hooked = loop.train(sub_batch_size=200, **kwargs)
-    steps = 2 * len(loop._create_training_data_loader(factory, batch_size=512))
+    steps = 2 * len(loop.epoch_batches(factory, batch_size=512))
     assert len(loop.calls) == 3 * steps  # 512 slots in sub-batches of 200
     assert loop.calls[:3] == [(0, 200), (200, 400), (400, 512)]
     assert hooked == pytest.approx(plain, rel=1e-5)
@@ -166,6 +169,60 @@ def test_uncalled_hooks_refused(factory: CoreTriplesFactory) -> None:
 
     with pytest.raises(NotImplementedError, match="_train_epoch"):
         make_loop(factory, cls=EpochLoop)
+
+
+class RandomState(TrainingCallback):
+    """Keep torch's random state at the end of every epoch (before the evaluation-loss callback draws)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.states: list[torch.Tensor] = []
+
+    def post_epoch(self, epoch: int, epoch_loss: float, **kwargs) -> None:
+        self.states.append(torch.get_rng_state())
+
+
+@pytest.mark.parametrize("storage", ["device", "host"])
+def test_evaluation_loss_callback(factory: CoreTriplesFactory, storage: str) -> None:
+    """PyKEEN's evaluation-loss callback: one finite loss per epoch, PyKEEN's value, and training unchanged."""
+    validation = Nations().validation
+    kwargs = dict(triples_factory=factory, num_epochs=2, batch_size=256, use_tqdm=False)
+    plain = make_loop(factory, storage=storage, num_shards=2).train(**kwargs)
+    tracker, state = PythonResultTracker(), RandomState()
+    loop = make_loop(factory, storage=storage, num_shards=2, result_tracker=tracker)
+    evaluation = dict(triples_factory=validation, prefix="validation", maximum_batch_size=64)
+    losses = loop.train(**kwargs, callbacks=[state, "evaluation-loss"], callbacks_kwargs=[None, evaluation])
+    assert losses == pytest.approx(plain, rel=1e-6)  # no update, no table write, no change of BESS's draws
+    recorded = [tracker.metrics[epoch]["validation.loss"] for epoch in (1, 2)]
+    assert all(0 < loss < float("inf") for loss in recorded)
+    # PyKEEN's own callback and sLCWA loop on the trained model, with the same random state
+    reference_tracker = PythonResultTracker()
+    reference = SLCWATrainingLoop(
+        model=loop.model,
+        triples_factory=factory,
+        negative_sampler_kwargs=dict(num_negs_per_pos=loop.config.num_negs_per_pos),
+        result_tracker=reference_tracker,
+    )
+    callback = EvaluationLossTrainingCallback(**evaluation)
+    callback.register_training_loop(reference)
+    torch.set_rng_state(state.states[-1])
+    callback.post_epoch(epoch=2, epoch_loss=0.0)
+    assert reference_tracker.metrics[2]["validation.loss"] == pytest.approx(recorded[-1], rel=1e-6)
+
+
+def test_evaluation_loss_refused_under_process_group(factory: CoreTriplesFactory, monkeypatch) -> None:
+    """Under a process group no process holds the whole model: refused before training starts."""
+    loop = make_loop(factory)
+    monkeypatch.setattr(Topology, "is_distributed", property(lambda self: True))
+    with pytest.raises(NotImplementedError, match="evaluation-loss callback"):
+        loop.train(
+            triples_factory=factory,
+            num_epochs=1,
+            batch_size=256,
+            callbacks="evaluation-loss",
+            callbacks_kwargs=dict(triples_factory=factory),
+        )
+    assert loop._epoch == 0
 
 
 def test_batch_norm_model_error_type(factory: CoreTriplesFactory) -> None:
