@@ -119,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument(
         "--dataset",
         help="a PyKEEN dataset name (nations, kinships, umls ship with PyKEEN) or a directory with train.txt, "
-        "valid.txt and test.txt (tab-separated labels) (default: nations)",
+        "valid.txt and test.txt (three tab-separated labels per line: head, relation, tail) (default: nations)",
     )
     data.add_argument(
         "--pbg",
@@ -277,6 +277,8 @@ def load_dataset(name_or_path: str) -> Any:
         missing = [str(file) for file in files.values() if not file.is_file()]
         if missing:
             raise UsageError(f"Dataset directory {path} lacks {', '.join(missing)}.")
+        for file in files.values():
+            check_triple_lines(file)
         return PathDataset(training_path=files["train"], testing_path=files["test"], validation_path=files["valid"])
     try:
         return get_dataset(dataset=name_or_path)
@@ -284,6 +286,26 @@ def load_dataset(name_or_path: str) -> Any:
         raise UsageError(
             f"Unknown dataset {name_or_path!r}: neither a PyKEEN dataset name nor a directory ({error})."
         ) from None
+
+
+def check_triple_lines(path: pathlib.Path) -> None:
+    """Check that every non-blank line of a label TSV file has three tab-separated columns (head, relation, tail).
+
+    PyKEEN's reader would read a shorter line's missing labels as empty strings (an entity ``''``).
+
+    :raises UsageError: naming the file and the first line with another number of columns
+    """
+    with path.open(encoding="utf-8", newline="") as lines:
+        for number, line in enumerate(lines, start=1):
+            line = line.rstrip("\r\n")
+            if not line:
+                continue  # PyKEEN's reader skips blank lines
+            columns = line.count("\t") + 1
+            if columns != 3:
+                raise UsageError(
+                    f"{path}, line {number}: {columns} tab-separated column{'s' if columns != 1 else ''}, expected 3 "
+                    f"(head, relation, tail): {line[:80]!r}"
+                )
 
 
 def load_config(path: pathlib.Path) -> dict[str, Any]:

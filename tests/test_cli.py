@@ -60,6 +60,26 @@ def test_errors_are_one_message_with_exit_status_2(capsys: pytest.CaptureFixture
         assert code == 2 and "need --checkpoint-name" in err
 
 
+@pytest.mark.parametrize("bad", ["Y\tR", "Y\tR\tZ\tW"], ids=["two columns", "four columns"])
+def test_dataset_directory_lines_need_three_columns(
+    capsys: pytest.CaptureFixture, tmp_path: pathlib.Path, bad: str
+) -> None:
+    """A label TSV line with two or four columns is refused, naming the file and the line."""
+    lines = ["a\tr\tb", "b\tr\tc", "c\ts\ta", "", "a\ts\tc"]
+    for name in ("train", "valid", "test"):
+        (tmp_path / f"{name}.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    (tmp_path / "valid.txt").write_text("\n".join([*lines[:2], bad, *lines[2:]]) + "\n", encoding="utf-8")
+    code, out, err = run(capsys, *FAST, "--dataset", str(tmp_path))
+    columns = bad.count("\t") + 1
+    assert code == 2 and out == "" and "Traceback" not in err
+    assert f"{tmp_path / 'valid.txt'}, line 3: {columns} tab-separated columns, expected 3" in err
+    # CRLF line ends and blank lines are fine
+    (tmp_path / "valid.txt").write_text("\r\n".join(lines) + "\r\n", encoding="utf-8")
+    from pykeen_bess.cli import load_dataset
+
+    assert load_dataset(str(tmp_path)).validation.num_triples == 4
+
+
 def test_bad_json_options_are_usage_errors(capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["train", "--model-kwargs", "{not json"])
