@@ -6,6 +6,7 @@ import pathlib
 
 import pytest
 import torch
+from pykeen.models import DistMult
 from pykeen.stoppers import EarlyStopper
 
 from pykeen_bess.distributed import LocalTopology
@@ -85,3 +86,41 @@ def test_resharding_moves_every_row_wise_state(tmp_path: pathlib.Path, new_shard
         assert optimizer_state["sum"].shape == (new.shard_size,)
         assert float(optimizer_state["step"]) == 7.0
         torch.testing.assert_close(state["model_state_dict"]["relation"], torch.ones(3, 2))
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        (dict(embedding_dim=16), "embedding dimension: the checkpoint's shape is [14, 8], this run's [14, 16]"),
+        (dict(model=DistMult), "only in this run ['relation_representations.0.regularizer"),
+        (dict(lr=0.01), "the optimizer's settings: lr: checkpoint 0.001, this run 0.01."),
+        (dict(seed=5), "(balanced shardpairs; resume with training_loop_kwargs=dict(seed=0))"),
+        (dict(num_shards=3), "resume with training_loop_kwargs=dict(num_shards=2)"),
+    ],
+    ids=["dimension", "model", "optimizer", "seed", "shards"],
+)
+def test_a_mismatching_checkpoint_says_what_differs(tmp_path: pathlib.Path, change: dict, expected: str) -> None:
+    """A checkpoint of another configuration: the error says what differs and what the checkpoint holds."""
+    from pykeen.datasets import Nations
+    from pykeen.models import TransE
+    from pykeen.training.training_loop import CheckpointMismatchError
+
+    from pykeen_bess.training import BessTrainingLoop
+
+    factory = Nations().training
+
+    def train(num_epochs: int, embedding_dim: int = 8, model=TransE, lr: float = 0.001, **kwargs) -> None:
+        kwargs.setdefault("num_shards", 2)
+        instance = model(triples_factory=factory, embedding_dim=embedding_dim, random_seed=0)
+        optimizer = torch.optim.Adam(instance.get_grad_params(), lr=lr)
+        loop = BessTrainingLoop(model=instance, triples_factory=factory, optimizer=optimizer, num_threads=1, **kwargs)
+        loop.train(
+            factory, num_epochs=num_epochs, batch_size=256, use_tqdm=False, checkpoint_name="run.pt",
+            checkpoint_directory=tmp_path, checkpoint_frequency=0,
+        )  # fmt: skip
+
+    train(1)
+    with pytest.raises(CheckpointMismatchError) as error:
+        train(2, **change)
+    assert expected in str(error.value)
+    assert "What differs: " in str(error.value)
