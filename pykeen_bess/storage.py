@@ -183,9 +183,10 @@ class DeviceStorage(TableStorage):
         free, _ = torch.cuda.mem_get_info(self.compute_device)
         if num_bytes > free:
             raise MemoryError(
-                f"The shard tables and their optimizer state need {_gib(num_bytes)} on {self.compute_device}, which "
-                f"has {_gib(free)} free. Keep them in host memory (storage='host') or in files (storage='mmap'), "
-                f"use optimizer='rowwise_adagrad' (one float of state per row), or use more shards."
+                f"The shard tables and their optimizer state need {format_bytes(num_bytes)} on "
+                f"{self.compute_device}, which has {format_bytes(free)} free. Keep them in host memory "
+                f"(storage='host') or in files (storage='mmap'), use optimizer='rowwise_adagrad' (one float of state "
+                f"per row), or use more shards."
             )
 
 
@@ -348,9 +349,9 @@ class MmapStorage(TableStorage):
         free = shutil.disk_usage(self.path).free
         if num_bytes > free:
             raise MemoryError(
-                f"The shard tables and their optimizer state need {_gib(num_bytes)} of disk under {self.path}, which "
-                f"has {_gib(free)} free. Use a larger disk, optimizer='rowwise_adagrad' (one float of state per row), "
-                f"or spread the shards over more machines."
+                f"The shard tables and their optimizer state need {format_bytes(num_bytes)} of disk under "
+                f"{self.path}, which has {format_bytes(free)} free. Use a larger disk, "
+                f"optimizer='rowwise_adagrad' (one float of state per row), or spread the shards over more machines."
             )
 
     def read_slice(self, tensor: torch.Tensor, rows: slice) -> torch.Tensor:
@@ -440,8 +441,12 @@ def _chunk_rows(array: Any, chunk_bytes: int = 64 << 20) -> int:
     return max(chunk_bytes // row_bytes, 1)
 
 
-def _gib(num_bytes: float) -> str:
-    return f"{num_bytes / 2**30:.2f} GiB"
+def format_bytes(num_bytes: float) -> str:
+    """Return a byte count in the largest binary unit it fills at least once (``"1.50 GiB"``, ``"12.00 KiB"``)."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(num_bytes) >= size:
+            return f"{num_bytes / size:.2f} {unit}"
+    return f"{int(num_bytes)} B"
 
 
 def available_host_memory() -> int | None:
@@ -460,9 +465,10 @@ def _check_host_memory(num_bytes: int, tier: str) -> None:
     available = available_host_memory()
     if available is not None and num_bytes > available:
         raise MemoryError(
-            f"The shard tables and their optimizer state need {_gib(num_bytes)} of host memory (storage={tier!r}), "
-            f"{_gib(available)} are available. Keep them in files (storage='mmap', storage_path=...), use "
-            f"optimizer='rowwise_adagrad' (one float of state per row), or use more shards over more machines."
+            f"The shard tables and their optimizer state need {format_bytes(num_bytes)} of host memory "
+            f"(storage={tier!r}), {format_bytes(available)} are available. Keep them in files (storage='mmap', "
+            f"storage_path=...), use optimizer='rowwise_adagrad' (one float of state per row), or use more shards "
+            f"over more machines."
         )
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from ..optim import SPARSE_RULES, _sparse_defaults, state_shapes
-from ..storage import _gib
+from ..storage import format_bytes
 
 __all__ = [
     "MemoryPlan",
@@ -75,5 +75,5 @@ class MemoryPlan:
         return (
             f"{self.rows:,} rows per table, {self.bytes_per_entity} bytes per entity "
             f"({self.row_bytes} weights + {self.state_row_bytes} optimizer state), "
-            f"{_gib(self.table_bytes)} tables + {_gib(self.state_bytes)} optimizer state"
+            f"{format_bytes(self.table_bytes)} tables + {format_bytes(self.state_bytes)} optimizer state"
         )

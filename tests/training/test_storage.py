@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import pathlib
+import re
 import subprocess
 import sys
 import textwrap
@@ -365,12 +366,24 @@ def test_bad_storage_settings_fail_before_training(nations, tmp_path, monkeypatc
     monkeypatch.undo()
     # not enough disk, not enough host memory: refused with advice, before a table file exists
     monkeypatch.setattr(storage_module.shutil, "disk_usage", lambda path: _Usage(100))
-    with pytest.raises(MemoryError, match="of disk.*rowwise_adagrad"):
+    with pytest.raises(MemoryError, match="of disk.*rowwise_adagrad") as error:
         make_loop(factory, "mmap", tmp_path)
+    # small tables in a unit that shows them (not "0.00 GiB")
+    assert re.search(r"need \d+\.\d\d KiB of disk .* has 100 B free", str(error.value)), str(error.value)
     monkeypatch.setattr(storage_module, "available_host_memory", lambda: 1000)
-    with pytest.raises(MemoryError, match="host memory.*storage='mmap'"):
+    with pytest.raises(MemoryError, match="host memory.*storage='mmap'") as error:
         make_loop(factory, "host", tmp_path)
+    assert "1000 B are available" in str(error.value) and "0.00 GiB" not in str(error.value)
     assert not list(tmp_path.glob("table0*"))
+
+
+def test_byte_counts_are_shown_in_a_unit_they_fill() -> None:
+    from pykeen_bess.storage import format_bytes
+
+    assert format_bytes(100) == "100 B"
+    assert format_bytes(1536) == "1.50 KiB"
+    assert format_bytes(3 * 2**20) == "3.00 MiB"
+    assert format_bytes(5 * 2**30) == "5.00 GiB"
 
 
 def test_memory_plan_states_bytes_per_entity(nations, tmp_path) -> None:
