@@ -215,7 +215,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     training.add_argument("--sub-batch-size", type=int, help="split each step into sub-batches of this many slots")
     training.add_argument("--optimizer", help="a PyTorch optimizer name (default: adam)")
-    training.add_argument("--lr", type=float, help="learning rate (default: 0.01)")
+    training.add_argument(
+        "--lr",
+        type=float,
+        help="learning rate (default: 0.01, ten times pipeline()'s, which keeps PyKEEN's Adam default 0.001; pass "
+        "--lr 0.001 to match a pipeline() run)",
+    )
     training.add_argument("--optimizer-kwargs", type=_json_object, help="more optimizer options as JSON")
     training.add_argument("--seed", type=int, help="random seed (default: 42)")
     training.add_argument("--device", help="e.g. cpu or cuda (default: PyKEEN's choice)")

@@ -27,6 +27,12 @@ def test_help_is_plain_text() -> None:
         assert "``" not in text and ":mod:" not in text and ":class:" not in text
 
 
+def test_lr_help_says_the_default_differs_from_pipeline() -> None:
+    train = build_parser()._subparsers._group_actions[0].choices["train"]  # type: ignore[union-attr]
+    text = " ".join(train.format_help().split())
+    assert "default: 0.01, ten times pipeline()'s" in text and "0.001" in text
+
+
 def test_the_readme_pipeline_example_from_the_command_line() -> None:
     """README: DistMult d64, 4 shards, embedding exchange, ht corruption, 64 negatives, 100 epochs, batch 512."""
     args = build_parser().parse_args(
