@@ -261,7 +261,12 @@ def build_parser() -> argparse.ArgumentParser:
     evaluation.add_argument(
         "--eval-slice-size", type=int, help="candidates scored at once per shard (default: automatic)"
     )
-    evaluation.add_argument("--output", type=pathlib.Path, help="save the trained model and results here")
+    evaluation.add_argument(
+        "--output",
+        type=pathlib.Path,
+        help="save the trained model and results here (PyKEEN's files; metadata.json records the versions and the "
+        "pipeline() arguments used)",
+    )
     evaluation.add_argument(
         "--export-pbg", type=pathlib.Path, help="write the trained model as a PyTorch-BigGraph checkpoint here"
     )
@@ -474,6 +479,59 @@ def pipeline_kwargs(args: argparse.Namespace, in_group: bool = False) -> dict[st
     return kwargs
 
 
+_OMITTED = object()
+
+
+def _json_value(value: Any, path: str, omitted: list[str]) -> Any:
+    """Return ``value`` as JSON data (a class as its qualified name); ``_OMITTED`` (its path noted) if it has none."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, type):
+        return f"{value.__module__}.{value.__qualname__}"
+    if isinstance(value, Mapping) and all(isinstance(key, str) for key in value):
+        converted = {key: _json_value(item, f"{path}.{key}", omitted) for key, item in value.items()}
+        return {key: item for key, item in converted.items() if item is not _OMITTED}
+    if isinstance(value, list | tuple):
+        items = [_json_value(item, f"{path}[{index}]", omitted) for index, item in enumerate(value)]
+        if all(item is not _OMITTED for item in items):
+            return items
+    omitted.append(path)
+    return _OMITTED
+
+
+def run_metadata(kwargs: Mapping[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """Return what ``--output``'s ``metadata.json`` records of a run.
+
+    The versions of pykeen-bess, PyKEEN and PyTorch, and the keyword arguments of ``pipeline()``
+    that are JSON data (classes by their qualified names; a dataset object by the name or directory
+    it was given as); the paths of the others are listed under ``"omitted"``.
+    """
+    import pykeen.version
+    import torch
+
+    from . import __version__
+
+    omitted: list[str] = []
+    recorded: dict[str, Any] = {}
+    for key, value in kwargs.items():
+        if key == "metadata":
+            continue
+        if key == "dataset" and not isinstance(value, str):
+            source = getattr(args, "pbg", None) or getattr(args, "dataset", None)
+            source = source or (getattr(value, "metadata", None) or {}).get("name")
+            value = str(source) if source is not None else value
+        converted = _json_value(value, key, omitted)
+        if converted is not _OMITTED:
+            recorded[key] = converted
+    return dict(
+        pykeen_bess_version=__version__,
+        pykeen_version=pykeen.version.VERSION,
+        torch_version=torch.__version__,
+        pipeline=recorded,
+        omitted=omitted,
+    )
+
+
 def train(args: argparse.Namespace) -> dict[str, float]:
     """Run the pipeline for parsed arguments; return the flat metric dictionary."""
     from pykeen.pipeline import pipeline
@@ -482,6 +540,7 @@ def train(args: argparse.Namespace) -> dict[str, float]:
 
     group = init_from_environment()
     kwargs = pipeline_kwargs(args, in_group=group is not None)
+    kwargs["metadata"] = {**run_metadata(kwargs, args), **(kwargs.get("metadata") or {})}
     result = pipeline(**kwargs)
     if "output" in args:
         from .distributed import save_to_directory

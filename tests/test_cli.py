@@ -102,6 +102,14 @@ def test_dense_updates_allow_any_optimizer_and_the_model_is_saved(
     assert code == 0, err
     assert 0 < json.loads(out)["both.realistic.inverse_harmonic_mean_rank"] <= 1
     assert (tmp_path / "model" / "trained_model.pkl").is_file()
+    # metadata.json records what the run used
+    metadata = json.loads((tmp_path / "model" / "metadata.json").read_text())
+    assert metadata["pykeen_bess_version"] and metadata["pykeen_version"] and metadata["torch_version"]
+    used = metadata["pipeline"]
+    assert used["dataset"] == "nations" and used["model"] == "DistMult" and used["optimizer"] == "rmsprop"
+    assert used["training_loop"] == "pykeen_bess.training.loop.BessTrainingLoop"
+    assert used["training_kwargs"]["num_epochs"] == 2 and used["training_loop_kwargs"]["sparse_updates"] is False
+    assert used["optimizer_kwargs"] == {"lr": 0.01} and used["random_seed"] == 42
 
 
 def test_checkpoints_early_stopping_and_evaluator_options(
