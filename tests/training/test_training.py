@@ -16,7 +16,7 @@ from pykeen.training.training_loop import NonFiniteLossError
 from pykeen.triples import CoreTriplesFactory
 
 from pykeen_bess.partition import ShardPairPartition
-from pykeen_bess.sampling import BessSampler
+from pykeen_bess.sampling import NEGATIVES
 from pykeen_bess.sharding import EntitySharding
 from pykeen_bess.training import BessTrainingLoop
 
@@ -66,17 +66,24 @@ def make_loop(factory: CoreTriplesFactory, model_cls=DistMult, model_kwargs=None
 
 
 @pytest.mark.parametrize(
-    ("n_shard", "exchange", "clip", "optimizer_name"),
+    ("n_shard", "exchange", "clip", "optimizer_name", "negatives"),
     [
-        (1, "embedding", None, "adagrad"),
-        (3, "embedding", None, "adagrad"),
-        (3, "score", None, "adagrad"),
-        (3, "embedding", 0.05, "adagrad"),
-        (3, "embedding", None, "rowwise_adagrad"),
+        (1, "embedding", None, "adagrad", "step"),
+        (3, "embedding", None, "adagrad", "step"),
+        (3, "embedding", None, "adagrad", "block"),
+        (3, "score", None, "adagrad", "block"),
+        (3, "score", None, "adagrad", "step"),
+        (3, "embedding", 0.05, "adagrad", "step"),
+        (3, "embedding", None, "rowwise_adagrad", "block"),
     ],
 )
 def test_training_equals_dense_reference(
-    small_factory: CoreTriplesFactory, n_shard: int, exchange: str, clip: float | None, optimizer_name: str
+    small_factory: CoreTriplesFactory,
+    n_shard: int,
+    exchange: str,
+    clip: float | None,
+    optimizer_name: str,
+    negatives: str,
 ) -> None:
     """Sharded training, row-sparse updates, constraints and clipping equal a dense global-id implementation."""
     from pykeen.optimizers import optimizer_resolver
@@ -89,6 +96,7 @@ def test_training_equals_dense_reference(
         seed=5,
         optimizer=optimizer_name,
         optimizer_kwargs=dict(lr=0.1),
+        negatives=negatives,
     )
     model = loop.model
     recorder = Recorder()
@@ -111,7 +119,7 @@ def test_training_equals_dense_reference(
         relation.copy_(recorder.initial["relation"])
     optimizer = optimizer_resolver.lookup(optimizer_name)([entity, relation], lr=0.1)
     sharding = loop.sharding  # the loop's (balanced) sharding: the plan is the same, the tables are global
-    sampler = BessSampler(
+    sampler = NEGATIVES[negatives](
         ShardPairPartition.from_triples(small_factory.mapped_triples, sharding),
         block_size=block_size,
         num_negs_per_pos=2 * n_shard,
