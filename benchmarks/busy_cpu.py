@@ -19,6 +19,8 @@ busy run's slowdown against the best idle setting of the same work: a busy neigh
 
 It has no ``--device``: it measures how CPU threads share cores, so everything runs on the CPU.
 
+``--output FILE.json`` writes the table as the benchmarks page reads it (:mod:`result_files`).
+
     python benchmarks/busy_cpu.py --data ../shared/data/wn18rr
 """
 
@@ -39,11 +41,14 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
 from evaluation import load_splits
 from evaluation import make_model as make_evaluation_model
+from result_files import write_result
 from training import load_wn18rr, make_model, time_stock
 
 from pykeen_bess.evaluation import BessEvaluator
 from pykeen_bess.threads import usable_cores
 from pykeen_bess.training import BessTrainingLoop
+
+CPU = torch.device("cpu")
 
 
 @contextlib.contextmanager
@@ -67,7 +72,7 @@ def busy_neighbour(busy: bool) -> Iterator[None]:
 def bess_epoch(tf, num_shards: int, num_threads) -> float:
     """Return positives per second of one BESS epoch."""
     loop = BessTrainingLoop(
-        model=make_model(tf, 256),
+        model=make_model(tf, 256, CPU),
         triples_factory=tf,
         num_shards=num_shards,
         num_negs_per_pos=64,
@@ -98,6 +103,7 @@ def main() -> None:
     parser.add_argument("--data", type=pathlib.Path, required=True, help="the WN18RR directory")
     parser.add_argument("--repeats", type=int, default=2, help="best of this many runs per cell")
     parser.add_argument("--stock-batches", type=int, default=30, help="batches of PyKEEN's stock loop timed")
+    parser.add_argument("--output", type=pathlib.Path, help="write the table as a result file (JSON)")
     args = parser.parse_args()
     cores = usable_cores()
     most = torch.get_num_threads()
@@ -105,14 +111,14 @@ def main() -> None:
         sys.exit("A busy neighbour needs at least 2 usable cores.")
     tf = load_wn18rr(args.data)
     splits = load_splits(args.data)
-    evaluation_model = make_evaluation_model(splits, 256, 0)
+    evaluation_model = make_evaluation_model(splits, 256, 0, CPU)
     settings: list[tuple[str, object]] = [(f"{most} threads", most), ("1 thread", 1), ("auto (default)", "auto")]
     work: dict[str, tuple[str, list[tuple[str, Callable[[], float]]]]] = {
         "BESS training n=1": ("positives/s", [(n, lambda t=t: bess_epoch(tf, 1, t)) for n, t in settings]),
         "BESS training n=4": ("positives/s", [(n, lambda t=t: bess_epoch(tf, 4, t)) for n, t in settings]),
         "PyKEEN sLCWA (stock)": (
             "positives/s",
-            [(f"torch default ({most})", lambda: time_stock(tf, 256, 64, 512, args.stock_batches))],
+            [(f"torch default ({most})", lambda: time_stock(tf, 256, 64, 512, args.stock_batches, CPU))],
         ),
         "BESS evaluation n=1": (
             "test triples/s",
@@ -136,6 +142,44 @@ def main() -> None:
         for setting, _ in cells:
             idle, busy = results[name, setting, False], results[name, setting, True]
             print(f"| {name} ({unit}) | {setting} | {idle:,.0f} | {busy:,.0f} | {best_idle / busy:.2f}x |")
+    if args.output is not None:
+        units = {name: unit for name, (unit, _) in work.items()}
+        configuration = (
+            f'the busy neighbour is `python -c "while True: pass"` pinned to one of {cores} usable cores; one BESS '
+            "epoch of DistMult d256, 64 negatives, batch 512, Adam; PyKEEN's stock loop on "
+            f"{args.stock_batches} batches after the first 5; "
+            f"the filtered test evaluation (BessEvaluator n = 1); best of {args.repeats} "
+            f"runs per cell; units: " + ", ".join(f"{name} {unit}" for name, unit in units.items())
+        )
+        table = dict(
+            title="throughput idle and beside a busy process",
+            rows=result_rows({name: [setting for setting, _ in cells] for name, (_, cells) in work.items()}, results),
+        )
+        device = f"CPU, {cores} usable cores, torch {torch.__version__}"
+        write_result(args.output, "busy CPU", "benchmarks/busy_cpu.py", [table], configuration, device)
+
+
+def result_rows(work: dict[str, list[str]], results: dict[tuple[str, str, bool], float]) -> list[dict]:
+    """The rows of the result file (:mod:`result_files`).
+
+    :param work: the thread settings of each work
+    :param results: the throughput of each (work, setting, busy)
+    """
+    rows = []
+    for name, settings in work.items():
+        best_idle = max(results[name, setting, False] for setting in settings)
+        for setting in settings:
+            idle, busy = results[name, setting, False], results[name, setting, True]
+            rows.append(
+                dict(
+                    work=name,
+                    threads=setting.removesuffix(" threads").removesuffix(" thread"),
+                    idle=idle,
+                    busy_neighbour=busy,
+                    slowdown_vs_best_idle=best_idle / busy,
+                )
+            )
+    return rows
 
 
 if __name__ == "__main__":

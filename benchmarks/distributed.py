@@ -18,6 +18,9 @@ token plan's padding makes more of them).
 
     python benchmarks/distributed.py --data ../shared/data/wn18rr --skewed 40000:50:300000
 
+``--output FILE.json`` writes the table, one per graph, as the benchmarks page reads it
+(:mod:`result_files`).
+
 On a GPU machine pass ``--backend nccl``: every rank computes on its own GPU (``LOCAL_RANK``), so
 every layout's world size must be at most the number of GPUs (checked before any rank starts).
 """
@@ -31,6 +34,8 @@ import pathlib
 import re
 import tempfile
 import time
+
+from result_files import write_result
 
 
 def _peak_rss() -> int:
@@ -105,7 +110,7 @@ def worker(args: argparse.Namespace) -> None:
         predicted_replica_bytes_per_step=predicted_replica,
         peak_rss=_peak_rss(),
     )
-    (args.output / f"rank{result['rank']}.json").write_text(json.dumps(result))
+    (args.rank_output / f"rank{result['rank']}.json").write_text(json.dumps(result))
 
 
 def launch(args: argparse.Namespace, shards: int, replicas: int, exchange: str, output: pathlib.Path) -> list[dict]:
@@ -113,7 +118,7 @@ def launch(args: argparse.Namespace, shards: int, replicas: int, exchange: str, 
     from pykeen_bess.distributed import harness
 
     world_size = shards * replicas
-    command = [__file__, "--worker", "--data", str(args.data), "--output", str(output), "--exchange", exchange]
+    command = [__file__, "--worker", "--data", str(args.data), "--rank-output", str(output), "--exchange", exchange]
     command += ["--world-size", str(world_size), "--shards", str(shards), "--replicas", str(replicas)]
     command += ["--backend", args.backend, "--dim", str(args.dim)]
     command += ["--negatives", str(args.negatives), "--batch-size", str(args.batch_size)]
@@ -161,9 +166,10 @@ def main() -> None:
     parser.add_argument("--negatives", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=512)
     parser.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="threads shared by the ranks")
+    parser.add_argument("--output", type=pathlib.Path, help="write the table as a result file (JSON)")
     # worker mode (internal)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--output", type=pathlib.Path, help=argparse.SUPPRESS)
+    parser.add_argument("--rank-output", type=pathlib.Path, help=argparse.SUPPRESS)
     parser.add_argument("--exchange", default="embedding", help=argparse.SUPPRESS)
     parser.add_argument("--world-size", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--shards", type=int, default=1, help=argparse.SUPPRESS)
@@ -225,6 +231,48 @@ def main() -> None:
             f"{row['bytes']:,.0f} | {row['predicted']:,.0f} | {row['replica_bytes']:,.0f} | "
             f"{row['replica_predicted']:,.0f} | {row['peak']:,.0f} |"
         )
+    if args.output is not None:
+        write_results(args, layouts, rows)
+
+
+def write_results(args: argparse.Namespace, layouts: list[tuple[int, int]], rows: list[dict]) -> None:
+    """Write the rows as a result file (:mod:`result_files`): one table per graph, the page's column names."""
+    keys = (
+        ("graph", "graph"),
+        ("layout", "layout"),
+        ("exchange", "exchange"),
+        ("steps", "steps"),
+        ("throughput", "triples_per_s"),
+        ("bytes", "bytes_per_step"),
+        ("predicted", "bytes_cost_model"),
+        ("replica_bytes", "replica_bytes_per_step"),
+        ("replica_predicted", "replica_cost_model_at_most"),
+        ("peak", "peak_rss_mib"),
+    )
+    tables = [
+        dict(
+            title=f"{graph}, layouts {', '.join(f'{s} x {r}' for s, r in layouts)}",
+            rows=[{name: row[key] for key, name in keys} for row in rows if row["graph"] == graph],
+        )
+        for graph in dict.fromkeys(row["graph"] for row in rows)
+    ]
+    configuration = (
+        f"one epoch of DistMult d{args.dim} (no entity constraint or regularizer), {args.negatives} negatives, Adam, "
+        f"global batch {args.batch_size}; layout = shards (parts) x replicas; exchanges {', '.join(args.exchanges)}"
+        + (
+            f"; the skewed graph {args.skewed} (ENTITIES:RELATIONS:TRIPLES drawn) has Zipf degrees"
+            if args.skewed
+            else ""
+        )
+    )
+    device = (
+        f"CPU, {args.backend} over loopback, one process per rank, the ranks share {args.cores} threads"
+        if args.backend == "gloo"
+        else "one CUDA GPU per rank, nccl"
+    )
+    write_result(
+        args.output, "distributed", "benchmarks/distributed.py", tables, configuration, device, backend=args.backend
+    )
 
 
 if __name__ == "__main__":

@@ -32,6 +32,9 @@ alone (scoring, filtering and counting: :attr:`~pykeen_bess.evaluation.BessEvalu
 without building the filter index, the memory search and PyKEEN's metric computation). Targets: at
 least 20x PyKEEN's best with identical metrics, and at least 30% of the matmul rate.
 
+``--output FILE.json`` writes the rows (every evaluator's metrics too) as the benchmarks page reads
+them (:mod:`result_files`).
+
 Other scripts call :func:`evaluation_rows` (``from evaluation import evaluation_rows`` with
 ``benchmarks/`` on ``sys.path``), which returns the rows as dicts instead of printing a table.
 
@@ -51,7 +54,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
-import json
 import logging
 import math
 import pathlib
@@ -72,6 +74,7 @@ from pykeen.triples.triples_factory import (
 from pykeen.triples.utils import load_triples
 
 from devices import add_device_argument, describe, synchronize
+from result_files import write_result
 from training import generate_graph
 
 from pykeen_bess.evaluation import BessEvaluator
@@ -407,7 +410,7 @@ def main() -> None:
     parser.add_argument("--pykeen-repeats", type=int, default=1, help="timed runs of each PyKEEN evaluator")
     parser.add_argument("--no-warmup", action="store_true", help="time the first run of every evaluator too")
     parser.add_argument("--rtol", type=float, default=1e-6, help="relative tolerance of 'equal' metrics")
-    parser.add_argument("--output", type=pathlib.Path, default=None, help="also write the raw results as JSON here")
+    parser.add_argument("--output", type=pathlib.Path, default=None, help="write the rows as a result file (JSON)")
     add_device_argument(parser)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -430,8 +433,15 @@ def main() -> None:
     )
     print_table(rows)
     if args.output is not None:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(rows, indent=2, default=str))
+        pykeen = args.pykeen_batch_sizes.replace(",", ", ") or "none"
+        configuration = (
+            f"DistMult d{args.dim} (seed 0, no relation regularizer) trained {args.train_epochs} BESS epochs; "
+            "filtered by train + valid, both sides; PyKEEN's RankBasedEvaluator at batch sizes "
+            f"{pykeen} (best of {args.pykeen_repeats}), BessEvaluator n = {args.bess_shards.replace(',', ', ')} "
+            f"(best of {args.repeats}), {'after an untimed run' if not args.no_warmup else 'no untimed run'}; "
+            f"metrics equal within rtol {args.rtol:g}; the matmul rate on the same block shapes"
+        )
+        write_result(args.output, "evaluation", "benchmarks/evaluation.py", rows, configuration, describe(args.device))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ The table gives the wall time, the peak resident memory (the kernel's high-water
 increase over the process after its imports, per triple. ``--skip-pykeen`` leaves PyKEEN out (it
 takes minutes at full size). It has no ``--device``: reading and writing files is host work.
 
+``--output FILE.json`` writes the table as the benchmarks page reads it (:mod:`result_files`).
+
     python benchmarks/pbg_import.py --workdir /tmp/pbg-import
     python benchmarks/pbg_import.py --workdir /tmp/pbg-import --entities 250000 --triples 1700000   # smaller
 """
@@ -26,6 +28,8 @@ import resource
 import subprocess
 import sys
 import time
+
+from result_files import write_result
 
 HERE = pathlib.Path(__file__).parent
 
@@ -107,6 +111,7 @@ def main() -> None:
     parser.add_argument("--partitions", type=int, default=4, help="partitions of the written PBG directory")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-pykeen", action="store_true")
+    parser.add_argument("--output", type=pathlib.Path, help="write the table as a result file (JSON)")
     parser.add_argument("--contender", help=argparse.SUPPRESS)
     args = parser.parse_args()
     tsv = args.workdir / f"graph-{args.entities}-{args.relations}-{args.triples}.tsv"
@@ -133,9 +138,9 @@ def main() -> None:
     size = tsv.stat().st_size
     print(f"\nfile: {size / 2**20:,.0f} MiB, {rows[0][1]['triples']:,} triples, {rows[0][1]['entities']:,} entities\n")
     labels = {
-        "pykeen": "PyKEEN TriplesFactory.from_path",
-        "import_tsv": "pbg.import_tsv",
-        "write": f"pbg.import_tsv + pbg.write ({args.partitions} partitions)",
+        "pykeen": "PyKEEN TriplesFactory.from_path (label TSV)",
+        "import_tsv": "pbg.import_tsv (label TSV)",
+        "write": f"pbg.import_tsv + pbg.write (PBG files, {args.partitions} partitions)",
         "read": f"pbg.read (PBG files, {args.partitions} partitions)",
     }
     print(
@@ -151,6 +156,33 @@ def main() -> None:
             f"| {labels[name]} | {result['seconds']:.1f} | {result['peak'] / 2**30:.2f} | {extra / 2**30:.2f} | "
             f"{extra / result['triples']:.0f} | {ratio} |"
         )
+    if args.output is not None:
+        configuration = (
+            f"a {rows[0][1]['triples']:,}-triple / {rows[0][1]['entities']:,}-entity label TSV ({size / 2**20:,.1f} "
+            f"MiB; generated: {args.entities:,} entities, {args.relations} relations, {args.triples:,} triples drawn, "
+            f"seed {args.seed}), each import in a fresh process"
+        )
+        table = dict(title="imports", rows=result_rows(rows, labels))
+        write_result(args.output, "PBG import", "benchmarks/pbg_import.py", [table], configuration, "CPU (host work)")
+
+
+def result_rows(rows: list[tuple[str, dict]], labels: dict[str, str]) -> list[dict]:
+    """The rows of the result file (:mod:`result_files`): each contender's time and memory, against PyKEEN's time."""
+    pykeen = dict(rows).get("pykeen")
+    written = []
+    for name, result in rows:
+        extra = result["peak"] - result["base"]
+        written.append(
+            dict(
+                importer=labels[name],
+                seconds=result["seconds"],
+                peak_rss_gib=result["peak"] / 2**30,
+                above_imports_gib=extra / 2**30,
+                bytes_per_triple=extra / result["triples"],
+                speedup_vs_pykeen=pykeen["seconds"] / result["seconds"] if pykeen else None,
+            )
+        )
+    return written
 
 
 if __name__ == "__main__":

@@ -23,6 +23,10 @@ and a last line gives, per seed, the MRR difference of each larger shard count f
 
 ``--device`` (:mod:`devices`; default: CUDA when torch sees a GPU) is passed to ``pipeline()``.
 
+``--output FILE.json`` writes the runs as the benchmarks page reads them (:mod:`result_files`): one
+table (the dataset and config) of one row per run, with a mean row per shard count over several
+seeds, and the shard counts' MRR differences as its summary.
+
 A long run can be split over several sessions with ``--checkpoints DIR``: training writes a
 checkpoint every 10 minutes, and the same command resumes from it (the printed time is then the
 last session's only).
@@ -47,6 +51,7 @@ from pykeen.triples import TriplesFactory
 from pykeen.triples.utils import load_triples
 
 from devices import add_device_argument, describe
+from result_files import write_result
 from pykeen_bess.evaluation import BessEvaluator
 
 
@@ -186,6 +191,7 @@ def main() -> None:
         action="store_true",
         help="also run the config with stock PyKEEN (sLCWA loop, unshared negatives, rank-based evaluator) first",
     )
+    parser.add_argument("--output", type=pathlib.Path, help="write the runs as a result file (JSON)")
     add_device_argument(parser)
     args = parser.parse_args()
     print(f"# device: {describe(args.device)}", flush=True)
@@ -219,24 +225,39 @@ def main() -> None:
             f"| {r['hits_at_1']:.4f} | {r['hits_at_3']:.4f} | {r['hits_at_10']:.4f} "
             f"| {r['seen_mrr']:.4f} ({r['seen_triples']:,}) |"
         )
-    print_differences(rows)
+    lines = differences(rows)
+    if lines:
+        print()
+        print("\n".join(f"# {line}" for line in lines))
+    if args.output is not None:
+        dataset = "WN18RR" if args.data.name.lower() == "wn18rr" else args.data.name
+        table = dict(
+            title=f"{dataset}, {args.config}",
+            rows=result_rows(str(args.config), dataset, rows),
+            summary="; ".join(lines) or None,
+        )
+        configuration = (
+            f"{args.config}; filtered test metrics, both sides, realistic ranks, filtered by train and valid; "
+            "'mrr' over all test triples, 'mrr_seen_entities' over the test triples whose entities occur in training"
+        )
+        write_result(args.output, "quality", "benchmarks/quality.py", [table], configuration, describe(args.device))
 
 
-def print_differences(rows: list[tuple[int | None, int | None, dict]]) -> None:
-    """Print the BESS runs' MRR over seeds (mean, standard deviation) and, per seed, the difference of every
-    larger shard count from the smallest (with its mean and the mean's standard error)."""
+def differences(rows: list[tuple[int | None, int | None, dict]]) -> list[str]:
+    """The BESS runs' MRR over seeds (mean, standard deviation) and, per seed, the difference of every
+    larger shard count from the smallest (with its mean and the mean's standard error), as lines."""
     by_shards: dict[int, dict] = {}
     for n, seed, r in rows:
         if n is not None:  # not stock PyKEEN
             by_shards.setdefault(n, {})[seed] = r["mrr"]
     if not by_shards:
-        return
-    print()
+        return []
+    lines = []
     if len(next(iter(by_shards.values()))) > 1:
         for n, mrrs in by_shards.items():
             values = list(mrrs.values())
-            print(
-                f"# test MRR, n = {n}, {len(values)} seeds: mean {mean(values):.4f}, "
+            lines.append(
+                f"test MRR, n = {n}, {len(values)} seeds: mean {mean(values):.4f}, "
                 f"standard deviation {stdev(values):.4f}"
             )
     smallest = min(by_shards)
@@ -245,9 +266,67 @@ def print_differences(rows: list[tuple[int | None, int | None, dict]]) -> None:
         parts = ", ".join(f"seed {seed} {difference:+.4f}" for seed, difference in differences.items())
         values = list(differences.values())
         error = f", standard error {stdev(values) / len(values) ** 0.5:.4f}" if len(values) > 1 else ""
-        print(
-            f"# test MRR, n = {n} minus n = {smallest}: {parts}; mean {mean(values):+.4f}{error} (target: within 0.005)"
+        lines.append(
+            f"test MRR, n = {n} minus n = {smallest}: {parts}; mean {mean(values):+.4f}{error} (target: within 0.005)"
         )
+    return lines
+
+
+def seed_range(seeds: list) -> str:
+    """``0-9`` for consecutive seeds, else the seeds separated by commas."""
+    if all(isinstance(seed, int) for seed in seeds) and seeds == list(range(seeds[0], seeds[0] + len(seeds))):
+        return f"{seeds[0]}-{seeds[-1]}"
+    return ", ".join(map(str, seeds))
+
+
+def result_rows(config: str, dataset: str, rows: list[tuple[int | None, int | None, dict]]) -> list[dict]:
+    """The rows of the result file (:mod:`result_files`): one per run, then a mean row per contender over seeds."""
+    written = []
+    for n, seed, r in rows:
+        written.append(
+            dict(
+                config=config,
+                dataset=dataset,
+                contender="stock PyKEEN (sLCWA loop, unshared negatives, RankBasedEvaluator)" if n is None else "BESS",
+                num_shards=n,
+                seeds=str(seed),
+                minutes=round(r["seconds"] / 60, 2),
+                epochs=r["epochs"],
+                best_epoch=r.get("best_epoch"),
+                mrr=r["mrr"],
+                hits_at_1=r["hits_at_1"],
+                hits_at_3=r["hits_at_3"],
+                hits_at_10=r["hits_at_10"],
+                mrr_seen_entities=r["seen_mrr"],
+                test_triples=r["test_triples"],
+            )
+        )
+    for n in dict.fromkeys(n for n, _, _ in rows):
+        runs = [(seed, r) for m, seed, r in rows if m == n]
+        if len(runs) < 2:
+            continue
+        minutes = [r["seconds"] / 60 for _, r in runs]
+        written.append(
+            dict(
+                written[[m for m, _, _ in rows].index(n)],
+                seeds=f"{seed_range([seed for seed, _ in runs])} (mean)",
+                minutes=f"{min(minutes):.1f}-{max(minutes):.1f}",
+                epochs=None,
+                best_epoch=None,
+                **{
+                    key: mean(r[source] for _, r in runs)
+                    for key, source in (
+                        ("mrr", "mrr"),
+                        ("hits_at_1", "hits_at_1"),
+                        ("hits_at_3", "hits_at_3"),
+                        ("hits_at_10", "hits_at_10"),
+                        ("mrr_seen_entities", "seen_mrr"),
+                    )
+                },
+                mrr_sd=stdev(r["mrr"] for _, r in runs),
+            )
+        )
+    return written
 
 
 if __name__ == "__main__":

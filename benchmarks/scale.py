@@ -29,6 +29,8 @@ compared with the one-minute target. Nothing may grow with ``E x E`` or ``T x ne
 and evaluated; on CUDA every stage also reports torch's peak of allocated device memory. The
 graph, the triples factory and the partition stay in host memory.
 
+``--output FILE.json`` writes the table as the benchmarks page reads it (:mod:`result_files`).
+
     python benchmarks/scale.py                        # the full run (about half an hour on 2 cores)
     python benchmarks/scale.py --steps 200            # a shorter check: 200 training steps per shard count
     python benchmarks/scale.py --device cuda          # on a GPU (target: 10M triples/s, TransE d100)
@@ -39,6 +41,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import pathlib
 import threading
 import time
 from collections.abc import Iterator
@@ -51,6 +54,7 @@ from pykeen.training.callbacks import TrainingCallback
 from pykeen.triples import CoreTriplesFactory
 
 from devices import add_device_argument, describe, synchronize
+from result_files import write_result
 from pykeen_bess.evaluation import BessEvaluator
 from pykeen_bess.training import BessTrainingLoop
 
@@ -245,6 +249,7 @@ def main() -> None:
     parser.add_argument("--shards", default="1,4")
     parser.add_argument("--steps", type=int, default=None, help="train only this many steps (default: one epoch)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    parser.add_argument("--output", type=pathlib.Path, help="write the table as a result file (JSON)")
     add_device_argument(parser)
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {describe(args.device)}", flush=True)
@@ -274,6 +279,56 @@ def main() -> None:
             )
         blank = " |" if cuda else ""
         print(f"| {n} | **{summary.name.split(':')[0]}** | {summary.seconds:.1f} | | |{blank} {summary.note} |")
+    if args.output is not None:
+        configuration = (
+            f"a skewed graph: {args.entities:,} entities, {args.relations} relations, {triples.shape[0]:,} distinct "
+            f"triples ({args.test:,} held out as test triples); PyKEEN's TransE d{args.dim}, p = {args.norm}; "
+            f"{args.negatives} negatives per positive, batch {args.batch_size:,}, Adam; "
+            + ("one whole epoch" if args.steps is None else f"at most {args.steps} steps")
+            + " per shard count; peak resident memory sampled every 5 ms"
+        )
+        rows = [row for n, run_stages in results.items() for row in result_rows(n, run_stages, cuda)]
+        write_result(
+            args.output,
+            "scale",
+            "benchmarks/scale.py",
+            [dict(title="stages", rows=rows)],
+            configuration,
+            describe(args.device),
+        )
+
+
+def result_rows(num_shards: int, stages: list[Stage], cuda: bool) -> list[dict[str, Any]]:
+    """One shard count's stages as rows of the result file (:mod:`result_files`), the setup summary last."""
+    summary, *rest = stages
+    rows = [
+        dict(
+            num_shards=num_shards,
+            stage=record.name,
+            seconds=round(record.seconds, 3),
+            peak_rss_gib=round(record.peak / 2**30, 3),
+            increase_gib=round((record.peak - record.before) / 2**30, 3),
+            **(
+                {"peak_cuda_gib": None if record.device_peak is None else round(record.device_peak / 2**30, 3)}
+                if cuda
+                else {}
+            ),
+            notes=record.note.removeprefix("(").removesuffix(")"),
+        )
+        for record in rest
+    ]
+    rows.append(
+        dict(
+            num_shards=num_shards,
+            stage=summary.name.split(" (")[0],
+            seconds=round(summary.seconds, 3),
+            peak_rss_gib=None,
+            increase_gib=None,
+            **({"peak_cuda_gib": None} if cuda else {}),
+            notes=summary.note,
+        )
+    )
+    return rows
 
 
 if __name__ == "__main__":

@@ -26,6 +26,9 @@ CPU: BessTrainingLoop materialises a model built on the meta device on the CPU, 
 runs there without ``--device`` and refuses a CUDA ``--device``.
 
     python benchmarks/storage.py --large 60000000 --dim 128 --storage-dir /work/big --eval-triples 300
+
+``--output FILE.json`` writes the table (the tiers, or the stages of ``--large``) as the benchmarks
+page reads it (:mod:`result_files`).
 """
 
 from __future__ import annotations
@@ -39,7 +42,10 @@ import sys
 import tempfile
 import time
 
-from devices import add_device_argument, parse_device, synchronize
+from devices import add_device_argument, describe, parse_device, synchronize
+from result_files import command_line, write_result
+
+OPTIMIZERS = {"adam": "Adam", "rowwise_adagrad": "row-wise Adagrad"}
 
 
 def _status(field: str) -> int:
@@ -236,6 +242,19 @@ def large(args: argparse.Namespace) -> None:
     for name, seconds, detail in stages:
         print(f"| {name} | {seconds:.1f} | {detail} |")
     files.cleanup()
+    if args.output is not None:
+        title = (
+            f"a generated graph of {num_entities:,} entities, DistMult d{args.dim}, storage='mmap', row-wise Adagrad, "
+            f"n={args.shards}; peak resident {_status('VmHWM') / 2**30:.2f} GiB"
+        )
+        rows = [dict(stage=name, seconds=round(seconds, 3), what=detail) for name, seconds, detail in stages]
+        configuration = (
+            f"{num_entities:,} entities, {num_relations} relations, {args.large_steps} steps of batch "
+            f"{args.batch_size} uniformly drawn triples, {args.negatives} negatives, "
+            f"{args.threads} threads; the tables in files"
+        )
+        table = dict(title=title, command=command_line("benchmarks/storage.py"), rows=rows)
+        write_result(args.output, "storage", "benchmarks/storage.py", [table], configuration, describe(args.device))
 
 
 def main() -> None:
@@ -253,6 +272,7 @@ def main() -> None:
     parser.add_argument("--eval-triples", type=int, default=500)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--storage-dir", default=None, help="where the mmap tier's files go (default: the temp dir)")
+    parser.add_argument("--output", type=pathlib.Path, help="write the table as a result file (JSON)")
     parser.add_argument("--worker", nargs=2, metavar=("TIER", "OPTIMIZER"), help=argparse.SUPPRESS)
     add_device_argument(parser, default=None)  # --large: the CPU; otherwise "auto"
     args = parser.parse_args()
@@ -297,6 +317,38 @@ def main() -> None:
             f"{result['peak_rss'] / 2**20:,.0f} | {result['anonymous'] / 2**20:,.0f} | {result['evaluation_s']:.1f} | "
             f"{result['mrr']:.3f} |"
         )
+    if args.output is not None:
+        rates = {"adam": "lr 1e-3", "rowwise_adagrad": "lr 0.1"}
+        optimizers = ", ".join(f"{OPTIMIZERS.get(o, o)} {rates.get(o, '')}".strip() for o in args.optimizers)
+        steady = {1: "the one epoch", 2: "epoch 2 of 2"}.get(args.epochs, f"epochs 2-{args.epochs} of {args.epochs}")
+        threads = f"{args.threads} thread{'s' if args.threads > 1 else ''}"
+        configuration = (
+            f"{args.data.name}, {setting}; {optimizers}; throughput of {steady}; {threads}, one fresh "
+            f"process per row; filtered MRR and evaluation time on {args.eval_triples} test triples"
+        )
+        table = dict(title="tiers", rows=tier_rows(rows, args.eval_triples))
+        write_result(args.output, "storage", "benchmarks/storage.py", [table], configuration, describe(args.device))
+
+
+def tier_rows(rows: list[tuple[str, str, dict]], eval_triples: int) -> list[dict]:
+    """The tiers' rows of the result file (:mod:`result_files`): against the device tier of the same optimizer."""
+    written = []
+    for optimizer, tier, result in rows:
+        device = next((r for o, t, r in rows if o == optimizer and t == "device"), None)
+        written.append(
+            {
+                "optimizer": OPTIMIZERS.get(optimizer, optimizer),
+                "storage": tier,
+                "triples_per_s": result["triples_per_s"],
+                "vs_device": None if device is None else result["triples_per_s"] / device["triples_per_s"],
+                "mib_moved_per_step": result["bytes_per_step"] / 2**20,
+                "peak_rss_mib": result["peak_rss"] / 2**20,
+                "rss_anon_after_mib": result["anonymous"] / 2**20,
+                f"eval_{eval_triples}_seconds": result["evaluation_s"],
+                f"mrr_{eval_triples}": result["mrr"],
+            }
+        )
+    return written
 
 
 if __name__ == "__main__":

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import re
 import subprocess
@@ -63,6 +62,7 @@ from pykeen.training import SLCWATrainingLoop, TrainingCallback
 from pykeen.triples import CoreTriplesFactory, TriplesFactory
 
 from devices import add_device_argument, describe, synchronize
+from result_files import write_result
 from pykeen_bess.allocator import resolve_allocator
 from pykeen_bess.training import BessTrainingLoop
 
@@ -419,31 +419,20 @@ def pbg_workload(args: argparse.Namespace) -> list[dict]:
 
 def write_results(path: pathlib.Path, args: argparse.Namespace, workload: str, rows: list[dict]) -> None:
     """Write a run's rows as the benchmarks page reads them: date, commit, machine, device, configuration, table."""
-    import datetime
-    import platform
-
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = ""
     configuration = (
         "ComplEx, 64 complex dimensions, batch 1,000, 152 shared negatives (PyTorch-BigGraph: 100 uniform + 50 "
         "batch), row-wise Adagrad lr 0.1 (PyTorch-BigGraph: RowAdagrad)"
         if workload == "pbg"
         else f"DistMult d{args.dim}, {args.negatives} negatives per positive, batch {args.batch_size}, Adam"
     )
-    result = dict(
-        benchmark="training-pbg-workload" if workload == "pbg" else "training",
-        script="benchmarks/training.py",
-        date=datetime.date.today().isoformat(),
-        commit=commit or None,
-        machine=f"{platform.node()} ({platform.machine()}, {os.cpu_count()} CPUs)",
+    write_result(
+        path,
+        "training-pbg-workload" if workload == "pbg" else "training",
+        "benchmarks/training.py",
+        [dict(title="positives per second", rows=rows)],
+        configuration,
         device=describe(args.device),
-        command="python benchmarks/training.py " + " ".join(sys.argv[1:]),
-        configuration=configuration,
-        tables=[dict(title="positives per second", rows=rows)],
     )
-    path.write_text(json.dumps(result, indent=1))
 
 
 def main() -> None:

@@ -64,8 +64,9 @@ def provenance(data: dict[str, Any], name: str) -> str:
 
 
 def missing(name: str, script: str) -> str:
+    command = script.replace("FILE", f"benchmarks/results/{name}")
     return (
-        f"```{{note}}\nNo result file `benchmarks/results/{name}` in this build: run `{script}` to produce it.\n```\n"
+        f"```{{note}}\nNo result file `benchmarks/results/{name}` in this build: run `{command}` to produce it.\n```\n"
     )
 
 
@@ -183,10 +184,12 @@ def scale(data: dict[str, Any], out: Path) -> str:
         ("seconds", "wall time (s)"),
         ("peak_rss_gib", "peak RSS (GiB)"),
         ("increase_gib", "increase (GiB)"),
+        ("peak_cuda_gib", "peak CUDA (GiB)"),
         ("notes", "notes"),
     ]
-    text = table(rows, columns)
-    stages = [row["stage"] for row in rows if row["num_shards"] == 1 and row["peak_rss_gib"] is not None]
+    text = table(rows, [(key, heading) for key, heading in columns if key != "peak_cuda_gib" or key in rows[0]])
+    first = min(row["num_shards"] for row in rows)
+    stages = [row["stage"] for row in rows if row["num_shards"] == first and row["peak_rss_gib"] is not None]
     figure, ax = plt.subplots(figsize=(7, 2.4))
     for offset, n in enumerate(sorted({row["num_shards"] for row in rows})):
         values = [next(r["seconds"] for r in rows if r["num_shards"] == n and r["stage"] == stage) for stage in stages]
@@ -203,7 +206,8 @@ def evaluation(data: Any, out: Path) -> str:
     rows = data if isinstance(data, list) else data["rows"]
     for row in rows:
         row["peak_mib"] = row["peak_bytes"] / 2**20 if row.get("peak_bytes") else None
-        row["equal"] = f"{row['bit_identical']}/225 bit-identical" if row.get("metrics_equal") else "no"
+        keys = len(row.get("metrics") or {}) or 225
+        row["equal"] = f"{row['bit_identical']}/{keys} bit-identical" if row.get("metrics_equal") else "no"
         row["gflops"] = row["rate"] / 1e9 if row.get("rate") else None
     columns = [
         ("dataset", "dataset"),
@@ -223,7 +227,7 @@ def evaluation(data: Any, out: Path) -> str:
         mine = [row for row in rows if row["dataset"] == dataset]
         labels = [f"{row['name'].replace('RankBasedEvaluator', '')}{row['setting']}" for row in mine]
         colors = ["tab:gray" if "PyKEEN" in row["name"] else "tab:blue" for row in mine]
-        bars(ax, labels, [row["speedup"] for row in mine], colors)
+        bars(ax, labels, [row["speedup"] or 0 for row in mine], colors)
         ax.set_xlabel("speed-up against PyKEEN's best setting")
         ax.set_title(dataset, fontsize=10)
     return text + save(figure, out, "evaluation.png")
@@ -303,21 +307,25 @@ def distributed(data: dict[str, Any], out: Path) -> str:
     labels = [f"{row['layout']} {row['exchange']}" for row in rows]
     bars(ax, labels, [row["bytes_per_step"] for row in rows])
     ax.set_xlabel("bytes per step and rank to the shard group (measured = cost model)")
-    ax.set_title("WN18RR, gloo", fontsize=10)
+    ax.set_title(f"{rows[0]['graph']}, {data.get('backend', 'gloo')}", fontsize=10)
     return text + save(figure, out, "distributed.png")
 
 
 RENDERERS: dict[str, tuple[str, str, Callable[[Any, Path], str]]] = {
-    "training": ("training-cpu.json", "python benchmarks/training.py", training),
-    "training-pbg": ("training-pbg-workload-cpu.json", "python benchmarks/training.py --pbg-workload", training_pbg),
-    "parity": ("parity-cpu.json", "python benchmarks/parity.py", parity),
-    "quality": ("quality-cpu.json", "python benchmarks/quality.py", quality),
-    "scale": ("scale-cpu.json", "python benchmarks/scale.py", scale),
-    "evaluation": ("evaluation-cpu.json", "python benchmarks/evaluation.py", evaluation),
-    "distributed": ("distributed-cpu.json", "python benchmarks/distributed.py", distributed),
-    "storage": ("storage-cpu.json", "python benchmarks/storage.py", generic),
-    "busy": ("busy-cpu.json", "python benchmarks/busy_cpu.py", generic),
-    "pbg-import": ("pbg-import-cpu.json", "python benchmarks/pbg_import.py", generic),
+    "training": ("training-cpu.json", "python benchmarks/training.py --output FILE", training),
+    "training-pbg": (
+        "training-pbg-workload-cpu.json",
+        "python benchmarks/training.py --pbg-workload --output FILE",
+        training_pbg,
+    ),
+    "parity": ("parity-cpu.json", "python benchmarks/parity.py --output FILE", parity),
+    "quality": ("quality-cpu.json", "python benchmarks/quality.py --output FILE", quality),
+    "scale": ("scale-cpu.json", "python benchmarks/scale.py --output FILE", scale),
+    "evaluation": ("evaluation-cpu.json", "python benchmarks/evaluation.py --output FILE", evaluation),
+    "distributed": ("distributed-cpu.json", "python benchmarks/distributed.py --output FILE", distributed),
+    "storage": ("storage-cpu.json", "python benchmarks/storage.py --output FILE", generic),
+    "busy": ("busy-cpu.json", "python benchmarks/busy_cpu.py --output FILE", generic),
+    "pbg-import": ("pbg-import-cpu.json", "python benchmarks/pbg_import.py --output FILE", generic),
     "gpu": (
         "gpu-h100.json",
         "python benchmarks/gpu.py --output benchmarks/results/gpu-h100.json",
@@ -325,7 +333,7 @@ RENDERERS: dict[str, tuple[str, str, Callable[[Any, Path], str]]] = {
     ),
     "gpu-scale-storage": (
         "gpu-h100-scale-storage.json",
-        "python benchmarks/gpu.py",
+        "python benchmarks/gpu.py --sections scale storage --output FILE",
         lambda data, out: gpu(data, out, "gpu-h100-scale-storage.json", ("scale", "storage")),
     ),
 }

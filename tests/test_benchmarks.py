@@ -5,6 +5,12 @@ PyKEEN's bundled Nations or a small generated graph, and must print its table; t
 benchmark must also find every evaluator's metrics equal to PyKEEN's. A CUDA ``--device`` that
 torch cannot use is an error before any work starts (PyKEEN would fall back to the CPU, and the
 table would report CPU figures under a GPU's name).
+
+The runs write their result files (``--output``) into one folder under the names the docs'
+benchmarks page reads; each test checks its file's header and the row keys the page's renderer
+reads, and ``test_the_benchmarks_page_renders_the_scripts_result_files`` renders that folder with
+``docs/render_benchmarks.py``. The runs are module-scoped fixtures, so each runs once however many
+tests use it.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import torch
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BENCHMARKS = ROOT / "benchmarks"
+HEADER = ("benchmark", "script", "date", "commit", "machine", "device", "command", "configuration")
 
 
 def nations_directory() -> str:
@@ -52,6 +59,36 @@ def successful_run(name: str, *arguments: str) -> tuple[str, list[list[str]]]:
     result = run_benchmark(name, *arguments)
     assert result.returncode == 0, result.stderr
     return result.stdout, table_rows(result.stdout)
+
+
+def result_file(path: pathlib.Path, benchmark: str, keys: tuple[str, ...]) -> dict:
+    """Read a result file a run wrote: the header of :mod:`result_files` and rows with ``keys``; return it."""
+    data = json.loads(path.read_text())
+    assert set(HEADER) <= set(data), sorted(data)
+    assert data["benchmark"] == benchmark and data["date"] and data["machine"] and data["configuration"]
+    assert data["command"].startswith(f"python {data['script']} ") and "--output" in data["command"]
+    parts = data["tables"] if "tables" in data else [dict(title="", rows=data["rows"])]
+    for part in parts:
+        assert part["rows"], part["title"]
+        for row in part["rows"]:
+            assert set(keys) <= set(row), (part["title"], sorted(set(keys) - set(row)))
+    return data
+
+
+def load_module(name: str, directory: pathlib.Path = BENCHMARKS):
+    """Import ``directory/NAME.py`` with its folder on the import path (the scripts import their neighbours)."""
+    saved = list(sys.path)
+    sys.path.insert(0, str(directory))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path[:] = saved  # also what a script added itself
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """The folder of the runs' result files, named as ``benchmarks/results/`` names them."""
+    return tmp_path_factory.mktemp("results")
 
 
 def load_devices():
@@ -103,32 +140,49 @@ def test_scripts_refuse_cuda_without_a_gpu(name: str, arguments: list[str]):
     assert "CUDA" in result.stderr or "GPU" in result.stderr
 
 
-@pytest.mark.slow
-def test_training_benchmark():
-    """Stock loop, hand-written step and the three BESS settings on Nations and a generated graph."""
-    output, rows = successful_run(
+@pytest.fixture(scope="module")
+def training_run(results: pathlib.Path) -> tuple[str, list[list[str]]]:
+    return successful_run(
         "training",
         *("--data", nations_directory(), "--dim", "8", "--negatives", "4", "--batch-size", "32", "--epochs", "2"),
         *("--generated-entities", "200", "--generated-triples", "500", "--stock-batches", "2", "--repeats", "1"),
-        *("--device", "cpu"),
+        *("--device", "cpu", "--output", str(results / "training-cpu.json")),
     )
-    assert [row[0] for row in rows] == ["nations"] * 6 + ["generated (200 entities)"] * 6
-    assert all(float(row[2].replace(",", "")) > 0 for row in rows)
-    assert "CPU" in output
 
 
 @pytest.mark.slow
-def test_pbg_workload_on_both_graphs(tmp_path: pathlib.Path):
-    """PyTorch-BigGraph itself and the three BESS settings on the uniform and the skewed graph, written as JSON."""
-    output = tmp_path / "pbg.json"
-    _, rows = successful_run(
+def test_training_benchmark(training_run, results: pathlib.Path):
+    """Stock loop, hand-written step and the three BESS settings on Nations and a generated graph."""
+    output, rows = training_run
+    assert [row[0] for row in rows] == ["nations"] * 6 + ["generated"] * 6  # the table prints the short name
+    assert all(float(row[2].replace(",", "")) > 0 for row in rows)
+    assert "CPU" in output
+    keys = ("dataset", "loop", "num_shards", "negatives", "positives_per_s")
+    written = result_file(results / "training-cpu.json", "training", keys)
+    datasets = [row["dataset"].split(" (")[0] for row in written["tables"][0]["rows"]]
+    assert datasets == ["nations"] * 6 + ["generated"] * 6 and written["device"].startswith("CPU")
+    ratios = ("x_stock", "x_handwritten", "n1_over_this", "first_epoch_positives_per_s")
+    bess = [row for row in written["tables"][0]["rows"] if row["loop"] == "BessTrainingLoop"]
+    assert len(bess) == 6 and all(set(ratios) <= set(row) for row in bess)
+
+
+@pytest.fixture(scope="module")
+def pbg_run(results: pathlib.Path) -> tuple[str, list[list[str]]]:
+    return successful_run(
         "training",
         *("--pbg-workload", "--pbg-entities", "400", "--pbg-triples", "3000", "--pbg-skewed", "300:2000"),
-        *("--pbg-dim", "4", "--epochs", "2", "--repeats", "1", "--device", "cpu", "--output", str(output)),
+        *("--pbg-dim", "4", "--epochs", "2", "--repeats", "1", "--device", "cpu"),
+        *("--output", str(results / "training-pbg-workload-cpu.json")),
     )
+
+
+@pytest.mark.slow
+def test_pbg_workload_on_both_graphs(pbg_run, results: pathlib.Path):
+    """PyTorch-BigGraph itself and the three BESS settings on the uniform and the skewed graph, written as JSON."""
+    _, rows = pbg_run
     assert [row[0] for row in rows] == ["generated (400 entities)"] * 4 + ["skewed (300 entities, Zipf heads)"] * 4
-    written = json.loads(output.read_text())
-    assert written["benchmark"] == "training-pbg-workload" and written["date"] and written["machine"]
+    keys = ("run", "contender", "num_shards", "negatives", "positives_per_s", "x_pbg")
+    written = result_file(results / "training-pbg-workload-cpu.json", "training-pbg-workload", keys)
     rows = written["tables"][0]["rows"]
     assert [(row["num_shards"], row["negatives"]) for row in rows[:4]] == [
         (None, None),
@@ -159,12 +213,21 @@ def test_structured_graph_has_its_patterns(tmp_path: pathlib.Path):
     assert all(set(line.split("\t")[::2]) <= seen for line in splits["test"] + splits["valid"])
 
 
+PARITY_ARGUMENTS = ("--data", "nations", "--variants", "quick=--epochs 1 --dim 8", "--num-shards", "1", "2")
+
+
+@pytest.fixture(scope="module")
+def parity_run(results: pathlib.Path) -> tuple[str, list[list[str]]]:
+    return successful_run(
+        "parity", *PARITY_ARGUMENTS, "--seeds", "0", "1", "--output", str(results / "parity-cpu.json")
+    )
+
+
 @pytest.mark.slow
-def test_parity_benchmark(tmp_path: pathlib.Path):
+def test_parity_benchmark(parity_run, results: pathlib.Path):
     """Shard counts against one shard through the command line's settings; a second run skips what is written."""
-    output = tmp_path / "parity.json"
-    arguments = ("--data", "nations", "--variants", "quick=--epochs 1 --dim 8", "--num-shards", "1", "2")
-    stdout, rows = successful_run("parity", *arguments, "--seeds", "0", "1", "--output", str(output))
+    output, arguments = results / "parity-cpu.json", PARITY_ARGUMENTS
+    stdout, rows = parity_run
     assert [(row[0], row[1], row[2], row[3]) for row in rows] == [
         ("nations", "quick", "1", "2"),
         ("nations", "quick", "2", "2"),
@@ -175,14 +238,20 @@ def test_parity_benchmark(tmp_path: pathlib.Path):
     assert again.returncode == 0 and '"mrr"' not in again.stdout  # nothing run again
 
 
-@pytest.mark.slow
-def test_evaluation_benchmark_metrics_equal_pykeen():
-    """Both evaluators on both datasets; every BessEvaluator row's metrics equal PyKEEN's."""
-    output, rows = successful_run(
+@pytest.fixture(scope="module")
+def evaluation_run(results: pathlib.Path) -> tuple[str, list[list[str]]]:
+    return successful_run(
         "evaluation",
         *("--data", nations_directory(), "--generated", "300:5:3000:50", "--dim", "8", "--train-epochs", "1"),
         *("--pykeen-batch-sizes", "64", "--bess-shards", "1,2", "--device", "cpu"),
+        *("--output", str(results / "evaluation-cpu.json")),
     )
+
+
+@pytest.mark.slow
+def test_evaluation_benchmark_metrics_equal_pykeen(evaluation_run, results: pathlib.Path):
+    """Both evaluators on both datasets; every BessEvaluator row's metrics equal PyKEEN's."""
+    output, rows = evaluation_run
     rows = [row for row in table_rows(output) if row[1] != "matmul alone"]
     assert [(row[1], row[2]) for row in rows] == [
         ("PyKEEN RankBasedEvaluator", "batch_size=64"),
@@ -190,6 +259,10 @@ def test_evaluation_benchmark_metrics_equal_pykeen():
         ("BessEvaluator", "n=2"),
     ] * 2
     assert all(row[7].startswith("yes") for row in rows)
+    keys = ("dataset", "name", "setting", "seconds", "peak_bytes", "metrics_equal", "bit_identical", "speedup")
+    written = result_file(results / "evaluation-cpu.json", "evaluation", (*keys, "rate", "percent_of_matmul"))
+    assert [(row["name"], row["setting"]) for row in written["rows"]] == [(row[1], row[2]) for row in rows]
+    assert all(row["metrics_equal"] is True and len(row["metrics"]) == 225 for row in written["rows"])
 
 
 def test_evaluation_rows_from_another_script():
@@ -217,28 +290,37 @@ def test_evaluation_rows_from_another_script():
     assert set(rows[1]["ranked_again"]) == {"head", "tail"}
 
 
-@pytest.mark.slow
-def test_scale_benchmark():
-    """Every stage of both shard counts on a small generated graph, with the setup summary."""
-    output, rows = successful_run(
+@pytest.fixture(scope="module")
+def scale_run(results: pathlib.Path) -> tuple[str, list[list[str]]]:
+    return successful_run(
         "scale",
         *("--entities", "2000", "--relations", "10", "--triples", "20000", "--test", "50", "--dim", "8"),
         *("--negatives", "8", "--batch-size", "256", "--shards", "1,2", "--steps", "5", "--quiet", "--device", "cpu"),
+        *("--output", str(results / "scale-cpu.json")),
     )
+
+
+@pytest.mark.slow
+def test_scale_benchmark(scale_run, results: pathlib.Path):
+    """Every stage of both shard counts on a small generated graph, with the setup summary."""
+    output, rows = scale_run
     stages = [(row[0], row[1].split(":")[0]) for row in table_rows(output)]
     expected = ["factory", "model", "loop", "train", "evaluation", "**setup before the first step (target < 60 s)**"]
     assert [stage for _, stage in stages] == [name.split(":")[0] for name in expected] * 2
     assert "5/" in output and "partial epoch" in output
+    keys = ("num_shards", "stage", "seconds", "peak_rss_gib", "increase_gib", "notes")
+    written = result_file(results / "scale-cpu.json", "scale", keys)["tables"][0]["rows"]
+    assert [(row["num_shards"], row["stage"].split(":")[0]) for row in written] == [
+        (n, stage.split(":")[0])
+        for n in (1, 2)
+        for stage in ["factory", "model", "loop", "train", "evaluation"] + ["setup before the first step"]
+    ]
+    assert written[-1]["peak_rss_gib"] is None and "partial epoch" in written[-1]["notes"]
 
 
-@pytest.mark.slow
-def test_quality_benchmark(tmp_path: pathlib.Path):
-    """A small configuration with an early stopper through ``pipeline()``: stock PyKEEN, 1 and 2 shards, two seeds.
-
-    Each run prints the validation curve, the best epoch, the test metrics and the seen-entity MRR;
-    the last line gives each seed's MRR difference between the shard counts.
-    """
-    config = tmp_path / "tiny.json"
+@pytest.fixture(scope="module")
+def quality_run(results: pathlib.Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[list[str]]]:
+    config = tmp_path_factory.mktemp("quality") / "tiny.json"
     config.write_text(
         json.dumps(
             {
@@ -255,7 +337,7 @@ def test_quality_benchmark(tmp_path: pathlib.Path):
             }
         )
     )
-    output, rows = successful_run(
+    return successful_run(
         "quality",
         "--config",
         str(config),
@@ -268,7 +350,20 @@ def test_quality_benchmark(tmp_path: pathlib.Path):
         "3",
         "5",
         "--stock",
+        "--output",
+        str(results / "quality-cpu.json"),
     )
+
+
+@pytest.mark.slow
+def test_quality_benchmark(quality_run, results: pathlib.Path):
+    """A small configuration with an early stopper through ``pipeline()``: stock PyKEEN, 1 and 2 shards, two seeds.
+
+    Each run prints the validation curve, the best epoch, the test metrics and the seen-entity MRR;
+    the last line gives each seed's MRR difference between the shard counts. The result file has a
+    row per run and a mean row per shard count.
+    """
+    output, rows = quality_run
     runs = [json.loads(line) for line in output.splitlines() if line.startswith("{")]
     order = [(3, None), (3, 1), (3, 2), (5, None), (5, 1), (5, 2)]
     assert [(run["seed"], run["num_shards"]) for run in runs] == order
@@ -288,33 +383,75 @@ def test_quality_benchmark(tmp_path: pathlib.Path):
     assert f"# test MRR, n = 2 minus n = 1: {expected}, standard error " in output
     first = [run["mrr"] for run in bess[::2]]
     assert f"# test MRR, n = 1, 2 seeds: mean {sum(first) / 2:.4f}, standard deviation " in output
+    keys = ("config", "dataset", "contender", "num_shards", "seeds", "minutes", "mrr", "hits_at_1", "hits_at_10")
+    written = result_file(results / "quality-cpu.json", "quality", (*keys, "mrr_seen_entities", "test_triples"))
+    (table,) = written["tables"]
+    assert [(row["seeds"], row["num_shards"]) for row in table["rows"]] == [
+        *((str(seed), n) for seed, n in order),
+        *(("3, 5 (mean)", n) for n in (None, 1, 2)),
+    ]
+    assert table["rows"][-2]["mrr"] == pytest.approx(sum(first) / 2)
+    assert [row["mrr"] for row in table["rows"][:6]] == [run["mrr"] for run in runs]
+    assert "n = 2 minus n = 1" in table["summary"]
 
 
-@pytest.mark.slow
-def test_storage_benchmark():
-    """The device and host tiers train and evaluate in worker processes on the chosen device."""
-    output, rows = successful_run(
+@pytest.fixture(scope="module")
+def storage_run(results: pathlib.Path) -> tuple[str, list[list[str]]]:
+    return successful_run(
         "storage",
         *("--data", nations_directory(), "--tiers", "device", "host", "--optimizers", "adam", "--epochs", "2"),
         *("--dim", "8", "--negatives", "4", "--batch-size", "64", "--eval-triples", "20", "--threads", "1"),
-        *("--device", "cpu"),
+        *("--device", "cpu", "--output", str(results / "storage-cpu.json")),
     )
-    assert [(row[0], row[1]) for row in rows] == [("adam", "device"), ("adam", "host")]
-    assert "compute device cpu" in output
 
 
 @pytest.mark.slow
-def test_distributed_benchmark():
-    """One process, then two gloo ranks; the measured bytes per step equal the cost model's."""
-    output, rows = successful_run(
+def test_storage_benchmark(storage_run, results: pathlib.Path):
+    """The device and host tiers train and evaluate in worker processes on the chosen device."""
+    output, rows = storage_run
+    assert [(row[0], row[1]) for row in rows] == [("adam", "device"), ("adam", "host")]
+    assert "compute device cpu" in output
+    keys = ("optimizer", "storage", "triples_per_s", "vs_device", "mib_moved_per_step", "peak_rss_mib")
+    written = result_file(results / "storage-cpu.json", "storage", (*keys, "eval_20_seconds", "mrr_20"))
+    assert [(row["optimizer"], row["storage"]) for row in written["tables"][0]["rows"]] == [
+        ("Adam", "device"),
+        ("Adam", "host"),
+    ]
+
+
+@pytest.fixture(scope="module")
+def distributed_run(results: pathlib.Path) -> tuple[str, list[list[str]]]:
+    return successful_run(
         "distributed",
         *("--data", nations_directory(), "--layouts", "1x1", "2x1", "--exchanges", "embedding", "--dim", "8"),
-        *("--negatives", "4", "--batch-size", "64"),
+        *("--negatives", "4", "--batch-size", "64", "--output", str(results / "distributed-cpu.json")),
     )
+
+
+@pytest.mark.slow
+def test_distributed_benchmark(distributed_run, results: pathlib.Path):
+    """One process, then two gloo ranks; the measured bytes per step equal the cost model's."""
+    output, rows = distributed_run
     assert [(row[0], row[1], row[2]) for row in rows] == [
         ("nations", "1 x 1", "embedding"),
         ("nations", "2 x 1", "embedding"),
     ]
+    keys = ("graph", "layout", "exchange", "steps", "triples_per_s", "bytes_per_step", "bytes_cost_model")
+    written = result_file(
+        results / "distributed-cpu.json",
+        "distributed",
+        (*keys, "replica_bytes_per_step", "replica_cost_model_at_most", "peak_rss_mib"),
+    )
+    assert [
+        [
+            row["graph"],
+            row["layout"],
+            row["exchange"],
+            f"{row['bytes_per_step']:,.0f}",
+            f"{row['bytes_cost_model']:,.0f}",
+        ]
+        for row in written["tables"][0]["rows"]
+    ] == [row[:3] + row[5:7] for row in rows]
     assert [row[5] for row in rows] == [row[6] for row in rows]
     assert int(rows[1][5].replace(",", "")) > 0
 
@@ -322,24 +459,97 @@ def test_distributed_benchmark():
 @pytest.mark.slow
 def test_storage_benchmark_large_removes_its_files(tmp_path: pathlib.Path):
     """``--large`` trains from files on the CPU (without ``--device``) and leaves no table files behind."""
+    (tmp_path / "tables").mkdir()
     output, rows = successful_run(
         "storage",
         *("--large", "1000", "--large-steps", "25", "--batch-size", "64", "--dim", "8", "--negatives", "4"),
-        *("--eval-triples", "10", "--threads", "1", "--storage-dir", str(tmp_path)),
+        *("--eval-triples", "10", "--threads", "1", "--storage-dir", str(tmp_path / "tables")),
+        *("--output", str(tmp_path / "large.json")),
     )
     assert "25 training steps" in output and "filtered evaluation of 10 triples" in output
-    assert list(tmp_path.iterdir()) == []
+    assert list((tmp_path / "tables").iterdir()) == []
+    written = result_file(tmp_path / "large.json", "storage", ("stage", "seconds", "what"))
+    (table,) = written["tables"]
+    assert table["command"] == written["command"] and "1,000 entities" in table["title"]
+    assert [row["stage"] for row in table["rows"]][-3] == "25 training steps"
+
+
+@pytest.fixture(scope="module")
+def gpu_run(results: pathlib.Path) -> tuple[str, list[list[str]]]:
+    return successful_run(
+        "gpu",
+        *("--device", "cpu", "--quick", "--sections", "check", "training", "profile"),
+        *("--output", str(results / "gpu-h100.json")),
+    )
 
 
 @pytest.mark.slow
-def test_gpu_benchmark_runs_its_sections_on_the_cpu(tmp_path: pathlib.Path):
+def test_gpu_benchmark_runs_its_sections_on_the_cpu(gpu_run, results: pathlib.Path):
     """benchmarks/gpu.py on tiny sizes (the static step uncaptured): every section gives rows, the check passes."""
-    output = tmp_path / "gpu.json"
-    stdout, rows = successful_run(
-        "gpu", "--device", "cpu", "--quick", "--sections", "check", "training", "profile", "--output", str(output)
-    )
+    output = results / "gpu-h100.json"
+    stdout, rows = gpu_run
     sections = [row[0] for row in rows]
     assert {"check", "training", "profile"} <= set(sections), stdout
     assert all(row[5] == "yes" for row in rows if row[0] == "check"), stdout
     assert not any("failed" in row[3] for row in rows), stdout
     assert len(json.loads(output.read_text())["rows"]) == len(rows)
+
+
+def test_busy_cpu_and_pbg_import_rows(tmp_path: pathlib.Path):
+    """busy_cpu.py's and pbg_import.py's rows (from given measurements: they have no tiny run) have the page's keys."""
+    result_files = load_module("result_files")
+    busy_cpu, pbg_import = load_module("busy_cpu"), load_module("pbg_import")
+    settings = {
+        "BESS training n=1": ["2 threads", "1 thread", "auto (default)"],
+        "PyKEEN sLCWA (stock)": ["torch default (2)"],
+    }
+    measured = {(name, setting, busy): 100.0 - 50 * busy + index for name, cells in settings.items()
+                for index, setting in enumerate(cells) for busy in (False, True)}  # fmt: skip
+    rows = busy_cpu.result_rows(settings, measured)
+    assert [(row["work"], row["threads"]) for row in rows] == [
+        ("BESS training n=1", "2"),
+        ("BESS training n=1", "1"),
+        ("BESS training n=1", "auto (default)"),
+        ("PyKEEN sLCWA (stock)", "torch default (2)"),
+    ]
+    assert rows[0]["slowdown_vs_best_idle"] == 102 / 50 and rows[3]["busy_neighbour"] == 50
+    transcribed = json.loads((BENCHMARKS / "results" / "busy-cpu.json").read_text())["tables"][0]["rows"]
+    assert all(list(row) == list(transcribed[0]) for row in rows)
+    measured = {"base": 2**30, "peak": 2**31, "triples": 1000}
+    imports = [("import_tsv", dict(measured, seconds=2.0)), ("pykeen", dict(measured, seconds=10.0))]
+    labels = {"import_tsv": "pbg.import_tsv (label TSV)", "pykeen": "PyKEEN TriplesFactory.from_path (label TSV)"}
+    rows = pbg_import.result_rows(imports, labels)
+    assert [row["speedup_vs_pykeen"] for row in rows] == [5.0, 1.0] and rows[0]["above_imports_gib"] == 1.0
+    transcribed = json.loads((BENCHMARKS / "results" / "pbg-import-cpu.json").read_text())["tables"][0]["rows"]
+    assert all(list(row) == list(transcribed[0]) for row in rows)
+    assert pbg_import.result_rows(imports[:1], labels)[0]["speedup_vs_pykeen"] is None
+    written = result_files.write_result(tmp_path / "x.json", "PBG import", "benchmarks/pbg_import.py", [], "c")
+    assert written["rows"] == [] and set(HEADER) <= set(written)
+
+
+@pytest.mark.slow
+def test_the_benchmarks_page_renders_the_scripts_result_files(
+    results: pathlib.Path,
+    tmp_path: pathlib.Path,
+    training_run,
+    pbg_run,
+    parity_run,
+    evaluation_run,
+    scale_run,
+    quality_run,
+    storage_run,
+    distributed_run,
+    gpu_run,
+):
+    """``docs/render_benchmarks.py`` renders every file the tiny runs wrote: a script/renderer mismatch fails here."""
+    render_benchmarks = load_module("render_benchmarks", ROOT / "docs")
+    render_benchmarks.render(results, tmp_path / "out")
+    rendered = set()
+    for name, (filename, _, _) in render_benchmarks.RENDERERS.items():
+        text = (tmp_path / "out" / f"{name}.md").read_text()
+        if (results / filename).exists():
+            assert "No result file" not in text and "|---|" in text, name
+            rendered.add(name)
+    assert rendered == set(render_benchmarks.RENDERERS) - {"gpu-scale-storage", "busy", "pbg-import"}
+    plots = ("training", "training-pbg", "parity", "scale", "evaluation", "distributed", "gpu-h100")
+    assert all((tmp_path / "out" / f"{plot}.png").exists() for plot in plots)
