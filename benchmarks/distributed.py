@@ -95,6 +95,7 @@ def worker(args: argparse.Namespace) -> None:
             entity_width,
             query_width(loop.scorer, loop.model, loop.tables),
             element_size=4,
+            shared_negatives=loop.config.sampler.shares_negatives,
         )
     predicted_replica = replica_cost(
         n, topology.replicas, last - first, args.negatives, entity_width, loop.sharding.shard_size, element_size=4

@@ -35,7 +35,8 @@ from torch import nn
 
 from .seeds import derive_seed
 from .sharding import EntitySharding
-from .storage import DeviceStorage, MmapStorage, TableStorage
+from .storage import DeviceStorage, TableStorage
+from .stored_tables import add_stored_table, load_stored_table
 
 __all__ = [
     "ShardedEmbedding",
@@ -148,8 +149,8 @@ class ShardedEmbedding(Representation):
         self.snapshot_directory: pathlib.Path | None = None
         #: while a checkpoint whose own files hold the rows (PyTorch-BigGraph's layout) is written: omit them
         self.external_weights = False
-        self.register_state_dict_post_hook(_add_stored_table)
-        self.register_load_state_dict_pre_hook(_load_stored_table)
+        self.register_state_dict_post_hook(add_stored_table)
+        self.register_load_state_dict_pre_hook(load_stored_table)
         # the embedding this table replaces (not a submodule: its parameters are not the model's)
         object.__setattr__(self, "base_embedding", base)
         #: the process topology of the shards (set by the training loop; not pickled); None: the default one
@@ -417,90 +418,3 @@ def constrain_all_rows(table: ShardedEmbedding, chunk_rows: int | None = None) -
 
 #: the state-dict keys (after the module's prefix) of a table kept outside the model, and of a mark for
 #: weights held by the checkpoint's own files
-STORED_TABLE_KEY, EXTERNAL_WEIGHT_KEY = "stored_table", "external_weight"
-
-
-def _add_stored_table(module: ShardedEmbedding, state_dict: dict, prefix: str, local_metadata: Any) -> None:
-    """Add a table kept outside the model (and its optimizer row state) to the model's state dict.
-
-    Host memory: the tensors themselves. Files: while a checkpoint is written (the store sets
-    :attr:`ShardedEmbedding.snapshot_directory`), copies of the flushed files in that directory,
-    referenced by name; otherwise the live files, by path.
-    """
-    storage = module.storage
-    if storage.is_parameter:
-        if module.external_weights:
-            del state_dict[prefix + "weight"]
-            state_dict[prefix + EXTERNAL_WEIGHT_KEY] = True
-        return
-    tensors = {"weight": module.weight, **{f"state.{name}": value for name, value in module.row_state.items()}}
-    entry: dict[str, Any] = {"tier": storage.name, "label": module.label, "shape": tuple(module.weight.shape)}
-    if module.external_weights:
-        del tensors["weight"]
-        entry[EXTERNAL_WEIGHT_KEY] = True
-    if not isinstance(storage, MmapStorage):
-        entry["tensors"] = tensors
-    else:
-        directory = module.snapshot_directory
-        entry["files"] = {
-            key: (storage.snapshot(value, directory) if directory is not None else str(storage.file_of(value)))
-            for key, value in tensors.items()
-        }
-        entry["directory"] = directory.name if directory is not None else None
-    state_dict[prefix + STORED_TABLE_KEY] = entry
-
-
-def _load_stored_table(
-    module: ShardedEmbedding,
-    state_dict: dict,
-    prefix: str,
-    local_metadata: Any,
-    strict: bool,
-    missing_keys: list,
-    unexpected_keys: list,
-    error_msgs: list,
-) -> None:
-    """Load a table kept outside the model from a state dict (the inverse of :func:`_add_stored_table`)."""
-    if state_dict.pop(prefix + EXTERNAL_WEIGHT_KEY, False):  # the rows came from the checkpoint's own files
-        state_dict[prefix + "weight"] = module.weight.detach()
-    entry = state_dict.pop(prefix + STORED_TABLE_KEY, None)
-    storage = module.storage
-    written = "device" if entry is None else entry["tier"]
-    if (entry is None) != storage.is_parameter or (entry is not None and entry["tier"] != storage.name):
-        if entry is None and prefix + "weight" not in state_dict:
-            return  # not a checkpoint of this table at all (PyKEEN reports the missing keys)
-        raise ValueError(
-            f"This checkpoint keeps the entity tables with storage={written!r}; resume it with the same storage "
-            f"(this run uses storage={storage.name!r})."
-        )
-    if entry is None:
-        return
-    if tuple(entry["shape"]) != tuple(module.weight.shape):
-        raise ValueError(
-            f"The checkpoint's table {entry['label']} has shape {entry['shape']}, not {tuple(module.weight.shape)}."
-        )
-    targets = {"weight": module.weight, **{f"state.{name}": value for name, value in module.row_state.items()}}
-    if entry.get(EXTERNAL_WEIGHT_KEY):
-        del targets["weight"]
-    sources = entry["tensors"] if "tensors" in entry else entry["files"]
-    if set(sources) != set(targets):
-        raise ValueError(
-            f"The checkpoint's table {entry['label']} has optimizer state {sorted(sources)}, this run "
-            f"{sorted(targets)} (another optimizer?)."
-        )
-    for key, target in targets.items():
-        source = sources[key]
-        if isinstance(source, str):
-            assert isinstance(storage, MmapStorage)
-            if entry["directory"] is None:  # the live files of a state dict taken outside a checkpoint
-                file = pathlib.Path(source)
-            elif module.snapshot_directory is None:
-                raise ValueError(
-                    f"The table files of {entry['label']} are in a checkpoint; load it with the training loop."
-                )
-            else:  # a checkpoint's copy, in a directory next to the checkpoint
-                file = module.snapshot_directory / entry["directory"] / source
-            storage.restore(target, file)
-        else:
-            with torch.no_grad():
-                target.copy_(source)

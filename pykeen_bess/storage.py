@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import mmap
 import os
 import pathlib
 import shutil
@@ -42,6 +41,8 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 from class_resolver import ClassResolver
+
+from .mapped_files import advise_random, advise_will_need, fsync
 
 __all__ = [
     "DeviceStorage",
@@ -295,7 +296,7 @@ class MmapStorage(TableStorage):
                 raise FileExistsError(_exists_message(file))
             file = file.with_name(f"{file.name}.new-{os.getpid()}")  # beside it; the existing file stays
         array = np.lib.format.open_memmap(file, mode="w+", dtype=_NUMPY_DTYPES[dtype], shape=tuple(shape))
-        _advise_random(array)
+        advise_random(array)
         if fill != 0:  # a new file reads as zeros
             step = _chunk_rows(array)
             for start in range(0, array.shape[0], step):
@@ -358,7 +359,7 @@ class MmapStorage(TableStorage):
         """Read consecutive rows, asking the kernel to read the whole range ahead (else it reads page by page)."""
         array = self._arrays.get(_key(tensor))
         if array is not None and rows.stop > rows.start:
-            _advise_will_need(array, rows.start, rows.stop)
+            advise_will_need(array, rows.start, rows.stop)
         return super().read_slice(tensor, rows)
 
     def snapshot(self, tensor: torch.Tensor, directory: pathlib.Path) -> str:
@@ -395,40 +396,6 @@ class MmapStorage(TableStorage):
 
     def describe(self) -> str:  # noqa: D102
         return f"mmap ({self.path})"
-
-
-def _advise_random(array: np.memmap) -> None:
-    """Tell the kernel that rows are read at random: no read-ahead around each page a step touches.
-
-    Without it every row a step reads from a table larger than the page cache faults in the
-    kernel's read-ahead window (typically 128 KiB) instead of one 4 KiB page.
-    """
-    handle = getattr(array, "_mmap", None)
-    if handle is not None and hasattr(handle, "madvise") and hasattr(mmap, "MADV_RANDOM"):
-        handle.madvise(mmap.MADV_RANDOM)
-
-
-def _advise_will_need(array: np.memmap, start: int, stop: int) -> None:
-    """Ask the kernel to read rows ``start:stop`` of a memory map ahead (one request instead of a fault per page)."""
-    handle = getattr(array, "_mmap", None)
-    if handle is None or not hasattr(handle, "madvise") or not hasattr(mmap, "MADV_WILLNEED"):
-        return
-    row_bytes = array.strides[0]
-    mapped_from = array.offset - array.offset % mmap.ALLOCATIONGRANULARITY  # where numpy's map begins
-    begin = array.offset - mapped_from + start * row_bytes
-    aligned = begin - begin % mmap.PAGESIZE
-    length = min((stop - start) * row_bytes + begin - aligned, len(handle) - aligned)
-    if length > 0:
-        handle.madvise(mmap.MADV_WILLNEED, aligned, length)
-
-
-def fsync(file: pathlib.Path) -> None:
-    """Flush a file (or a directory's entries) to disk."""
-    descriptor = os.open(file, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
 
 
 def _key(tensor: torch.Tensor) -> int:

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import pathlib
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+from pykeen.constants import PYKEEN_CHECKPOINTS
 from pykeen.models import ERModel
 from pykeen.nn.representation import Embedding
 from pykeen.triples.weights import RelationLossWeighter, loss_weighter_resolver
@@ -37,6 +39,7 @@ from .checkpoints import (
     CheckpointStore,
     FileCheckpointStore,
     NoCheckpointStore,
+    checkpoint_seed,
     RankCheckpointStore,
 )
 from .pbg_checkpoints import PbgCheckpointStore
@@ -46,7 +49,9 @@ from .tables import create_tables
 
 __all__ = [
     "LoopSettings",
+    "adopt_checkpoint_seed",
     "assemble",
+    "checkpoint_path",
     "choose_encoding_scheme",
     "choose_partition",
     "make_checkpoint_store",
@@ -415,3 +420,42 @@ def make_scheme(loop: Any, block_size: int, topology: Topology) -> ExchangeSchem
         )
         logger.info("exchange='auto' chose %s for blocks of %d slots.", scheme.get_name(), block_size)
     return scheme(model=loop.model, tables=loop.tables.tables, scorer=loop.scorer, topology=topology)
+
+
+def checkpoint_path(train_kwargs: dict[str, Any]) -> pathlib.Path | None:
+    """Return the checkpoint file ``train()`` resumes if it exists (default: PyKEEN's directory); None: no name."""
+    name = train_kwargs.get("checkpoint_name")
+    if not name:
+        return None
+    directory = train_kwargs.get("checkpoint_directory")
+    return pathlib.Path(PYKEEN_CHECKPOINTS if directory is None else directory) / name
+
+
+def adopt_checkpoint_seed(loop: Any, train_kwargs: dict[str, Any]) -> None:
+    """Resuming a checkpoint: shard and sample with the checkpoint's seed where this loop derived its own.
+
+    A loop without an explicit ``seed`` derives it from the model's random seed; PyKEEN restores
+    everything from a checkpoint, whatever the new model's seed. So the seed the checkpoint
+    records (see :func:`~pykeen_bess.training.checkpoints.checkpoint_seed`) wins: the loop is
+    assembled again with it (new tables, whose values the checkpoint then replaces), and resuming
+    continues as the uninterrupted run would. An explicit ``seed`` is kept (a checkpoint of another
+    seed then does not match, and the error says so).
+    """
+    path = checkpoint_path(train_kwargs)
+    if path is None or loop.settings.seed is not None or isinstance(loop.checkpoints, PbgCheckpointStore):
+        return
+    seed = checkpoint_seed(path)
+    if loop.topology.is_distributed:  # every rank assembles alike (rank 0 decides)
+        seed = loop.topology.broadcast_object(seed)
+    if seed is None or seed == loop.config.seed:
+        return
+    logger.info(
+        "Resuming checkpoint %s, written with seed %d: the loop shards and samples with it (this model's random "
+        "seed derives %d).",
+        path,
+        seed,
+        loop.config.seed,
+    )
+    loop.tables.release_storage()
+    loop.settings = dataclasses.replace(loop.settings, seed=seed)
+    assemble(loop, loop.settings, loop.config.partition)

@@ -41,6 +41,7 @@ __all__ = [
     "BessConfig",
     "UnsupportedModelError",
     "check_integer",
+    "check_train_arguments",
     "check_model",
     "check_triples_fit_model",
     "resolve_negative_sampler",
@@ -383,3 +384,24 @@ def _name(hint: Any) -> str | None:
     if hint is None or isinstance(hint, str):
         return hint
     return getattr(hint, "__name__", type(hint).__name__)
+
+
+def check_train_arguments(
+    num_epochs: Any, batch_size: Any, train_kwargs: Mapping[str, Any], has_optimizer: bool
+) -> None:
+    """Check the arguments of ``BessTrainingLoop.train()`` before any work.
+
+    :raises ValueError: for an invalid number of epochs, batch or sub-batch size, or ``continue_training``
+        without the optimizer (and its state) of the last training
+    """
+    check_integer("num_epochs", num_epochs, minimum=0)
+    if train_kwargs.get("continue_training") and not has_optimizer:
+        raise ValueError(
+            "Cannot continue_training: the optimizer (and its state) was released after the last training, as "
+            "train() and pipeline() do by default (clear_optimizer=True). Train with clear_optimizer=False "
+            "(pipeline: training_kwargs=dict(clear_optimizer=False)) to continue training later."
+        )
+    if batch_size is not None:
+        check_integer("batch_size", batch_size, minimum=1, hint="or None to search the largest that fits")
+    if train_kwargs.get("sub_batch_size") is not None:
+        check_integer("sub_batch_size", train_kwargs["sub_batch_size"], minimum=1, hint="or None")

@@ -49,7 +49,7 @@ import logging
 import os
 import pathlib
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from pykeen.stoppers import Stopper
@@ -67,6 +67,7 @@ from pykeen.triples import CoreTriplesFactory
 import torch
 from tqdm.autonotebook import tqdm, trange
 
+from ..batch import BessBatch
 from .config import run_configuration, verify_same_configuration
 from .sizes import block_size_for
 from ..sampling import BessSampler, EpochDraws
@@ -74,6 +75,7 @@ from .static_step import StaticStep, static_step_obstacle
 from .step import BessOptimizerCallback, GlobalNormClippingCallback, StepRunner, ValueClippingCallback
 
 __all__ = [
+    "EpochBatches",
     "run_epochs",
 ]
 
@@ -448,3 +450,27 @@ class _EpochPlans:
             future.cancel()
         self._pending.clear()
         self._executor.shutdown(wait=True)
+
+
+class EpochBatches:
+    """The batches of consecutive epochs (what PyKEEN's data loader is to its loop).
+
+    :meth:`epoch` gives the steps of a given epoch; iterating gives those of the next epoch, from
+    ``first_epoch`` on, as iterating a data loader once per epoch does.
+    """
+
+    def __init__(self, sampler: BessSampler, first_epoch: int):
+        """Start at ``first_epoch`` (1-based)."""
+        self.sampler = sampler
+        self.next_epoch = first_epoch
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def epoch(self, epoch: int) -> Iterator[BessBatch]:
+        """Return the steps of ``epoch`` (1-based); the next iteration continues after it."""
+        self.next_epoch = epoch + 1
+        return self.sampler.epoch(epoch)
+
+    def __iter__(self) -> Iterator[BessBatch]:
+        return self.epoch(self.next_epoch)

@@ -13,31 +13,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import pathlib
-from collections.abc import Iterator
 from typing import Any, ClassVar, cast
 
 import torch
 from class_resolver import HintOrType, OptionalKwargs
-from pykeen.constants import PYKEEN_CHECKPOINTS
 from pykeen.models import ERModel, Model
 from pykeen.sampling import NegativeSampler
-from pykeen.stoppers import Stopper
-from pykeen.training import SLCWATrainingLoop
-from pykeen.training.callbacks import (
-    EvaluationLossTrainingCallback,
-    MultiTrainingCallback,
-    TrainingCallback,
-    TrainingCallbackHint,
-    callback_resolver,
-)
-from pykeen.training.training_loop import NonFiniteLossError, _get_lr_scheduler_kwargs
+from pykeen.training.training_loop import _get_lr_scheduler_kwargs
 from pykeen.triples import CoreTriplesFactory
-from pykeen.triples.instances import BatchedSLCWAInstances
-from torch.utils.data import DataLoader
 
 from ..allocator import AllocatorHint, resolve_allocator
-from ..batch import BessBatch
 from ..distributed import Topology
 from ..optim import BessOptimizer, optimizer_hyperparameters
 from ..partition import ShardPairPartition
@@ -48,23 +33,32 @@ from ..scoring import SharedCandidateScorer
 from ..sharding import EntitySharding, ShardingStrategy
 from ..storage import MmapStorage, TableStorage, make_storage
 from ..threads import ThreadsHint, resolve_threads
-from .checkpoints import CheckpointStore, checkpoint_seed
+from .checkpoints import CheckpointStore
 from .pbg_checkpoints import PbgCheckpointStore, prepare_pbg_checkpoint
 from .config import (
     BessConfig,
-    check_integer,
+    check_train_arguments,
     check_model,
     check_triples_fit_model,
     resolve_negative_sampler,
     resolve_partition,
     round_num_negs,
 )
-from .epochs import run_epochs
+from .epochs import EpochBatches, run_epochs
+from .hooks import PyKEENHooks, asks_evaluation_loss
 from .sizes import StepSizes
 from .static_step import StaticStep, check_static_step
 from .step import StepRunner
 from .column_tables import check_column_training
-from .assembly import LoopSettings, assemble, choose_partition, make_sampler, make_scheme
+from .assembly import (
+    LoopSettings,
+    adopt_checkpoint_seed,
+    assemble,
+    checkpoint_path,
+    choose_partition,
+    make_sampler,
+    make_scheme,
+)
 from .tables import ShardTables, materialize
 
 __all__ = [
@@ -74,12 +68,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-#: PyKEEN's training-loop hooks that a BESS step does not call (see :mod:`pykeen_bess.training.epochs`, point 8;
-#: ``_train_epoch`` computes only the evaluation-loss callback's loss)
-UNCALLED_HOOKS = ("_train_epoch", "_forward_pass")
-
-
-class BessTrainingLoop(SLCWATrainingLoop):
+class BessTrainingLoop(PyKEENHooks):
     """Train any PyKEEN ``ERModel`` with embedding tables with BESS.
 
     Use it through ``pipeline(training_loop="bess", training_loop_kwargs=dict(num_shards=4))``.
@@ -216,14 +205,7 @@ class BessTrainingLoop(SLCWATrainingLoop):
         """
         if kwargs.get("mode") is not None:
             raise NotImplementedError("BessTrainingLoop supports transductive training only (mode=None).")
-        ignored = [name for name in UNCALLED_HOOKS if getattr(type(self), name) is not getattr(BessTrainingLoop, name)]
-        if ignored:
-            raise NotImplementedError(
-                f"{type(self).__name__} overrides {', '.join(ignored)}, which BessTrainingLoop's steps never "
-                f"call (they gather their rows once for all sub-batches and check the loss over all of them and "
-                f"all processes). "
-                f"Override _process_batch (one sub-batch's loss) instead."
-            )
+        self.refuse_uncalled_hooks()
         num_negs_per_pos = resolve_negative_sampler(negative_sampler, negative_sampler_kwargs, num_negs_per_pos)
         super().__init__(model=model, triples_factory=triples_factory, **kwargs)
         table_storage = make_storage(storage, storage_path, storage_kwargs)
@@ -348,17 +330,7 @@ class BessTrainingLoop(SLCWATrainingLoop):
             (``sub_batch_size``, ``checkpoint_name``, ``stopper``, ``callbacks``, ...)
         :returns: the loss of every epoch
         """
-        check_integer("num_epochs", num_epochs, minimum=0)
-        if kwargs.get("continue_training") and self.optimizer is None:
-            raise ValueError(
-                "Cannot continue_training: the optimizer (and its state) was released after the last training, as "
-                "train() and pipeline() do by default (clear_optimizer=True). Train with clear_optimizer=False "
-                "(pipeline: training_kwargs=dict(clear_optimizer=False)) to continue training later."
-            )
-        if batch_size is not None:
-            check_integer("batch_size", batch_size, minimum=1, hint="or None to search the largest that fits")
-        if kwargs.get("sub_batch_size") is not None:
-            check_integer("sub_batch_size", kwargs["sub_batch_size"], minimum=1, hint="or None")
+        check_train_arguments(num_epochs, batch_size, kwargs, has_optimizer=self.optimizer is not None)
         if num_negs_per_pos is not None:
             self.config = dataclasses.replace(
                 self.config, num_negs_per_pos=round_num_negs(num_negs_per_pos, self.topology.n_shard)
@@ -366,9 +338,9 @@ class BessTrainingLoop(SLCWATrainingLoop):
         check_triples_fit_model(triples_factory, self.model)
         if asks_evaluation_loss(kwargs.get("callbacks")):
             self.check_evaluation_loss()  # before training starts
-        self._adopt_checkpoint_seed(kwargs)
+        adopt_checkpoint_seed(self, kwargs)
         if isinstance(self.tables.storage, MmapStorage):
-            path = self._checkpoint_path(kwargs)
+            path = checkpoint_path(kwargs)
             self.tables.storage.claim_existing(resuming=path is not None and path.is_file())
         if isinstance(self.checkpoints, PbgCheckpointStore):
             prepare_pbg_checkpoint(self, kwargs)
@@ -380,248 +352,11 @@ class BessTrainingLoop(SLCWATrainingLoop):
         with self.tables.installed(copy_weights=bool(kwargs.get("continue_training"))), self.thread_policy.applied():
             return super().train(triples_factory, num_epochs=num_epochs, batch_size=batch_size, **kwargs)
 
-    @staticmethod
-    def _checkpoint_path(train_kwargs: dict[str, Any]) -> pathlib.Path | None:
-        """Return the checkpoint file ``train()`` resumes if it exists (default: PyKEEN's directory); None: no name."""
-        name = train_kwargs.get("checkpoint_name")
-        if not name:
-            return None
-        directory = train_kwargs.get("checkpoint_directory")
-        return pathlib.Path(PYKEEN_CHECKPOINTS if directory is None else directory) / name
-
-    def _adopt_checkpoint_seed(self, train_kwargs: dict[str, Any]) -> None:
-        """Resuming a checkpoint: shard and sample with the checkpoint's seed where this loop derived its own.
-
-        A loop without an explicit ``seed`` derives it from the model's random seed; PyKEEN restores
-        everything from a checkpoint, whatever the new model's seed. So the seed the checkpoint
-        records (see :func:`~pykeen_bess.training.checkpoints.checkpoint_seed`) wins: the loop is
-        assembled again with it (new tables, whose values the checkpoint then replaces), and resuming
-        continues as the uninterrupted run would. An explicit ``seed`` is kept (a checkpoint of another
-        seed then does not match, and the error says so).
-        """
-        path = self._checkpoint_path(train_kwargs)
-        if path is None or self.settings.seed is not None or isinstance(self.checkpoints, PbgCheckpointStore):
-            return
-        seed = checkpoint_seed(path)
-        if self.topology.is_distributed:  # every rank assembles alike (rank 0 decides)
-            seed = self.topology.broadcast_object(seed)
-        if seed is None or seed == self.config.seed:
-            return
-        logger.info(
-            "Resuming checkpoint %s, written with seed %d: the loop shards and samples with it (this model's random "
-            "seed derives %d).",
-            path,
-            seed,
-            self.config.seed,
-        )
-        self.tables.release_storage()
-        self.settings = dataclasses.replace(self.settings, seed=seed)
-        assemble(self, self.settings, self.config.partition)
-
     def _train(self, triples_factory: CoreTriplesFactory, **kwargs: Any) -> list[float] | None:  # type: ignore[override]
         """Run the BESS epochs (called by PyKEEN's ``TrainingLoop.train``); see :func:`.epochs.run_epochs`."""
         return run_epochs(self, triples_factory, **kwargs)
-
-    def _save_state(
-        self,
-        path: Any,
-        stopper: Stopper | None = None,
-        best_epoch_model_checkpoint_file_path: pathlib.Path | None = None,
-        triples_factory: CoreTriplesFactory | None = None,
-    ) -> None:
-        """Write a checkpoint through the loop's checkpoint store (collective under a process group)."""
-        self.checkpoints.save(pathlib.Path(path), stopper, best_epoch_model_checkpoint_file_path, triples_factory)
-
-    def _load_state(self, path: str | pathlib.Path, triples_factory: CoreTriplesFactory | None = None) -> Any:
-        """Load a checkpoint through the loop's checkpoint store; the shard tables then hold the weights."""
-        result = self.checkpoints.load(pathlib.Path(path), triples_factory)
-        self.tables.now_hold_weights()
-        return result
 
     def epoch_batches(self, triples_factory: CoreTriplesFactory, batch_size: int) -> EpochBatches:
         """Return the balanced batches of the epochs (``batch_size`` positives per step, a multiple of ``n ** 2``)."""
         block_size = batch_size // self.topology.n_shard**2
         return EpochBatches(self.make_sampler(self.partition(triples_factory), block_size), first_epoch=self._epoch + 1)
-
-    # -- the loss of given triples (PyKEEN's evaluation-loss callback) ---------------------------
-
-    def _create_training_data_loader(
-        self,
-        triples_factory: CoreTriplesFactory,
-        *,
-        batch_size: int,
-        sampler: str | None = None,
-        drop_last: bool = False,
-        **kwargs: Any,
-    ) -> DataLoader:
-        """Return PyKEEN's sLCWA batches of the triples, with this loop's negatives (PyKEEN's hook).
-
-        BESS trains on its own balanced batches (:meth:`epoch_batches`); PyKEEN calls this hook for
-        the loss of other triples (its ``evaluation-loss`` callback, with :meth:`_train_epoch`). The
-        negatives are PyKEEN's basic sampler's, ``num_negs_per_pos`` per positive drawn uniformly from
-        all entities on the sides ``corruption`` names, unfiltered.
-
-        :raises NotImplementedError: under a process group (see :meth:`check_evaluation_loss`)
-        """
-        self.check_evaluation_loss()
-        if sampler is not None:
-            raise ValueError(f"BessTrainingLoop computes the loss of given triples with sampler=None, not {sampler!r}.")
-        sides = {"h": ("head",), "t": ("tail",), "ht": ("head", "tail")}[self.settings.corruption]
-        return DataLoader(
-            dataset=BatchedSLCWAInstances.from_triples_factory(
-                triples_factory,
-                batch_size=batch_size,
-                shuffle=kwargs.pop("shuffle", True),
-                drop_last=drop_last,
-                negative_sampler="basic",
-                negative_sampler_kwargs=dict(num_negs_per_pos=self.config.num_negs_per_pos, corruption_scheme=sides),
-                loss_weighter=self.loss_weighter,
-                loss_weighter_kwargs=self.loss_weighter_kwargs,
-            ),
-            batch_size=None,  # the dataset yields whole batches
-            batch_sampler=None,
-            **kwargs,
-        )
-
-    def _train_epoch(
-        self,
-        batches: DataLoader,
-        callbacks: MultiTrainingCallback,
-        sub_batch_size: int | None,
-        label_smoothing: float,
-        slice_size: int | None,
-        epoch: int,
-        only_size_probing: bool,
-        backward: bool = True,
-    ) -> float:
-        """Return the mean loss of PyKEEN's sLCWA batches (``backward=False``: what the evaluation-loss callback asks).
-
-        BESS's steps never run through this hook (see :mod:`~pykeen_bess.training.epochs`); it computes
-        the loss of given triples as PyKEEN's ``SLCWATrainingLoop`` does, on the model as it is (its
-        entity rows looked up in the shard tables), without gradients and without changing any
-        parameter or optimizer state.
-
-        :raises NotImplementedError: with ``backward=True`` (training runs through ``train()``)
-        :raises NonFiniteLossError: if a batch's loss is non-finite
-        """
-        if backward:
-            raise NotImplementedError("BessTrainingLoop trains through train(); _train_epoch computes losses only.")
-        self.check_evaluation_loss()
-        total, count = 0.0, 0
-        with torch.no_grad():
-            for batch in batches:
-                callbacks.pre_batch()
-                loss = SLCWATrainingLoop._process_batch_static(
-                    model=self.model,
-                    loss=self.loss,
-                    mode=None,
-                    batch=batch,
-                    start=None,
-                    stop=None,
-                    label_smoothing=label_smoothing,
-                )
-                if not torch.isfinite(loss):
-                    raise NonFiniteLossError("Loss is non-finite.")
-                batch_loss = loss.item()
-                self.model.post_forward_pass()
-                total += batch_loss
-                count += 1
-                callbacks.on_batch(epoch=epoch, batch=batch, batch_loss=batch_loss)
-                callbacks.pre_step()
-                callbacks.post_batch(epoch=epoch, batch=batch)
-                if only_size_probing and count > 1:
-                    break
-        return total / max(count, 1)
-
-    def check_evaluation_loss(self) -> None:
-        """Refuse the loss of given triples where no process holds the whole model.
-
-        :raises NotImplementedError: under a process group (each process holds some shards, and PyKEEN's
-            evaluation-loss callback computes its loss in every process alone)
-        """
-        if self.topology.is_distributed:
-            raise NotImplementedError(
-                "PyKEEN's evaluation-loss callback (the loss of given triples) needs the whole model in one process; "
-                "under a process group each process holds only some shards. Evaluate with a stopper (early stopping) "
-                "or after training instead."
-            )
-
-    @staticmethod
-    def _get_batch_size(batch: BessBatch) -> int:  # type: ignore[override]
-        """Return the slots of a block (PyKEEN's sub-batching splits them)."""
-        return batch.block_size
-
-    def _process_batch(  # type: ignore[override]
-        self,
-        batch: BessBatch,
-        start: int,
-        stop: int,
-        label_smoothing: float = 0.0,
-        slice_size: int | None = None,
-    ) -> torch.Tensor:
-        """Return the loss of the slots ``start:stop`` of every block of the step being run (PyKEEN's hook).
-
-        The loss is this sub-batch's share of the step loss (already reduced over the whole step, so
-        the sub-batches' losses add up to the step loss), a scalar; the step backpropagates it. A
-        subclass may override this hook (e.g. to change or check the loss): the loop then calls it for
-        every sub-batch of every step (the eager step; the static step does not run then). A
-        non-finite loss raises :class:`~pykeen.training.training_loop.NonFiniteLossError` after the
-        step's sub-batches, and the step is not applied.
-
-        :raises RuntimeError: when called outside a step (the step's rows are gathered at its start)
-        """
-        if slice_size is not None:
-            raise ValueError("BessTrainingLoop does not support slice_size; use sub_batch_size.")
-        if self.runner is None:
-            raise RuntimeError("BessTrainingLoop._process_batch computes the loss of a step being run by train().")
-        return self.runner.sub_batch_loss(batch, start, stop, label_smoothing)
-
-    @property
-    def overrides_process_batch(self) -> bool:
-        """Whether a subclass overrides :meth:`_process_batch` (the steps then call it for every sub-batch)."""
-        return type(self)._process_batch is not BessTrainingLoop._process_batch
-
-    def _slice_size_search(self, **kwargs: Any) -> int:
-        raise MemoryError("BessTrainingLoop does not support slicing; use sub-batching.")
-
-
-def asks_evaluation_loss(callbacks: TrainingCallbackHint) -> bool:
-    """Return whether the ``callbacks`` of ``train()`` include PyKEEN's evaluation-loss callback."""
-    hints: list[Any] = list(callbacks) if isinstance(callbacks, list | tuple) else [callbacks]
-    for hint in hints:
-        if hint is None:
-            continue
-        if isinstance(hint, TrainingCallback):
-            kind: type = type(hint)
-        else:
-            try:
-                kind = callback_resolver.lookup(hint)
-            except (KeyError, ValueError, TypeError):
-                continue  # PyKEEN's resolver raises its own error when it makes the callbacks
-        if issubclass(kind, EvaluationLossTrainingCallback):
-            return True
-    return False
-
-
-class EpochBatches:
-    """The batches of consecutive epochs (what PyKEEN's data loader is to its loop).
-
-    :meth:`epoch` gives the steps of a given epoch; iterating gives those of the next epoch, from
-    ``first_epoch`` on, as iterating a data loader once per epoch does.
-    """
-
-    def __init__(self, sampler: BessSampler, first_epoch: int):
-        """Start at ``first_epoch`` (1-based)."""
-        self.sampler = sampler
-        self.next_epoch = first_epoch
-
-    def __len__(self) -> int:
-        return len(self.sampler)
-
-    def epoch(self, epoch: int) -> Iterator[BessBatch]:
-        """Return the steps of ``epoch`` (1-based); the next iteration continues after it."""
-        self.next_epoch = epoch + 1
-        return self.sampler.epoch(epoch)
-
-    def __iter__(self) -> Iterator[BessBatch]:
-        return self.epoch(self.next_epoch)

@@ -275,7 +275,9 @@ def test_auto_chooses_among_all_schemes_by_bytes(nations: Nations, caplog: pytes
     with caplog.at_level(logging.INFO, logger="pykeen_bess.training.assembly"):
         losses, model, loop = train(nations, "DistMult", 2, None, exchange="auto", **wide)
     assert loop.config.partition == "encoding" and loop.topology.n_column == 2
-    assert "chose 'encoding'" in caplog.text and "embedding 2048, score 3136, encoding 320" in caplog.text
+    assert (
+        "chose 'encoding'" in caplog.text and "embedding 1536, score 3136, encoding 320" in caplog.text
+    )  # one set of negatives per step
     reference_losses, reference, _ = train(nations, "DistMult", 1, "token", **wide)
     assert losses == pytest.approx(reference_losses, rel=1e-12)
     assert_same_model(model, reference)

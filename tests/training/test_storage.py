@@ -490,7 +490,8 @@ def test_a_model_built_on_the_meta_device_trains_with_stored_tables(nations, tmp
             num_shards=3,
             num_negs_per_pos=6,
             seed=3,
-            sharding="random",  # the plan whose first and last step losses the assertion below compares
+            sharding="random",  # with negatives="block": the plan whose first and last step losses are compared
+            negatives="block",
             **storage,
         )
         assert loop.tables[0].weight.shape[0] == 15  # the shard tables

@@ -1,0 +1,132 @@
+"""What the command line reads and writes besides its arguments: datasets, configurations, run metadata."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["UsageError", "check_triple_lines", "load_config", "load_dataset", "run_metadata"]
+
+
+class UsageError(ValueError):
+    """A problem with the command line's input (printed without a traceback)."""
+
+
+def load_dataset(name_or_path: str) -> Any:
+    """Return a PyKEEN dataset from a name or a directory of label TSV files."""
+    from pykeen.datasets import PathDataset, get_dataset
+
+    path = pathlib.Path(name_or_path)
+    if path.is_dir():
+        files = {split: path / f"{split}.txt" for split in ("train", "valid", "test")}
+        missing = [str(file) for file in files.values() if not file.is_file()]
+        if missing:
+            raise UsageError(f"Dataset directory {path} lacks {', '.join(missing)}.")
+        for file in files.values():
+            check_triple_lines(file)
+        return PathDataset(training_path=files["train"], testing_path=files["test"], validation_path=files["valid"])
+    try:
+        return get_dataset(dataset=name_or_path)
+    except (KeyError, ValueError, TypeError) as error:
+        raise UsageError(
+            f"Unknown dataset {name_or_path!r}: neither a PyKEEN dataset name nor a directory ({error})."
+        ) from None
+
+
+def check_triple_lines(path: pathlib.Path) -> None:
+    """Check that every non-blank line of a label TSV file has three tab-separated columns (head, relation, tail).
+
+    PyKEEN's reader would read a shorter line's missing labels as empty strings (an entity ``''``).
+
+    :raises UsageError: naming the file and the first line with another number of columns
+    """
+    with path.open(encoding="utf-8", newline="") as lines:
+        for number, line in enumerate(lines, start=1):
+            line = line.rstrip("\r\n")
+            if not line:
+                continue  # PyKEEN's reader skips blank lines
+            columns = line.count("\t") + 1
+            if columns != 3:
+                raise UsageError(
+                    f"{path}, line {number}: {columns} tab-separated column{'s' if columns != 1 else ''}, expected 3 "
+                    f"(head, relation, tail): {line[:80]!r}"
+                )
+
+
+def load_config(path: pathlib.Path) -> dict[str, Any]:
+    """Read the pipeline keyword arguments of a configuration file (``{"pipeline": {...}}`` or the keywords)."""
+    if not path.is_file():
+        raise UsageError(f"Configuration file {path} does not exist.")
+    text = path.read_text(encoding="utf-8")
+    if path.suffix.lower() in {".yaml", ".yml"}:
+        import yaml
+
+        config = yaml.safe_load(text)
+    else:
+        try:
+            config = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise UsageError(f"Configuration file {path} is not valid JSON: {error}") from None
+    if not isinstance(config, dict):
+        raise UsageError(f"Configuration file {path} must hold an object of pipeline() arguments.")
+    config = dict(config.get("pipeline", config))
+    loop = config.pop("training_loop", "bess")
+    if str(loop).lower() not in {"bess", "besstrainingloop"}:
+        raise UsageError(f"{path} asks for training_loop={loop!r}; this command trains with BESS only.")
+    return config
+
+
+_OMITTED = object()
+
+
+def _json_value(value: Any, path: str, omitted: list[str]) -> Any:
+    """Return ``value`` as JSON data (a class as its qualified name); ``_OMITTED`` (its path noted) if it has none."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, type):
+        return f"{value.__module__}.{value.__qualname__}"
+    if isinstance(value, Mapping) and all(isinstance(key, str) for key in value):
+        converted = {key: _json_value(item, f"{path}.{key}", omitted) for key, item in value.items()}
+        return {key: item for key, item in converted.items() if item is not _OMITTED}
+    if isinstance(value, list | tuple):
+        items = [_json_value(item, f"{path}[{index}]", omitted) for index, item in enumerate(value)]
+        if all(item is not _OMITTED for item in items):
+            return items
+    omitted.append(path)
+    return _OMITTED
+
+
+def run_metadata(kwargs: Mapping[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """Return what ``--output``'s ``metadata.json`` records of a run.
+
+    The versions of pykeen-bess, PyKEEN and PyTorch, and the keyword arguments of ``pipeline()``
+    that are JSON data (classes by their qualified names; a dataset object by the name or directory
+    it was given as); the paths of the others are listed under ``"omitted"``.
+    """
+    import pykeen.version
+    import torch
+
+    from . import __version__
+
+    omitted: list[str] = []
+    recorded: dict[str, Any] = {}
+    for key, value in kwargs.items():
+        if key == "metadata":
+            continue
+        if key == "dataset" and not isinstance(value, str):
+            source = getattr(args, "pbg", None) or getattr(args, "dataset", None)
+            source = source or (getattr(value, "metadata", None) or {}).get("name")
+            value = str(source) if source is not None else value
+        converted = _json_value(value, key, omitted)
+        if converted is not _OMITTED:
+            recorded[key] = converted
+    return dict(
+        pykeen_bess_version=__version__,
+        pykeen_version=pykeen.version.VERSION,
+        torch_version=torch.__version__,
+        pipeline=recorded,
+        omitted=omitted,
+    )
