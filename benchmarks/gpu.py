@@ -8,14 +8,15 @@ writes the figures as JSON (``--output``):
 * **check**: the captured static step (``static_step=None`` on CUDA: the full steps of an epoch
   replayed as one CUDA graph) against the eager step (``static_step=False``) on PyKEEN's bundled
   Nations, three epochs each (DistMult with its default regularizer at n = 1 and n = 4, n = 4 with
-  step-shared negatives, RotatE with the score-moving exchange): the largest relative difference of
+  per-block negatives, RotatE with the score-moving exchange): the largest relative difference of
   the epoch losses (float32 on the GPU, so about 1e-6, not 0) and whether the step was captured;
 * **training**: DistMult (dimension 256, PyKEEN's default regularizer and loss), 64 negatives per
   positive, Adam, on a generated graph of 272,115 triples (14,505 entities, 237 relations, skewed
   degrees; FB15k-237's size), at batch 4,096 and 512: PyKEEN's stock ``SLCWATrainingLoop`` (timed
   on batches after the first five), BESS's eager step at n = 1 and the static step at n = 1, n = 4
-  and n = 4 with ``negatives="step"`` (the best of the epochs after the first). Targets: at least
-  5M positives/s and 20x stock at batch 4,096, 10x stock at batch 512;
+  (one set of negatives per step, the default) and n = 4 with ``negatives="block"`` (the best of
+  the epochs after the first). Targets: at least 5M positives/s and 20x stock at batch 4,096, 10x
+  stock at batch 512;
 * **profile**: ``torch.profiler`` over static steps of the trained loops: kernels, launches
   (``cudaGraphLaunch`` and ``cudaLaunchKernel``), host synchronisations and copies per step, and the
   fraction of the steps' wall time the GPU is busy (the union of the device activities' intervals);
@@ -130,9 +131,9 @@ def check(device: torch.device, rows: list[Row], quick: bool = False) -> None:
         ("DistMult n=1", lambda: DistMult(triples_factory=tf, embedding_dim=32, random_seed=0), dict(num_shards=1)),
         ("DistMult n=4", lambda: DistMult(triples_factory=tf, embedding_dim=32, random_seed=0), dict(num_shards=4)),
         (
-            "DistMult n=4 step negatives",
+            "DistMult n=4 block negatives",
             lambda: DistMult(triples_factory=tf, embedding_dim=32, random_seed=0),
-            dict(num_shards=4, negatives="step"),
+            dict(num_shards=4, negatives="block"),
         ),
         (
             "RotatE n=2 score exchange",
@@ -191,8 +192,8 @@ def training(device: torch.device, rows: list[Row], args: argparse.Namespace, lo
             ("BESS static step, n=1", dict(num_shards=1, static_step=static_mode(device)), 3),
             ("BESS static step, n=4", dict(num_shards=4, static_step=static_mode(device)), 3),
             (
-                "BESS static step, n=4, negatives=step",
-                dict(num_shards=4, static_step=static_mode(device), negatives="step"),
+                "BESS static step, n=4, negatives=block",
+                dict(num_shards=4, static_step=static_mode(device), negatives="block"),
                 3,
             ),
         ]
