@@ -17,11 +17,12 @@ A distributed checkpoint ``NAME`` lives in a directory all ranks share (as PyTor
   distributed checkpoint resumes through ``pipeline()`` like a single-file one.
 
 Tables kept in files (``storage="mmap"``) are copied, flushed and synced, into a directory next to
-each shard's file (``NAME.v{version}.rank{s}-of-{n}.tmp-{pid}.tables``), which the file names.
+each shard's file (``NAME.v{version}.rank{s}-of-{n}.tables-{pid}``), which the file names.
 
 A new version is written next to the old one; only after every process has finished does rank 0
 replace the pointer (atomically), and only then are the previous version's files removed, so a
-crash while writing never loses the previous checkpoint.
+crash while writing never loses the previous checkpoint. Files of older versions written with other
+numbers of shards or replicas (before a resharded resume) are removed at the same time.
 """
 
 from __future__ import annotations
@@ -51,12 +52,38 @@ __all__ = [
     "reshard_stored_tables",
     "save_distributed_checkpoint",
     "shard_file",
+    "stale_tables_directories",
+    "tables_directory",
 ]
 
 logger = logging.getLogger(__name__)
 
 #: the ``format`` value of a distributed checkpoint's pointer file
 POINTER_FORMAT = "pykeen-bess-distributed-checkpoint"
+
+
+#: the infix of a file that is being written and is renamed into place once complete (``NAME.tmp-TAG``)
+TEMPORARY_INFIX = ".tmp-"
+
+
+def tables_directory(file: pathlib.Path) -> pathlib.Path:
+    """Return the directory for the copies of table files (``storage="mmap"``) of the checkpoint written to ``file``.
+
+    A checkpoint is written to a temporary file ``NAME.tmp-TAG`` and then renamed to ``NAME``; its
+    tables go to ``NAME.tables-TAG``, which is named for the checkpoint it belongs to and stays once the
+    checkpoint is in place (the tag keeps it apart from the previous checkpoint's directory, which is
+    removed only after the rename). For any other file ``NAME`` the directory is ``NAME.tables``.
+    """
+    name, infix, tag = file.name.rpartition(TEMPORARY_INFIX)
+    if infix:
+        return file.with_name(f"{name}.tables-{tag}")
+    return file.with_name(f"{file.name}.tables")
+
+
+def stale_tables_directories(file: pathlib.Path) -> list[pathlib.Path]:
+    """Return the table directories written for checkpoint ``file`` (named as now, or as before they were renamed)."""
+    pattern = glob.escape(file.name)
+    return [*file.parent.glob(f"{pattern}.tables-*"), *file.parent.glob(f"{pattern}{TEMPORARY_INFIX}*.tables")]
 
 
 def shard_file(
@@ -154,14 +181,14 @@ def save_distributed_checkpoint(
         raise ValueError(f"Checkpoint {path} already holds version {committed}; cannot write version {version}.")
     target = shard_file(path, version, shard, n_shard, replica, replicas) if writes else None
     if target is not None:
-        temporary = target.with_name(f"{target.name}.tmp-{os.getpid()}")
+        temporary = target.with_name(f"{target.name}{TEMPORARY_INFIX}{os.getpid()}")
         write_rank_file(temporary)
         os.replace(temporary, target)
     topology.barrier()
     if topology.is_main_process:
         if before_pointer is not None:
             before_pointer(version)
-        temporary_pointer = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+        temporary_pointer = path.with_name(f"{path.name}{TEMPORARY_INFIX}{os.getpid()}")
         pointer = dict(
             format=POINTER_FORMAT,
             version=version,
@@ -180,14 +207,22 @@ def save_distributed_checkpoint(
     if after_pointer is not None:
         after_pointer(committed)
     if writes:
-        for old in _versions(path, shard, n_shard, replica, replicas):
-            if old < version:
-                old_file = shard_file(path, old, shard, n_shard, replica, replicas)
-                old_file.unlink(missing_ok=True)
-                for tables in old_file.parent.glob(f"{glob.escape(old_file.name)}.tmp-*.tables"):
-                    shutil.rmtree(tables, ignore_errors=True)  # copies of tables in files (storage="mmap")
         logger.info("shard %d wrote checkpoint version %d (epoch %d) to %s", shard, version, epoch, target)
+    # no version older than the pointer's is read again: remove them, whichever numbers of shards and
+    # replicas wrote them (a resharded run's past included); every process removes what it sees
+    for old_file in _older_files(path, version):
+        old_file.unlink(missing_ok=True)
+        for tables in stale_tables_directories(old_file):
+            shutil.rmtree(tables, ignore_errors=True)  # copies of tables in files (storage="mmap")
     return target
+
+
+def _older_files(path: pathlib.Path, version: int) -> list[pathlib.Path]:
+    """Return the shard files of the checkpoint ``path`` of versions before ``version`` (any layout)."""
+    if not path.parent.is_dir():
+        return []
+    pattern = re.compile(rf"^{re.escape(path.name)}\.v(\d+)\.rank\d+-of-\d+(?:\.replica\d+-of-\d+)?$")
+    return [file for file in path.parent.iterdir() if (m := pattern.match(file.name)) and int(m.group(1)) < version]
 
 
 def reshard_rank_state(

@@ -38,6 +38,7 @@ from ..sharding import RandomSharding
 from .checkpoint_mismatch import describe_mismatch
 from .checkpoint_files import (
     POINTER_FORMAT,
+    TEMPORARY_INFIX,
     latest_own_version,
     pointer_file,
     pointer_shards,
@@ -46,6 +47,8 @@ from .checkpoint_files import (
     reshard_stored_tables,
     save_distributed_checkpoint,
     shard_file,
+    stale_tables_directories,
+    tables_directory,
 )
 
 __all__ = [
@@ -120,11 +123,6 @@ def checkpoint_seed(path: pathlib.Path) -> int | None:
         return None
     seed = content.get("random_seed")
     return 0 if seed is None else int(seed)
-
-
-def tables_directory(file: pathlib.Path) -> pathlib.Path:
-    """Return the directory that holds the copies of table files (``storage="mmap"``) of a checkpoint file."""
-    return file.with_name(f"{file.name}.tables")
 
 
 class CheckpointStore(ABC):
@@ -216,7 +214,7 @@ class FileCheckpointStore(CheckpointStore):
         path = pathlib.Path(path)
         # a name of this process' own: two processes writing one checkpoint must not share a temporary file;
         # tables in files go to a directory named after it, kept only once the checkpoint file is in place
-        temporary = path.with_name(f"{path.name}.tmp-{os.getpid()}-{time.time_ns()}")
+        temporary = path.with_name(f"{path.name}{TEMPORARY_INFIX}{os.getpid()}-{time.time_ns()}")
         try:
             self.write_state(temporary, stopper, best_epoch_model_file_path, triples_factory)
             os.replace(temporary, path)
@@ -227,7 +225,7 @@ class FileCheckpointStore(CheckpointStore):
             temporary.unlink(missing_ok=True)
         if self.loop.tables.keeps_files:  # the previous versions' table files
             keep = tables_directory(temporary).name
-            for old in path.parent.glob(f"{glob.escape(path.name)}.tmp-*.tables"):
+            for old in stale_tables_directories(path):
                 if old.name != keep:
                     shutil.rmtree(old, ignore_errors=True)
 

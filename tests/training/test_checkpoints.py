@@ -30,6 +30,23 @@ def test_the_pointer_holds_what_pipeline_and_stoppers_read(tmp_path: pathlib.Pat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.pt", "run.pt.v1.rank0-of-1"]
 
 
+def test_a_new_version_removes_older_versions_of_every_layout(tmp_path: pathlib.Path) -> None:
+    """After resharding (two shards, then one), the two-shard files and their table copies do not stay behind."""
+    path = tmp_path / "run.pt"
+
+    def write(file: pathlib.Path) -> None:
+        torch.save({"epoch": 1}, file)
+
+    for name in ["run.pt.v1.rank0-of-2", "run.pt.v1.rank1-of-2", "run.pt.v1.rank1-of-2.replica1-of-2"]:
+        torch.save({}, tmp_path / name)
+    for name in ["run.pt.v1.rank0-of-2.tables-12", "run.pt.v1.rank1-of-2.tmp-13.tables"]:  # now; before the rename
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "table0.npy").write_bytes(b"")
+    (tmp_path / "other.pt.v1.rank0-of-2").write_bytes(b"")  # another checkpoint in the same directory
+    save_distributed_checkpoint(path, LocalTopology(1), write, epoch=1, seed=0, version=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other.pt.v1.rank0-of-2", "run.pt", "run.pt.v2.rank0-of-1"]
+
+
 def test_a_single_process_refuses_a_distributed_checkpoint_through_pipeline(tmp_path: pathlib.Path) -> None:
     """pipeline() reads the pointer's random seed, then the loop explains instead of failing with a KeyError."""
     import pytest

@@ -235,8 +235,9 @@ def test_checkpoints_resume_identically(nations, tmp_path, tier) -> None:
     path.mkdir()
     storage_dir.mkdir()
     first = train_with_checkpoints(make_loop(factory, tier, storage_dir), factory, 1, path)
-    if tier == "mmap":  # the checkpoint holds copies of the files, not pickled tables
-        (copies,) = [p for p in path.iterdir() if p.name.endswith(".tables")]
+    if tier == "mmap":  # the checkpoint holds copies of the files, not pickled tables, in a directory named for it
+        (copies,) = [p for p in path.iterdir() if p.name.startswith("run.pt.tables-")]
+        assert not [p for p in path.iterdir() if ".tmp-" in p.name]  # nothing looks disposable
         assert sorted(p.name for p in copies.iterdir()) == sorted(p.name for p in storage_dir.iterdir())
         entry = torch.load(path / "run.pt", weights_only=False)["model_state_dict"][
             "entity_representations.0.stored_table"
@@ -246,7 +247,7 @@ def test_checkpoints_resume_identically(nations, tmp_path, tier) -> None:
     rest = train_with_checkpoints(make_loop(factory, tier, storage_dir), factory, 2, path)
     assert first + rest == full
     if tier == "mmap":  # one version of the copies is kept
-        assert len([p for p in path.iterdir() if p.name.endswith(".tables")]) == 1
+        assert len([p for p in path.iterdir() if p.name.startswith("run.pt.tables-")]) == 1
 
 
 def test_mmap_files_of_a_resumed_checkpoint_are_reused_without_overwrite(nations, tmp_path) -> None:
