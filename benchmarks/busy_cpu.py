@@ -79,6 +79,7 @@ def bess_epoch(tf, num_shards: int, num_threads) -> float:
         optimizer="adam",
         automatic_memory_optimization=False,
         num_threads=num_threads,
+        host_allocator="auto",  # the command line's setting
     )
     start = time.perf_counter()
     loop.train(tf, num_epochs=1, batch_size=512, use_tqdm=False)
@@ -87,7 +88,7 @@ def bess_epoch(tf, num_shards: int, num_threads) -> float:
 
 def evaluation(splits, model, num_threads) -> float:
     """Return evaluated test triples per second of a filtered BessEvaluator run (both sides)."""
-    evaluator = BessEvaluator(num_shards=1, num_threads=num_threads)
+    evaluator = BessEvaluator(num_shards=1, num_threads=num_threads, host_allocator="auto")
     kwargs = dict(
         additional_filter_triples=[splits["train"].mapped_triples, splits["valid"].mapped_triples], use_tqdm=False
     )

@@ -15,7 +15,11 @@ import argparse
 
 import torch
 
-__all__ = ["add_device_argument", "describe", "parse_device", "synchronize"]
+__all__ = ["CLI_HOST_SETTINGS", "add_device_argument", "describe", "parse_device", "synchronize"]
+
+#: the process settings the command line gives BESS's loop and evaluator (the Python API leaves both
+#: alone unless asked): intra-op threads measured, glibc keeping freed memory (both only on the CPU)
+CLI_HOST_SETTINGS = dict(num_threads="auto", host_allocator="auto")
 
 
 def parse_device(text: str) -> torch.device:

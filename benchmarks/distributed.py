@@ -72,6 +72,8 @@ def worker(args: argparse.Namespace) -> None:
         optimizer="adam",
         automatic_memory_optimization=False,
         seed=0,
+        num_threads="auto",  # the command line's settings of the process
+        host_allocator="auto",
     )
     start = time.perf_counter()
     loop.train(factory, num_epochs=1, batch_size=args.batch_size, use_tqdm=False)

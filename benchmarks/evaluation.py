@@ -73,7 +73,7 @@ from pykeen.triples.triples_factory import (
 )
 from pykeen.triples.utils import load_triples
 
-from devices import add_device_argument, describe, synchronize
+from devices import CLI_HOST_SETTINGS, add_device_argument, describe, synchronize
 from result_files import write_result
 from training import generate_graph
 
@@ -107,7 +107,7 @@ def make_model(splits: Mapping[str, CoreTriplesFactory], dim: int, train_epochs:
     if train_epochs:
         from pykeen_bess.training import BessTrainingLoop
 
-        loop = BessTrainingLoop(model=model, triples_factory=splits["train"], num_shards=1)
+        loop = BessTrainingLoop(model=model, triples_factory=splits["train"], num_shards=1, **CLI_HOST_SETTINGS)
         loop.train(triples_factory=splits["train"], num_epochs=train_epochs, batch_size=1024, use_tqdm=False)
     return model
 
@@ -250,7 +250,7 @@ def benchmark_dataset(
         log(f"  PyKEEN batch_size={text}: {outcome['seconds']:.3f} s")
     sizes = None
     for num_shards in bess_shards:
-        evaluator = BessEvaluator(num_shards=num_shards)
+        evaluator = BessEvaluator(num_shards=num_shards, **CLI_HOST_SETTINGS)
         outcome = timed_runs(evaluator, model, splits, None, repeats, warmup)
         sizes = sizes or evaluator.last_block_sizes
         outcome.update(

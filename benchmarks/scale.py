@@ -53,7 +53,7 @@ from pykeen.models import TransE
 from pykeen.training.callbacks import TrainingCallback
 from pykeen.triples import CoreTriplesFactory
 
-from devices import add_device_argument, describe, synchronize
+from devices import CLI_HOST_SETTINGS, add_device_argument, describe, synchronize
 from result_files import write_result
 from pykeen_bess.evaluation import BessEvaluator
 from pykeen_bess.training import BessTrainingLoop
@@ -193,6 +193,7 @@ def run(args: argparse.Namespace, triples: torch.Tensor, num_shards: int) -> lis
             optimizer="adam",
             optimizer_kwargs=dict(lr=1e-3),
             automatic_memory_optimization=False,
+            **CLI_HOST_SETTINGS,
         )
         loop.partition(train)
     callback = FirstStep(args.steps, args.device)
@@ -217,7 +218,7 @@ def run(args: argparse.Namespace, triples: torch.Tensor, num_shards: int) -> lis
     )
     print(f"  {record.note}; setup before the first step in all: {setup:.1f} s", flush=True)
     with stage("evaluation", stages, args.device) as record:
-        evaluator = BessEvaluator()
+        evaluator = BessEvaluator(**CLI_HOST_SETTINGS)
         result = evaluator.evaluate(
             model, test, additional_filter_triples=[train.mapped_triples], use_tqdm=not args.quiet
         )

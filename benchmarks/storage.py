@@ -42,7 +42,7 @@ import sys
 import tempfile
 import time
 
-from devices import add_device_argument, describe, parse_device, synchronize
+from devices import CLI_HOST_SETTINGS, add_device_argument, describe, parse_device, synchronize
 from result_files import command_line, write_result
 
 OPTIMIZERS = {"adam": "Adam", "rowwise_adagrad": "row-wise Adagrad"}
@@ -78,6 +78,7 @@ def worker(args: argparse.Namespace) -> None:
             triples_factory=training,
             num_shards=args.shards,
             num_negs_per_pos=args.negatives,
+            **CLI_HOST_SETTINGS,
             optimizer=args.optimizer,
             optimizer_kwargs=dict(lr=0.1 if args.optimizer == "rowwise_adagrad" else 1e-3),
             automatic_memory_optimization=False,
@@ -110,7 +111,7 @@ def worker(args: argparse.Namespace) -> None:
         triples = training.num_triples
         moved = storage.traffic.bytes_read / len(steps)
         start = time.perf_counter()
-        metrics = BessEvaluator().evaluate(
+        metrics = BessEvaluator(**CLI_HOST_SETTINGS).evaluate(
             loop.model,
             testing.mapped_triples[: args.eval_triples],
             additional_filter_triples=[training.mapped_triples],
@@ -186,6 +187,7 @@ def large(args: argparse.Namespace) -> None:
         triples_factory=training,
         num_shards=args.shards,
         num_negs_per_pos=args.negatives,
+        **CLI_HOST_SETTINGS,
         optimizer="rowwise_adagrad",
         optimizer_kwargs=dict(lr=0.1),
         automatic_memory_optimization=False,
@@ -227,7 +229,7 @@ def large(args: argparse.Namespace) -> None:
         f"RssAnon {_status('RssAnon') / 2**30:.2f} GiB, RssFile {_status('RssFile') / 2**30:.2f} GiB",
     )
     before = _io()
-    metrics = BessEvaluator(batch_size=args.eval_triples).evaluate(
+    metrics = BessEvaluator(batch_size=args.eval_triples, **CLI_HOST_SETTINGS).evaluate(
         loop.model, testing, additional_filter_triples=[training.mapped_triples], use_tqdm=False
     )
     after = _io()

@@ -110,8 +110,10 @@ def training(data: dict[str, Any], out: Path) -> str:
         labels = [
             row["loop"]
             .replace("PyKEEN SLCWATrainingLoop", "PyKEEN stock")
+            .replace("BessTrainingLoop", "BESS")
             .replace(", BESS's allocator setting", ", BESS allocator")
-            + (f", n={row['num_shards']} {row['negatives']}" if row["loop"] == "BessTrainingLoop" else "")
+            .replace(", C library's allocator", ", glibc default")
+            + (f", n={row['num_shards']} {row['negatives']}" if row["loop"].startswith("BessTrainingLoop") else "")
             for row in mine
         ]
         colors = [

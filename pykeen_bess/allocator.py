@@ -15,12 +15,14 @@ on the CPU for the same reason; this module gets the effect without a preload.
 The policy is one class per choice, resolved from the ``host_allocator`` argument of
 :class:`~pykeen_bess.training.BessTrainingLoop` and :class:`~pykeen_bess.evaluation.BessEvaluator`:
 
-* :class:`RetainFreedMemory` (``"auto"``, the default when computing on the CPU with glibc): sets
+* :class:`RetainFreedMemory` (``"auto"`` when computing on the CPU with glibc; the command line's
+  default, ``--host-allocator auto``): sets
   glibc's mmap threshold to 32 MiB and its trim threshold to 256 MiB with ``mallopt``, so blocks
   below 32 MiB come from the heap and up to 256 MiB of freed memory stay there for the next step.
   The setting is process-wide and stays in effect after the work (glibc cannot go back to its
   adaptive thresholds); the process may keep up to 256 MiB more resident than before.
-* :class:`KeepAllocator` (None; also ``"auto"`` on a GPU, with another C library, or when the user
+* :class:`KeepAllocator` (None, the default of the loop and the evaluator: a library leaves
+  process-wide state alone unless asked; also ``"auto"`` on a GPU, with another C library, or when the user
   chose for themselves: any of ``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``,
   ``MALLOC_TOP_PAD_``, a ``glibc.malloc`` tunable in ``GLIBC_TUNABLES``, or jemalloc, tcmalloc or
   mimalloc in ``LD_PRELOAD``): the allocator is left alone.

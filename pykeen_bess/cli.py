@@ -75,11 +75,11 @@ examples:
 
 
 def _threads(text: str) -> str | int:
-    """Parse ``--threads``: ``auto`` or a positive integer."""
-    if text == "auto":
+    """Parse ``--threads``: ``auto``, ``keep`` or a positive integer."""
+    if text in ("auto", "keep"):
         return text
     if not text.strip().isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected 'auto' or a positive integer, not {text!r}")
+        raise argparse.ArgumentTypeError(f"expected 'auto', 'keep' or a positive integer, not {text!r}")
     return int(text)
 
 
@@ -225,13 +225,15 @@ def build_parser() -> argparse.ArgumentParser:
     training.add_argument(
         "--threads",
         type=_threads,
-        help="intra-op CPU threads of training steps and evaluation blocks: a number, or auto (default: measure 1 "
-        "against all of the process's threads, again every 500 steps; robust to a busy neighbour process)",
+        help="intra-op CPU threads of training steps and evaluation blocks: auto (default: measure 1 against all of "
+        "the process's threads, again every 500 steps; robust to a busy neighbour process), a number, or keep "
+        "(torch's setting, the default of the Python API)",
     )
     training.add_argument(
         "--host-allocator",
         choices=["auto", "keep"],
-        help="auto (default on the CPU: glibc keeps freed tensor memory for the next step) or keep (leave it alone)",
+        help="auto (default; on the CPU glibc keeps freed tensor memory for the next step) or keep (leave it alone, "
+        "the default of the Python API)",
     )
     training.add_argument("--checkpoint-name", help="checkpoint file name; an existing checkpoint is resumed")
     training.add_argument(
@@ -286,6 +288,29 @@ def _merge(base: Mapping[str, Any], update: Mapping[str, Any]) -> dict[str, Any]
     return merged
 
 
+class _PipelineKwargs:
+    """Keyword arguments of :func:`pykeen.pipeline.pipeline`, built option by option."""
+
+    def __init__(self, kwargs: dict[str, Any]):
+        self.kwargs = kwargs
+
+    def set(self, key: str, value: Any, inner: str | None = None) -> None:
+        """Set ``key`` (or the entry ``inner`` of the ``key`` dictionary, keeping its other entries)."""
+        self.kwargs = _merge(self.kwargs, {key: value} if inner is None else {key: {inner: value}})
+
+    def inner(self, key: str) -> Mapping[str, Any]:
+        """Return the ``key`` dictionary (empty if not set)."""
+        return self.kwargs.get(key) or {}
+
+    def bess_evaluator(self) -> bool:
+        """Whether the run evaluates with the bess evaluator.
+
+        It is the command line's default; a configuration without an evaluator gets PyKEEN's default,
+        the rank-based one.
+        """
+        return str(self.kwargs.get("evaluator", "")).lower() in {"bess", "bessevaluator"}
+
+
 def pipeline_kwargs(args: argparse.Namespace, in_group: bool = False) -> dict[str, Any]:
     """Turn parsed arguments (and ``--config``) into keyword arguments of :func:`pykeen.pipeline.pipeline`.
 
@@ -298,38 +323,72 @@ def pipeline_kwargs(args: argparse.Namespace, in_group: bool = False) -> dict[st
     given = vars(args)
     if "config" in given:
         settings: dict[str, Any] = {}
-        kwargs = load_config(given["config"])
+        kwargs = _PipelineKwargs(load_config(given["config"]))
     else:
         settings = dict(DEFAULTS)
-        kwargs = {}
+        kwargs = _PipelineKwargs({})
     settings.update({key: value for key, value in given.items() if key not in {"command", "config"}})
+    _set_dataset(settings, given, kwargs)
+    _set_model(settings, kwargs)
+    _set_bess(settings, kwargs, in_group)
+    _set_training(settings, kwargs)
+    _set_stopper(settings, kwargs)
+    _set_host(settings, kwargs)
+    _set_evaluation(settings, kwargs)
 
-    def set_(key: str, value: Any, inner: str | None = None) -> None:
-        nonlocal kwargs
-        kwargs = _merge(kwargs, {key: value} if inner is None else {key: {inner: value}})
+    from .training import BessTrainingLoop
 
+    kwargs.kwargs["training_loop"] = BessTrainingLoop
+    return kwargs.kwargs
+
+
+def _set_dataset(settings: dict[str, Any], given: dict[str, Any], kwargs: _PipelineKwargs) -> None:
+    """Set the graph: PyTorch-BigGraph's files, a dataset (name or directory), or the configuration's."""
+    dataset_keys = ("dataset", "dataset_kwargs", "training", "testing", "validation")
     if "pbg" in settings:
-        for key in ("dataset", "dataset_kwargs", "training", "testing", "validation"):
-            kwargs.pop(key, None)
-        use_pbg_graph(settings, given, kwargs)
+        for key in dataset_keys:
+            kwargs.kwargs.pop(key, None)
+        use_pbg_graph(settings, given, kwargs.kwargs)
     elif "pbg_config" in settings:
         raise UsageError("--pbg-config needs --pbg.")
     elif "dataset" in settings:
-        for key in ("dataset", "dataset_kwargs", "training", "testing", "validation"):
-            kwargs.pop(key, None)
-        set_("dataset", load_dataset(settings["dataset"]))
-    elif isinstance(kwargs.get("dataset"), str) and pathlib.Path(kwargs["dataset"]).is_dir():
-        kwargs["dataset"] = load_dataset(kwargs["dataset"])
+        for key in dataset_keys:
+            kwargs.kwargs.pop(key, None)
+        kwargs.set("dataset", load_dataset(settings["dataset"]))
+    elif isinstance(kwargs.kwargs.get("dataset"), str) and pathlib.Path(kwargs.kwargs["dataset"]).is_dir():
+        kwargs.kwargs["dataset"] = load_dataset(kwargs.kwargs["dataset"])
+
+
+def _set_model(settings: dict[str, Any], kwargs: _PipelineKwargs) -> None:
+    """Set the model, loss, optimizer, evaluator, device, dimension, learning rate and seed."""
     for key in ("model", "loss", "optimizer", "evaluator", "model_kwargs", "loss_kwargs", "optimizer_kwargs", "device"):
         if key in settings:
-            set_(key, settings[key])
+            kwargs.set(key, settings[key])
     for flag, key, inner in (("dim", "model_kwargs", "embedding_dim"), ("lr", "optimizer_kwargs", "lr")):
         if flag in settings:
-            set_(key, settings[flag], inner)
+            kwargs.set(key, settings[flag], inner)
     if "seed" in settings:
-        set_("random_seed", settings["seed"])
+        kwargs.set("random_seed", settings["seed"])
 
-    # BESS
+
+#: command-line options passed unchanged to the training loop
+_LOOP_OPTIONS = (
+    "replicas",
+    "replica_grouping",
+    "checkpoint_retrieval",
+    "checkpoint_format",
+    "storage",
+    "storage_path",
+    "partition",
+    "sharding",
+    "exchange",
+    "corruption",
+    "loss_weighter",
+)
+
+
+def _set_bess(settings: dict[str, Any], kwargs: _PipelineKwargs, in_group: bool) -> None:
+    """Set the training loop's options: shards, replicas, storage, partition, negatives, updates."""
     replicated = "replicas" in settings or "replica_grouping" in settings
     if "num_shards" in settings:
         if in_group and not replicated:
@@ -337,80 +396,89 @@ def pipeline_kwargs(args: argparse.Namespace, in_group: bool = False) -> dict[st
                 "--num-shards under torchrun needs --replicas (num_shards * replicas = the world size); without "
                 "replicas every rank holds one shard."
             )
-        set_("training_loop_kwargs", settings["num_shards"], "num_shards")
-    elif not in_group and "num_shards" not in kwargs.get("training_loop_kwargs", {}):
-        set_("training_loop_kwargs", 2, "num_shards")
-    for flag in (
-        "replicas",
-        "replica_grouping",
-        "checkpoint_retrieval",
-        "checkpoint_format",
-        "storage",
-        "storage_path",
-        "partition",
-        "sharding",
-        "exchange",
-        "corruption",
-        "loss_weighter",
-    ):
+        kwargs.set("training_loop_kwargs", settings["num_shards"], "num_shards")
+    elif not in_group and "num_shards" not in kwargs.inner("training_loop_kwargs"):
+        kwargs.set("training_loop_kwargs", 2, "num_shards")
+    for flag in _LOOP_OPTIONS:
         if flag in settings:
-            set_("training_loop_kwargs", settings[flag], flag)
-    if settings.get("typed_negatives"):  # one set per step unless --block-negatives
-        set_("training_loop_kwargs", "typed" if settings.get("block_negatives") else "typed_step", "negatives")
-    elif settings.get("block_negatives") or settings.get("step_negatives"):
-        set_("training_loop_kwargs", "block" if settings.get("block_negatives") else "step", "negatives")
+            kwargs.set("training_loop_kwargs", settings[flag], flag)
+    negatives = _negatives(settings)
+    if negatives is not None:
+        kwargs.set("training_loop_kwargs", negatives, "negatives")
     if settings.get("dense_updates"):
-        set_("training_loop_kwargs", False, "sparse_updates")
+        kwargs.set("training_loop_kwargs", False, "sparse_updates")
     if "static_step" in settings:  # auto: None, the loop's default
-        set_("training_loop_kwargs", {"on": True, "off": False}.get(settings["static_step"]), "static_step")
+        kwargs.set("training_loop_kwargs", {"on": True, "off": False}.get(settings["static_step"]), "static_step")
     if "negatives" in settings:
-        set_("negative_sampler_kwargs", settings["negatives"], "num_negs_per_pos")
+        kwargs.set("negative_sampler_kwargs", settings["negatives"], "num_negs_per_pos")
 
-    # training
+
+def _negatives(settings: dict[str, Any]) -> str | None:
+    """Return the ``negatives`` scheme the flags choose (None: the loop's default)."""
+    block = bool(settings.get("block_negatives"))
+    if settings.get("typed_negatives"):  # one set per step unless --block-negatives
+        return "typed" if block else "typed_step"
+    if block or settings.get("step_negatives"):
+        return "block" if block else "step"
+    return None
+
+
+def _set_training(settings: dict[str, Any], kwargs: _PipelineKwargs) -> None:
+    """Set the epochs, batch sizes, checkpoints and progress bars."""
     if "epochs" in settings:
-        set_("training_kwargs", settings["epochs"], "num_epochs")
+        kwargs.set("training_kwargs", settings["epochs"], "num_epochs")
     if "batch_size" in settings:
-        set_("training_kwargs", settings["batch_size"] or None, "batch_size")
+        kwargs.set("training_kwargs", settings["batch_size"] or None, "batch_size")
     for flag in ("sub_batch_size", "checkpoint_name", "checkpoint_frequency", "checkpoint_directory"):
         if flag in settings:
-            set_("training_kwargs", str(settings[flag]) if flag == "checkpoint_directory" else settings[flag], flag)
-    training = kwargs.get("training_kwargs", {})  # PyKEEN writes no checkpoint without a name
+            value = str(settings[flag]) if flag == "checkpoint_directory" else settings[flag]
+            kwargs.set("training_kwargs", value, flag)
+    training = kwargs.inner("training_kwargs")  # PyKEEN writes no checkpoint without a name
     named = training.get("checkpoint_name") or training.get("checkpoint_on_failure")
     if {"checkpoint_directory", "checkpoint_frequency"} & set(settings) and not named:
         raise UsageError("--checkpoint-directory and --checkpoint-frequency need --checkpoint-name.")
     if "export_pbg" in settings:  # the optimizer's row state goes into the exported checkpoint
-        set_("clear_optimizer", False)
+        kwargs.set("clear_optimizer", False)
     quiet = bool(settings.get("quiet"))
-    set_("training_kwargs", not quiet, "use_tqdm")
-    set_("evaluation_kwargs", not quiet, "use_tqdm")
+    kwargs.set("training_kwargs", not quiet, "use_tqdm")
+    kwargs.set("evaluation_kwargs", not quiet, "use_tqdm")
+
+
+def _set_stopper(settings: dict[str, Any], kwargs: _PipelineKwargs) -> None:
+    """Set early stopping and its options."""
     if settings.get("early_stopping"):
-        set_("stopper", "early")
+        kwargs.set("stopper", "early")
     stopper_flags = {"stopper_frequency": "frequency", "stopper_patience": "patience", "stopper_metric": "metric"}
     for flag, key in stopper_flags.items():
         if flag in settings:
-            if kwargs.get("stopper") is None:
+            if kwargs.kwargs.get("stopper") is None:
                 raise UsageError(f"--{flag.replace('_', '-')} needs --early-stopping.")
-            set_("stopper_kwargs", settings[flag], key)
+            kwargs.set("stopper_kwargs", settings[flag], key)
 
+
+def _set_host(settings: dict[str, Any], kwargs: _PipelineKwargs) -> None:
+    """Set the CPU threads and the host allocator of the loop and the bess evaluator.
+
+    The library leaves both alone unless asked; the command line asks (``auto``) unless an option or the
+    configuration says otherwise (``keep``: None, leave the process as it is).
+    """
     for flag, key in (("threads", "num_threads"), ("host_allocator", "host_allocator")):
-        if flag in settings:  # the loop's and the bess evaluator's (keep: None)
-            value = None if settings[flag] == "keep" else settings[flag]
-            set_("training_loop_kwargs", value, key)
-            if kwargs.get("evaluator", "bess") == "bess":
-                set_("evaluator_kwargs", value, key)
+        targets = ["training_loop_kwargs"] + (["evaluator_kwargs"] if kwargs.bess_evaluator() else [])
+        for target in targets:
+            if flag in settings:
+                kwargs.set(target, None if settings[flag] == "keep" else settings[flag], key)
+            elif key not in kwargs.inner(target):
+                kwargs.set(target, "auto", key)
 
-    # evaluation
+
+def _set_evaluation(settings: dict[str, Any], kwargs: _PipelineKwargs) -> None:
+    """Set the evaluation's batch and slice sizes."""
     if "eval_batch_size" in settings:
-        set_("evaluation_kwargs", settings["eval_batch_size"], "batch_size")
+        kwargs.set("evaluation_kwargs", settings["eval_batch_size"], "batch_size")
     if "eval_slice_size" in settings:
-        if kwargs.get("evaluator", "bess") != "bess":
+        if not kwargs.bess_evaluator():
             raise UsageError("--eval-slice-size applies to the bess evaluator only.")
-        set_("evaluator_kwargs", settings["eval_slice_size"], "slice_size")
-
-    from .training import BessTrainingLoop
-
-    kwargs["training_loop"] = BessTrainingLoop
-    return kwargs
+        kwargs.set("evaluator_kwargs", settings["eval_slice_size"], "slice_size")
 
 
 def train(args: argparse.Namespace) -> dict[str, float]:

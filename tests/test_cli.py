@@ -33,6 +33,10 @@ def test_lr_help_says_the_default_differs_from_pipeline() -> None:
     assert "default: 0.01, ten times pipeline()'s" in text and "0.001" in text
 
 
+#: what the command line adds to the loop's (and the bess evaluator's) arguments unless told otherwise
+HOST = dict(num_threads="auto", host_allocator="auto")
+
+
 def test_the_readme_pipeline_example_from_the_command_line() -> None:
     """README: DistMult d64, 4 shards, embedding exchange, ht corruption, 64 negatives, 100 epochs, batch 512."""
     args = build_parser().parse_args(
@@ -43,7 +47,7 @@ def test_the_readme_pipeline_example_from_the_command_line() -> None:
     kwargs = pipeline_kwargs(args)
     assert kwargs["model"] == "DistMult" and kwargs["model_kwargs"] == dict(embedding_dim=64)
     assert kwargs["training_loop"] is BessTrainingLoop
-    assert kwargs["training_loop_kwargs"] == dict(num_shards=4, exchange="embedding", corruption="ht")
+    assert kwargs["training_loop_kwargs"] == dict(num_shards=4, exchange="embedding", corruption="ht", **HOST)
     assert kwargs["negative_sampler_kwargs"] == dict(num_negs_per_pos=64)
     assert kwargs["training_kwargs"]["num_epochs"] == 100 and kwargs["training_kwargs"]["batch_size"] == 512
     assert kwargs["evaluator"] == "bess"
@@ -166,7 +170,7 @@ def test_config_file_amended_by_flags(capsys: pytest.CaptureFixture, tmp_path: p
     assert kwargs["model"] == "TransE"
     assert kwargs["model_kwargs"] == dict(embedding_dim=4, scoring_fct_norm=2)
     assert kwargs["training_kwargs"]["num_epochs"] == 1 and kwargs["training_kwargs"]["batch_size"] == 64
-    assert kwargs["training_loop_kwargs"] == dict(num_shards=2)
+    assert kwargs["training_loop_kwargs"] == dict(num_shards=2, **HOST)
     code, out, err = run(capsys, "--config", str(path), "--epochs", "1", "--quiet", "--json")
     assert code == 0, err
     assert 0 < json.loads(out)["both.realistic.inverse_harmonic_mean_rank"] <= 1
@@ -187,13 +191,14 @@ def test_replica_flags(capsys: pytest.CaptureFixture, tmp_path: pathlib.Path) ->
         replica_grouping="consecutive",
         checkpoint_retrieval="all_replicas",
         corruption="ht",
+        **HOST,
     )
     # the same from a configuration file
     config = tmp_path / "config.json"
     loop_kwargs = dict(num_shards=1, replicas=4, replica_grouping="all", checkpoint_retrieval="all_replicas")
     config.write_text(json.dumps(dict(pipeline=dict(dataset="nations", training_loop_kwargs=loop_kwargs))))
     kwargs = pipeline_kwargs(build_parser().parse_args(["train", "--config", str(config)]))
-    assert kwargs["training_loop_kwargs"] == loop_kwargs
+    assert kwargs["training_loop_kwargs"] == dict(loop_kwargs, **HOST)
     # outside torchrun there is no process group to hold replicas: one line, exit status 2, before training
     code, out, err = run(capsys, *FAST, "--replicas", "2", "--output", str(tmp_path / "out"))
     assert code == 2 and out == ""
@@ -217,7 +222,9 @@ def test_storage_flags_train_with_tables_in_files(capsys: pytest.CaptureFixture,
 
 def test_encoding_partition_from_the_command_line(capsys: pytest.CaptureFixture, tmp_path: pathlib.Path) -> None:
     args = build_parser().parse_args(["train", "--num-shards", "3", "--partition", "encoding"])
-    assert pipeline_kwargs(args)["training_loop_kwargs"] == dict(num_shards=3, partition="encoding", corruption="ht")
+    assert pipeline_kwargs(args)["training_loop_kwargs"] == dict(
+        num_shards=3, partition="encoding", corruption="ht", **HOST
+    )
     code, out, err = run(capsys, *FAST, "--num-shards", "3", "--partition", "encoding", "--output", str(tmp_path / "o"))
     assert code == 0, err
     assert 0 < json.loads(out)["both.realistic.inverse_harmonic_mean_rank"] <= 1
@@ -227,7 +234,7 @@ def test_encoding_partition_from_the_command_line(capsys: pytest.CaptureFixture,
 
 def test_threads_flag(capsys: pytest.CaptureFixture) -> None:
     """--threads sets the loop's and the bess evaluator's num_threads; bad values are usage errors."""
-    for value, expected in (("auto", "auto"), ("1", 1)):
+    for value, expected in (("auto", "auto"), ("1", 1), ("keep", None)):
         kwargs = pipeline_kwargs(build_parser().parse_args(["train", "--threads", value]))
         assert kwargs["training_loop_kwargs"]["num_threads"] == expected
         assert kwargs["evaluator_kwargs"]["num_threads"] == expected
@@ -286,7 +293,32 @@ def test_host_allocator_flag() -> None:
     arguments = ["train", "--host-allocator", "keep", "--evaluator", "rankbased"]
     kwargs = pipeline_kwargs(build_parser().parse_args(arguments))
     assert "host_allocator" not in kwargs.get("evaluator_kwargs", {})
-    assert "host_allocator" not in pipeline_kwargs(build_parser().parse_args(["train"]))["training_loop_kwargs"]
+
+
+def test_command_line_turns_threads_and_allocator_on(tmp_path: pathlib.Path) -> None:
+    """The library leaves the process alone by default; the command line asks for both unless told otherwise."""
+    import inspect
+
+    from pykeen_bess import BessEvaluator, BessTrainingLoop
+
+    for cls in (BessTrainingLoop, BessEvaluator):
+        parameters = inspect.signature(cls.__init__).parameters
+        assert parameters["num_threads"].default is None and parameters["host_allocator"].default is None
+    kwargs = pipeline_kwargs(build_parser().parse_args(["train"]))
+    for key in ("training_loop_kwargs", "evaluator_kwargs"):
+        assert kwargs[key]["num_threads"] == kwargs[key]["host_allocator"] == "auto"
+    # a configuration's own setting wins over the command line's default; an option wins over both
+    config = tmp_path / "config.json"
+    pipeline = {"dataset": "nations", "evaluator": "bess", "training_loop_kwargs": {"num_threads": 1}}
+    config.write_text(json.dumps({"pipeline": pipeline}))
+    kwargs = pipeline_kwargs(build_parser().parse_args(["train", "--config", str(config)]))
+    assert kwargs["training_loop_kwargs"]["num_threads"] == 1 and kwargs["evaluator_kwargs"]["num_threads"] == "auto"
+    kwargs = pipeline_kwargs(build_parser().parse_args(["train", "--config", str(config), "--threads", "2"]))
+    assert kwargs["training_loop_kwargs"]["num_threads"] == kwargs["evaluator_kwargs"]["num_threads"] == 2
+    # without an evaluator a configuration gets PyKEEN's rank-based one, which takes neither setting
+    config.write_text(json.dumps({"pipeline": {"dataset": "nations"}}))
+    kwargs = pipeline_kwargs(build_parser().parse_args(["train", "--config", str(config)]))
+    assert "evaluator_kwargs" not in kwargs and kwargs["training_loop_kwargs"]["host_allocator"] == "auto"
 
 
 def test_pytorch_biggraph_import_train_and_export(capsys: pytest.CaptureFixture, tmp_path: pathlib.Path) -> None:

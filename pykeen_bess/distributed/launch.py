@@ -82,7 +82,12 @@ def join_torchrun_group() -> None:
     """
     if in_torchrun() and dist.is_available() and not dist.is_initialized():
         init_from_environment()
-        logger.info("pykeen-bess joined torchrun's process group (WORLD_SIZE=%s) by itself.", os.environ["WORLD_SIZE"])
+        logger.warning(
+            "pykeen-bess joined torchrun's process group (WORLD_SIZE=%s) by itself; call "
+            "pykeen_bess.distributed.init_from_environment() (or torch.distributed.init_process_group) first to "
+            "choose its backend and timeout.",
+            os.environ["WORLD_SIZE"],
+        )
 
 
 def is_main_process() -> bool:

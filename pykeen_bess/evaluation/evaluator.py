@@ -105,8 +105,8 @@ class BessEvaluator(RankBasedEvaluator):
         filtered: bool = True,
         memory_budget: int | None = None,
         process_group: Any = None,
-        num_threads: ThreadsHint = "auto",
-        host_allocator: AllocatorHint = "auto",
+        num_threads: ThreadsHint = None,
+        host_allocator: AllocatorHint = None,
         tie_tolerance: float = TIE_TOLERANCE,
         **kwargs: Any,
     ):
@@ -123,10 +123,12 @@ class BessEvaluator(RankBasedEvaluator):
             the available memory on the CPU; out-of-memory errors on a GPU)
         :param process_group: the process group of a model sharded over processes (default: the
             default group); unused in one process
-        :param num_threads: intra-op CPU threads of the score blocks (:mod:`pykeen_bess.threads`):
-            ``"auto"`` (measure 1 thread against all of the process's), an integer, or None (torch's)
+        :param num_threads: intra-op CPU threads of the score blocks (:mod:`pykeen_bess.threads`): None
+            (default: torch's setting, left alone), ``"auto"`` (measure 1 thread against all of the
+            process's; what the command line uses), or an integer
         :param host_allocator: how glibc's allocator serves the score blocks (:mod:`pykeen_bess.allocator`):
-            ``"auto"`` (on the CPU: freed blocks stay in the heap for the next) or None (leave it)
+            None (default: leave it alone) or ``"auto"`` (on the CPU: freed blocks stay in the heap for the
+            next, a process-wide setting that stays; what the command line uses)
         :param tie_tolerance: the half width of the band around each true score, in units of
             ``eps * (|t| + ||q|| max ||c||)``, whose candidates are compared by PyKEEN's own scores
             (:mod:`~pykeen_bess.evaluation.counting`); 0: compare the products' scores only (faster,

@@ -17,7 +17,6 @@ and read it through :meth:`~pykeen.training.TrainingLoop._load_state`, so everyt
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import logging
 import os

@@ -115,8 +115,8 @@ class BessTrainingLoop(PyKEENHooks):
         storage_kwargs: OptionalKwargs = None,
         negative_sampler: HintOrType[NegativeSampler] = None,
         negative_sampler_kwargs: OptionalKwargs = None,
-        num_threads: ThreadsHint = "auto",
-        host_allocator: AllocatorHint = "auto",
+        num_threads: ThreadsHint = None,
+        host_allocator: AllocatorHint = None,
         negatives: str | type[BessSampler] = DEFAULT_NEGATIVES,
         checkpoint_format: str = "pykeen",
         sharding: str | ShardingStrategy | None = None,
@@ -174,10 +174,12 @@ class BessTrainingLoop(PyKEENHooks):
         :param negative_sampler: None or PyKEEN's basic sampler (BESS draws its own negatives)
         :param negative_sampler_kwargs: only ``num_negs_per_pos`` is meaningful (``filterer=None``, PyKEEN's
             "no filtering", is accepted)
-        :param num_threads: intra-op CPU threads (:mod:`pykeen_bess.threads`): ``"auto"`` (measured), an
-            integer, or None (torch's setting)
-        :param host_allocator: ``"auto"`` (on the CPU: glibc keeps freed blocks, :mod:`pykeen_bess.allocator`)
-            or None (leave it)
+        :param num_threads: intra-op CPU threads (:mod:`pykeen_bess.threads`): None (default: torch's
+            setting, left alone), ``"auto"`` (measure 1 thread against all of the process's while training;
+            what the command line uses), or an integer
+        :param host_allocator: None (default: leave the C library's allocator alone) or ``"auto"`` (on the
+            CPU: glibc keeps freed blocks for the next step, a process-wide setting that stays;
+            :mod:`pykeen_bess.allocator`; what the command line uses)
         :param negatives: ``"step"`` (default: ``num_negs_per_pos`` entities drawn equally from every
             shard, one set shared by all blocks of a step, gathered, moved and scored once), ``"block"``
             (BESS's original scheme: one such set per block, ``num_shards ** 2`` sets per step; also

@@ -49,6 +49,22 @@ def test_shard_count_advice_can_be_followed(world_size: int, num_shards: int) ->
         assert f"--nproc-per-node={num_shards}" in advice
 
 
+def test_joining_torchruns_group_unasked_is_a_warning(monkeypatch, caplog) -> None:
+    """A library that joins a process group by itself (process-wide state) says so at WARNING."""
+    import logging
+
+    from pykeen_bess.distributed import launch
+
+    joined = []
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(launch, "init_from_environment", lambda: joined.append(True))
+    with caplog.at_level(logging.WARNING, logger=launch.__name__):
+        launch.join_torchrun_group()
+    assert joined == [True]
+    assert [r.levelno for r in caplog.records] == [logging.WARNING]
+    assert "joined torchrun's process group" in caplog.text and "init_from_environment()" in caplog.text
+
+
 def test_make_topology_without_a_group() -> None:
     assert make_topology().n_shard == 1 and make_topology(num_shards=4).n_shard == 4
     with pytest.raises(ValueError, match="positive integer"):
