@@ -19,10 +19,11 @@ epochs; their throughput is that of the steady-state epochs (the best after the 
 for the set-up and the thread-count trial). Targets: BESS >= 40x the stock loop at n = 1 and 4,
 n = 4 within 1.5x of n = 1. BESS runs with the command line's settings of the process
 (``num_threads="auto"``, ``host_allocator="auto"``; the Python API leaves both alone unless asked).
-The stock loop is timed first, with the C library's allocator as PyKEEN users have it, beside BESS
-at n = 1 and n = 4 with ``host_allocator=None`` (the allocator left alone); then BESS's allocator
-setting (:mod:`pykeen_bess.allocator`) is made, process-wide and for good, and the stock loop is
-timed again beside everything else.
+The stock loop is timed first, with the C library's allocator as PyKEEN users have it; then BESS's
+allocator setting (:mod:`pykeen_bess.allocator`) is made, process-wide and for good, and the stock
+loop is timed again beside everything else. As the setting cannot be undone, its effect on BESS is
+measured apart, on WN18RR: BESS at n = 1 and n = 4, each run in a fresh process, alternately with
+``host_allocator="auto"`` and ``None`` (``--allocator-runs`` pairs; the median counts).
 
 **PyTorch-BigGraph's workload** (``--pbg-workload``, with ``torchbiggraph`` installed): ComplEx with
 64 complex dimensions, batch 1,000, PyTorch-BigGraph's 100 uniform + 50 batch negatives (152
@@ -51,6 +52,7 @@ import argparse
 import json
 import pathlib
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -217,10 +219,13 @@ def time_handwritten(
 
 #: the BESS runs of both workloads: (shards, negatives); one shard draws the same either way
 BESS_SETTINGS = ((1, "step"), (4, "step"), (4, "block"))
-#: the BESS settings also timed with the C library's allocator left alone (``host_allocator=None``)
-KEPT_ALLOCATOR_SETTINGS = ((1, "step"), (4, "step"))
-#: the name of the rows with the allocator left alone
-KEPT_ALLOCATOR = "BessTrainingLoop, C library's allocator"
+#: the BESS settings also timed in fresh processes with and without the allocator setting
+ALLOCATOR_SETTINGS = ((1, "step"), (4, "step"))
+#: the rows of those runs, by ``host_allocator``
+ALLOCATOR_LOOPS = {
+    "auto": "BessTrainingLoop, fresh process, host_allocator='auto'",
+    "keep": "BessTrainingLoop, fresh process, host_allocator=None",
+}
 
 
 def label(n: int, negatives: str) -> str:
@@ -246,6 +251,48 @@ def run_bess(
     )
 
 
+def allocator_runs(args: argparse.Namespace) -> dict[str, dict[tuple[int, str], tuple[float, float]]]:
+    """Time BESS on WN18RR in fresh processes, alternately with and without the allocator setting.
+
+    :returns: for ``"auto"`` and ``"keep"``, per setting of :data:`ALLOCATOR_SETTINGS` the medians of the
+        first and of the best steady epoch's positives per second
+    """
+    runs: dict[str, dict[tuple[int, str], list[tuple[float, float]]]] = {
+        allocator: {setting: [] for setting in ALLOCATOR_SETTINGS} for allocator in ALLOCATOR_LOOPS
+    }
+    for _ in range(args.allocator_runs):
+        for setting in ALLOCATOR_SETTINGS:
+            for allocator in ALLOCATOR_LOOPS:  # A B A B: a drifting machine speed hits both alike
+                command = [sys.executable, __file__, "--data", str(args.data), "--dim", str(args.dim)]
+                command += ["--negatives", str(args.negatives), "--batch-size", str(args.batch_size)]
+                command += ["--epochs", str(args.epochs), "--exchange", args.exchange, "--device", str(args.device)]
+                command += ["--one-bess", f"{setting[0]}:{setting[1]}:{allocator}"]
+                output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+                runs[allocator][setting].append(tuple(json.loads(output.strip().splitlines()[-1])))
+    medians = {
+        allocator: {
+            setting: (statistics.median(r[0] for r in values), statistics.median(r[1] for r in values))
+            for setting, values in settings.items()
+        }
+        for allocator, settings in runs.items()
+    }
+    for allocator, settings in medians.items():
+        print(
+            f"# WN18RR, fresh processes, host_allocator={allocator}: "
+            + ", ".join(f"{label(*k)} {v[1]:,.0f}/s" for k, v in settings.items()),
+            flush=True,
+        )
+    return medians
+
+
+def one_bess(args: argparse.Namespace) -> None:
+    """Print ``[first, best]`` positives per second of one BESS run on WN18RR (``--one-bess N:NEGATIVES:ALLOCATOR``)."""
+    n, negatives, allocator = args.one_bess.split(":")
+    tf = load_wn18rr(args.data)
+    first, best = run_bess(tf, args, int(n), negatives, host_allocator=None if allocator == "keep" else "auto")
+    print(json.dumps([first, best]))
+
+
 def distmult_workload(args: argparse.Namespace) -> list[dict]:
     """BESS vs PyKEEN's stock loop vs the hand-written step, on WN18RR and a generated graph; the table's rows."""
     datasets = {
@@ -253,24 +300,14 @@ def distmult_workload(args: argparse.Namespace) -> list[dict]:
         "generated": generate_graph(args.generated_entities, 50, args.generated_triples),
     }
     rows = []
-    # the stock loop first, with the C library's allocator as PyKEEN users have it, and BESS with the
-    # allocator left alone: BESS's allocator setting (pykeen_bess.allocator) is process-wide and stays,
-    # and everything after it runs with it, the hand-written step and a second timing of the stock loop
-    # included
-    stock_default, kept = {}, {}
+    # the stock loop first, with the C library's allocator as PyKEEN users have it: BESS's allocator
+    # setting (pykeen_bess.allocator) is process-wide and stays, and everything after it runs with it,
+    # the hand-written step and a second timing of the stock loop included
+    stock_default = {}
     for name, tf in datasets.items():
         stock_default[name] = time_stock(tf, args.dim, args.negatives, args.batch_size, args.stock_batches, args.device)
         print(f"# {name}: stock sLCWA {stock_default[name]:,.0f}/s", flush=True)
-        kept[name] = {setting: (0.0, 0.0) for setting in KEPT_ALLOCATOR_SETTINGS}
-        for _ in range(args.repeats):
-            for setting in KEPT_ALLOCATOR_SETTINGS:
-                first, best = run_bess(tf, args, *setting, host_allocator=None)
-                kept[name][setting] = (max(kept[name][setting][0], first), max(kept[name][setting][1], best))
-        print(
-            f"# {name}: BESS, the allocator left alone: "
-            + ", ".join(f"{label(*k)} {v[1]:,.0f}/s" for k, v in kept[name].items()),
-            flush=True,
-        )
+    allocator = allocator_runs(args) if args.allocator_runs > 0 else {}
     resolve_allocator("auto", args.device).apply()  # on a GPU: left alone, as BESS leaves it
     for name, tf in datasets.items():
         print(f"# {name}: {tf.num_entities:,} entities, {tf.num_triples:,} triples", flush=True)
@@ -308,7 +345,9 @@ def distmult_workload(args: argparse.Namespace) -> list[dict]:
             )
         )
         single = bess[1, "step"][1]
-        timed = [("BessTrainingLoop", bess), (KEPT_ALLOCATOR, kept[name])]
+        timed = [("BessTrainingLoop", bess)]
+        if name == next(iter(datasets)):  # WN18RR
+            timed += [(ALLOCATOR_LOOPS[setting], runs) for setting, runs in allocator.items()]
         for loop, runs in timed:
             for (n, negatives), (first, best) in runs.items():
                 rows.append(
@@ -481,9 +520,16 @@ def main() -> None:
     parser.add_argument(
         "--pbg-skewed", default="20000:200000", help="ENTITIES:TRIPLES of the skewed graph (Zipf heads), or none"
     )
+    parser.add_argument(
+        "--allocator-runs", type=int, default=3, help="pairs of fresh-process BESS runs with and without the allocator"
+    )
+    parser.add_argument("--one-bess", help=argparse.SUPPRESS)  # one BESS run of allocator_runs, in this process
     parser.add_argument("--output", type=pathlib.Path, help="write the table's rows as JSON")
     add_device_argument(parser)
     args = parser.parse_args()
+    if args.one_bess is not None:
+        one_bess(args)
+        return
     print(f"# device: {describe(args.device)}; torch {torch.__version__}", flush=True)
     if args.pbg_workload:
         rows, workload = pbg_workload(args), "pbg"

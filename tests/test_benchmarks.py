@@ -146,24 +146,35 @@ def training_run(results: pathlib.Path) -> tuple[str, list[list[str]]]:
         "training",
         *("--data", nations_directory(), "--dim", "8", "--negatives", "4", "--batch-size", "32", "--epochs", "2"),
         *("--generated-entities", "200", "--generated-triples", "500", "--stock-batches", "2", "--repeats", "1"),
-        *("--device", "cpu", "--output", str(results / "training-cpu.json")),
+        *("--allocator-runs", "1", "--device", "cpu", "--output", str(results / "training-cpu.json")),
     )
 
 
 @pytest.mark.slow
 def test_training_benchmark(training_run, results: pathlib.Path):
-    """Stock loop, hand-written step and the three BESS settings on Nations and a generated graph."""
+    """Stock loop, hand-written step and the three BESS settings on Nations and a generated graph.
+
+    On the first graph also BESS n = 1 and n = 4 in fresh processes, with and without the allocator setting.
+    """
     output, rows = training_run
-    assert [row[0] for row in rows] == ["nations"] * 6 + ["generated"] * 6  # the table prints the short name
+    assert [row[0] for row in rows] == ["nations"] * 10 + ["generated"] * 6  # the table prints the short name
     assert all(float(row[2].replace(",", "")) > 0 for row in rows)
     assert "CPU" in output
     keys = ("dataset", "loop", "num_shards", "negatives", "positives_per_s")
     written = result_file(results / "training-cpu.json", "training", keys)
     datasets = [row["dataset"].split(" (")[0] for row in written["tables"][0]["rows"]]
-    assert datasets == ["nations"] * 6 + ["generated"] * 6 and written["device"].startswith("CPU")
+    assert datasets == ["nations"] * 10 + ["generated"] * 6 and written["device"].startswith("CPU")
     ratios = ("x_stock", "x_handwritten", "n1_over_this", "first_epoch_positives_per_s")
     bess = [row for row in written["tables"][0]["rows"] if row["loop"] == "BessTrainingLoop"]
     assert len(bess) == 6 and all(set(ratios) <= set(row) for row in bess)
+    fresh = [row for row in written["tables"][0]["rows"] if "fresh process" in row["loop"]]
+    assert sorted((row["loop"].split("host_allocator=")[1], row["num_shards"]) for row in fresh) == [
+        ("'auto'", 1),
+        ("'auto'", 4),
+        ("None", 1),
+        ("None", 4),
+    ]
+    assert all(row["positives_per_s"] > 0 and set(ratios) <= set(row) for row in fresh)
 
 
 @pytest.fixture(scope="module")
