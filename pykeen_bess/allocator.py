@@ -9,8 +9,11 @@ asks the kernel for fresh pages and page-faults on their first touch (in most pr
 thresholds move depends on where the kernel places the heap and the mappings): with ``n = 4`` logical
 shards on WN18RR (about 1,900 rows of 256 floats per table and step), the optimizer's row rule took
 3x longer than on reused memory and the whole step 1.45x longer (1.2x at ``n = 1``;
-``benchmarks/training.py``). PyTorch's performance guide recommends preloading jemalloc or tcmalloc
-on the CPU for the same reason; this module gets the effect without a preload.
+``benchmarks/training.py``, when this module was written). With today's step the difference is
+within the noise of that benchmark (fresh processes alternating both settings), which is why the
+loop and the evaluator leave the allocator alone unless asked. PyTorch's performance guide
+recommends preloading jemalloc or tcmalloc on the CPU for the same reason; this module gets the
+effect without a preload.
 
 The policy is one class per choice, resolved from the ``host_allocator`` argument of
 :class:`~pykeen_bess.training.BessTrainingLoop` and :class:`~pykeen_bess.evaluation.BessEvaluator`:
