@@ -8,11 +8,11 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-pytestmark = pytest.mark.slow  # fresh interpreters / subprocesses
 
 NOTEBOOKS = sorted((pathlib.Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 
 
+@pytest.mark.slow  # a fresh interpreter
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs(path: pathlib.Path) -> None:
     notebook = nbformat.read(path, as_version=4)
@@ -31,3 +31,12 @@ def test_notebook_runs(path: pathlib.Path) -> None:
 
 def test_there_is_a_quickstart_notebook() -> None:
     assert any(path.name == "quickstart.ipynb" for path in NOTEBOOKS)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_is_committed_with_its_outputs(path: pathlib.Path) -> None:
+    """A reader sees the results without running it (``jupyter execute --inplace`` refreshes them)."""
+    code = [cell for cell in nbformat.read(path, as_version=4).cells if cell.cell_type == "code"]
+    assert code and all(cell.get("execution_count") for cell in code)
+    assert not [cell for cell in code if any(out.get("output_type") == "error" for out in cell.get("outputs", []))]
+    assert any(output.get("data", {}).get("image/png") for cell in code for output in cell.get("outputs", []))

@@ -109,7 +109,7 @@ def run_metadata(kwargs: Mapping[str, Any], args: argparse.Namespace) -> dict[st
     import pykeen.version
     import torch
 
-    from . import __version__
+    from .. import __version__
 
     omitted: list[str] = []
     recorded: dict[str, Any] = {}

@@ -71,13 +71,7 @@ class RankLayout:
         :returns: the layout
         :raises ValueError: naming the inconsistency and how to fix it
         """
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-            raise ValueError(f"The world size must be a positive integer, but is {world_size!r}.")
-        for name, value in (("num_shards", num_shards), ("replicas", replicas)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a positive integer or None, but is {value!r}.")
-        if grouping is not None and grouping not in GROUPINGS:
-            raise ValueError(f"Unknown replica_grouping={grouping!r}; expected one of {GROUPINGS}.")
+        _check_types(world_size, num_shards, replicas, grouping)
         if grouping == "all":
             if num_shards not in (None, 1) or replicas not in (None, world_size):
                 raise ValueError(
@@ -169,3 +163,17 @@ def describe_differences(settings: Sequence[Mapping[str, Any]]) -> str:
         if len({repr(values.get(key)) for values in settings}) > 1
     ]
     return "\n".join(lines)
+
+
+def _check_types(world_size: int, num_shards: int | None, replicas: int | None, grouping: str | None) -> None:
+    """Refuse a layout's arguments of the wrong type or range (:meth:`RankLayout.create`).
+
+    :raises ValueError: naming the argument
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"The world size must be a positive integer, but is {world_size!r}.")
+    for name, value in (("num_shards", num_shards), ("replicas", replicas)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be a positive integer or None, but is {value!r}.")
+    if grouping is not None and grouping not in GROUPINGS:
+        raise ValueError(f"Unknown replica_grouping={grouping!r}; expected one of {GROUPINGS}.")

@@ -108,32 +108,10 @@ def normalize_config(config: Mapping[str, Any], source: str = "the config") -> d
     missing = [key for key in REQUIRED if key not in config]
     if missing:
         raise ValueError(f"{source} lacks the required PyTorch-BigGraph keys {missing}.")
-    entities = {}
-    for name, entity in dict(config["entities"]).items():
-        entity = {_snake(key): value for key, value in dict(entity).items()}
-        if "num_partitions" not in entity:
-            raise ValueError(f"{source}: entity type {name!r} lacks num_partitions.")
-        if int(entity["num_partitions"]) < 1:
-            raise ValueError(f"{source}: entity type {name!r} has num_partitions={entity['num_partitions']}.")
-        entities[str(name)] = {**ENTITY_DEFAULTS, **entity, "num_partitions": int(entity["num_partitions"])}
-    relations = []
-    for index, relation in enumerate(config["relations"]):
-        relation = {**RELATION_DEFAULTS, **{_snake(key): value for key, value in dict(relation).items()}}
-        for key in ("name", "lhs", "rhs"):
-            if key not in relation:
-                raise ValueError(f"{source}: relation {index} lacks {key!r}.")
-        for key in ("lhs", "rhs"):
-            if relation[key] not in entities:
-                raise ValueError(
-                    f"{source}: relation {relation['name']!r} has {key}={relation[key]!r}, which is not one of the "
-                    f"entity types {sorted(entities)}."
-                )
-        if relation["operator"] not in OPERATORS:
-            raise ValueError(
-                f"{source}: relation {relation['name']!r} has operator {relation['operator']!r}; PyTorch-BigGraph's "
-                f"operators are {list(OPERATORS)}."
-            )
-        relations.append(relation)
+    entities = {str(name): _normalize_entity(name, entity, source) for name, entity in dict(config["entities"]).items()}
+    relations = [
+        _normalize_relation(index, relation, entities, source) for index, relation in enumerate(config["relations"])
+    ]
     config = {**DEFAULTS, **config, "entities": entities, "relations": relations}
     if not relations:
         raise ValueError(f"{source} has no relations.")
@@ -147,6 +125,38 @@ def normalize_config(config: Mapping[str, Any], source: str = "the config") -> d
         config["edge_paths"] = [config["edge_paths"]]
     config["dimension"] = int(config["dimension"])
     return config
+
+
+def _normalize_entity(name: Any, entity: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """Return an entity type's config with snake-case keys and defaults (:func:`normalize_config`)."""
+    entity = {_snake(key): value for key, value in dict(entity).items()}
+    if "num_partitions" not in entity:
+        raise ValueError(f"{source}: entity type {name!r} lacks num_partitions.")
+    if int(entity["num_partitions"]) < 1:
+        raise ValueError(f"{source}: entity type {name!r} has num_partitions={entity['num_partitions']}.")
+    return {**ENTITY_DEFAULTS, **entity, "num_partitions": int(entity["num_partitions"])}
+
+
+def _normalize_relation(
+    index: int, relation: Mapping[str, Any], entities: Mapping[str, Any], source: str
+) -> dict[str, Any]:
+    """Return a relation's config with snake-case keys and defaults, checked against the entity types."""
+    relation = {**RELATION_DEFAULTS, **{_snake(key): value for key, value in dict(relation).items()}}
+    for key in ("name", "lhs", "rhs"):
+        if key not in relation:
+            raise ValueError(f"{source}: relation {index} lacks {key!r}.")
+    for key in ("lhs", "rhs"):
+        if relation[key] not in entities:
+            raise ValueError(
+                f"{source}: relation {relation['name']!r} has {key}={relation[key]!r}, which is not one of the "
+                f"entity types {sorted(entities)}."
+            )
+    if relation["operator"] not in OPERATORS:
+        raise ValueError(
+            f"{source}: relation {relation['name']!r} has operator {relation['operator']!r}; PyTorch-BigGraph's "
+            f"operators are {list(OPERATORS)}."
+        )
+    return relation
 
 
 def load_config(config: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]:

@@ -82,7 +82,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-def run_epochs(
+def run_epochs(  # noqa: C901  # PyKEEN's TrainingLoop._train restated with its differences named, to become PyKEEN's hooks
     loop: Any,
     triples_factory: CoreTriplesFactory,
     num_epochs: int = 1,

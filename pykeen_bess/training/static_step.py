@@ -143,6 +143,16 @@ def static_step_obstacle(
         return f"it runs a step as one batch (sub-batches of {sub_block_size} slots per block)"
     if sampler.num_candidate_types > 1 and scheme.lookup.regularized:
         return "its regularization weights do not depend on the step (typed negatives with a regularizer)"
+    obstacle = _callback_obstacle(callbacks)
+    if obstacle is not None:
+        return obstacle
+    if not _sync_free_loss(runner.loss):
+        return f"it supports PyKEEN's own losses ({type(runner.loss).__name__})"
+    return None
+
+
+def _callback_obstacle(callbacks: Sequence[TrainingCallback]) -> str | None:
+    """Return why the static step cannot run these callbacks (per-step hooks, gradient clipping)."""
     for callback in callbacks:
         if isinstance(callback, BessOptimizerCallback):  # the static step does what it does, except clipping
             if callback.pre_step_callbacks:
@@ -152,8 +162,6 @@ def static_step_obstacle(
         if hooks:
             name = type(callback).__name__
             return f"it reads no loss and runs no callback per step ({name} implements {', '.join(hooks)})"
-    if not _sync_free_loss(runner.loss):
-        return f"it supports PyKEEN's own losses ({type(runner.loss).__name__})"
     return None
 
 
