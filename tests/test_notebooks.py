@@ -39,4 +39,6 @@ def test_notebook_is_committed_with_its_outputs(path: pathlib.Path) -> None:
     code = [cell for cell in nbformat.read(path, as_version=4).cells if cell.cell_type == "code"]
     assert code and all(cell.get("execution_count") for cell in code)
     assert not [cell for cell in code if any(out.get("output_type") == "error" for out in cell.get("outputs", []))]
-    assert any(output.get("data", {}).get("image/png") for cell in code for output in cell.get("outputs", []))
+    outputs = [output for cell in code for output in cell.get("outputs", [])]
+    assert any(output.get("data", {}).get("image/png") for output in outputs)  # the loss curve
+    assert not [output for output in outputs if output.get("name") == "stderr"]  # no local paths, no warnings
