@@ -179,6 +179,10 @@ def run_epochs(  # noqa: C901  # PyKEEN's TrainingLoop._train restated with its 
         sub_block_size = block_size
 
     batches = loop.epoch_batches(triples_factory, batch_size=block_size * topology.n_shard**2)
+    if main and not only_size_probing and loop.result_tracker is not None:
+        # the sizes that train, after rounding (an HPO study records the values it suggested)
+        trained = dict(batch_size=block_size * topology.n_shard**2, num_negs_per_pos=loop.config.num_negs_per_pos)
+        loop.result_tracker.log_params(params=dict(bess=dict(trained, num_shards=topology.n_shard)))
     runner = loop.runner = loop.make_runner(block_size)
     pre_step: list[TrainingCallback] = []
     if gradient_clipping_max_norm is not None:

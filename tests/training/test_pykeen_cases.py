@@ -84,6 +84,14 @@ def test_train_sub_batches_and_tracker(factory: CoreTriplesFactory, loss: type[L
     assert tracker.metrics[1]["loss"] == pytest.approx(split[0])
 
 
+def test_tracker_records_the_sizes_that_train(factory: CoreTriplesFactory) -> None:
+    """A batch size and negatives that do not fit the shard count are rounded; the tracker gets what trained."""
+    loop = make_loop(factory, num_shards=3)
+    loop.result_tracker = tracker = PythonResultTracker()
+    loop.train(triples_factory=factory, num_epochs=1, batch_size=100, num_negs_per_pos=10, use_tqdm=False)
+    assert tracker.configuration["bess"] == dict(batch_size=108, num_negs_per_pos=12, num_shards=3)
+
+
 @pytest.mark.parametrize("loss", LOSSES, ids=lambda cls: cls.__name__)
 def test_resume_with_fresh_model_of_another_seed(
     factory: CoreTriplesFactory, loss: type[Loss], tmp_path: pathlib.Path
