@@ -27,6 +27,7 @@ import functools
 import hashlib
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -36,8 +37,10 @@ __all__ = [
     "BalancedSharding",
     "EntitySharding",
     "RandomSharding",
+    "SHARDINGS",
     "ShardingStrategy",
     "TypedSharding",
+    "resolve_sharding",
 ]
 
 
@@ -330,3 +333,34 @@ class EntitySharding:
             f"{self.num_entities:,} entities in {self.n_shard} shards of {self.shard_size:,} rows "
             f"({min(counts):,}-{max(counts):,} real entities per shard, seed={self.seed}{strategy})"
         )
+
+
+#: the names of the sharding strategies a loop accepts
+SHARDINGS = ("balanced", "random")
+
+
+def resolve_sharding(hint: Any, schema: Any, factory: Any) -> ShardingStrategy:
+    """Return the sharding strategy of a loop.
+
+    :param hint: ``"balanced"`` (the default: shardpairs with equally many training triples),
+        ``"random"`` (a random permutation), a :class:`~pykeen_bess.sharding.ShardingStrategy`, or None
+    :param schema: the graph schema of a typed graph (:class:`~pykeen_bess.pbg.schema.GraphSchema`: sharded by
+        type through its ``sharding_strategy()``; only None or a strategy allowed), or None
+    :param factory: the training triples (balanced: their shardpairs)
+    :raises ValueError: for an unknown name, or a name with a typed graph
+    """
+    if isinstance(hint, ShardingStrategy):
+        return hint
+    if hint is not None and hint not in SHARDINGS:
+        raise ValueError(f"Unknown sharding={hint!r}; expected one of {SHARDINGS} or a ShardingStrategy.")
+    if schema is not None:
+        if hint is not None:
+            raise ValueError(
+                f"sharding={hint!r} does not apply to a typed graph: its shards hold an equal share of every entity "
+                "type (or its partitions); leave sharding unset."
+            )
+        return schema.sharding_strategy()
+    if hint == "random" or factory is None:
+        return RandomSharding()
+    # the triples the loop trains on: with inverse triples if the factory adds them (as the partition does)
+    return BalancedSharding.from_triples(factory._add_inverse_triples_if_necessary(factory.mapped_triples))

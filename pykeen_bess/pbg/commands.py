@@ -81,7 +81,7 @@ def use_pbg_graph(settings: dict[str, Any], given: Mapping[str, Any], kwargs: di
     :param given: the flags given explicitly
     :param kwargs: the pipeline's keyword arguments, updated in place
     """
-    from ..cli import UsageError
+    from ..cli.files import UsageError
 
     if "dataset" in given:
         raise UsageError("Give either --dataset or --pbg.")
@@ -105,7 +105,7 @@ def export_pbg(result: Any, directory: pathlib.Path) -> None:
 
 def load_pbg_graph(directory: pathlib.Path, config: pathlib.Path | None) -> Any:
     """Read a PyTorch-BigGraph input directory (:func:`pykeen_bess.pbg.read`) as a typed graph."""
-    from ..cli import UsageError
+    from ..cli.files import UsageError
     from .inputs import read
 
     if not directory.is_dir():
@@ -119,7 +119,7 @@ def pbg_model_settings(graph: Any, directory: pathlib.Path) -> dict[str, Any]:
     With an ``init_path`` in the config the model starts from that checkpoint's embeddings, as
     PyTorch-BigGraph's training would.
     """
-    from ..cli import UsageError
+    from ..cli.files import UsageError
     from .restore import checkpoint_conversion, initial_model
 
     if graph.config is None:
@@ -138,7 +138,7 @@ def pbg_model_settings(graph: Any, directory: pathlib.Path) -> dict[str, Any]:
 
 def run_pbg(args: argparse.Namespace) -> str:
     """Run ``pbg import`` or ``pbg export``; return what to print."""
-    from ..cli import UsageError
+    from ..cli.files import UsageError
     from .checkpoint import write_checkpoint
     from .config import write_config
     from .conversion import conversion_for_model_name

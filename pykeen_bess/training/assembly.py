@@ -31,7 +31,7 @@ from ..schemes import AUTO, EncodingScheme, ExchangeScheme, choose_scheme, query
 from ..scoring import get_scorer
 from ..partition import ShardPairPartition
 from ..sampling import DEFAULT_NEGATIVES, BessSampler, TypedBessSampler
-from ..sharding import BalancedSharding, EntitySharding, RandomSharding, ShardingStrategy
+from ..sharding import EntitySharding, resolve_sharding
 from ..storage import MmapStorage, TableStorage
 from .checkpoints import (
     CHECKPOINT_FORMATS,
@@ -93,36 +93,6 @@ class LoopSettings:
     checkpoint_format: str = "pykeen"
     #: how entities are dealt to shards (``"balanced"``, ``"random"``, a strategy; None: the default)
     sharding: Any = None
-
-
-#: the names of the sharding strategies a loop accepts
-SHARDINGS = ("balanced", "random")
-
-
-def resolve_sharding(hint: Any, schema: GraphSchema | None, factory: Any) -> ShardingStrategy:
-    """Return the sharding strategy of a loop.
-
-    :param hint: ``"balanced"`` (the default: shardpairs with equally many training triples),
-        ``"random"`` (a random permutation), a :class:`~pykeen_bess.sharding.ShardingStrategy`, or None
-    :param schema: the graph schema of a typed graph (sharded by type; only None or a strategy allowed)
-    :param factory: the training triples (balanced: their shardpairs)
-    :raises ValueError: for an unknown name, or a name with a typed graph
-    """
-    if isinstance(hint, ShardingStrategy):
-        return hint
-    if hint is not None and hint not in SHARDINGS:
-        raise ValueError(f"Unknown sharding={hint!r}; expected one of {SHARDINGS} or a ShardingStrategy.")
-    if schema is not None:
-        if hint is not None:
-            raise ValueError(
-                f"sharding={hint!r} does not apply to a typed graph: its shards hold an equal share of every entity "
-                "type (or its partitions); leave sharding unset."
-            )
-        return schema.sharding_strategy()
-    if hint == "random" or factory is None:
-        return RandomSharding()
-    # the triples the loop trains on: with inverse triples if the factory adds them (as the partition does)
-    return BalancedSharding.from_triples(factory._add_inverse_triples_if_necessary(factory.mapped_triples))
 
 
 def assemble(loop: Any, settings: LoopSettings, partition: str) -> None:

@@ -94,7 +94,7 @@ def _find_sharding(loop: Any, state: Mapping[str, Any]) -> tuple[str, str] | Non
 
     :returns: the sharding's description and the loop arguments that build it, None if none matched
     """
-    from .assembly import resolve_sharding
+    from ..sharding import resolve_sharding
 
     checksum = state.get("checksum")
     current = loop.sharding
