@@ -266,24 +266,27 @@ def parity(data: dict[str, Any], out: Path) -> str:
         ("difference_se", "its standard error"),
     ]
     text = table(rows, columns)
-    groups = list(dict.fromkeys((row["data"], row["variant"]) for row in rows))
-    figure, ax = plt.subplots(figsize=(6, 2.8))
-    for index, (dataset, variant) in enumerate(groups):
-        mine = [row for row in rows if (row["data"], row["variant"]) == (dataset, variant)]
-        shards = [row["num_shards"] + 0.05 * index for row in mine]
+    # the paired difference from one shard, one line per graph, variant and shard count, with the +-0.01 band
+    compared = [row for row in rows if row.get("difference") is not None]
+    figure, ax = plt.subplots(figsize=(6.5, 1.5 + 0.18 * len(compared)))
+    ax.axvspan(-0.01, 0.01, color="tab:green", alpha=0.12, label="within 0.01")
+    ax.axvline(0.0, color="gray", linewidth=0.8)
+    for index, row in enumerate(compared):
+        se = row.get("difference_se")
         ax.errorbar(
-            shards,
-            [row["mrr"] for row in mine],
-            yerr=[
-                row["mrr_se"] if row.get("mrr_se") is not None and math.isfinite(row["mrr_se"]) else 0 for row in mine
-            ],
+            row["difference"],
+            index,
+            xerr=se if se is not None and math.isfinite(se) else 0,
             marker="o",
-            capsize=3,
-            label=f"{dataset}, {variant}",
+            markersize=3,
+            capsize=2,
+            color="tab:blue" if row["num_shards"] == 2 else "tab:orange",
         )
-    ax.set_xlabel("shards n")
-    ax.set_ylabel("filtered MRR")
-    ax.legend(fontsize=7)
+    ax.set_yticks(range(len(compared)))
+    ax.set_yticklabels([f"{row['data']}, {row['variant']}, n={row['num_shards']}" for row in compared], fontsize=6)
+    ax.invert_yaxis()
+    ax.set_xlabel("filtered MRR: n shards minus one shard (paired, ± se)", fontsize=8)
+    ax.legend(fontsize=7, loc="lower right")
     return text + save(figure, out, "parity.png")
 
 
