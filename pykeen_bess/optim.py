@@ -53,7 +53,7 @@ import torch
 from torch.optim import SGD, Adagrad, Adam, Optimizer, SparseAdam
 
 from .row_rules import RULES, _rowwise_adagrad, count_step, state_shapes
-from .storage import DeviceStorage
+from .storage import DeviceStorage, HeldTable, TableStorage
 
 __all__ = [
     "RULES",
@@ -64,21 +64,18 @@ __all__ = [
 ]
 
 
-class StoredTable(Protocol):
-    """A shard table as the row rules see it (:class:`~pykeen_bess.representation.ShardedEmbedding`)."""
+class StoredTable(HeldTable, Protocol):
+    """A shard table as the row rules see it (:class:`~pykeen_bess.representation.ShardedEmbedding`).
 
-    #: shape: ``[R, W]``, the rows, in the storage tier
-    weight: torch.Tensor
-    #: the storage tier (:class:`~pykeen_bess.storage.TableStorage`)
-    storage: Any
-    #: the row rule's state tensors of a table outside the model (e.g. ``exp_avg`` ``[R, W]``), in the tier
-    row_state: dict[str, torch.Tensor]
-    #: the row-sparse gradient ``[R, W]`` of a table outside the model (on the compute device)
+    Its rows, row state and gradient are where its tier keeps them (:class:`~pykeen_bess.storage.HeldTable`).
+    """
+
+    #: the storage tier
+    storage: TableStorage
+    #: the row-sparse gradient ``[R, W]`` (through the tier: a parameter's ``grad`` or the stored gradient)
     gradient: torch.Tensor | None
     #: shape: ``[U, W]``, the current values of the rows the gradient touches, if already read (else None)
     touched_values: torch.Tensor | None
-    #: the table's name among the files of its tier
-    label: str
 
 
 class RowwiseAdagrad(Optimizer):
@@ -256,23 +253,15 @@ class BessOptimizer(Optimizer):
         for group in self.sparse_groups:  # tables outside the model: fresh row state in their tier, now
             for param in group["params"]:
                 table = self._tables.get(id(param))
-                if table is None or table.storage.is_parameter:
-                    continue
-                for tensor in table.row_state.values():
-                    table.storage.release(tensor)
-                table.row_state.clear()
-                for name, (shape, fill) in state_shapes(group["rule"], table.weight.shape, group).items():
-                    table.row_state[name] = table.storage.place(
-                        f"{table.label}.{name}", shape, table.weight.dtype, fill
-                    )
+                if table is not None:
+                    table.storage.reset_row_state(table, state_shapes(group["rule"], table.weight.shape, group))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the gradients of all parameters and of the tables kept outside the model."""
         super().zero_grad(set_to_none=set_to_none)
         for table in self._tables.values():
             table.touched_values = None
-            if not table.storage.is_parameter:
-                table.gradient = None
+            table.storage.clear_gradient(table)
 
     @property
     def dense_groups(self) -> list[dict[str, Any]]:
@@ -308,17 +297,16 @@ class BessOptimizer(Optimizer):
         parameter itself, with its state in this optimizer's state.
         """
         table = self._tables.get(id(param))
-        stored = table is not None and not table.storage.is_parameter
         state = self.state[param]
-        grad = table.gradient if stored else param.grad  # type: ignore[union-attr]
+        # a parameter without a table is read and written like the device tier
+        storage = table.storage if table is not None else _PARAMETER_STORAGE
+        grad = table.gradient if table is not None else param.grad
         if grad is None:
             return
         rows, values = _sparse_rows(grad)
         rule = group["rule"]
-        weight: torch.Tensor = table.weight if stored else param  # type: ignore[union-attr]
-        row_state: dict[str, Any] = table.row_state if stored else state  # type: ignore[union-attr]
-        # a parameter without a table is read and written like the device tier
-        storage = table.storage if table is not None else _PARAMETER_STORAGE
+        weight: torch.Tensor = table.weight if table is not None else param
+        row_state: dict[str, Any] = storage.row_state(table, state) if table is not None else state
         shapes = state_shapes(rule, weight.shape, group)
         for name, (shape, fill) in shapes.items():
             if name not in row_state:  # a parameter's state, created at its first step (stored tables': in __init__)

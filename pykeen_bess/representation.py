@@ -117,20 +117,18 @@ class ShardedEmbedding(Representation):
         shape = (self.n_local * sharding.shard_size, self.row_width)
         #: the row rule's state of a table outside the model (see :class:`pykeen_bess.optim.StoredTable`)
         self.row_state: dict[str, torch.Tensor] = {}
-        self._gradient: torch.Tensor | None = None
+        #: the row-sparse gradient of a table outside the model (see :attr:`gradient`)
+        self.stored_gradient: torch.Tensor | None = None
         #: shape: ``[U, W]``, the current values of the rows :attr:`gradient` touches, on the compute device,
         #: if the step already read them (None: the optimizer reads them)
         self.touched_values: torch.Tensor | None = None
         #: whether every row was constrained since the last reset (a chunked reset constrains as it writes)
         self.rows_constrained = False
-        if storage.is_parameter:
-            self.weight = nn.Parameter(
-                torch.zeros(shape, dtype=template.dtype, device=template.device), requires_grad=self.trainable
-            )
-        else:  # a plain tensor of the tier: not a parameter or buffer of the model
-            self.weight = storage.place(self.label, shape, template.dtype)
-            #: what the optimizer's parameter group holds for a table outside the model (carries the step count)
-            object.__setattr__(self, "handle", nn.Parameter(torch.zeros(0, dtype=template.dtype)))
+        # a parameter of the model (device tier), or a plain tensor of the tier that the model does not see
+        self.weight = storage.create_table(self.label, shape, template.dtype, template.device, self.trainable)
+        #: what the optimizer's parameter group holds for a table outside the model (carries the step count)
+        self.handle: nn.Parameter
+        object.__setattr__(self, "handle", nn.Parameter(torch.zeros(0, dtype=template.dtype)))
         # flat local row of every global entity, -1 where the entity is not held here
         position = torch.full((sharding.n_shard,), -1, dtype=torch.long)
         position[list(self.local_shards)] = torch.arange(self.n_local)
@@ -140,10 +138,7 @@ class ShardedEmbedding(Representation):
             local_position * sharding.shard_size + sharding.entity_local,
             torch.full_like(local_position, -1),
         )
-        if storage.is_parameter:
-            self.register_buffer("entity_rows", rows, persistent=False)
-        else:  # with the table, outside the model
-            self.entity_rows = rows
+        storage.attach_index(self, "entity_rows", rows)  # where the table is: a buffer of a parameter's module
         #: while a checkpoint is written: the directory its copies of a table's files go to; while one is
         #: read: the checkpoint's folder (set by the checkpoint store)
         self.snapshot_directory: pathlib.Path | None = None
@@ -178,24 +173,21 @@ class ShardedEmbedding(Representation):
     @property
     def compute_device(self) -> torch.device:
         """The device rows are read to and scored on (the model's device)."""
-        return self.weight.device if self.storage.is_parameter else self.storage.compute_device
+        return self.storage.table_device(self)
 
     @property
     def gradient(self) -> torch.Tensor | None:
         """The table's gradient (row-sparse ``[R, W]`` while training; for a parameter, its ``grad``)."""
-        return self.weight.grad if self.storage.is_parameter else self._gradient
+        return self.storage.gradient(self)
 
     @gradient.setter
     def gradient(self, value: torch.Tensor | None) -> None:
-        if self.storage.is_parameter:
-            self.weight.grad = value
-        else:
-            self._gradient = value
+        self.storage.set_gradient(self, value)
 
     @property
     def optimizer_parameter(self) -> torch.nn.Parameter:
         """What stands for the table in the optimizer: the parameter, or the handle of a table outside the model."""
-        return self.weight if self.storage.is_parameter else self.handle  # type: ignore[return-value]
+        return self.storage.optimizer_parameter(self)
 
     def read_rows(self, rows: torch.Tensor | slice) -> torch.Tensor:
         """Read flat rows ``[U]`` (or a slice) to the compute device, detached (tier-counted): ``[U, row_width]``."""
@@ -253,7 +245,7 @@ class ShardedEmbedding(Representation):
                 self.copy_from_tensor(self.initializer.tensor)
                 return
             full_bytes = self.max_id * self.row_width * self.weight.element_size()
-            if not self.storage.is_parameter and full_bytes > FULL_DRAW_BYTES:
+            if self.storage.draws_in_chunks(full_bytes, FULL_DRAW_BYTES):
                 reset_in_chunks(self)
                 return
             self.shard_tables().zero_()

@@ -36,16 +36,18 @@ import pathlib
 import shutil
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 import torch
 from class_resolver import ClassResolver
+from torch import nn
 
 from .mapped_files import advise_random, advise_will_need, fsync
 
 __all__ = [
     "DeviceStorage",
+    "HeldTable",
     "HostStorage",
     "MmapStorage",
     "StorageTraffic",
@@ -79,13 +81,39 @@ class StorageTraffic:
         self.bytes_read = self.bytes_written = 0
 
 
+class HeldTable(Protocol):
+    """What a tier reads and writes of a table it holds (a :class:`~pykeen_bess.representation.ShardedEmbedding`)."""
+
+    #: the tier's name of the table's tensors
+    label: str
+    #: shape: ``[R, W]``, the table
+    weight: torch.Tensor
+    #: what stands for a table outside the model in the optimizer (it carries the step count)
+    handle: nn.Parameter
+    #: the row-sparse gradient of a table outside the model (a parameter's is its ``grad``)
+    stored_gradient: torch.Tensor | None
+    #: the row rule's state tensors of a table outside the model, by name
+    row_state: dict[str, torch.Tensor]
+
+
 class TableStorage(ABC):
-    """Where one process keeps its shard tables and their per-row optimizer state."""
+    """Where one process keeps its shard tables and their per-row optimizer state.
+
+    The base class keeps the tables *outside the model*: plain tensors of the tier that neither
+    ``model.parameters()`` nor ``model.to()`` sees, with the row rule's state beside them and a
+    row-sparse gradient set by the step. :class:`DeviceStorage` overrides the methods under "how a
+    table is held" to make the tables parameters of the model instead. Callers ask the tier what
+    they need (:meth:`create_table`, :meth:`gradient`, :meth:`row_state`, ...), so a new tier is
+    one new class.
+    """
 
     #: the tier's name (``storage="host"``)
     name: ClassVar[str]
-    #: whether the tables are parameters of the model (``model.parameters()``, moved by ``model.to``)
-    is_parameter: ClassVar[bool] = False
+    #: whether the tables live in files (checkpoints copy them, see :meth:`MmapStorage.snapshot`)
+    keeps_files: ClassVar[bool] = False
+    #: whether training copies the shard tables back into the model's full embedding afterwards (else
+    #: the model keeps the shard tables: a full table on the model's device is what the tier avoids)
+    copies_back_after_training: ClassVar[bool] = False
 
     def __init__(self) -> None:
         """Create the tier (nothing is allocated until :meth:`place`)."""
@@ -160,16 +188,204 @@ class TableStorage(ABC):
         """Describe the tier for logs."""
         return self.name
 
+    # -- how a table is held -------------------------------------------------------------------
+
+    def create_table(
+        self, label: str, shape: Sequence[int], dtype: torch.dtype, device: torch.device, trainable: bool
+    ) -> torch.Tensor:
+        """Allocate a table (zeros): a tensor of this tier, not a parameter of the model.
+
+        :param label: the table's name among the tier's tensors
+        :param shape: ``[R, W]``
+        :param dtype: its dtype
+        :param device: the model's device (where a parameter would live)
+        :param trainable: whether the table is trained
+        """
+        return self.place(label, shape, dtype)
+
+    def attach_index(self, module: nn.Module, name: str, index: torch.Tensor) -> None:
+        """Keep an index tensor of a table beside the table (a plain attribute: ``model.to`` leaves both)."""
+        setattr(module, name, index)
+
+    def table_device(self, table: HeldTable) -> torch.device:
+        """Return the device a table's rows are read to and scored on."""
+        return self.compute_device
+
+    def optimizer_parameter(self, table: HeldTable) -> nn.Parameter:
+        """Return what stands for a table in the optimizer's parameter groups: its handle."""
+        return table.handle
+
+    def gradient(self, table: HeldTable) -> torch.Tensor | None:
+        """Return the table's row-sparse gradient ``[R, W]`` (None before a step)."""
+        return table.stored_gradient
+
+    def set_gradient(self, table: HeldTable, value: torch.Tensor | None) -> None:
+        """Set the table's row-sparse gradient."""
+        table.stored_gradient = value
+
+    def clear_gradient(self, table: HeldTable) -> None:
+        """Forget the table's gradient (``optimizer.zero_grad`` clears parameters' gradients only)."""
+        table.stored_gradient = None
+
+    def lookup_rows(self, weight: torch.Tensor, rows: torch.Tensor | slice) -> torch.Tensor:
+        """Rows of a table as scoring sees them: ``[U, W]`` on the compute device.
+
+        Here copies read through the tier (counted); the device tier: differentiable rows of the parameter.
+        """
+        if isinstance(rows, slice):
+            return self.read_slice(weight, rows)
+        return self.read(weight, rows)
+
+    def draws_in_chunks(self, num_bytes: int, limit: int) -> bool:
+        """Whether a table whose full table has ``num_bytes`` is initialised chunk by chunk (above ``limit``)."""
+        return num_bytes > limit
+
+    def row_state(self, table: HeldTable, optimizer_state: dict[str, Any]) -> dict[str, Any]:
+        """Return the dictionary that holds a table's row-rule state: the table's own, in this tier."""
+        return table.row_state
+
+    def reset_row_state(self, table: HeldTable, shapes: Mapping[str, tuple[Sequence[int], float]]) -> None:
+        """Place fresh row-rule state for a table (releasing the old): ``{name: (shape, fill)}``."""
+        for tensor in table.row_state.values():
+            self.release(tensor)
+        table.row_state.clear()
+        for name, (shape, fill) in shapes.items():
+            table.row_state[name] = self.place(f"{table.label}.{name}", shape, table.weight.dtype, fill)
+
+    def release_table(self, table: HeldTable) -> None:
+        """Give a table's tensors and row state back to the tier (files: delete them)."""
+        for tensor in table.row_state.values():
+            self.release(tensor)
+        table.row_state.clear()
+        self.release(table.weight)
+
+    def check_updates(self, sparse_updates: bool) -> None:
+        """Raise :class:`ValueError` if the tier cannot hold tables updated this way."""
+        if not sparse_updates:
+            raise ValueError(
+                f"storage={self.name!r} needs row-sparse updates (sparse_updates=True): a dense update "
+                f"would touch every row of the tables every step."
+            )
+
+    def check_meta_model(self) -> None:  # noqa: B027
+        """Raise :class:`ValueError` if the tier cannot train a model built on the meta device."""
+
+    def captured_step_obstacle(self) -> str | None:
+        """Why a captured (static) step cannot hold these tables, None if it can."""
+        return f"it keeps the tables on the device (storage={self.name!r})"
+
+    def column_parts_obstacle(self) -> str | None:
+        """Why tables of this tier cannot be split into column parts over processes, None if they can."""
+        return f"storage={self.name!r}"
+
+    def state_entry(self, table: HeldTable, directory: pathlib.Path | None, omit_weight: bool) -> dict[str, Any] | None:
+        """Return what a state dict holds of a table outside the model: its tensors (and row state).
+
+        :param table: the table
+        :param directory: while a checkpoint is written, the directory its file copies go to
+        :param omit_weight: leave the rows out (a checkpoint whose own files hold them)
+        :returns: the entry (None: the table is a parameter, already in the state dict)
+        """
+        tensors = {"weight": table.weight, **{f"state.{name}": value for name, value in table.row_state.items()}}
+        if omit_weight:
+            del tensors["weight"]
+        return {
+            "tier": self.name,
+            "label": table.label,
+            "shape": tuple(table.weight.shape),
+            **self._entry_values(tensors, directory),
+        }
+
+    def _entry_values(self, tensors: dict[str, torch.Tensor], directory: pathlib.Path | None) -> dict[str, Any]:
+        return {"tensors": tensors}
+
+    def restore(self, tensor: torch.Tensor, file: pathlib.Path) -> None:
+        """Overwrite a tensor of this tier from a ``.npy`` file (a checkpoint's copy), chunk by chunk."""
+        source = _open_source(file, tensor)
+        step = _chunk_rows(source)
+        with torch.no_grad():
+            for start in range(0, source.shape[0], step):
+                tensor[start : start + step].copy_(torch.from_numpy(np.ascontiguousarray(source[start : start + step])))
+
+    def defer_existing_files(self) -> None:  # noqa: B027
+        """Place tensors whose file exists beside it until :meth:`claim_existing` decides (tiers with files)."""
+
+    def claim_existing(self, resuming: bool) -> None:  # noqa: B027
+        """Decide about existing files the tensors were placed beside (tiers with files)."""
+
 
 class DeviceStorage(TableStorage):
     """The tables as parameters of the model on its device (the default)."""
 
     name = "device"
-    is_parameter = True
+    copies_back_after_training = True
 
     @property
     def storage_device(self) -> torch.device:  # noqa: D102
         return self.compute_device
+
+    def create_table(  # noqa: D102
+        self, label: str, shape: Sequence[int], dtype: torch.dtype, device: torch.device, trainable: bool
+    ) -> torch.Tensor:
+        return nn.Parameter(torch.zeros(tuple(shape), dtype=dtype, device=device), requires_grad=trainable)
+
+    def attach_index(self, module: nn.Module, name: str, index: torch.Tensor) -> None:
+        """Keep an index tensor as a buffer of the module: ``model.to`` moves it with the table."""
+        module.register_buffer(name, index, persistent=False)
+
+    def table_device(self, table: HeldTable) -> torch.device:  # noqa: D102
+        return table.weight.device
+
+    def optimizer_parameter(self, table: HeldTable) -> nn.Parameter:
+        """Return the table itself (a parameter)."""
+        return table.weight  # type: ignore[return-value]
+
+    def gradient(self, table: HeldTable) -> torch.Tensor | None:  # noqa: D102
+        return table.weight.grad
+
+    def set_gradient(self, table: HeldTable, value: torch.Tensor | None) -> None:  # noqa: D102
+        table.weight.grad = value
+
+    def clear_gradient(self, table: HeldTable) -> None:
+        """Nothing: the optimizer's ``zero_grad`` clears a parameter's gradient."""
+
+    def lookup_rows(self, weight: torch.Tensor, rows: torch.Tensor | slice) -> torch.Tensor:  # noqa: D102
+        if isinstance(rows, slice):
+            return weight[rows]
+        return weight.index_select(0, rows.to(weight.device))
+
+    def draws_in_chunks(self, num_bytes: int, limit: int) -> bool:
+        """Never: the full table fits where the tables live."""
+        return False
+
+    def row_state(self, table: HeldTable, optimizer_state: dict[str, Any]) -> dict[str, Any]:
+        """Return the optimizer's state of the parameter (created at its first step)."""
+        return optimizer_state
+
+    def reset_row_state(self, table: HeldTable, shapes: Mapping[str, tuple[Sequence[int], float]]) -> None:
+        """Nothing: a parameter's state is created at its first step."""
+
+    def release_table(self, table: HeldTable) -> None:
+        """Nothing: the tables are parameters of the model."""
+
+    def check_updates(self, sparse_updates: bool) -> None:
+        """Any updates: dense ones too."""
+
+    def check_meta_model(self) -> None:  # noqa: D102
+        raise ValueError(
+            "The model was built on the meta device (its entity tables have no memory): train it with "
+            "storage='host' or storage='mmap', whose tiers allocate the shard tables."
+        )
+
+    def captured_step_obstacle(self) -> str | None:  # noqa: D102
+        return None
+
+    def column_parts_obstacle(self) -> str | None:  # noqa: D102
+        return None
+
+    def state_entry(self, table: HeldTable, directory: pathlib.Path | None, omit_weight: bool) -> dict[str, Any] | None:
+        """None: the table is a parameter of the model, in the state dict already."""
+        return None
 
     def _gather(self, tensor: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         return tensor.index_select(0, rows)  # on the device the arithmetic runs on
@@ -249,6 +465,7 @@ class MmapStorage(TableStorage):
     """
 
     name = "mmap"
+    keeps_files = True
 
     def __init__(self, storage_path: str | os.PathLike | None = None, overwrite: bool = False) -> None:
         """Keep the tables under ``storage_path``.
@@ -307,6 +524,17 @@ class MmapStorage(TableStorage):
         if file != target:
             self.deferred[_key(tensor)] = target
         return tensor
+
+    def defer_existing_files(self) -> None:  # noqa: D102
+        self.defer_existing = True
+
+    def _entry_values(self, tensors: dict[str, torch.Tensor], directory: pathlib.Path | None) -> dict[str, Any]:
+        """Name the files' copies in ``directory`` (in a checkpoint), else the live files by path."""
+        files = {
+            key: (self.snapshot(value, directory) if directory is not None else str(self.file_of(value)))
+            for key, value in tensors.items()
+        }
+        return {"files": files, "directory": directory.name if directory is not None else None}
 
     def claim_existing(self, resuming: bool) -> None:
         """Decide about the existing files the tensors were placed beside (see :attr:`defer_existing`).
@@ -373,13 +601,7 @@ class MmapStorage(TableStorage):
 
     def restore(self, tensor: torch.Tensor, file: pathlib.Path) -> None:
         """Overwrite a tensor of this tier from a ``.npy`` file, chunk by chunk (the memory map stays valid)."""
-        if not file.is_file():
-            raise FileNotFoundError(f"The checkpoint's table file {file} is missing.")
-        source = np.load(file, mmap_mode="r")
-        if tuple(source.shape) != tuple(tensor.shape) or source.dtype != _NUMPY_DTYPES[tensor.dtype]:
-            raise ValueError(
-                f"{file} holds {source.dtype} {source.shape}, expected {tensor.dtype} {tuple(tensor.shape)}."
-            )
+        source = _open_source(file, tensor)
         target = self._arrays[_key(tensor)]
         if os.path.samefile(file, self.file_of(tensor)):
             return
@@ -396,6 +618,16 @@ class MmapStorage(TableStorage):
 
     def describe(self) -> str:  # noqa: D102
         return f"mmap ({self.path})"
+
+
+def _open_source(file: pathlib.Path, tensor: torch.Tensor) -> np.ndarray:
+    """Memory-map a checkpoint's ``.npy`` copy of a tensor, checking its shape and dtype."""
+    if not file.is_file():
+        raise FileNotFoundError(f"The checkpoint's table file {file} is missing.")
+    source = np.load(file, mmap_mode="r")
+    if tuple(source.shape) != tuple(tensor.shape) or source.dtype != _NUMPY_DTYPES.get(tensor.dtype):
+        raise ValueError(f"{file} holds {source.dtype} {source.shape}, expected {tensor.dtype} {tuple(tensor.shape)}.")
+    return source
 
 
 def _key(tensor: torch.Tensor) -> int:

@@ -12,8 +12,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .storage import MmapStorage
-
 if TYPE_CHECKING:
     from .representation import ShardedEmbedding
 
@@ -29,26 +27,14 @@ def add_stored_table(module: ShardedEmbedding, state_dict: dict, prefix: str, lo
     :attr:`ShardedEmbedding.snapshot_directory`), copies of the flushed files in that directory,
     referenced by name; otherwise the live files, by path.
     """
-    storage = module.storage
-    if storage.is_parameter:
+    entry = module.storage.state_entry(module, module.snapshot_directory, omit_weight=module.external_weights)
+    if entry is None:  # a parameter of the model: its rows are in the state dict already
         if module.external_weights:
             del state_dict[prefix + "weight"]
             state_dict[prefix + EXTERNAL_WEIGHT_KEY] = True
         return
-    tensors = {"weight": module.weight, **{f"state.{name}": value for name, value in module.row_state.items()}}
-    entry: dict[str, Any] = {"tier": storage.name, "label": module.label, "shape": tuple(module.weight.shape)}
     if module.external_weights:
-        del tensors["weight"]
         entry[EXTERNAL_WEIGHT_KEY] = True
-    if not isinstance(storage, MmapStorage):
-        entry["tensors"] = tensors
-    else:
-        directory = module.snapshot_directory
-        entry["files"] = {
-            key: (storage.snapshot(value, directory) if directory is not None else str(storage.file_of(value)))
-            for key, value in tensors.items()
-        }
-        entry["directory"] = directory.name if directory is not None else None
     state_dict[prefix + STORED_TABLE_KEY] = entry
 
 
@@ -68,7 +54,7 @@ def load_stored_table(
     entry = state_dict.pop(prefix + STORED_TABLE_KEY, None)
     storage = module.storage
     written = "device" if entry is None else entry["tier"]
-    if (entry is None) != storage.is_parameter or (entry is not None and entry["tier"] != storage.name):
+    if written != storage.name:
         if entry is None and prefix + "weight" not in state_dict:
             return  # not a checkpoint of this table at all (PyKEEN reports the missing keys)
         raise ValueError(
@@ -93,7 +79,6 @@ def load_stored_table(
     for key, target in targets.items():
         source = sources[key]
         if isinstance(source, str):
-            assert isinstance(storage, MmapStorage)
             if entry["directory"] is None:  # the live files of a state dict taken outside a checkpoint
                 file = pathlib.Path(source)
             elif module.snapshot_directory is None:

@@ -68,9 +68,7 @@ class TokenLookup(ABC):
 
 def _owned_rows(table: ShardedEmbedding, rows: torch.Tensor) -> torch.Tensor:
     """Read flat local rows ``[U]`` of the table, differentiably for a parameter (on the compute device)."""
-    if table.storage.is_parameter:
-        return table.weight.index_select(0, rows.to(table.weight.device))
-    return table.read_rows(rows)
+    return table.storage.lookup_rows(table.weight, rows)
 
 
 class RoutedTokenLookup(TokenLookup):

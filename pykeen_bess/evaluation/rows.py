@@ -81,16 +81,9 @@ class ShardTableRows(EntityRows):
         offset = position * self.sharding.shard_size
         result = []
         for table in self.tables:
-            weight = table.weight.detach()
-            if not table.storage.is_parameter:  # host memory or files: read the rows to the compute device
-                if isinstance(local, slice):
-                    stored = table.read_rows(slice(offset + local.start, offset + local.stop))
-                else:
-                    stored = table.read_rows(local.cpu() + offset)
-            elif isinstance(local, slice):
-                stored = weight[offset + local.start : offset + local.stop]
-            else:
-                stored = weight.index_select(0, local.to(weight.device) + offset)
+            # a view of a parameter on the device, or rows read from host memory or files to the compute device
+            flat = slice(offset + local.start, offset + local.stop) if isinstance(local, slice) else local + offset
+            stored = table.storage.lookup_rows(table.weight.detach(), flat)
             x = table.view_rows(stored)
             if table.normalizer is not None:
                 x = table.normalizer(x)

@@ -32,7 +32,7 @@ from ..scoring import get_scorer
 from ..partition import ShardPairPartition
 from ..sampling import DEFAULT_NEGATIVES, BessSampler, TypedBessSampler
 from ..sharding import EntitySharding, resolve_sharding
-from ..storage import MmapStorage, TableStorage
+from ..storage import TableStorage
 from .checkpoints import (
     CHECKPOINT_FORMATS,
     CHECKPOINT_RETRIEVALS,
@@ -208,7 +208,7 @@ def make_checkpoint_store(loop: Any, settings: LoopSettings, columns: bool) -> C
     if settings.checkpoint_format == "pbg":
         if columns:
             raise ValueError("checkpoint_format='pbg' writes row shards as partitions; it needs partition='token'.")
-        if isinstance(settings.storage, MmapStorage):
+        if settings.storage.keeps_files:
             raise ValueError("checkpoint_format='pbg' supports storage='device' and 'host' (not 'mmap' yet).")
         schema = settings.schema
         if schema is None:
@@ -303,8 +303,9 @@ def _encoding_unavailable(loop: Any, settings: LoopSettings, train_kwargs: dict)
         return "typed negatives"
     if settings.checkpoint_format != "pykeen":
         return f"checkpoint_format={settings.checkpoint_format!r}"
-    if not settings.storage.is_parameter:
-        return f"storage={settings.storage.name!r}"
+    obstacle = settings.storage.column_parts_obstacle()
+    if obstacle is not None:
+        return obstacle
     if train_kwargs.get("continue_training"):
         return "continued training"
     stopper = train_kwargs.get("stopper")

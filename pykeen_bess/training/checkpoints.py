@@ -362,31 +362,23 @@ class RankCheckpointStore(CheckpointStore):
         logger.warning(
             "Resharding checkpoint %s from %d to %d shards.", path, pointer_shards(pointer), loop.topology.n_shard
         )
-        if not loop.tables.storage.is_parameter:  # the tables' rows go straight into the tier
-            shard = loop.topology.local_shards[0]
-            reshard_stored_tables(path, pointer, loop.sharding, shard, loop.tables.tables)
-            state = reshard_rank_state(
-                path=path,
-                pointer=pointer,
-                sharding=loop.sharding,
-                shard=shard,
-                table_keys=[],
-                table_param_indices=[],
-            )
-            model_state = state["model_state_dict"]
-            for key in [key for key in model_state if key.endswith(".stored_table")]:
-                del model_state[key]  # already loaded (the tables of the old shard 0)
-            return self.read_checksummed(state, triples_factory)
         table_ids = {id(weight) for weight in loop.tables.weights()}
         table_keys = [name for name, param in loop.model.named_parameters() if id(param) in table_ids]
         params = [param for group in loop.optimizer.param_groups for param in group["params"]]
         table_indices = [index for index, param in enumerate(params) if id(param) in table_ids]
+        shard = loop.topology.local_shards[0]
+        if not table_keys:  # tables outside the model: their rows go straight into the tier
+            reshard_stored_tables(path, pointer, loop.sharding, shard, loop.tables.tables)
         state = reshard_rank_state(
             path=path,
             pointer=pointer,
             sharding=loop.sharding,
-            shard=loop.topology.local_shards[0],
+            shard=shard,
             table_keys=table_keys,
             table_param_indices=table_indices,
         )
+        if not table_keys:
+            model_state = state["model_state_dict"]
+            for key in [key for key in model_state if key.endswith(".stored_table")]:
+                del model_state[key]  # already loaded (the tables of the old shard 0)
         return self.read_checksummed(state, triples_factory)

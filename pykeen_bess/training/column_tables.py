@@ -71,7 +71,7 @@ class ColumnShardTables(ShardTables):
 
         :raises ValueError: for a storage tier outside the model (not supported with column parts)
         """
-        if storage is not None and not storage.is_parameter:
+        if storage is not None and storage.column_parts_obstacle() is not None:
             raise ValueError(
                 f"partition='encoding' over several processes keeps its column parts on the device; "
                 f"storage={storage.name!r} is supported with partition='token'."

@@ -31,7 +31,7 @@ from ..sampling import DEFAULT_NEGATIVES, BessSampler, Corruption
 from ..schemes import ExchangeScheme
 from ..scoring import SharedCandidateScorer
 from ..sharding import EntitySharding, ShardingStrategy
-from ..storage import MmapStorage, TableStorage, make_storage
+from ..storage import TableStorage, make_storage
 from ..threads import ThreadsHint, resolve_threads
 from .checkpoints import CheckpointStore
 from .pbg_checkpoints import PbgCheckpointStore, prepare_pbg_checkpoint
@@ -211,8 +211,7 @@ class BessTrainingLoop(PyKEENHooks):
         num_negs_per_pos = resolve_negative_sampler(negative_sampler, negative_sampler_kwargs, num_negs_per_pos)
         super().__init__(model=model, triples_factory=triples_factory, **kwargs)
         table_storage = make_storage(storage, storage_path, storage_kwargs)
-        if isinstance(table_storage, MmapStorage):  # files of an earlier run: kept until train() knows if it resumes
-            table_storage.defer_existing = True
+        table_storage.defer_existing_files()  # files of an earlier run: kept until train() knows if it resumes
         if any(parameter.is_meta for parameter in model.parameters()):  # built without its full tables
             materialize(model, table_storage)
         # the optimizer the base class built (or the pipeline passed) defines class and hyper-parameters
@@ -341,9 +340,8 @@ class BessTrainingLoop(PyKEENHooks):
         if asks_evaluation_loss(kwargs.get("callbacks")):
             self.check_evaluation_loss()  # before training starts
         adopt_checkpoint_seed(self, kwargs)
-        if isinstance(self.tables.storage, MmapStorage):
-            path = checkpoint_path(kwargs)
-            self.tables.storage.claim_existing(resuming=path is not None and path.is_file())
+        path = checkpoint_path(kwargs)
+        self.tables.storage.claim_existing(resuming=path is not None and path.is_file())
         if isinstance(self.checkpoints, PbgCheckpointStore):
             prepare_pbg_checkpoint(self, kwargs)
         choose_partition(self, self.settings, batch_size, kwargs)

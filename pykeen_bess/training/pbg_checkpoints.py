@@ -266,9 +266,7 @@ class PbgCheckpointStore(RankCheckpointStore):
         row_sums = self._row_sums()
         if row_sums is not None and sums:
             table = loop.tables[0]
-            state = (
-                table.row_state if not table.storage.is_parameter else loop.optimizer.state[table.optimizer_parameter]
-            )
+            state = table.storage.row_state(table, loop.optimizer.state[table.optimizer_parameter])
             total = torch.zeros(table.weight.shape[0], dtype=table.weight.dtype, device=table.weight.device)
             for first, values in sums:
                 total[first : first + values.numel()] = values.to(total)

@@ -122,8 +122,9 @@ def static_step_obstacle(
         return "it runs in one process (this loop trains in a process group)"
     if scheme.partition != "token":
         return f"it supports the token partition (exchange={type(scheme).get_name()!r})"
-    if not tables.storage.is_parameter:
-        return f"it keeps the tables on the device (storage={tables.storage.name!r})"
+    obstacle = tables.storage.captured_step_obstacle()
+    if obstacle is not None:
+        return obstacle
     if not isinstance(optimizer, BessOptimizer) or not optimizer.sparse_updates:
         return "it updates the tables row-sparsely (sparse_updates=False)"
     for group in optimizer.sparse_groups:

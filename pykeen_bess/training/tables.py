@@ -86,11 +86,7 @@ def materialize(model: torch.nn.Module, storage: TableStorage) -> None:
         model with buffers (their values, e.g. a regularizer's weight, were never computed on the
         meta device)
     """
-    if storage.is_parameter:
-        raise ValueError(
-            "The model was built on the meta device (its entity tables have no memory): train it with "
-            "storage='host' or storage='mmap', whose tiers allocate the shard tables."
-        )
+    storage.check_meta_model()
     buffers = [name for name, buffer in model.named_buffers() if buffer.is_meta]
     if buffers:
         raise ValueError(
@@ -172,7 +168,7 @@ class ShardTables:
             kind = ColumnShardTables
         elif not topology.holds_all_shards:
             kind = DistributedShardTables
-        elif storage is not None and not storage.is_parameter:
+        elif storage is not None and not storage.copies_back_after_training:
             kind = StoredShardTables
         else:
             kind = LocalShardTables
@@ -198,11 +194,7 @@ class ShardTables:
 
         :raises ValueError: for dense updates of tables outside the model
         """
-        if not self.storage.is_parameter and not sparse_updates:
-            raise ValueError(
-                f"storage={self.storage.name!r} needs row-sparse updates (sparse_updates=True): a dense update "
-                f"would touch every row of the tables every step."
-            )
+        self.storage.check_updates(sparse_updates)
         return BessOptimizer(
             optimizer_cls,
             dense_params=self.replicated_parameters(),
@@ -220,12 +212,7 @@ class ShardTables:
         For a loop that replaces its tables (it builds new ones); these tables are unusable afterwards.
         """
         for table in self.tables:
-            if table.storage.is_parameter:
-                continue
-            for tensor in table.row_state.values():
-                table.storage.release(tensor)
-            table.row_state.clear()
-            table.storage.release(table.weight)
+            table.storage.release_table(table)
 
     def optimizer_parameters(self) -> list[torch.nn.Parameter]:
         """Return what stands for each table in the optimizer (the parameter, or the handle of a stored table)."""
@@ -264,8 +251,8 @@ class ShardTables:
             table.to(embedding._embeddings.weight.device)
             representations[index] = table
         self.is_installed = True
-        if self.hold_weights and not self.storage.is_parameter:
-            return  # a stored table kept its weights in the model after the last training
+        if self.hold_weights:
+            return  # tables that stayed in the model after the last training kept their weights
         self.hold_weights = False
         if copy_weights:
             for embedding, table in zip(self.embeddings, self.tables):
@@ -284,7 +271,7 @@ class ShardTables:
     @property
     def keeps_files(self) -> bool:
         """Whether the tables live in files (checkpoints copy them into a directory next to the checkpoint)."""
-        return hasattr(self.storage, "snapshot")
+        return self.storage.keeps_files
 
     @contextlib.contextmanager
     def checkpoint_files(self, directory: pathlib.Path | None) -> Iterator[None]:
