@@ -36,7 +36,7 @@ from torch import nn
 from .seeds import derive_seed
 from .sharding import EntitySharding
 from .storage import DeviceStorage, TableStorage
-from .stored_tables import add_stored_table, load_stored_table
+from .storage.state_dict import add_stored_table, load_stored_table
 
 __all__ = [
     "ShardedEmbedding",
@@ -61,6 +61,10 @@ class ShardedEmbedding(Representation):
     entity_rows: torch.Tensor
     #: shape: ``[L * shard_size, row_width]``, the table (a parameter of the model, or a tensor of its storage tier)
     weight: torch.Tensor
+    # defaults of attributes that tables pickled by earlier versions lack
+    column_part: int | None = None
+    whole_embedding: Embedding | None = None
+    stored_gradient: torch.Tensor | None = None
 
     def __init__(
         self,
@@ -147,7 +151,14 @@ class ShardedEmbedding(Representation):
         self.register_state_dict_post_hook(add_stored_table)
         self.register_load_state_dict_pre_hook(load_stored_table)
         # the embedding this table replaces (not a submodule: its parameters are not the model's)
+        self.base_embedding: Embedding
         object.__setattr__(self, "base_embedding", base)
+        #: the column part of every row that this table holds (the encoding partition over processes, see
+        #: :meth:`hold_column_part`); None: whole rows
+        self.column_part: int | None = None
+        #: for a column part: the model's embedding of whole rows (its shape, normalizer, ...; not a submodule)
+        self.whole_embedding: Embedding | None
+        object.__setattr__(self, "whole_embedding", None)
         #: the process topology of the shards (set by the training loop; not pickled); None: the default one
         self.topology: Any = None
         #: how rows held by other processes are looked up (``"routed"`` or ``"gathered"``, see
@@ -155,6 +166,15 @@ class ShardedEmbedding(Representation):
         self.token_lookup = "routed"
 
     # -- layout ------------------------------------------------------------------------------
+
+    def hold_column_part(self, part: int, whole_embedding: Embedding) -> None:
+        """Mark the table as column part ``part`` of every row of ``whole_embedding`` (the encoding partition)."""
+        self.column_part = int(part)
+        object.__setattr__(self, "whole_embedding", whole_embedding)  # not a submodule: its parameters are not ours
+
+    def owned_rows(self, rows: torch.Tensor | slice) -> torch.Tensor:
+        """Return flat local rows ``[U, row_width]`` on the compute device, differentiable for a parameter."""
+        return self.storage.lookup_rows(self.weight, rows)
 
     def extra_repr(self) -> str:
         """Name the sharding: PyKEEN's checkpoint checksum hashes the ``repr`` (a checkpoint resumes into the same)."""

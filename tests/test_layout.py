@@ -1,4 +1,5 @@
-"""The package's layout: one topology owns torch.distributed, modules and classes stay small, stages are documented."""
+"""The package's layout: one topology owns torch.distributed, modules and classes stay small, stages are documented,
+the import graph has no cycles and the process layer imports nothing else of the package."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 PACKAGE = pathlib.Path(__file__).parent.parent / "pykeen_bess"
 MODULES = sorted(PACKAGE.rglob("*.py"))
 #: the process topology: the only modules that may use torch.distributed
-TOPOLOGY = {PACKAGE / "distributed" / name for name in ("topology.py", "process_group.py", "launch.py")}
+TOPOLOGY = {PACKAGE / "distributed" / name for name in ("topology.py", "process_group.py", "launch.py", "factory.py")}
 MAX_MODULE_LINES = 500
 MAX_CLASS_LINES = 300
 
@@ -53,3 +54,89 @@ def test_modules_and_classes_are_small(path: pathlib.Path) -> None:
 def test_every_subpackage_says_what_its_stage_does(package: pathlib.Path) -> None:
     docstring = ast.get_docstring(ast.parse((package / "__init__.py").read_text(encoding="utf-8")))
     assert docstring and len(docstring) > 80
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Every module's imports of the package's modules: module level, in functions and for type checking alike."""
+    modules = {_module_name(path): path for path in MODULES}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                candidates = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(parent + ([node.module] if node.module else []))
+                candidates = [f"{base}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            for candidate in candidates:
+                while candidate and candidate not in modules:  # a name imported from a module: the module
+                    candidate = candidate.rpartition(".")[0]
+                if candidate and candidate != name:
+                    targets.add(candidate)
+        graph[name] = targets
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    components: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in sorted(graph[node]):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                components.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return components
+
+
+def test_the_import_graph_finds_a_cycle() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    graph = _import_graph()
+    assert "pykeen_bess.training.loop" in graph["pykeen_bess.training"]
+    assert "pykeen_bess.storage.base" in graph["pykeen_bess.storage.device"]
+
+
+def test_the_package_has_no_import_cycles() -> None:
+    assert _cycles(_import_graph()) == []
+
+
+def test_the_process_layer_imports_nothing_else_of_the_package() -> None:
+    outside = {
+        (name, target)
+        for name, targets in _import_graph().items()
+        if name.startswith("pykeen_bess.distributed")
+        for target in targets
+        if not target.startswith("pykeen_bess.distributed")
+    }
+    assert outside == set()

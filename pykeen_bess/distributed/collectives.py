@@ -1,4 +1,4 @@
-"""Differentiable shard collectives of :class:`~pykeen_bess.distributed.topology.DistributedTopology`.
+"""Differentiable shard collectives of :class:`~pykeen_bess.distributed.process_group.DistributedTopology`.
 
 * all-to-all: its backward is the all-to-all of the gradients (also with uneven splits, whose
   backward swaps the send and receive sizes);
@@ -10,12 +10,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
-
-if TYPE_CHECKING:
-    from .process_group import ColumnTopology, DistributedTopology
 
 __all__ = [
     "all_gather_differentiable",
@@ -25,9 +22,29 @@ __all__ = [
 ]
 
 
+class ShardPrimitives(Protocol):
+    """The non-differentiable collectives of a process group's shards (:class:`DistributedTopology`)."""
+
+    def all_to_all_primitive(self, x: torch.Tensor) -> torch.Tensor:
+        """``[n, ...] -> [n, ...]``: slice ``s`` goes to rank ``s``."""
+
+    def all_to_all_uneven_primitive(self, x: torch.Tensor, send: list[int], receive: list[int]) -> torch.Tensor:
+        """``[sum(send), ...] -> [sum(receive), ...]``."""
+
+    def all_gather_primitive(self, x: torch.Tensor) -> torch.Tensor:
+        """``[...] -> [n, ...]``."""
+
+
+class ColumnPrimitives(Protocol):
+    """The non-differentiable collective of a process group's column parts (:class:`ColumnTopology`)."""
+
+    def column_all_reduce_primitive(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over the ranks."""
+
+
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, topology: DistributedTopology, x: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, topology: ShardPrimitives, x: torch.Tensor) -> torch.Tensor:
         ctx.topology = topology
         return topology.all_to_all_primitive(x)
 
@@ -39,7 +56,7 @@ class _AllToAll(torch.autograd.Function):
 class _AllToAllUneven(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, topology: DistributedTopology, x: torch.Tensor, send: list[int], receive: list[int]
+        ctx: Any, topology: ShardPrimitives, x: torch.Tensor, send: list[int], receive: list[int]
     ) -> torch.Tensor:
         ctx.topology, ctx.send, ctx.receive = topology, send, receive
         return topology.all_to_all_uneven_primitive(x, send, receive)
@@ -51,7 +68,7 @@ class _AllToAllUneven(torch.autograd.Function):
 
 class _AllReduceSum(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, topology: ColumnTopology, x: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, topology: ColumnPrimitives, x: torch.Tensor) -> torch.Tensor:
         return topology.column_all_reduce_primitive(x)
 
     @staticmethod
@@ -61,7 +78,7 @@ class _AllReduceSum(torch.autograd.Function):
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, topology: DistributedTopology, x: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, topology: ShardPrimitives, x: torch.Tensor) -> torch.Tensor:
         ctx.topology = topology
         return topology.all_gather_primitive(x)
 
@@ -71,23 +88,23 @@ class _AllGather(torch.autograd.Function):
         return None, ctx.topology.all_to_all_primitive(grad).sum(dim=0)
 
 
-def all_to_all_differentiable(topology: DistributedTopology, x: torch.Tensor) -> torch.Tensor:
+def all_to_all_differentiable(topology: ShardPrimitives, x: torch.Tensor) -> torch.Tensor:
     """``[n, ...] -> [n, ...]``: slice ``s`` goes to rank ``s``; differentiable."""
     return _AllToAll.apply(topology, x)
 
 
-def all_gather_differentiable(topology: DistributedTopology, x: torch.Tensor) -> torch.Tensor:
+def all_gather_differentiable(topology: ShardPrimitives, x: torch.Tensor) -> torch.Tensor:
     """``[...] -> [n, ...]``: every rank's tensor; differentiable."""
     return _AllGather.apply(topology, x)
 
 
 def all_to_all_uneven_differentiable(
-    topology: DistributedTopology, x: torch.Tensor, send: list[int], receive: list[int]
+    topology: ShardPrimitives, x: torch.Tensor, send: list[int], receive: list[int]
 ) -> torch.Tensor:
     """``[sum(send), ...] -> [sum(receive), ...]``: ``send[s]`` rows go to rank ``s``; differentiable."""
     return _AllToAllUneven.apply(topology, x, send, receive)
 
 
-def all_reduce_identity_backward(topology: ColumnTopology, x: torch.Tensor) -> torch.Tensor:
+def all_reduce_identity_backward(topology: ColumnPrimitives, x: torch.Tensor) -> torch.Tensor:
     """Sum ``x`` over the ranks; the backward passes the gradient through unchanged (column sums)."""
     return _AllReduceSum.apply(topology, x)

@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from .topology import Topology, make_topology
+from .lookup import ShardedTable, table_topology
+from .topology import Topology
 
 __all__ = [
     "check_whole_model",
@@ -28,12 +29,7 @@ __all__ = [
 ]
 
 
-def _table_topology(table: Any) -> Topology:
-    topology = getattr(table, "topology", None)
-    return topology if topology is not None else make_topology()
-
-
-def _gather_table(table: Any, topology: Topology) -> torch.Tensor | None:
+def _gather_table(table: ShardedTable, topology: Topology) -> torch.Tensor | None:
     """Gather a sharded table on the main process as ``[num_entities, row_width]`` (None elsewhere)."""
     stacked = topology.gather_shards(table.shard_tables().detach())
     if stacked is None:
@@ -55,13 +51,11 @@ def gathered_model(model: Any) -> Iterator[Any]:
     :param model: a model trained by :class:`~pykeen_bess.training.BessTrainingLoop`
     :yields: the full model on the main process, None on the others
     """
-    from ..representation import ShardedEmbedding
-
-    tables = [(i, r) for i, r in enumerate(model.entity_representations) if isinstance(r, ShardedEmbedding)]
+    tables = [(i, r) for i, r in enumerate(model.entity_representations) if isinstance(r, ShardedTable)]
     if not tables or all(table.holds_all_shards for _, table in tables):
         yield model
         return
-    topology = _table_topology(tables[0][1])
+    topology = table_topology(tables[0][1])
     full = [(index, table, _gather_table(table, topology)) for index, table in tables]
     if not topology.is_main_process:
         yield None
@@ -81,11 +75,9 @@ def gathered_model(model: Any) -> Iterator[Any]:
 
 
 def _barrier(model: Any) -> None:
-    from ..representation import ShardedEmbedding
-
     for representation in model.entity_representations:
-        if isinstance(representation, ShardedEmbedding) and not representation.holds_all_shards:
-            _table_topology(representation).barrier()
+        if isinstance(representation, ShardedTable) and not representation.holds_all_shards:
+            table_topology(representation).barrier()
             return
 
 
@@ -103,10 +95,8 @@ def export_model(model: Any, path: str | os.PathLike) -> None:
 
 def check_whole_model(model: Any) -> None:
     """Raise :class:`pickle.PicklingError` if ``model`` holds partial entity tables (some shards of a process group)."""
-    from ..representation import ShardedEmbedding
-
     for module in model.modules():
-        if isinstance(module, ShardedEmbedding):
+        if isinstance(module, ShardedTable):
             module.check_whole()
 
 

@@ -24,21 +24,67 @@ makes the others fail after the collective timeout.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, ClassVar
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 from class_resolver import ClassResolver
 
-if TYPE_CHECKING:
-    from ..representation import ShardedEmbedding
+from .factory import make_topology
+from .topology import Topology
 
 __all__ = [
     "GatheredTokenLookup",
     "RoutedTokenLookup",
+    "ShardedTable",
     "TokenLookup",
     "lookup_entities",
+    "table_topology",
     "token_lookup_resolver",
 ]
+
+
+@runtime_checkable
+class ShardedTable(Protocol):
+    """What the collectives of this package need of an entity table sharded over processes.
+
+    :class:`~pykeen_bess.representation.ShardedEmbedding` is one; this package does not import it
+    (the process layer depends on nothing else of pykeen-bess).
+    """
+
+    #: the number of entities
+    max_id: int
+    #: the width of one stored row
+    row_width: int
+    #: the entity sharding (``n_shard``, ``shard_size``, ``entity_shard`` ``[E]``, ``entity_local`` ``[E]``)
+    sharding: Any
+    #: shape: ``[num_entities]``, the flat local row of every global entity, -1 where it is not held here
+    entity_rows: torch.Tensor
+    #: the process topology of the shards; None: the default one
+    topology: Topology | None
+    #: the column part of every row the table holds, None for whole rows
+    column_part: int | None
+    #: the embedding the table replaced (whole rows; a PyKEEN ``Embedding``)
+    base_embedding: Any
+    #: shape: ``[L * shard_size, row_width]``, the local shards' rows
+    weight: torch.Tensor
+
+    @property
+    def holds_all_shards(self) -> bool:
+        """Whether this process holds every shard."""
+
+    def owned_rows(self, rows: torch.Tensor | slice) -> torch.Tensor:
+        """Return flat local rows ``[U, row_width]`` on the compute device (differentiable for a parameter)."""
+
+    def shard_tables(self) -> torch.Tensor:
+        """Return the local shards as ``[L, shard_size, row_width]``."""
+
+    def check_whole(self) -> None:
+        """Raise :class:`pickle.PicklingError` if this process holds only some shards."""
+
+
+def table_topology(table: ShardedTable) -> Topology:
+    """Return the topology of a table's shards (the default one where the table has none)."""
+    return table.topology if table.topology is not None else make_topology()
 
 
 class TokenLookup(ABC):
@@ -47,7 +93,7 @@ class TokenLookup(ABC):
     #: the variant's short name
     name: ClassVar[str]
 
-    def __call__(self, table: ShardedEmbedding, entities: torch.Tensor) -> torch.Tensor:
+    def __call__(self, table: ShardedTable, entities: torch.Tensor) -> torch.Tensor:
         """Return the stored rows of the entities (collective over the table's shard group).
 
         :param table: a shard table holding one shard of a process group
@@ -62,13 +108,8 @@ class TokenLookup(ABC):
         return rows.view(*entities.shape, table.row_width)
 
     @abstractmethod
-    def lookup(self, table: ShardedEmbedding, entities: torch.Tensor) -> torch.Tensor:
+    def lookup(self, table: ShardedTable, entities: torch.Tensor) -> torch.Tensor:
         """Return ``[M, row_width]`` rows for ``[M]`` global ids (CPU) on the compute device."""
-
-
-def _owned_rows(table: ShardedEmbedding, rows: torch.Tensor) -> torch.Tensor:
-    """Read flat local rows ``[U]`` of the table, differentiably for a parameter (on the compute device)."""
-    return table.storage.lookup_rows(table.weight, rows)
 
 
 class RoutedTokenLookup(TokenLookup):
@@ -76,15 +117,15 @@ class RoutedTokenLookup(TokenLookup):
 
     name = "routed"
 
-    def lookup(self, table: ShardedEmbedding, entities: torch.Tensor) -> torch.Tensor:  # noqa: D102
-        topology = table.topology
+    def lookup(self, table: ShardedTable, entities: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        topology = table_topology(table)
         sharding = table.sharding
         owners = sharding.entity_shard[entities]
         order = torch.argsort(owners, stable=True)
         send_sizes = torch.bincount(owners, minlength=sharding.n_shard).tolist()
         # ids (local to their owner) to the owners; their requests of this rank's shard arrive here
         requested, received = topology.all_to_all_uneven(sharding.entity_local[entities[order]], send_sizes)
-        values = _owned_rows(table, requested.cpu())
+        values = table.owned_rows(requested.cpu())
         # the answers: as many rows back to each shard as it asked for, exactly what this rank asked for returns
         answered, _ = topology.all_to_all_uneven(values, received, receive_sizes=send_sizes)
         inverse = torch.empty_like(order)
@@ -97,8 +138,8 @@ class GatheredTokenLookup(TokenLookup):
 
     name = "gathered"
 
-    def lookup(self, table: ShardedEmbedding, entities: torch.Tensor) -> torch.Tensor:  # noqa: D102
-        topology = table.topology
+    def lookup(self, table: ShardedTable, entities: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        topology = table_topology(table)
         count = torch.tensor([entities.numel()], dtype=torch.long, device=topology.device)
         longest = int(topology.shard_all_reduce(count, "max")[0])
         padded = torch.full((longest,), -1, dtype=torch.long)
@@ -106,7 +147,7 @@ class GatheredTokenLookup(TokenLookup):
         ids = topology.all_gather(padded.to(topology.device).unsqueeze(0))[0].cpu()  # [n, longest]
         rows = torch.where(ids >= 0, table.entity_rows[ids.clamp_min(0)], -1)
         owned = rows >= 0  # ids of other shards (and padding) give zero rows
-        values = _owned_rows(table, rows.clamp_min(0).view(-1)).view(*ids.shape, table.row_width)
+        values = table.owned_rows(rows.clamp_min(0).view(-1)).view(*ids.shape, table.row_width)
         values = values * owned.to(values.device).unsqueeze(-1).to(values.dtype)
         summed = topology.reduce_scatter(values.unsqueeze(0))[0]  # [longest, row_width]
         return summed[: entities.numel()]
@@ -120,7 +161,7 @@ token_lookup_resolver: ClassResolver[TokenLookup] = ClassResolver(
 )
 
 
-def lookup_entities(table: ShardedEmbedding, entities: torch.Tensor, variant: str = "routed") -> torch.Tensor:
+def lookup_entities(table: ShardedTable, entities: torch.Tensor, variant: str = "routed") -> torch.Tensor:
     """Return the stored rows ``[*s, row_width]`` of global entity ids ``s`` from a sharded table.
 
     A process holding every shard reads them directly; under a process group this is a collective
@@ -128,12 +169,12 @@ def lookup_entities(table: ShardedEmbedding, entities: torch.Tensor, variant: st
 
     :raises ValueError: for a column part of a table (the encoding partition while it trains)
     """
-    if getattr(table, "column_part", None) is not None:
+    if table.column_part is not None:
         raise ValueError(
             "This entity table holds one column part of every row (partition='encoding' while training): whole "
             "rows exist after training, when the parts are row shards."
         )
     if table.holds_all_shards:
         rows = table.entity_rows[entities.reshape(-1).to(table.entity_rows.device)]
-        return _owned_rows(table, rows).view(*entities.shape, table.row_width)
+        return table.owned_rows(rows).view(*entities.shape, table.row_width)
     return token_lookup_resolver.make(variant)(table, entities)

@@ -394,7 +394,7 @@ def rows_and_topology(model: Model, num_shards: int | None, process_group: Any) 
         raise ValueError(f"num_shards must be a positive integer or None, but is {num_shards!r}.")
     representations = list(model.entity_representations)
     tables = [r for r in representations if isinstance(r, ShardedEmbedding)]
-    if any(getattr(table, "column_part", None) is not None for table in tables):
+    if any(table.column_part is not None for table in tables):
         raise ValueError(
             "The model's entity tables are column parts (partition='encoding' while training); evaluate it after "
             "training, when they are row shards."

@@ -43,7 +43,7 @@ class WholeRows:
 
     def __init__(self, table: ShardedEmbedding):
         """Describe the whole rows of a column part's table (its ``whole_embedding``)."""
-        embedding: Any = getattr(table, "whole_embedding")  # noqa: B009  # set by ColumnShardTables
+        embedding: Any = table.whole_embedding  # set by ColumnShardTables
         self.normalizer = embedding.normalizer
         self.regularizer = embedding.regularizer
         self.dropout = None
@@ -217,5 +217,5 @@ def _part_widths(table: ShardedEmbedding) -> list[int]:
     """Return the coordinates of every column part of a table (the split of its whole rows)."""
     from ..encoding import ColumnSplit
 
-    whole: Any = getattr(table, "whole_embedding")  # noqa: B009  # set by ColumnShardTables
+    whole: Any = table.whole_embedding  # set by ColumnShardTables
     return ColumnSplit(int(whole.shape[0]), table.topology.n_column).sizes

@@ -45,7 +45,7 @@ from .checkpoints import (
 from .pbg_checkpoints import PbgCheckpointStore
 from .config import BessConfig
 from .sizes import StepSizes
-from .tables import create_tables
+from .table_setup import create_tables
 
 __all__ = [
     "LoopSettings",

@@ -88,8 +88,7 @@ class ColumnShardTables(ShardTables):
         self.embeddings = list(embeddings)  # the model's own (whole rows): installed, released, restored
         self.seed = seed
         for table, embedding in zip(self.tables, self.embeddings):
-            table.column_part = self.part  # type: ignore[assignment]  # read by the evaluator's check
-            object.__setattr__(table, "whole_embedding", embedding)  # whole rows' shape etc. (not a submodule)
+            table.hold_column_part(self.part, embedding)
 
     def make_optimizer(  # noqa: D102
         self, optimizer_cls: type[torch.optim.Optimizer], hyperparameters: dict, sparse_updates: bool

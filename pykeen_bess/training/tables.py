@@ -2,7 +2,8 @@
 
 :class:`ShardTables` creates one :class:`~pykeen_bess.representation.ShardedEmbedding` per entity
 embedding of the model and swaps them in for training (:meth:`ShardTables.installed`, a context
-manager). What happens afterwards is the one thing that differs between the back ends, chosen once:
+manager). What happens afterwards is the one thing that differs between the back ends, chosen once
+(:func:`~pykeen_bess.training.table_setup.create_tables`):
 
 * :class:`LocalShardTables` (one process holds every shard): the tables are written back into the
   original embeddings, so the trained model is an ordinary PyKEEN model;
@@ -33,7 +34,6 @@ from pykeen.nn.representation import Embedding
 from ..distributed import Topology
 from ..optim import BessOptimizer
 from ..representation import ShardedEmbedding, constrain_all_rows
-from .plan import MemoryPlan
 from ..sharding import EntitySharding
 from ..storage import DeviceStorage, TableStorage
 
@@ -42,35 +42,10 @@ __all__ = [
     "LocalShardTables",
     "ShardTables",
     "StoredShardTables",
-    "create_tables",
     "materialize",
 ]
 
 logger = logging.getLogger(__name__)
-
-
-def create_tables(
-    model: ERModel,
-    embeddings: Sequence[Embedding],
-    sharding: EntitySharding,
-    topology: Topology,
-    seed: int,
-    optimizer: torch.optim.Optimizer,
-    storage: TableStorage,
-) -> tuple[ShardTables, MemoryPlan]:
-    """Plan the shard tables, check that the storage tier can hold them, then create them.
-
-    :returns: the tables and the memory plan (bytes per entity, tables and optimizer state)
-    :raises MemoryError: with advice, if the tier cannot hold the tables and their optimizer state
-    """
-    plan = MemoryPlan.create(embeddings, topology.n_local * sharding.shard_size, optimizer)
-    logger.info("BESS storage %s: %s", storage.describe(), plan.describe())
-    storage.compute_device = embeddings[0]._embeddings.weight.device
-    try:
-        storage.check_capacity(plan.table_bytes + plan.state_bytes)
-    except MemoryError as error:
-        raise MemoryError(f"{error} (optimizer: {type(optimizer).__name__}; {plan.describe()})") from None
-    return ShardTables.create(model, embeddings, sharding, topology, seed, storage=storage), plan
 
 
 def materialize(model: torch.nn.Module, storage: TableStorage) -> None:
@@ -149,30 +124,6 @@ class ShardTables:
         self.sharding = sharding
         self.is_installed = False
         self.hold_weights = False
-
-    @classmethod
-    def create(
-        cls,
-        model: ERModel,
-        embeddings: Sequence[Embedding],
-        sharding: EntitySharding,
-        topology: Topology,
-        seed: int,
-        storage: TableStorage | None = None,
-    ) -> ShardTables:
-        """Choose the back end by whether this process holds every shard and where the tables live."""
-        kind: type[ShardTables]
-        if not topology.holds_all_columns:
-            from .column_tables import ColumnShardTables
-
-            kind = ColumnShardTables
-        elif not topology.holds_all_shards:
-            kind = DistributedShardTables
-        elif storage is not None and not storage.copies_back_after_training:
-            kind = StoredShardTables
-        else:
-            kind = LocalShardTables
-        return kind(model, embeddings, sharding, topology, seed, storage)
 
     def __iter__(self) -> Iterator[ShardedEmbedding]:
         return iter(self.tables)

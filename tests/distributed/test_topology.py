@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pykeen_bess.distributed import LocalTopology, ProbeTopology, harness, make_topology
-from pykeen_bess.distributed.topology import shard_count_advice
+from pykeen_bess.distributed.factory import shard_count_advice
 
 
 def test_local_topology_collectives_are_transposes_and_copies() -> None:

@@ -18,7 +18,8 @@ from pykeen.models import DistMult
 from pykeen.training import TrainingCallback
 from pykeen.triples import CoreTriplesFactory
 
-from pykeen_bess import storage as storage_module
+from pykeen_bess.storage import base as storage_base
+from pykeen_bess.storage import files as storage_files
 from pykeen_bess.evaluation import BessEvaluator
 from pykeen_bess.representation import ShardedEmbedding
 from pykeen_bess.storage import MmapStorage, make_storage
@@ -361,17 +362,17 @@ def test_bad_storage_settings_fail_before_training(nations, tmp_path, monkeypatc
     with pytest.raises(TypeError, match="supports"):
         MmapStorage(tmp_path).place("other", (3, 2), torch.bfloat16)
     # not writable (os.access, which root always passes: its answer is simulated)
-    monkeypatch.setattr(storage_module.os, "access", lambda path, mode: False)
+    monkeypatch.setattr(storage_files.os, "access", lambda path, mode: False)
     with pytest.raises(PermissionError, match="not writable"):
         make_storage("mmap", tmp_path)
     monkeypatch.undo()
     # not enough disk, not enough host memory: refused with advice, before a table file exists
-    monkeypatch.setattr(storage_module.shutil, "disk_usage", lambda path: _Usage(100))
+    monkeypatch.setattr(storage_files.shutil, "disk_usage", lambda path: _Usage(100))
     with pytest.raises(MemoryError, match="of disk.*rowwise_adagrad") as error:
         make_loop(factory, "mmap", tmp_path)
     # small tables in a unit that shows them (not "0.00 GiB")
     assert re.search(r"need \d+\.\d\d KiB of disk .* has 100 B free", str(error.value)), str(error.value)
-    monkeypatch.setattr(storage_module, "available_host_memory", lambda: 1000)
+    monkeypatch.setattr(storage_base, "available_host_memory", lambda: 1000)
     with pytest.raises(MemoryError, match="host memory.*storage='mmap'") as error:
         make_loop(factory, "host", tmp_path)
     assert "1000 B are available" in str(error.value) and "0.00 GiB" not in str(error.value)
@@ -517,3 +518,21 @@ def test_the_memory_search_runs_with_stored_tables(nations, tmp_path) -> None:
     loop.automatic_memory_optimization = True
     losses = loop.train(factory, num_epochs=2, batch_size=None, use_tqdm=False)
     assert len(losses) == 2 and all(loss > 0 for loss in losses)
+
+
+def test_pickles_of_earlier_module_paths_still_load() -> None:
+    """A model saved with tables in host memory names its state-dict hooks and tier by module: older names load."""
+    import pickle
+
+    from pykeen_bess.storage import HostStorage
+    from pykeen_bess.storage.state_dict import add_stored_table, load_stored_table
+
+    for obj, old in [
+        (add_stored_table, b"pykeen_bess.stored_tables"),
+        (load_stored_table, b"pykeen_bess.stored_tables"),
+        (HostStorage, b"pykeen_bess.storage"),
+    ]:
+        data = pickle.dumps(obj, protocol=2)
+        module = obj.__module__.encode()
+        assert module in data
+        assert pickle.loads(data.replace(module + b"\n", old + b"\n")) is obj

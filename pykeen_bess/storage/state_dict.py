@@ -8,19 +8,31 @@ a checkpoint, the live files' paths), and loading writes them back into the tabl
 from __future__ import annotations
 
 import pathlib
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from .representation import ShardedEmbedding
+from .base import HeldTable, TableStorage
 
-__all__ = ["EXTERNAL_WEIGHT_KEY", "STORED_TABLE_KEY", "add_stored_table", "load_stored_table"]
+__all__ = ["EXTERNAL_WEIGHT_KEY", "STORED_TABLE_KEY", "StateDictTable", "add_stored_table", "load_stored_table"]
+
+
+class StateDictTable(HeldTable, Protocol):
+    """What the state-dict hooks read of a table (a :class:`~pykeen_bess.representation.ShardedEmbedding`)."""
+
+    #: the table's storage tier
+    storage: TableStorage
+    #: while a checkpoint is written: the directory its copies of the table's files go to; while one is
+    #: read: the checkpoint's folder
+    snapshot_directory: pathlib.Path | None
+    #: while a checkpoint whose own files hold the rows is written: omit them
+    external_weights: bool
+
 
 STORED_TABLE_KEY, EXTERNAL_WEIGHT_KEY = "stored_table", "external_weight"
 
 
-def add_stored_table(module: ShardedEmbedding, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+def add_stored_table(module: StateDictTable, state_dict: dict, prefix: str, local_metadata: Any) -> None:
     """Add a table kept outside the model (and its optimizer row state) to the model's state dict.
 
     Host memory: the tensors themselves. Files: while a checkpoint is written (the store sets
@@ -39,7 +51,7 @@ def add_stored_table(module: ShardedEmbedding, state_dict: dict, prefix: str, lo
 
 
 def load_stored_table(
-    module: ShardedEmbedding,
+    module: StateDictTable,
     state_dict: dict,
     prefix: str,
     local_metadata: Any,

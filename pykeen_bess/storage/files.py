@@ -1,0 +1,231 @@
+"""The file tier: the tables in ``.npy`` memory maps, with the kernel's paging advice and flushing to disk."""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import pathlib
+import shutil
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from .base import NUMPY_DTYPES, TableStorage, chunk_rows, format_bytes, open_source
+
+__all__ = ["MmapStorage", "advise_random", "advise_will_need", "fsync"]
+
+logger = logging.getLogger(__name__)
+
+
+class MmapStorage(TableStorage):
+    """The tables in ``.npy`` memory maps, one file per table and state tensor, under ``storage_path``.
+
+    Files are created (never silently overwritten: an existing file raises unless
+    ``overwrite=True``; a training loop places such tensors beside the existing file until it
+    knows whether it resumes a checkpoint, see :meth:`claim_existing`) and filled in chunks, so no
+    step of the allocation holds a whole table in anonymous memory. :meth:`flush` writes the dirty
+    pages to disk; checkpoints copy the files.
+    """
+
+    name = "mmap"
+    keeps_files = True
+
+    def __init__(self, storage_path: str | os.PathLike | None = None, overwrite: bool = False) -> None:
+        """Keep the tables under ``storage_path``.
+
+        :param storage_path: an existing, writable directory
+        :param overwrite: replace files of an earlier run with the same names
+        :raises ValueError: if no path is given
+        :raises FileNotFoundError: if the path is not a directory
+        :raises PermissionError: if it is not writable
+        """
+        super().__init__()
+        if storage_path is None:
+            raise ValueError(
+                "storage='mmap' keeps the tables in files: pass storage_path='/a/directory' (command line: "
+                "--storage-path), on a disk with room for the tables and their optimizer state."
+            )
+        path = pathlib.Path(storage_path)
+        if not path.is_dir():
+            raise FileNotFoundError(f"storage_path={str(path)!r} is not a directory; create it first.")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise PermissionError(f"storage_path={str(path)!r} is not writable.")
+        self.path = path
+        self.overwrite = bool(overwrite)
+        #: place tensors whose file exists beside it, until :meth:`claim_existing` decides (a training loop
+        #: knows only when training starts whether it resumes a checkpoint, whose files these are)
+        self.defer_existing = False
+        #: the existing file each deferred tensor replaces, by the id of its storage
+        self.deferred: dict[int, pathlib.Path] = {}
+        #: the file of every placed tensor, by the id of its storage
+        self.files: dict[int, pathlib.Path] = {}
+        self._arrays: dict[int, np.memmap] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle without the memory maps (a pickled model holds its tables' values as plain tensors)."""
+        state = dict(self.__dict__)
+        state["files"], state["_arrays"] = {}, {}
+        return state
+
+    def place(self, label: str, shape: Sequence[int], dtype: torch.dtype, fill: float = 0.0) -> torch.Tensor:  # noqa: D102
+        if dtype not in NUMPY_DTYPES:
+            raise TypeError(f"storage='mmap' supports {sorted(map(str, NUMPY_DTYPES))} tables, not {dtype}.")
+        file = target = self.path / f"{label}.npy"
+        if file.exists() and not self.overwrite:
+            if not self.defer_existing:
+                raise FileExistsError(_exists_message(file))
+            file = file.with_name(f"{file.name}.new-{os.getpid()}")  # beside it; the existing file stays
+        array = np.lib.format.open_memmap(file, mode="w+", dtype=NUMPY_DTYPES[dtype], shape=tuple(shape))
+        advise_random(array)
+        if fill != 0:  # a new file reads as zeros
+            step = chunk_rows(array)
+            for start in range(0, array.shape[0], step):
+                array[start : start + step] = fill
+        tensor = torch.from_numpy(array)
+        self.files[_key(tensor)] = file
+        self._arrays[_key(tensor)] = array
+        if file != target:
+            self.deferred[_key(tensor)] = target
+        return tensor
+
+    def defer_existing_files(self) -> None:  # noqa: D102
+        self.defer_existing = True
+
+    def _entry_values(self, tensors: dict[str, torch.Tensor], directory: pathlib.Path | None) -> dict[str, Any]:
+        """Name the files' copies in ``directory`` (in a checkpoint), else the live files by path."""
+        files = {
+            key: (self.snapshot(value, directory) if directory is not None else str(self.file_of(value)))
+            for key, value in tensors.items()
+        }
+        return {"files": files, "directory": directory.name if directory is not None else None}
+
+    def claim_existing(self, resuming: bool) -> None:
+        """Decide about the existing files the tensors were placed beside (see :attr:`defer_existing`).
+
+        :param resuming: a checkpoint is being resumed: the files are its run's, and are replaced (the
+            checkpoint's copies then fill the tables); else the placed files are removed and the files
+            of the earlier run are refused as without deferring
+        :raises FileExistsError: if there are such files and no checkpoint is resumed
+        """
+        deferred, self.deferred = self.deferred, {}
+        if not deferred:
+            return
+        if resuming:
+            for key, target in deferred.items():
+                os.replace(self.files[key], target)  # the memory map stays valid: it maps the file, not its name
+                self.files[key] = target
+            logger.info("storage='mmap': resuming a checkpoint, its run's files under %s are replaced.", self.path)
+            return
+        for key in deferred:
+            self.files[key].unlink(missing_ok=True)
+        raise FileExistsError(
+            f"{_exists_message(min(deferred.values()))} No checkpoint is being resumed (train(checkpoint_name=...) "
+            f"with an existing checkpoint would resume it and reuse the files)."
+        )
+
+    def release(self, tensor: torch.Tensor) -> None:  # noqa: D102
+        file = self.files.pop(_key(tensor), None)
+        self._arrays.pop(_key(tensor), None)
+        self.deferred.pop(_key(tensor), None)
+        if file is not None:
+            file.unlink(missing_ok=True)
+
+    def file_of(self, tensor: torch.Tensor) -> pathlib.Path:
+        """Return the file a tensor of this tier is mapped from."""
+        try:
+            return self.files[_key(tensor)]
+        except KeyError:
+            raise ValueError("The tensor was not placed by this storage.") from None
+
+    def check_capacity(self, num_bytes: int) -> None:  # noqa: D102
+        free = shutil.disk_usage(self.path).free
+        if num_bytes > free:
+            raise MemoryError(
+                f"The shard tables and their optimizer state need {format_bytes(num_bytes)} of disk under "
+                f"{self.path}, which has {format_bytes(free)} free. Use a larger disk, "
+                f"optimizer='rowwise_adagrad' (one float of state per row), or spread the shards over more machines."
+            )
+
+    def read_slice(self, tensor: torch.Tensor, rows: slice) -> torch.Tensor:
+        """Read consecutive rows, asking the kernel to read the whole range ahead (else it reads page by page)."""
+        array = self._arrays.get(_key(tensor))
+        if array is not None and rows.stop > rows.start:
+            advise_will_need(array, rows.start, rows.stop)
+        return super().read_slice(tensor, rows)
+
+    def snapshot(self, tensor: torch.Tensor, directory: pathlib.Path) -> str:
+        """Copy a tensor's file into ``directory`` (flushed and synced first, the copy synced); return its name."""
+        source = self.file_of(tensor)
+        self._arrays[_key(tensor)].flush()
+        target = pathlib.Path(directory) / source.name
+        shutil.copyfile(source, target)
+        fsync(target)
+        return source.name
+
+    def restore(self, tensor: torch.Tensor, file: pathlib.Path) -> None:
+        """Overwrite a tensor of this tier from a ``.npy`` file, chunk by chunk (the memory map stays valid)."""
+        source = open_source(file, tensor)
+        target = self._arrays[_key(tensor)]
+        if os.path.samefile(file, self.file_of(tensor)):
+            return
+        step = chunk_rows(target)
+        for start in range(0, target.shape[0], step):
+            target[start : start + step] = source[start : start + step]
+        target.flush()
+
+    def flush(self) -> None:  # noqa: D102
+        for array in self._arrays.values():
+            array.flush()
+        for file in self.files.values():
+            fsync(file)
+
+    def describe(self) -> str:  # noqa: D102
+        return f"mmap ({self.path})"
+
+
+def _key(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+def _exists_message(file: pathlib.Path) -> str:
+    return (
+        f"{file} exists (from an earlier run?). Remove it, use another storage_path, or pass "
+        f"storage_kwargs=dict(overwrite=True)."
+    )
+
+
+def advise_random(array: np.memmap) -> None:
+    """Tell the kernel that rows are read at random: no read-ahead around each page a step touches.
+
+    Without it every row a step reads from a table larger than the page cache faults in the
+    kernel's read-ahead window (typically 128 KiB) instead of one 4 KiB page.
+    """
+    handle = getattr(array, "_mmap", None)
+    if handle is not None and hasattr(handle, "madvise") and hasattr(mmap, "MADV_RANDOM"):
+        handle.madvise(mmap.MADV_RANDOM)
+
+
+def advise_will_need(array: np.memmap, start: int, stop: int) -> None:
+    """Ask the kernel to read rows ``start:stop`` of a memory map ahead (one request instead of a fault per page)."""
+    handle = getattr(array, "_mmap", None)
+    if handle is None or not hasattr(handle, "madvise") or not hasattr(mmap, "MADV_WILLNEED"):
+        return
+    row_bytes = array.strides[0]
+    mapped_from = array.offset - array.offset % mmap.ALLOCATIONGRANULARITY  # where numpy's map begins
+    begin = array.offset - mapped_from + start * row_bytes
+    aligned = begin - begin % mmap.PAGESIZE
+    length = min((stop - start) * row_bytes + begin - aligned, len(handle) - aligned)
+    if length > 0:
+        handle.madvise(mmap.MADV_WILLNEED, aligned, length)
+
+
+def fsync(file: pathlib.Path) -> None:
+    """Flush a file (or a directory's entries) to disk."""
+    descriptor = os.open(file, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
