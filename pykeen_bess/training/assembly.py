@@ -14,25 +14,20 @@ from __future__ import annotations
 import dataclasses
 import logging
 import pathlib
-from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from pykeen.constants import PYKEEN_CHECKPOINTS
-from pykeen.models import ERModel
-from pykeen.nn.representation import Embedding
 from pykeen.triples.weights import RelationLossWeighter, loss_weighter_resolver
 
 from ..distributed import Topology, make_topology
 from ..encoding import ColumnSplit, check_encoding_model
 from ..loss import partition_weights, weight_convention
-from ..pbg.schema import GraphSchema
 from ..schemes import AUTO, EncodingScheme, ExchangeScheme, choose_scheme, query_width, scheme_resolver
 from ..scoring import get_scorer
 from ..partition import ShardPairPartition
-from ..sampling import DEFAULT_NEGATIVES, BessSampler, TypedBessSampler
+from ..sampling import BessSampler, TypedBessSampler
 from ..sharding import EntitySharding, resolve_sharding
-from ..storage import TableStorage
 from .checkpoints import (
     CHECKPOINT_FORMATS,
     CHECKPOINT_RETRIEVALS,
@@ -44,16 +39,20 @@ from .checkpoints import (
 )
 from .pbg_checkpoints import PbgCheckpointStore
 from .config import BessConfig
+from .settings import LoopSettings, TrainingSetup
 from .sizes import StepSizes
 from .table_setup import create_tables
 
+if TYPE_CHECKING:
+    from .parts import LoopParts
+
 __all__ = [
-    "LoopSettings",
     "adopt_checkpoint_seed",
     "assemble",
     "checkpoint_path",
     "choose_encoding_scheme",
     "choose_partition",
+    "graph_loss_weighter",
     "make_checkpoint_store",
     "loss_weights",
     "make_sampler",
@@ -63,57 +62,34 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass
-class LoopSettings:
-    """The constructor arguments of a loop that its partition-dependent parts are built from."""
+def graph_loss_weighter(loop: LoopParts, settings: LoopSettings) -> Any:
+    """Return the loop's loss weighter: the user's, else a typed graph's relation weights (PyTorch-BigGraph's).
 
-    model: ERModel
-    embeddings: Sequence[Embedding]
-    storage: TableStorage
-    num_shards: int | None
-    process_group: Any
-    replicas: int | None
-    replica_grouping: str | None
-    exchange: Any
-    #: None: the loop chooses (``exchange="auto"`` across partitions, see :func:`choose_partition`)
-    partition: str | None
-    corruption: Any
-    num_negs_per_pos: Any
-    seed: int | None
-    sparse_updates: Any
-    memory_budget: Any
-    checkpoint_retrieval: str
-    #: the graph schema of the training triples (entity types, partitions), if typed
-    schema: GraphSchema | None = None
-    #: the training triples the loop was built for (their labels name the entities of PBG checkpoints)
-    factory: Any = None
-    #: the negative sampler (a name in :data:`~pykeen_bess.sampling.NEGATIVES` or a sampler class)
-    negatives: Any = DEFAULT_NEGATIVES
-    #: the checkpoint layout (``"pykeen"``, ``"pbg"``)
-    checkpoint_format: str = "pykeen"
-    #: how entities are dealt to shards (``"balanced"``, ``"random"``, a strategy; None: the default)
-    sharding: Any = None
+    :raises ValueError: if the graph's relations have weights that the loss cannot apply
+    """
+    if loop.loss_weighter is not None or settings.schema is None or not settings.schema.weighted:
+        return loop.loss_weighter
+    try:
+        weight_convention(loop.loss)
+    except ValueError as error:
+        reason = str(error)
+        raise ValueError(
+            f"The graph's relations have loss weights (PyTorch-BigGraph's 'weight'), which the loop applies, "
+            f"but {reason[:1].lower()}{reason[1:]} Or set the weights to 1 in the graph's config."
+        ) from error
+    weights = settings.schema.relation_weight_tensor(settings.factory).to(torch.get_default_dtype())
+    logger.info("BESS: the graph's relation weights weigh the loss (PyKEEN's RelationLossWeighter).")
+    return RelationLossWeighter(weights=weights)
 
 
-def assemble(loop: Any, settings: LoopSettings, partition: str) -> None:
-    """Build the loop's topology, settings, sharding, tables, optimizer, checkpoint store and step sizes.
+def assemble(loop: LoopParts, settings: LoopSettings, partition: str) -> TrainingSetup:
+    """Build the setup of ``loop`` for ``partition``: topology, configuration, sharding, tables, store and sizes.
+
+    The loop then builds the optimizer of the new tables (:meth:`~pykeen_bess.training.BessTrainingLoop.reassemble`).
 
     :raises ValueError: for settings that do not fit the partition or the processes
     """
     model = settings.model
-    if loop.loss_weighter is None and settings.schema is not None and settings.schema.weighted:
-        # PyTorch-BigGraph's relation weights (a config's "weight"); an explicit loss_weighter wins
-        try:
-            weight_convention(loop.loss)
-        except ValueError as error:
-            reason = str(error)
-            raise ValueError(
-                f"The graph's relations have loss weights (PyTorch-BigGraph's 'weight'), which the loop applies, "
-                f"but {reason[:1].lower()}{reason[1:]} Or set the weights to 1 in the graph's config."
-            ) from error
-        weights = settings.schema.relation_weight_tensor(settings.factory).to(torch.get_default_dtype())
-        loop.loss_weighter = RelationLossWeighter(weights=weights)
-        logger.info("BESS: the graph's relation weights weigh the loss (PyKEEN's RelationLossWeighter).")
     columns = partition == "encoding"
     exchange = settings.exchange
     if columns and exchange is None:  # partial scores where the interaction is separable, else whole rows
@@ -121,7 +97,7 @@ def assemble(loop: Any, settings: LoopSettings, partition: str) -> None:
     if columns:
         partial_scores = exchange == AUTO and EncodingScheme.applies(model) or exchange in ("encoding", EncodingScheme)
         dim = check_encoding_model(model, partial_scores=partial_scores)
-    loop.topology = topology = make_topology(
+    topology = make_topology(
         num_shards=settings.num_shards,
         process_group=settings.process_group,
         replicas=settings.replicas,
@@ -142,7 +118,7 @@ def assemble(loop: Any, settings: LoopSettings, partition: str) -> None:
         # every rank must shard and sample alike: without an explicit seed, rank 0's (e.g. the pipeline's
         # random seed, which hpo_pipeline draws per process) is used everywhere
         seed = topology.broadcast_object(seed)
-    loop.config = BessConfig.create(
+    config = BessConfig.create(
         n_shard,
         exchange,
         settings.corruption,
@@ -153,7 +129,7 @@ def assemble(loop: Any, settings: LoopSettings, partition: str) -> None:
         partition,
         settings.negatives,
     )
-    if issubclass(loop.config.sampler, TypedBessSampler):
+    if issubclass(config.sampler, TypedBessSampler):
         if settings.schema is None:
             raise ValueError(
                 f"negatives={settings.negatives!r} needs entity types: train on a typed graph's factories "
@@ -165,32 +141,38 @@ def assemble(loop: Any, settings: LoopSettings, partition: str) -> None:
                 "negatives)."
             )
     strategy = resolve_sharding(settings.sharding, settings.schema, settings.factory)
-    loop.sharding = EntitySharding.create(model.num_entities, n_shard, seed=loop.config.seed, strategy=strategy)
-    loop.tables, loop.memory_plan = create_tables(
-        model, settings.embeddings, loop.sharding, topology, loop.config.seed, loop.optimizer, settings.storage
+    sharding = EntitySharding.create(model.num_entities, n_shard, seed=config.seed, strategy=strategy)
+    tables, memory_plan = create_tables(
+        model, settings.embeddings, sharding, topology, config.seed, loop.optimizer, settings.storage
     )
-    loop.scorer = get_scorer(
+    scorer = get_scorer(
         model.interaction,
         entity_representations=model.entity_representations,
         relation_representations=model.relation_representations,
     )
-    loop.optimizer = loop.build_optimizer()
-    if loop.lr_scheduler is not None:
-        loop.lr_scheduler = loop.rebuild_lr_scheduler()
-    loop.checkpoints = make_checkpoint_store(loop, settings, columns)
-    loop.sizes = StepSizes(loop)
-    loop.runner = None
-    loop._partition = None
+    checkpoints = make_checkpoint_store(loop, settings, topology, columns)
     logger.info(
         "BESS: %s%s; exchange=%s, corruption=%s",
         f"{topology.n_column} column parts of every row, " if columns else "",
-        loop.sharding.describe(),
-        loop.config.scheme_name,
+        sharding.describe(),
+        config.scheme_name,
         settings.corruption,
+    )
+    return TrainingSetup(
+        topology=topology,
+        config=config,
+        sharding=sharding,
+        tables=tables,
+        memory_plan=memory_plan,
+        scorer=scorer,
+        checkpoints=checkpoints,
+        sizes=StepSizes(topology, config.memory_budget, loop.probe_step),
     )
 
 
-def make_checkpoint_store(loop: Any, settings: LoopSettings, columns: bool) -> CheckpointStore:
+def make_checkpoint_store(
+    loop: LoopParts, settings: LoopSettings, topology: Topology, columns: bool
+) -> CheckpointStore:
     """Return the loop's checkpoint store: by the layout, and by whether one process holds every shard.
 
     :raises ValueError: for an unknown layout or retrieval mode, or a layout the run cannot write
@@ -204,7 +186,6 @@ def make_checkpoint_store(loop: Any, settings: LoopSettings, columns: bool) -> C
             f"Unknown checkpoint_format={settings.checkpoint_format!r}; expected one of {CHECKPOINT_FORMATS}."
         )
     all_replicas = settings.checkpoint_retrieval == "all_replicas"
-    topology = loop.topology
     if settings.checkpoint_format == "pbg":
         if columns:
             raise ValueError("checkpoint_format='pbg' writes row shards as partitions; it needs partition='token'.")
@@ -229,7 +210,7 @@ def make_checkpoint_store(loop: Any, settings: LoopSettings, columns: bool) -> C
     return FileCheckpointStore(loop)
 
 
-def choose_partition(loop: Any, settings: LoopSettings, batch_size: int | None, train_kwargs: dict) -> None:
+def choose_partition(loop: LoopParts, settings: LoopSettings, batch_size: int | None, train_kwargs: dict) -> None:
     """With ``exchange="auto"`` and no partition given: switch to the partition whose scheme sends the fewest bytes.
 
     Compares every registered scheme's bytes per step for this batch size (token schemes on ``n``
@@ -245,7 +226,7 @@ def choose_partition(loop: Any, settings: LoopSettings, batch_size: int | None, 
     block_size = -(-batch_size // n**2)
     widths = dict(
         entity_width=sum(embedding._embeddings.weight.shape[1] for embedding in settings.embeddings),
-        query_width=query_width(loop.scorer, loop.model, loop.tables.tables),
+        query_width=query_width(loop.scorer, loop.settings.model, loop.tables.tables),
     )
     num_negs = candidates_per_block(loop)
     model = settings.model
@@ -269,10 +250,10 @@ def choose_partition(loop: Any, settings: LoopSettings, batch_size: int | None, 
         chosen.get_name(),
     )
     if chosen.partition == "encoding":
-        assemble(loop, settings, "encoding")
+        loop.reassemble("encoding")
 
 
-def choose_encoding_scheme(loop: Any, block_size: int) -> type[ExchangeScheme]:
+def choose_encoding_scheme(loop: LoopParts, block_size: int) -> type[ExchangeScheme]:
     """Return the encoding partition's scheme that sends the fewest bytes for blocks of ``block_size`` (logged).
 
     Partial scores (``encoding``) where the interaction is separable, else whole rows (``encoding_lookup``).
@@ -285,13 +266,13 @@ def choose_encoding_scheme(loop: Any, block_size: int) -> type[ExchangeScheme]:
         sum(embedding._embeddings.weight.shape[1] for embedding in loop.tables.embeddings),
         0,  # neither encoding scheme moves queries
         partitions=("encoding",),
-        model=loop.model,
+        model=loop.settings.model,
     )
     logger.info("exchange='auto' chose %s (the encoding partition).", scheme.get_name())
     return scheme
 
 
-def _encoding_unavailable(loop: Any, settings: LoopSettings, train_kwargs: dict) -> str:
+def _encoding_unavailable(loop: LoopParts, settings: LoopSettings, train_kwargs: dict) -> str:
     """Return why the encoding partition cannot replace the token partition here ("" if it can)."""
     try:
         ColumnSplit(check_encoding_model(settings.model, partial_scores=False), loop.topology.n_shard)
@@ -316,7 +297,7 @@ def _encoding_unavailable(loop: Any, settings: LoopSettings, train_kwargs: dict)
     return ""
 
 
-def make_sampler(loop: Any, partition: ShardPairPartition, block_size: int) -> BessSampler:
+def make_sampler(loop: LoopParts, partition: ShardPairPartition, block_size: int) -> BessSampler:
     """Return the loop's sampler of balanced batches of ``block_size`` slots per block.
 
     Typed negatives get the graph's schema; a loss weighter (PyKEEN's ``loss_weighter``) the weight
@@ -343,7 +324,7 @@ def make_sampler(loop: Any, partition: ShardPairPartition, block_size: int) -> B
     )
 
 
-def loss_weights(loop: Any, partition: ShardPairPartition) -> Any:
+def loss_weights(loop: LoopParts, partition: ShardPairPartition) -> Any:
     """Return the loss weight of every triple of the partition (None without a loss weighter), once per partition.
 
     The memory search builds a sampler for every probe; the weights are computed for the first and
@@ -351,16 +332,16 @@ def loss_weights(loop: Any, partition: ShardPairPartition) -> Any:
     """
     if loop.loss_weighter is None:
         return None
-    cached = loop.__dict__.get("_loss_weights")
+    cached = loop._loss_weights
     if cached is not None and cached[0] is partition:
         return cached[1]
-    weighter = loss_weighter_resolver.make_safe(loop.loss_weighter, loop.loss_weighter_kwargs)
+    weighter = loss_weighter_resolver.make_safe(cast(Any, loop.loss_weighter), loop.loss_weighter_kwargs)
     weights = partition_weights(weighter, loop.loss, partition)
     loop._loss_weights = (partition, weights)
     return weights
 
 
-def candidates_per_block(loop: Any) -> int:
+def candidates_per_block(loop: LoopParts) -> int:
     """Return the negatives a block's slots are scored against: ``K``, or ``T * K`` with typed negatives.
 
     Typed negatives draw ``K`` of each of the ``T`` candidate types for every block, and the schemes
@@ -374,7 +355,7 @@ def candidates_per_block(loop: Any) -> int:
     return num_negs
 
 
-def make_scheme(loop: Any, block_size: int, topology: Topology) -> ExchangeScheme:
+def make_scheme(loop: LoopParts, block_size: int, topology: Topology) -> ExchangeScheme:
     """Return the loop's exchange scheme for blocks of ``block_size`` slots (``exchange="auto"``: the cheapest)."""
     scheme = loop.config.scheme
     if scheme is None and loop.config.partition == "encoding":
@@ -385,12 +366,12 @@ def make_scheme(loop: Any, block_size: int, topology: Topology) -> ExchangeSchem
             block_size=block_size,
             num_negs_per_pos=candidates_per_block(loop),
             entity_width=sum(table.row_width for table in loop.tables),
-            query_width=query_width(loop.scorer, loop.model, loop.tables.tables),
+            query_width=query_width(loop.scorer, loop.settings.model, loop.tables.tables),
             partitions=(loop.config.partition,),
             shared_negatives=loop.config.sampler.shares_negatives,
         )
         logger.info("exchange='auto' chose %s for blocks of %d slots.", scheme.get_name(), block_size)
-    return scheme(model=loop.model, tables=loop.tables.tables, scorer=loop.scorer, topology=topology)
+    return scheme(model=loop.settings.model, tables=loop.tables.tables, scorer=loop.scorer, topology=topology)
 
 
 def checkpoint_path(train_kwargs: dict[str, Any]) -> pathlib.Path | None:
@@ -402,7 +383,7 @@ def checkpoint_path(train_kwargs: dict[str, Any]) -> pathlib.Path | None:
     return pathlib.Path(PYKEEN_CHECKPOINTS if directory is None else directory) / name
 
 
-def adopt_checkpoint_seed(loop: Any, train_kwargs: dict[str, Any]) -> None:
+def adopt_checkpoint_seed(loop: LoopParts, train_kwargs: dict[str, Any]) -> None:
     """Resuming a checkpoint: shard and sample with the checkpoint's seed where this loop derived its own.
 
     A loop without an explicit ``seed`` derives it from the model's random seed; PyKEEN restores
@@ -429,4 +410,4 @@ def adopt_checkpoint_seed(loop: Any, train_kwargs: dict[str, Any]) -> None:
     )
     loop.tables.release_storage()
     loop.settings = dataclasses.replace(loop.settings, seed=seed)
-    assemble(loop, loop.settings, loop.config.partition)
+    loop.reassemble(loop.config.partition)

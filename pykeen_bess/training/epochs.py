@@ -166,7 +166,7 @@ def run_epochs(  # noqa: C901  # PyKEEN's TrainingLoop._train restated with its 
 
     if batch_size is None:
         if loop.automatic_memory_optimization:
-            batch_size = loop.sizes.batch_size(partition, label_smoothing)
+            batch_size = loop.sizes.batch_size(partition, label_smoothing, loop.device)
         else:
             batch_size = 256
             logger.info("No batch_size provided. Setting batch_size=%d.", batch_size)
@@ -174,7 +174,7 @@ def run_epochs(  # noqa: C901  # PyKEEN's TrainingLoop._train restated with its 
     if sub_batch_size is not None:
         sub_block_size = max(1, min(block_size, sub_batch_size // topology.n_shard**2))
     elif loop.automatic_memory_optimization and not only_size_probing and not continue_training:
-        sub_block_size = loop.sizes.sub_block_size(partition, block_size, label_smoothing)
+        sub_block_size = loop.sizes.sub_block_size(partition, block_size, label_smoothing, loop.device)
     else:
         sub_block_size = block_size
 

@@ -31,9 +31,13 @@ from torch.utils.data import DataLoader
 
 from ..batch import BessBatch
 from ..distributed import Topology
-from .assembly import LoopSettings
-from .config import BessConfig
+from ..scoring import SharedCandidateScorer
+from ..sharding import EntitySharding
 from .checkpoints import CheckpointStore
+from .config import BessConfig
+from .plan import MemoryPlan
+from .settings import LoopSettings, TrainingSetup
+from .sizes import StepSizes
 from .step import StepRunner
 from .tables import ShardTables
 
@@ -47,13 +51,52 @@ UNCALLED_HOOKS = ("_train_epoch", "_forward_pass")
 class PyKEENHooks(SLCWATrainingLoop):
     """PyKEEN's per-batch hooks of the BESS loop (a base class of :class:`~pykeen_bess.training.BessTrainingLoop`)."""
 
-    # the parts of the loop the hooks use (set by the loop's assembly)
-    topology: Topology
+    #: the constructor's arguments the setup is built from
     settings: LoopSettings
-    config: BessConfig
+    #: the parts of the run for the current partition (see :func:`~pykeen_bess.training.assembly.assemble`)
+    setup: TrainingSetup
+    #: the step runner of the current (or last) training
     runner: StepRunner | None
-    tables: ShardTables
-    checkpoints: CheckpointStore
+
+    @property
+    def topology(self) -> Topology:
+        """The process topology (of :attr:`setup`)."""
+        return self.setup.topology
+
+    @property
+    def config(self) -> BessConfig:
+        """The validated configuration (of :attr:`setup`)."""
+        return self.setup.config
+
+    @property
+    def sharding(self) -> EntitySharding:
+        """The entity sharding (of :attr:`setup`)."""
+        return self.setup.sharding
+
+    @property
+    def tables(self) -> ShardTables:
+        """The shard tables of this process (of :attr:`setup`)."""
+        return self.setup.tables
+
+    @property
+    def memory_plan(self) -> MemoryPlan:
+        """The memory plan of the tables and their optimizer state (of :attr:`setup`)."""
+        return self.setup.memory_plan
+
+    @property
+    def scorer(self) -> SharedCandidateScorer:
+        """The scorer of the model's interaction (of :attr:`setup`)."""
+        return self.setup.scorer
+
+    @property
+    def checkpoints(self) -> CheckpointStore:
+        """The checkpoint store (of :attr:`setup`)."""
+        return self.setup.checkpoints
+
+    @property
+    def sizes(self) -> StepSizes:
+        """The step sizes and the memory search (of :attr:`setup`)."""
+        return self.setup.sizes
 
     def _save_state(
         self,

@@ -19,24 +19,19 @@ import torch
 from class_resolver import HintOrType, OptionalKwargs
 from pykeen.models import ERModel, Model
 from pykeen.sampling import NegativeSampler
-from pykeen.training.training_loop import _get_lr_scheduler_kwargs
 from pykeen.triples import CoreTriplesFactory
 
 from ..allocator import AllocatorHint, resolve_allocator
-from ..distributed import Topology
-from ..optim import BessOptimizer, optimizer_hyperparameters
+from ..optim import optimizer_hyperparameters
 from ..partition import ShardPairPartition
 from ..pbg.schema import schema_of
 from ..sampling import DEFAULT_NEGATIVES, BessSampler, Corruption
 from ..schemes import ExchangeScheme
-from ..scoring import SharedCandidateScorer
-from ..sharding import EntitySharding, ShardingStrategy
+from ..sharding import ShardingStrategy
 from ..storage import TableStorage, make_storage
 from ..threads import ThreadsHint, resolve_threads
-from .checkpoints import CheckpointStore
 from .pbg_checkpoints import PbgCheckpointStore, prepare_pbg_checkpoint
 from .config import (
-    BessConfig,
     check_train_arguments,
     check_model,
     check_triples_fit_model,
@@ -45,21 +40,19 @@ from .config import (
     round_num_negs,
 )
 from .epochs import EpochBatches, run_epochs
-from .hooks import PyKEENHooks, asks_evaluation_loss
-from .sizes import StepSizes
+from .hooks import asks_evaluation_loss
+from .parts import LoopParts
 from .static_step import StaticStep, check_static_step
 from .step import StepRunner
 from .column_tables import check_column_training
+from .settings import LoopSettings
 from .assembly import (
-    LoopSettings,
     adopt_checkpoint_seed,
-    assemble,
+    graph_loss_weighter,
     checkpoint_path,
     choose_partition,
-    make_sampler,
-    make_scheme,
 )
-from .tables import ShardTables, materialize
+from .tables import materialize
 
 __all__ = [
     "BessTrainingLoop",
@@ -68,7 +61,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-class BessTrainingLoop(PyKEENHooks):
+class BessTrainingLoop(LoopParts):
     """Train any PyKEEN ``ERModel`` with embedding tables with BESS.
 
     Use it through ``pipeline(training_loop="bess", training_loop_kwargs=dict(num_shards=4))``.
@@ -248,64 +241,15 @@ class BessTrainingLoop(PyKEENHooks):
         #: how the C library's allocator serves the steps' CPU tensors
         self.host_allocator = resolve_allocator(host_allocator, self.device)
         self.static_step = check_static_step(static_step)  # None: automatically on CUDA
-        # the topology, settings, sharding, tables, optimizer, checkpoint store and step sizes
-        self.topology: Topology
-        self.config: BessConfig
-        self.sharding: EntitySharding
-        self.tables: ShardTables
-        self.scorer: SharedCandidateScorer
-        self.checkpoints: CheckpointStore
-        self.sizes: StepSizes
         #: the step runner of the current (or last) training
         self.runner: StepRunner | None = None
         #: the static step of the current (or last) training; None where the eager step trained
         self.static: StaticStep | None = None
         self._partition: tuple[torch.Tensor, int, ShardPairPartition] | None = None
-        assemble(self, self.settings, resolve_partition(partition, exchange)[0])
-
-    # -- parts ---------------------------------------------------------------------------------
-
-    def build_optimizer(self) -> BessOptimizer:
-        """Build the user's optimizer for the replicated parameters, with row-sparse rules for the shard tables."""
-        return self.tables.make_optimizer(self.optimizer_cls, self.optimizer_kwargs, self.config.sparse_updates)
-
-    def rebuild_lr_scheduler(self) -> Any:
-        """Build the learning-rate scheduler again, for the current optimizer."""
-        assert self.lr_scheduler is not None
-        return self.lr_scheduler.__class__(optimizer=self.optimizer, **_get_lr_scheduler_kwargs(self.lr_scheduler))
-
-    def partition(self, triples_factory: CoreTriplesFactory) -> ShardPairPartition:
-        """Return the training triples (with inverse triples if the model uses them) by shardpair, cached.
-
-        The cache holds the triples tensor itself and its version counter, so neither another
-        tensor (which could reuse a freed tensor's ``id``) nor an in-place change reuses a stale
-        partition.
-        """
-        triples = triples_factory.mapped_triples
-        if self._partition is None or self._partition[0] is not triples or self._partition[1] != triples._version:
-            mapped = triples_factory._add_inverse_triples_if_necessary(triples)
-            self._partition = (triples, triples._version, ShardPairPartition.from_triples(mapped, self.sharding))
-        return self._partition[2]
-
-    def make_sampler(self, partition: ShardPairPartition, block_size: int) -> BessSampler:
-        """Return the sampler of balanced batches of ``block_size`` slots per block."""
-        return make_sampler(self, partition, block_size)
-
-    def make_scheme(self, block_size: int, topology: Topology | None = None) -> ExchangeScheme:
-        """Return the exchange scheme (``exchange="auto"``: the cheapest for this block size)."""
-        return make_scheme(self, block_size, self.topology if topology is None else topology)
-
-    def make_runner(self, block_size: int, topology: Topology | None = None) -> StepRunner:
-        """Return the step runner of blocks of ``block_size`` slots."""
-        return StepRunner(
-            scheme=self.make_scheme(block_size, topology),
-            loss=self.loss,
-            tables=self.tables,
-            sparse_updates=self.config.sparse_updates,
-            collect_regularization_term=self.model.collect_regularization_term,
-            post_forward_pass=self.model.post_forward_pass,
-            weighted=self.loss_weighter is not None,
-        )
+        #: the loss weights of the triples of the last partition a sampler was built for
+        self._loss_weights: tuple[ShardPairPartition, torch.Tensor | None] | None = None
+        self.loss_weighter = graph_loss_weighter(self, self.settings)
+        self.reassemble(resolve_partition(partition, exchange)[0])
 
     # -- PyKEEN's training-loop interface ------------------------------------------------------
 
@@ -333,9 +277,10 @@ class BessTrainingLoop(PyKEENHooks):
         """
         check_train_arguments(num_epochs, batch_size, kwargs, has_optimizer=self.optimizer is not None)
         if num_negs_per_pos is not None:
-            self.config = dataclasses.replace(
+            config = dataclasses.replace(
                 self.config, num_negs_per_pos=round_num_negs(num_negs_per_pos, self.topology.n_shard)
             )
+            self.setup = dataclasses.replace(self.setup, config=config)
         check_triples_fit_model(triples_factory, self.model)
         if asks_evaluation_loss(kwargs.get("callbacks")):
             self.check_evaluation_loss()  # before training starts

@@ -12,16 +12,23 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any
+from collections.abc import Callable
 
-from ..distributed import ProbeTopology
+import torch
+
+from ..distributed import ProbeTopology, Topology
 from ..memory import available_memory, fits_in_memory, search_largest
 from ..partition import ShardPairPartition
 
 __all__ = [
+    "StepProbe",
     "StepSizes",
     "block_size_for",
 ]
+
+#: runs one step's forward and backward over ``(partition, block_size, sub_block_size, label_smoothing, topology)``
+#: without updating anything, then forgets its gradients (a training loop's ``probe_step``)
+StepProbe = Callable[[ShardPairPartition, int, int, float, Topology], None]
 
 logger = logging.getLogger(__name__)
 
@@ -45,50 +52,48 @@ def block_size_for(batch_size: int, n_shard: int) -> int:
 class StepSizes:
     """The memory search of a training loop: the largest batch, and the largest sub-batch, that fit."""
 
-    def __init__(self, loop: Any):
-        """Probe steps of ``loop`` (a :class:`~pykeen_bess.training.BessTrainingLoop`)."""
-        self.loop = loop
+    def __init__(self, topology: Topology, memory_budget: int | None, probe: StepProbe):
+        """Search sizes with ``probe`` over ``topology``'s shards.
+
+        :param topology: the process topology (probes run on a :class:`ProbeTopology` of a process group's)
+        :param memory_budget: bytes a CPU probe may use (None: half the available memory)
+        :param probe: runs one step without updating anything
+        """
+        self.topology = topology
+        self.memory_budget = memory_budget
+        self.probe_step = probe
 
     def probe(
         self, partition: ShardPairPartition, block_size: int, sub_block_size: int, label_smoothing: float
     ) -> None:
         """Forward and backward of one step without updating anything or communicating."""
-        loop = self.loop
-        topology = loop.topology if not loop.topology.is_distributed else ProbeTopology(loop.topology)
-        runner = loop.make_runner(block_size, topology)
-        batch = next(iter(loop.make_sampler(partition, block_size).epoch(1)))
-        try:
-            runner.forward_backward(batch, sub_block_size, label_smoothing)
-        finally:
-            loop.optimizer.zero_grad(set_to_none=True)
-            loop.model.collect_regularization_term()
+        topology = self.topology if not self.topology.is_distributed else ProbeTopology(self.topology)
+        self.probe_step(partition, block_size, sub_block_size, label_smoothing, topology)
 
-    def budget(self) -> int | None:
-        """Return the bytes a probe may use (None: only out-of-memory errors count, on a GPU)."""
-        if self.loop.config.memory_budget is not None:
-            return self.loop.config.memory_budget
-        if self.loop.device.type == "cuda":
+    def budget(self, device: torch.device) -> int | None:
+        """Return the bytes a probe may use on ``device`` (None: only out-of-memory errors count, on a GPU)."""
+        if self.memory_budget is not None:
+            return self.memory_budget
+        if device.type == "cuda":
             return None  # out-of-memory errors are raised, and caught
-        available = available_memory(self.loop.device)
+        available = available_memory(device)
         return None if available is None else available // 2
 
-    def batch_size(self, partition: ShardPairPartition, label_smoothing: float) -> int:
+    def batch_size(self, partition: ShardPairPartition, label_smoothing: float, device: torch.device) -> int:
         """Find the largest batch size that fits, balanced over the steps of an epoch.
 
         :raises MemoryError: if not even one slot per block fits
         """
-        budget = self.budget()
-        n2 = self.loop.topology.n_shard**2
+        budget = self.budget(device)
+        n2 = self.topology.n_shard**2
 
         def fits(batch_size: int) -> bool:
             block = max(1, math.ceil(batch_size / n2))
-            return fits_in_memory(
-                lambda: self.probe(partition, block, block, label_smoothing), self.loop.device, budget
-            )[0]
+            return fits_in_memory(lambda: self.probe(partition, block, block, label_smoothing), device, budget)[0]
 
         maximum = max(n2, partition.num_triples)
         batch_size, found = search_largest(
-            fits, start=min(8192, maximum), maximum=maximum, topology=self.loop.topology, description="batch_size"
+            fits, start=min(8192, maximum), maximum=maximum, topology=self.topology, description="batch_size"
         )
         if not found:
             raise MemoryError(f"Even batch_size=1 ({n2} slots) does not fit in memory with these parameters.")
@@ -106,20 +111,22 @@ class StepSizes:
         )
         return balanced
 
-    def sub_block_size(self, partition: ShardPairPartition, block_size: int, label_smoothing: float) -> int:
+    def sub_block_size(
+        self, partition: ShardPairPartition, block_size: int, label_smoothing: float, device: torch.device
+    ) -> int:
         """Check that a step fits; otherwise find the largest sub-batch (slots per block) that does.
 
         :raises MemoryError: if not even sub-batches of one slot per block fit
         """
-        budget = self.budget()
+        budget = self.budget(device)
 
         def fits(sub_block: int) -> bool:
             return fits_in_memory(
-                lambda: self.probe(partition, block_size, sub_block, label_smoothing), self.loop.device, budget
+                lambda: self.probe(partition, block_size, sub_block, label_smoothing), device, budget
             )[0]
 
         sub_block, found = search_largest(
-            fits, start=block_size, maximum=block_size, topology=self.loop.topology, description="slots per sub-batch"
+            fits, start=block_size, maximum=block_size, topology=self.topology, description="slots per sub-batch"
         )
         if not found:
             raise MemoryError(
