@@ -18,12 +18,13 @@ from __future__ import annotations
 import logging
 import os
 import pathlib
-from collections.abc import Mapping
-from typing import Any, cast
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, cast
 
 import torch
 from pykeen.models import ERModel
 from pykeen.nn.representation import Embedding
+from pykeen.training import TrainingLoop
 
 from . import files
 from .config import write_config
@@ -93,7 +94,20 @@ def relation_parameters(model: ERModel, schema: GraphSchema, conversion: Convers
     }
 
 
-def rowwise_adagrad_state(training_loop: Any) -> tuple[Any, float] | None:
+class RowwiseTrainedLoop(Protocol):
+    """What a checkpoint reads of a BESS loop that trained with :class:`~pykeen_bess.optim.RowwiseAdagrad`."""
+
+    #: the optimizer (None after PyKEEN's ``clear_optimizer``)
+    optimizer: torch.optim.Optimizer | None
+    #: its hyper-parameters (``lr``)
+    optimizer_kwargs: Mapping[str, Any]
+    #: the shard tables (``optimizer_parameter``, ``row_state``, ``entity_rows``)
+    tables: Sequence[Any]
+    #: the process topology (a :class:`~pykeen_bess.distributed.Topology`)
+    topology: Any
+
+
+def rowwise_adagrad_state(training_loop: TrainingLoop | None) -> tuple[Any, float] | None:
     """Return a function ``ids -> per-row sums`` of a BESS loop's row-wise Adagrad entity state, and its lr.
 
     None if the loop did not train with :class:`~pykeen_bess.optim.RowwiseAdagrad`. Under a process
@@ -110,12 +124,14 @@ def rowwise_adagrad_state(training_loop: Any) -> tuple[Any, float] | None:
             "clear_optimizer=False) to keep it."
         )
         return None
-    table = training_loop.tables[0]
-    state = dict(training_loop.optimizer.state.get(table.optimizer_parameter, {}), **table.row_state)
+    loop = cast(RowwiseTrainedLoop, training_loop)  # only a BESS loop has optimizer_cls RowwiseAdagrad
+    assert loop.optimizer is not None
+    table = loop.tables[0]
+    state = dict(loop.optimizer.state.get(table.optimizer_parameter, {}), **table.row_state)
     if "sum" not in state:
         return None
     sums = state["sum"]
-    topology = training_loop.topology
+    topology = loop.topology
 
     def lookup(ids: torch.Tensor) -> torch.Tensor:
         rows = table.entity_rows[ids]
@@ -126,7 +142,7 @@ def rowwise_adagrad_state(training_loop: Any) -> tuple[Any, float] | None:
             values = topology.shard_all_reduce(values.to(topology.device)).cpu()
         return values
 
-    return lookup, float(training_loop.optimizer_kwargs.get("lr", 1e-2))
+    return lookup, float(loop.optimizer_kwargs.get("lr", 1e-2))
 
 
 def checkpoint_settings(model: ERModel, conversion: Conversion, lr: float | None) -> dict[str, Any]:
@@ -149,7 +165,7 @@ def write_checkpoint(
     directory: str | os.PathLike,
     *,
     version: int | None = None,
-    training_loop: Any = None,
+    training_loop: TrainingLoop | None = None,
     config: Mapping[str, Any] | None = None,
 ) -> pathlib.Path:
     """Write a PyKEEN model as a PyTorch-BigGraph 1.0 checkpoint.

@@ -150,7 +150,7 @@ def assemble(loop: LoopParts, settings: LoopSettings, partition: str) -> Trainin
         entity_representations=model.entity_representations,
         relation_representations=model.relation_representations,
     )
-    checkpoints = make_checkpoint_store(loop, settings, topology, columns)
+    checkpoints = make_checkpoint_store(loop, settings, topology, sharding, columns)
     logger.info(
         "BESS: %s%s; exchange=%s, corruption=%s",
         f"{topology.n_column} column parts of every row, " if columns else "",
@@ -171,7 +171,7 @@ def assemble(loop: LoopParts, settings: LoopSettings, partition: str) -> Trainin
 
 
 def make_checkpoint_store(
-    loop: LoopParts, settings: LoopSettings, topology: Topology, columns: bool
+    loop: LoopParts, settings: LoopSettings, topology: Topology, sharding: EntitySharding, columns: bool
 ) -> CheckpointStore:
     """Return the loop's checkpoint store: by the layout, and by whether one process holds every shard.
 
@@ -202,7 +202,7 @@ def make_checkpoint_store(
             from ..pbg.graph import TypedGraph
 
             schema = TypedGraph.from_factories(settings.factory).schema
-        return PbgCheckpointStore(loop, schema, settings.factory, all_replicas=all_replicas)
+        return PbgCheckpointStore(loop, schema, settings.factory, topology, sharding, all_replicas=all_replicas)
     if not topology.holds_all_columns:
         return NoCheckpointStore(loop)
     if topology.is_distributed:

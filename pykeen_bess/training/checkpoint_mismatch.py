@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from ..sharding import EntitySharding, RandomSharding
+from .checkpointed import CheckpointedLoop
 
 __all__ = ["describe_mismatch"]
 
@@ -21,7 +22,7 @@ def _hyperparameters(optimizer_state: Mapping[str, Any]) -> list[dict[str, Any]]
     return [{k: v for k, v in group.items() if k != "params"} for group in optimizer_state.get("param_groups", [])]
 
 
-def describe_mismatch(loop: Any, state: Mapping[str, Any], triples_factory: Any = None) -> str:
+def describe_mismatch(loop: CheckpointedLoop, state: Mapping[str, Any], triples_factory: Any = None) -> str:
     """Say what differs between a checkpoint that does not fit and this run, as far as the checkpoint shows it.
 
     PyKEEN's checksum covers the model's and the optimizer's ``repr`` (of BESS's shard tables: the
@@ -85,7 +86,7 @@ def describe_mismatch(loop: Any, state: Mapping[str, Any], triples_factory: Any 
     )
 
 
-def _find_sharding(loop: Any, state: Mapping[str, Any]) -> tuple[str, str] | None:
+def _find_sharding(loop: CheckpointedLoop, state: Mapping[str, Any]) -> tuple[str, str] | None:
     """Find the sharding whose checksum is the checkpoint's among a few candidates.
 
     The candidates: this run's shard count and those whose padded table has the checkpoint's number

@@ -26,7 +26,7 @@ import tempfile
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from pykeen.stoppers import Stopper
@@ -35,6 +35,7 @@ from pykeen.triples import CoreTriplesFactory
 
 from ..sharding import RandomSharding
 from .checkpoint_mismatch import describe_mismatch
+from .checkpointed import CheckpointedLoop
 from .checkpoint_files import (
     POINTER_FORMAT,
     TEMPORARY_INFIX,
@@ -69,7 +70,7 @@ CHECKPOINT_RETRIEVALS = ("one_per_group", "all_replicas")
 CHECKPOINT_FORMATS = ("pykeen", "pbg")
 
 
-def legacy_checksum(loop: Any) -> str:
+def legacy_checksum(loop: CheckpointedLoop) -> str:
     """Return the loop's checkpoint checksum as written before the shard tables' ``repr`` named their sharding."""
     model = str(loop.model)
     for table in loop.tables:
@@ -127,7 +128,7 @@ def checkpoint_seed(path: pathlib.Path) -> int | None:
 class CheckpointStore(ABC):
     """Writes and reads a training loop's checkpoints."""
 
-    def __init__(self, loop: Any):
+    def __init__(self, loop: CheckpointedLoop):
         """Serve ``loop`` (a :class:`~pykeen_bess.training.BessTrainingLoop`)."""
         self.loop = loop
 
@@ -149,7 +150,7 @@ class CheckpointStore(ABC):
             directory.mkdir()
         with tables.checkpoint_files(directory):
             TrainingLoop._save_state(
-                self.loop,
+                cast(TrainingLoop, self.loop),
                 path=path,
                 stopper=stopper,
                 best_epoch_model_checkpoint_file_path=best_epoch_model_file_path,
@@ -163,7 +164,8 @@ class CheckpointStore(ABC):
         """
         try:
             with self.loop.tables.checkpoint_files(pathlib.Path(path).parent):
-                return TrainingLoop._load_state(self.loop, path=path, triples_factory=triples_factory)
+                pykeen_loop = cast(TrainingLoop, self.loop)
+                return TrainingLoop._load_state(pykeen_loop, path=path, triples_factory=triples_factory)
         except CheckpointMismatchError as error:
             state = torch.load(path, weights_only=False)
             if isinstance(self.loop.sharding.strategy, RandomSharding) and state.get("checksum") == legacy_checksum(
@@ -183,7 +185,8 @@ class CheckpointStore(ABC):
             file = pathlib.Path(directory, f"checkpoint-{os.getpid()}.pt")
             torch.save(state, file)
             with self.loop.tables.checkpoint_files(file.parent if tables is None else tables):
-                return TrainingLoop._load_state(self.loop, path=file, triples_factory=triples_factory)
+                pykeen_loop = cast(TrainingLoop, self.loop)
+                return TrainingLoop._load_state(pykeen_loop, path=file, triples_factory=triples_factory)
 
     @abstractmethod
     def save(
@@ -264,7 +267,7 @@ class NoCheckpointStore(CheckpointStore):
 class RankCheckpointStore(CheckpointStore):
     """Versioned files per shard (or per replica) and a pointer written last."""
 
-    def __init__(self, loop: Any, all_replicas: bool = False):
+    def __init__(self, loop: CheckpointedLoop, all_replicas: bool = False):
         """Serve ``loop``; ``all_replicas``: every process writes its own file."""
         super().__init__(loop)
         self.all_replicas = all_replicas

@@ -13,7 +13,7 @@ import logging
 import math
 import numbers
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from class_resolver import HintOrType, OptionalKwargs
 from pykeen.models import ERModel, Model
@@ -33,6 +33,9 @@ from ..sampling import (
     resolve_negatives,
 )
 from ..schemes import AUTO, ExchangeScheme, resolve_scheme
+
+if TYPE_CHECKING:
+    from .parts import LoopParts
 
 __all__ = [
     "DEFAULT_NUM_NEGS_PER_POS",
@@ -316,7 +319,7 @@ def check_triples_fit_model(triples_factory: CoreTriplesFactory, model: Model) -
         )
 
 
-def run_configuration(loop: Any, triples_factory: CoreTriplesFactory, **train_kwargs: Any) -> dict[str, str]:
+def run_configuration(loop: LoopParts, triples_factory: CoreTriplesFactory, **train_kwargs: Any) -> dict[str, str]:
     """Return the settings every rank must share, as strings.
 
     :param loop: the training loop

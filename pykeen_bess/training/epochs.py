@@ -50,7 +50,7 @@ import os
 import pathlib
 import time
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pykeen.stoppers import Stopper
 from pykeen.training.callbacks import (
@@ -68,11 +68,15 @@ import torch
 from tqdm.autonotebook import tqdm, trange
 
 from ..batch import BessBatch
+from ..optim import BessOptimizer
 from .config import run_configuration, verify_same_configuration
 from .sizes import block_size_for
 from ..sampling import BessSampler, EpochDraws
 from .static_step import StaticStep, static_step_obstacle
 from .step import BessOptimizerCallback, GlobalNormClippingCallback, StepRunner, ValueClippingCallback
+
+if TYPE_CHECKING:
+    from .loop import BessTrainingLoop
 
 __all__ = [
     "EpochBatches",
@@ -83,7 +87,7 @@ logger = logging.getLogger(__name__)
 
 
 def run_epochs(  # noqa: C901  # PyKEEN's TrainingLoop._train restated with its differences named, to become PyKEEN's hooks
-    loop: Any,
+    loop: BessTrainingLoop,
     triples_factory: CoreTriplesFactory,
     num_epochs: int = 1,
     batch_size: int | None = None,
@@ -320,7 +324,7 @@ def _step(
     sub_block_size: int,
     label_smoothing: float,
     num_steps: int,
-    loop: Any,
+    loop: BessTrainingLoop,
 ) -> float:
     """One step: forward and backward, the global loss, then the callbacks (the optimizer step among them)."""
     callback.pre_batch()
@@ -350,7 +354,7 @@ def _remove(path: pathlib.Path | None) -> None:
 
 
 def _static_step(
-    loop: Any,
+    loop: BessTrainingLoop,
     runner: StepRunner,
     batches: Any,
     callback: MultiTrainingCallback,
@@ -389,8 +393,10 @@ def _static_step(
             raise ValueError(f"static_step=True: the static step cannot train this configuration: {obstacle}.")
         logger.info("BESS: the eager step trains this configuration; the static step cannot, as %s.", obstacle)
         return None
+    optimizer = loop.optimizer
+    assert isinstance(optimizer, BessOptimizer)  # static_step_obstacle refuses any other
     static = StaticStep(
-        runner, loop.tables, loop.optimizer, loop.model, batches.sampler, label_smoothing, capture=mode is None
+        runner, loop.tables, optimizer, loop.model, batches.sampler, label_smoothing, capture=mode is None
     )
     logger.info(
         "BESS: %d of %d steps per epoch run as the static step%s; the rest (with padding) eagerly.",

@@ -32,6 +32,8 @@ class LoopParts(PyKEENHooks):
     #: the class and hyper-parameters of the user's optimizer
     optimizer_cls: type[torch.optim.Optimizer]
     optimizer_kwargs: dict[str, Any]
+    #: whether the last checkpoint loaded was written by PyTorch-BigGraph (no optimizer state to continue)
+    resumed_from_pbg: bool
     #: whether ``exchange="auto"`` has chosen the partition (at the first training with a batch size)
     _partition_chosen: bool
     #: the training triples by shardpair, with the triples tensor and version they were built from

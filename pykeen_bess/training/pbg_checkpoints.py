@@ -12,14 +12,18 @@ import logging
 import os
 import pathlib
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
+from pykeen.models import ERModel
 from pykeen.stoppers import Stopper
 from pykeen.triples import CoreTriplesFactory
 
 from .checkpoint_files import POINTER_FORMAT, pointer_shards, read_pointer, save_distributed_checkpoint
 from .checkpoints import RankCheckpointStore
+from .checkpointed import CheckpointedLoop
+from ..distributed import Topology
+from ..sharding import EntitySharding
 
 __all__ = [
     "PbgCheckpointStore",
@@ -50,18 +54,30 @@ class PbgCheckpointStore(RankCheckpointStore):
     Adagrad's state are read, training continues after its completed epochs (:meth:`adopt`).
     """
 
-    def __init__(self, loop: Any, schema: Any, factory: Any, all_replicas: bool = False):
+    def __init__(
+        self,
+        loop: CheckpointedLoop,
+        schema: Any,
+        factory: Any,
+        topology: Topology,
+        sharding: EntitySharding,
+        all_replicas: bool = False,
+    ):
         """Serve ``loop`` for a graph of schema ``schema`` (its training factory ``factory`` names the entities).
+
+        ``topology`` and ``sharding`` are the loop's (of the setup being built) whose shards are the graph's partitions.
 
         :raises ValueError: if the shards are not the graph's partitions, or PyTorch-BigGraph cannot express the model
         """
         from ..pbg.conversion import conversion_for_model
 
         super().__init__(loop, all_replicas)
+        #: the model (the loop refuses any but an ``ERModel`` before it builds a store)
+        self.model = cast(ERModel, loop.model)
         self.schema = schema
         self.factory = factory
-        self.conversion = conversion_for_model(loop.model)
-        n = loop.topology.n_shard
+        self.conversion = conversion_for_model(self.model)
+        n = topology.n_shard
         wrong = [
             f"{name}: {len(sizes)}"
             for name, sizes in zip(schema.entity_types, schema.partition_sizes)
@@ -75,7 +91,6 @@ class PbgCheckpointStore(RankCheckpointStore):
             )
         #: per shard: ``(type, first local row, rows)`` of each of its partitions, checked against the sharding
         self.layout: list[list[tuple[int, int, int]]] = []
-        sharding = loop.sharding
         for shard in range(n):
             start, parts = 0, []
             for t in range(schema.num_types):
@@ -167,16 +182,15 @@ class PbgCheckpointStore(RankCheckpointStore):
         from ..pbg.graph import EDGE_PATH_KEY, TypedGraph
         from ..pbg.inputs import graph_config, write_entities
 
-        loop = self.loop
         files.write_model(
-            files.model_file(directory, version), relation_parameters(loop.model, self.schema, self.conversion)
+            files.model_file(directory, version), relation_parameters(self.model, self.schema, self.conversion)
         )
         entity_path = directory / ENTITY_DIRECTORY
         if not (entity_path / "dynamic_rel_names.json").is_file():
             entity_path.mkdir(exist_ok=True)
             write_entities(TypedGraph(schema=self.schema, training=self.factory), entity_path)
         sums = self._row_sums()
-        settings = checkpoint_settings(loop.model, self.conversion, sums[1] if sums is not None else None)
+        settings = checkpoint_settings(self.model, self.conversion, sums[1] if sums is not None else None)
         settings["num_epochs"] = version
         edge_path = (self.factory.metadata or {}).get(EDGE_PATH_KEY)
         config = graph_config(
@@ -262,7 +276,7 @@ class PbgCheckpointStore(RankCheckpointStore):
         parameters = files.read_model(files.model_file(directory, version))
         sums = self.read_partitions(directory, version, settings, parameters)
         relation = relations_from_parameters(parameters, self.schema, settings, conversion, self.factory, source)
-        set_relations(loop.model, relation)
+        set_relations(self.model, relation)
         row_sums = self._row_sums()
         if row_sums is not None and sums:
             table = loop.tables[0]
@@ -288,7 +302,7 @@ class PbgCheckpointStore(RankCheckpointStore):
         return None, None
 
 
-def prepare_pbg_checkpoint(loop: Any, train_kwargs: Mapping[str, Any]) -> None:
+def prepare_pbg_checkpoint(loop: CheckpointedLoop, train_kwargs: Mapping[str, Any]) -> None:
     """Prepare a training with ``checkpoint_format="pbg"``: refuse what it cannot hold, adopt PBG's own checkpoint.
 
     If the checkpoint's directory holds a checkpoint PyTorch-BigGraph wrote (``checkpoint_version.txt``) but

@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from pykeen.training import TrainingLoop
 from pykeen.losses import Loss
 from pykeen.training.callbacks import TrainingCallback
 
@@ -299,7 +300,7 @@ class BessOptimizerCallback(TrainingCallback):
         self.pre_step_callbacks = tuple(pre_step_callbacks)
         self.constrain_rows = constrain_rows
 
-    def register_training_loop(self, training_loop: Any) -> None:  # noqa: D102
+    def register_training_loop(self, training_loop: TrainingLoop) -> None:  # noqa: D102
         super().register_training_loop(training_loop)
         for callback in self.pre_step_callbacks:
             callback.register_training_loop(training_loop)

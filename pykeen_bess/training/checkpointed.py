@@ -1,0 +1,59 @@
+"""What a checkpoint store reads and writes of its training loop: :class:`CheckpointedLoop`.
+
+The stores (:mod:`~pykeen_bess.training.checkpoints`, :mod:`~pykeen_bess.training.pbg_checkpoints`)
+write PyKEEN's checkpoint dictionary through the loop's own ``_save_state`` and ``_load_state``, so
+they hold the loop; this protocol names the parts of it they use, so that mypy checks every access
+and a reader sees what a checkpoint depends on. :class:`~pykeen_bess.training.BessTrainingLoop` is one.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+from pykeen.models import Model
+
+from ..distributed import Topology
+from ..sharding import EntitySharding
+from .config import BessConfig
+from .tables import ShardTables
+
+__all__ = ["CheckpointedLoop"]
+
+
+class CheckpointedLoop(Protocol):
+    """The parts of a BESS training loop that its checkpoints hold or check."""
+
+    #: the model (a ``pykeen.models.ERModel``) whose state a checkpoint holds
+    model: Model
+    #: the optimizer whose state a checkpoint holds (None after PyKEEN's ``clear_optimizer``)
+    optimizer: torch.optim.Optimizer
+    #: the class and hyper-parameters of the user's optimizer
+    optimizer_cls: type[torch.optim.Optimizer]
+    optimizer_kwargs: dict[str, Any]
+    #: the completed epochs
+    _epoch: int
+    #: the loss of every completed epoch
+    losses_per_epochs: list[float]
+    #: whether the last checkpoint loaded was written by PyTorch-BigGraph
+    resumed_from_pbg: bool
+
+    @property
+    def checksum(self) -> str:
+        """PyKEEN's checksum of the model and optimizer (a checkpoint resumes into the same)."""
+
+    @property
+    def topology(self) -> Topology:
+        """The process topology."""
+
+    @property
+    def config(self) -> BessConfig:
+        """The validated configuration (its seed)."""
+
+    @property
+    def sharding(self) -> EntitySharding:
+        """The entity sharding."""
+
+    @property
+    def tables(self) -> ShardTables:
+        """The shard tables of this process."""
