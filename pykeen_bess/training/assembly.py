@@ -20,10 +20,10 @@ import torch
 from pykeen.constants import PYKEEN_CHECKPOINTS
 from pykeen.triples.weights import RelationLossWeighter, loss_weighter_resolver
 
-from ..distributed import Topology, make_topology
+from ..distributed import Topology
 from ..encoding import ColumnSplit, check_encoding_model
 from ..loss import partition_weights, weight_convention
-from ..schemes import AUTO, EncodingScheme, ExchangeScheme, choose_scheme, query_width, scheme_resolver
+from ..schemes import AUTO, ExchangeScheme, choose_scheme, query_width, scheme_resolver
 from ..scoring import get_scorer
 from ..partition import ShardPairPartition
 from ..sampling import BessSampler, TypedBessSampler
@@ -41,6 +41,7 @@ from .pbg_checkpoints import PbgCheckpointStore
 from .config import BessConfig
 from .settings import LoopSettings, TrainingSetup
 from .sizes import StepSizes
+from .partitions import TablePartition, partition_resolver
 from .table_setup import create_tables
 
 if TYPE_CHECKING:
@@ -90,25 +91,10 @@ def assemble(loop: LoopParts, settings: LoopSettings, partition: str) -> Trainin
     :raises ValueError: for settings that do not fit the partition or the processes
     """
     model = settings.model
-    columns = partition == "encoding"
-    exchange = settings.exchange
-    if columns and exchange is None:  # partial scores where the interaction is separable, else whole rows
-        exchange = "encoding" if EncodingScheme.applies(model) else "encoding_lookup"
-    if columns:
-        partial_scores = exchange == AUTO and EncodingScheme.applies(model) or exchange in ("encoding", EncodingScheme)
-        dim = check_encoding_model(model, partial_scores=partial_scores)
-    topology = make_topology(
-        num_shards=settings.num_shards,
-        process_group=settings.process_group,
-        replicas=settings.replicas,
-        replica_grouping=settings.replica_grouping,
-        columns=columns,
-    )
-    if columns:
-        ColumnSplit(dim, topology.n_column)  # at most one part per coordinate
-    layout = getattr(topology, "layout", None)
-    if layout is not None and topology.is_main_process and not columns:
-        logger.info("BESS ranks:\n%s", layout.describe())
+    table_partition = partition_resolver.make(partition)
+    exchange = table_partition.exchange(model, settings.exchange)
+    table_partition.check_model(model, exchange)
+    topology = table_partition.topology(settings)
     n_shard = topology.n_shard
     if n_shard > model.num_entities:
         raise ValueError(f"num_shards={n_shard} is larger than the number of entities ({model.num_entities}).")
@@ -135,30 +121,34 @@ def assemble(loop: LoopParts, settings: LoopSettings, partition: str) -> Trainin
                 f"negatives={settings.negatives!r} needs entity types: train on a typed graph's factories "
                 "(pykeen_bess.pbg.read, pbg.import_tsv with a config, or pbg.TypedGraph.from_factories)."
             )
-        if columns:
-            raise ValueError(
-                f"negatives={settings.negatives!r} needs partition='token' (the encoding partition draws uniform "
-                "negatives)."
-            )
+        table_partition.check_sampler(config.sampler, settings.negatives)
     strategy = resolve_sharding(settings.sharding, settings.schema, settings.factory)
     sharding = EntitySharding.create(model.num_entities, n_shard, seed=config.seed, strategy=strategy)
     tables, memory_plan = create_tables(
-        model, settings.embeddings, sharding, topology, config.seed, loop.optimizer, settings.storage
+        model,
+        settings.embeddings,
+        sharding,
+        topology,
+        config.seed,
+        loop.optimizer,
+        settings.storage,
+        table_partition.tables_kind(topology, settings.storage),
     )
     scorer = get_scorer(
         model.interaction,
         entity_representations=model.entity_representations,
         relation_representations=model.relation_representations,
     )
-    checkpoints = make_checkpoint_store(loop, settings, topology, sharding, columns)
+    checkpoints = make_checkpoint_store(loop, settings, table_partition, topology, sharding)
     logger.info(
         "BESS: %s%s; exchange=%s, corruption=%s",
-        f"{topology.n_column} column parts of every row, " if columns else "",
+        table_partition.describe(topology),
         sharding.describe(),
         config.scheme_name,
         settings.corruption,
     )
     return TrainingSetup(
+        table_partition=table_partition,
         topology=topology,
         config=config,
         sharding=sharding,
@@ -171,7 +161,11 @@ def assemble(loop: LoopParts, settings: LoopSettings, partition: str) -> Trainin
 
 
 def make_checkpoint_store(
-    loop: LoopParts, settings: LoopSettings, topology: Topology, sharding: EntitySharding, columns: bool
+    loop: LoopParts,
+    settings: LoopSettings,
+    table_partition: TablePartition,
+    topology: Topology,
+    sharding: EntitySharding,
 ) -> CheckpointStore:
     """Return the loop's checkpoint store: by the layout, and by whether one process holds every shard.
 
@@ -186,9 +180,10 @@ def make_checkpoint_store(
             f"Unknown checkpoint_format={settings.checkpoint_format!r}; expected one of {CHECKPOINT_FORMATS}."
         )
     all_replicas = settings.checkpoint_retrieval == "all_replicas"
+    obstacle = table_partition.checkpoint_obstacle(topology, settings.checkpoint_format)
+    if obstacle is not None:
+        raise ValueError(obstacle)
     if settings.checkpoint_format == "pbg":
-        if columns:
-            raise ValueError("checkpoint_format='pbg' writes row shards as partitions; it needs partition='token'.")
         if settings.storage.keeps_files:
             raise ValueError("checkpoint_format='pbg' supports storage='device' and 'host' (not 'mmap' yet).")
         schema = settings.schema
@@ -203,7 +198,7 @@ def make_checkpoint_store(
 
             schema = TypedGraph.from_factories(settings.factory).schema
         return PbgCheckpointStore(loop, schema, settings.factory, topology, sharding, all_replicas=all_replicas)
-    if not topology.holds_all_columns:
+    if not table_partition.writes_checkpoints(topology):
         return NoCheckpointStore(loop)
     if topology.is_distributed:
         return RankCheckpointStore(loop, all_replicas=all_replicas)

@@ -34,6 +34,8 @@ from ..sampling import (
 )
 from ..schemes import AUTO, ExchangeScheme, resolve_scheme
 
+from .partitions import partition_resolver
+
 if TYPE_CHECKING:
     from .parts import LoopParts
 
@@ -146,8 +148,8 @@ class BessConfig:
         return AUTO if self.scheme is None else self.scheme.get_name()
 
 
-#: the entity-table partitions (seed 001's strategies): rows (BESS's shards) or columns
-PARTITIONS = ("token", "encoding")
+#: the entity-table partitions (:mod:`~pykeen_bess.training.partitions`): rows (BESS's shards) or columns
+PARTITIONS = tuple(cls.name for cls in partition_resolver)
 
 
 def resolve_partition(partition: Any, exchange: Any) -> tuple[str, Any]:

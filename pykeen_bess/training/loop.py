@@ -44,7 +44,6 @@ from .hooks import asks_evaluation_loss
 from .parts import LoopParts
 from .static_step import StaticStep, check_static_step
 from .step import StepRunner
-from .column_tables import check_column_training
 from .settings import LoopSettings
 from .assembly import (
     adopt_checkpoint_seed,
@@ -290,8 +289,7 @@ class BessTrainingLoop(LoopParts):
         if isinstance(self.checkpoints, PbgCheckpointStore):
             prepare_pbg_checkpoint(self, kwargs)
         choose_partition(self, self.settings, batch_size, kwargs)
-        if not self.topology.holds_all_columns:
-            check_column_training(kwargs)
+        self.setup.table_partition.check_training(self.topology, kwargs)
         # without continue_training the tables are re-initialised (or loaded from a checkpoint)
         self.host_allocator.apply()
         with self.tables.installed(copy_weights=bool(kwargs.get("continue_training"))), self.thread_policy.applied():

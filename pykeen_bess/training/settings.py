@@ -25,6 +25,7 @@ from ..sharding import EntitySharding
 from ..storage import TableStorage
 from .checkpoints import CheckpointStore
 from .config import BessConfig
+from .partitions import TablePartition
 from .plan import MemoryPlan
 from .sizes import StepSizes
 from .tables import ShardTables
@@ -68,6 +69,8 @@ class LoopSettings:
 class TrainingSetup:
     """The parts of a BESS run for one partition, built once by :func:`~pykeen_bess.training.assembly.assemble`."""
 
+    #: how the entity tables are split over the parts (rows or columns)
+    table_partition: TablePartition
     #: the processes and every collective between them
     topology: Topology
     #: the validated configuration (shards, scheme, sampler, negatives, seed, ...)

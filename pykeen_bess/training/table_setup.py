@@ -1,4 +1,4 @@
-"""Choosing and creating the shard tables' back end (:mod:`~pykeen_bess.training.tables`) for a run."""
+"""Creating the shard tables (:mod:`~pykeen_bess.training.tables`) of a run, once their tier can hold them."""
 
 from __future__ import annotations
 
@@ -12,24 +12,12 @@ from pykeen.nn.representation import Embedding
 from ..distributed import Topology
 from ..sharding import EntitySharding
 from ..storage import TableStorage
-from .column_tables import ColumnShardTables
 from .plan import MemoryPlan
-from .tables import DistributedShardTables, LocalShardTables, ShardTables, StoredShardTables
+from .tables import ShardTables
 
-__all__ = ["create_tables", "shard_tables_kind"]
+__all__ = ["create_tables"]
 
 logger = logging.getLogger(__name__)
-
-
-def shard_tables_kind(topology: Topology, storage: TableStorage | None) -> type[ShardTables]:
-    """Choose the back end by what this process holds and where the tables live (see :mod:`.tables`)."""
-    if not topology.holds_all_columns:
-        return ColumnShardTables
-    if not topology.holds_all_shards:
-        return DistributedShardTables
-    if storage is not None and not storage.copies_back_after_training:
-        return StoredShardTables
-    return LocalShardTables
 
 
 def create_tables(
@@ -40,9 +28,11 @@ def create_tables(
     seed: int,
     optimizer: torch.optim.Optimizer,
     storage: TableStorage,
+    kind: type[ShardTables],
 ) -> tuple[ShardTables, MemoryPlan]:
     """Plan the shard tables, check that the storage tier can hold them, then create them.
 
+    :param kind: the tables' back end (chosen by the partition, see :mod:`~pykeen_bess.training.partitions`)
     :returns: the tables and the memory plan (bytes per entity, tables and optimizer state)
     :raises MemoryError: with advice, if the tier cannot hold the tables and their optimizer state
     """
@@ -53,5 +43,4 @@ def create_tables(
         storage.check_capacity(plan.table_bytes + plan.state_bytes)
     except MemoryError as error:
         raise MemoryError(f"{error} (optimizer: {type(optimizer).__name__}; {plan.describe()})") from None
-    kind = shard_tables_kind(topology, storage)
     return kind(model, embeddings, sharding, topology, seed, storage), plan

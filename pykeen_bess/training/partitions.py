@@ -1,0 +1,165 @@
+"""How the entity tables are split over the ``n`` parts: the token (rows) and the encoding (columns) partition.
+
+A :class:`TablePartition` is a strategy, resolved from ``partition=`` by :data:`partition_resolver`:
+
+* :class:`TokenPartition` (``"token"``, the default): BESS's row shards; a process holds the rows of
+  its shards (:class:`~pykeen_bess.training.tables.ShardTables`), the token schemes exchange rows or scores.
+* :class:`EncodingPartition` (``"encoding"``): every part holds ``d / n`` coordinates of all entities
+  (:mod:`pykeen_bess.encoding`); over several processes each holds one column part of every row
+  (:class:`~pykeen_bess.training.column_tables.ColumnShardTables`), which supports fewer features yet.
+
+The assembly of a run (:func:`~pykeen_bess.training.assembly.assemble`) asks the partition for what
+differs: the default exchange scheme, the model check, the topology, the tables' back end, the
+checkpoint store and what training refuses. A new partition is one new class here.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+from class_resolver import ClassResolver
+from pykeen.models import ERModel
+
+from ..distributed import Topology, make_topology
+from ..encoding import ColumnSplit, check_encoding_model
+from ..sampling import TypedBessSampler
+from ..schemes import AUTO, EncodingScheme
+from ..storage import TableStorage
+from .column_tables import ColumnShardTables, check_column_training
+from .tables import DistributedShardTables, LocalShardTables, ShardTables, StoredShardTables
+
+__all__ = ["EncodingPartition", "TablePartition", "TokenPartition", "partition_resolver"]
+
+logger = logging.getLogger(__name__)
+
+
+class TablePartition(ABC):
+    """How the entity tables are split over the parts of a run."""
+
+    #: the partition's name (``partition="token"``)
+    name: ClassVar[str]
+
+    @abstractmethod
+    def exchange(self, model: ERModel, exchange: Any) -> Any:
+        """Return the exchange scheme to build (a name, a class, ``"auto"`` or None for the configuration's default)."""
+
+    def check_model(self, model: ERModel, exchange: Any) -> None:  # noqa: B027
+        """Raise :class:`ValueError` if the partition cannot split the model's tables for this exchange."""
+
+    @abstractmethod
+    def topology(self, settings: Any) -> Topology:
+        """Return the process topology of the run's settings (a :class:`~.settings.LoopSettings`)."""
+
+    def check_sampler(self, sampler: type, negatives: Any) -> None:  # noqa: B027
+        """Raise :class:`ValueError` for a negative sampler the partition cannot train with."""
+
+    def tables_kind(self, topology: Topology, storage: TableStorage | None) -> type[ShardTables]:
+        """Return the tables' back end: by what this process holds and where the tables live."""
+        if not topology.holds_all_shards:
+            return DistributedShardTables
+        if storage is not None and not storage.copies_back_after_training:
+            return StoredShardTables
+        return LocalShardTables
+
+    def checkpoint_obstacle(self, topology: Topology, checkpoint_format: str) -> str | None:
+        """Why this run cannot write checkpoints of ``checkpoint_format`` (None: it can)."""
+        return None
+
+    def writes_checkpoints(self, topology: Topology) -> bool:
+        """Whether the run writes checkpoints at all (else training refuses to be asked for them)."""
+        return True
+
+    def check_training(self, topology: Topology, train_kwargs: dict[str, Any]) -> None:  # noqa: B027
+        """Raise :class:`ValueError`, before training starts, for ``train()`` settings the partition lacks."""
+
+    def describe(self, topology: Topology) -> str:
+        """Describe the split for logs (empty for rows)."""
+        return ""
+
+
+class TokenPartition(TablePartition):
+    """Row shards: a process holds the rows of its shards (BESS's partition, the default)."""
+
+    name = "token"
+
+    def exchange(self, model: ERModel, exchange: Any) -> Any:  # noqa: D102
+        return exchange
+
+    def topology(self, settings: Any) -> Topology:
+        """Return the topology of row shards (the ranks' shards and replicas are logged on the main process)."""
+        topology = make_topology(
+            num_shards=settings.num_shards,
+            process_group=settings.process_group,
+            replicas=settings.replicas,
+            replica_grouping=settings.replica_grouping,
+        )
+        layout = getattr(topology, "layout", None)
+        if layout is not None and topology.is_main_process:
+            logger.info("BESS ranks:\n%s", layout.describe())
+        return topology
+
+
+class EncodingPartition(TablePartition):
+    """Column parts: every part holds ``d / n`` coordinates of all entities (column-separable models)."""
+
+    name = "encoding"
+
+    def exchange(self, model: ERModel, exchange: Any) -> Any:
+        """Partial scores where the interaction is separable, else whole rows (when no scheme is given)."""
+        if exchange is None:
+            return "encoding" if EncodingScheme.applies(model) else "encoding_lookup"
+        return exchange
+
+    def check_model(self, model: ERModel, exchange: Any) -> None:  # noqa: D102
+        partial_scores = exchange == AUTO and EncodingScheme.applies(model) or exchange in ("encoding", EncodingScheme)
+        check_encoding_model(model, partial_scores=partial_scores)
+
+    def topology(self, settings: Any) -> Topology:  # noqa: D102
+        topology = make_topology(
+            num_shards=settings.num_shards,
+            process_group=settings.process_group,
+            replicas=settings.replicas,
+            replica_grouping=settings.replica_grouping,
+            columns=True,
+        )
+        # at most one part per coordinate
+        ColumnSplit(check_encoding_model(settings.model, partial_scores=False), topology.n_column)
+        return topology
+
+    def check_sampler(self, sampler: type, negatives: Any) -> None:  # noqa: D102
+        if issubclass(sampler, TypedBessSampler):
+            raise ValueError(
+                f"negatives={negatives!r} needs partition='token' (the encoding partition draws uniform negatives)."
+            )
+
+    def tables_kind(self, topology: Topology, storage: TableStorage | None) -> type[ShardTables]:
+        """Column parts over processes; in one process the token partition's back ends."""
+        if not topology.holds_all_columns:
+            return ColumnShardTables
+        return super().tables_kind(topology, storage)
+
+    def checkpoint_obstacle(self, topology: Topology, checkpoint_format: str) -> str | None:  # noqa: D102
+        if checkpoint_format == "pbg":
+            return "checkpoint_format='pbg' writes row shards as partitions; it needs partition='token'."
+        return None
+
+    def writes_checkpoints(self, topology: Topology) -> bool:
+        """Not while the tables are column parts over processes."""
+        return topology.holds_all_columns
+
+    def check_training(self, topology: Topology, train_kwargs: dict[str, Any]) -> None:  # noqa: D102
+        if not topology.holds_all_columns:
+            check_column_training(train_kwargs)
+
+    def describe(self, topology: Topology) -> str:  # noqa: D102
+        return f"{topology.n_column} column parts of every row, "
+
+
+#: resolves ``partition=`` names (``"token"``, ``"encoding"``) and classes
+partition_resolver: ClassResolver[TablePartition] = ClassResolver(
+    [TokenPartition, EncodingPartition],
+    base=TablePartition,  # type: ignore[type-abstract]
+    suffix="Partition",
+)
