@@ -18,7 +18,8 @@
 * :mod:`~pykeen_bess.training.sizes`: block sizes and the automatic memory search;
 * :mod:`~pykeen_bess.training.checkpoints`: checkpoint stores (one atomic file, or versioned rank
   files with resharding), which see the loop through :mod:`~pykeen_bess.training.checkpointed`;
-* :mod:`~pykeen_bess.training.epochs`: the epochs (the loop's ``_train``, PyKEEN's structure);
+* :mod:`~pykeen_bess.training.epochs`: the epochs (the loop's ``_train``, PyKEEN's structure with its
+  differences named), over the eager and static steps of :mod:`~pykeen_bess.training.epoch_steps`;
 * :mod:`~pykeen_bess.training.parts` and :mod:`~pykeen_bess.training.loop`: :class:`BessTrainingLoop`,
   which builds them (its setup, optimizer, sampler, scheme and step runner) and trains.
 """

@@ -1,0 +1,196 @@
+"""The steps of an epoch: the eager step, the static step and the plans of the coming epochs.
+
+:func:`eager_step` runs one BESS step (forward and backward over its sub-batches, the loss summed
+over the sub-batches and the processes and checked, the gradients handed to the tables, then the
+callbacks with the optimizer step); :func:`make_static_step` decides whether the full steps of an
+epoch run as one static step (:mod:`~pykeen_bess.training.static_step`) and
+:func:`static_steps` runs them; :class:`EpochPlans` draws the next epoch's plan on a thread while
+an epoch trains; :class:`EpochBatches` is what PyKEEN's data loader is to its loop.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from pykeen.training.callbacks import MultiTrainingCallback
+from pykeen.training.training_loop import NonFiniteLossError
+
+from ..batch import BessBatch
+from ..optim import BessOptimizer
+from ..sampling import BessSampler, EpochDraws
+from .static_step import StaticStep, static_step_obstacle
+from .step import StepRunner
+
+if TYPE_CHECKING:
+    from .loop import BessTrainingLoop
+
+__all__ = ["EpochBatches", "EpochPlans", "eager_step", "make_static_step", "static_steps"]
+
+logger = logging.getLogger(__name__)
+
+
+def eager_step(
+    runner: StepRunner,
+    callback: MultiTrainingCallback,
+    batch: Any,
+    sub_block_size: int,
+    label_smoothing: float,
+    num_steps: int,
+    loop: BessTrainingLoop,
+) -> float:
+    """One step: forward and backward, the global loss, then the callbacks (the optimizer step among them)."""
+    callback.pre_batch()
+    process_batch = loop._process_batch if loop.overrides_process_batch else None
+    local_loss = runner.forward_backward(batch, sub_block_size, label_smoothing, process_batch)
+    step_loss = float(runner.topology.all_reduce(local_loss))
+    if step_loss != step_loss or step_loss in (float("inf"), float("-inf")):
+        loop.optimizer.zero_grad(set_to_none=True)
+        runner.rows = None
+        raise NonFiniteLossError(
+            f"The loss is non-finite ({step_loss}) in epoch {batch.epoch}, step {batch.step + 1}/{num_steps} "
+            f"(global step {(batch.epoch - 1) * num_steps + batch.step + 1}). The step was not applied, and no "
+            f"checkpoint was written for it. Lower the learning rate, add gradient clipping or check the model's "
+            f"constraints."
+        )
+    runner.hand_off_gradients()
+    callback.on_batch(epoch=batch.epoch, batch=batch, batch_loss=step_loss)
+    callback.pre_step()
+    callback.post_batch(epoch=batch.epoch, batch=batch)
+    return step_loss
+
+
+def make_static_step(
+    loop: BessTrainingLoop,
+    runner: StepRunner,
+    batches: Any,
+    callback: MultiTrainingCallback,
+    block_size: int,
+    sub_block_size: int,
+    label_smoothing: float,
+    only_size_probing: bool,
+) -> StaticStep | None:
+    """Return the static step of this training, or None where the eager step runs (the reason logged).
+
+    :raises ValueError: if the loop asks for the static step (``static_step=True``) and it cannot apply
+    """
+    mode = loop.static_step
+    if mode is False or only_size_probing or (mode is None and loop.device.type != "cuda"):
+        return None
+    if loop.overrides_process_batch:  # the hook runs on the host for every sub-batch: the eager step calls it
+        if mode:
+            raise ValueError(
+                f"static_step=True: {type(loop).__name__} overrides _process_batch, which only the eager step calls; "
+                f"pass static_step=False or None."
+            )
+        logger.info("BESS: the eager step trains this loop, whose subclass overrides _process_batch.")
+        return None
+    obstacle = static_step_obstacle(
+        runner,
+        loop.tables,
+        loop.optimizer,
+        batches.sampler,
+        sub_block_size=sub_block_size,
+        block_size=block_size,
+        callbacks=callback.callbacks,
+        weighted=loop.loss_weighter is not None,
+    )
+    if obstacle is not None:
+        if mode:
+            raise ValueError(f"static_step=True: the static step cannot train this configuration: {obstacle}.")
+        logger.info("BESS: the eager step trains this configuration; the static step cannot, as %s.", obstacle)
+        return None
+    optimizer = loop.optimizer
+    assert isinstance(optimizer, BessOptimizer)  # static_step_obstacle refuses any other
+    static = StaticStep(
+        runner, loop.tables, optimizer, loop.model, batches.sampler, label_smoothing, capture=mode is None
+    )
+    logger.info(
+        "BESS: %d of %d steps per epoch run as the static step%s; the rest (with padding) eagerly.",
+        static.num_steps,
+        len(batches),
+        " (captured as a CUDA graph)" if static.capture else "",
+    )
+    return static
+
+
+def static_steps(
+    static: StaticStep, epoch: int, num_steps: int, fields: dict[str, torch.Tensor], progress: Any
+) -> float:
+    """Run the full steps of an epoch as static steps; return the sum of their losses (one host read).
+
+    :raises NonFiniteLossError: if a step's loss was non-finite (that step and the later ones wrote nothing)
+    """
+    static.load_plan(fields)
+    static.run(static.num_steps, progress)
+    loss_sum, applied = static.finish_epoch()
+    if applied < static.num_steps:
+        raise NonFiniteLossError(
+            f"The loss is non-finite in epoch {epoch}, step {applied + 1}/{num_steps} (global step "
+            f"{(epoch - 1) * num_steps + applied + 1}). Neither that step nor a later one was applied, and no "
+            f"checkpoint was written for it. Lower the learning rate, add gradient clipping or check the model's "
+            f"constraints."
+        )
+    return loss_sum
+
+
+class EpochPlans:
+    """The plans of the epochs ``first..last``, each drawn (and pinned) on a thread while the epoch before trains."""
+
+    def __init__(self, sampler: BessSampler, static: StaticStep, first: int, last: int):
+        self.sampler = sampler
+        self.static = static
+        self.last = last
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="bess-plan")
+        self._pending: dict[int, concurrent.futures.Future] = {}
+        if first <= last:
+            self._submit(first)
+
+    def _draw(self, epoch: int) -> tuple[EpochDraws, dict[str, torch.Tensor]]:
+        draws = self.sampler.draw_epoch(epoch, self.static.num_steps)
+        return draws, self.static.host_plan(draws)
+
+    def _submit(self, epoch: int) -> None:
+        if epoch <= self.last and epoch not in self._pending:
+            self._pending[epoch] = self._executor.submit(self._draw, epoch)
+
+    def get(self, epoch: int) -> tuple[EpochDraws, dict[str, torch.Tensor]]:
+        """Return the plan of ``epoch`` (and its device-ready tensors) and start drawing the next one."""
+        self._submit(epoch)
+        result = self._pending.pop(epoch).result()
+        self._submit(epoch + 1)
+        return result
+
+    def close(self) -> None:
+        """Stop drawing plans."""
+        for future in self._pending.values():
+            future.cancel()
+        self._pending.clear()
+        self._executor.shutdown(wait=True)
+
+
+class EpochBatches:
+    """The batches of consecutive epochs (what PyKEEN's data loader is to its loop).
+
+    :meth:`epoch` gives the steps of a given epoch; iterating gives those of the next epoch, from
+    ``first_epoch`` on, as iterating a data loader once per epoch does.
+    """
+
+    def __init__(self, sampler: BessSampler, first_epoch: int):
+        """Start at ``first_epoch`` (1-based)."""
+        self.sampler = sampler
+        self.next_epoch = first_epoch
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def epoch(self, epoch: int) -> Iterator[BessBatch]:
+        """Return the steps of ``epoch`` (1-based); the next iteration continues after it."""
+        self.next_epoch = epoch + 1
+        return self.sampler.epoch(epoch)
+
+    def __iter__(self) -> Iterator[BessBatch]:
+        return self.epoch(self.next_epoch)
