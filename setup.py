@@ -61,21 +61,21 @@ setup(
             "bess = pykeen_bess.evaluation:BessEvaluator",
         ],
         "pykeen.interactions": [
-            "interht = pykeen_bess.interactions:InterHTInteraction",
-            "trans = pykeen_bess.interactions:TranSInteraction",
+            "interht = pykeen_bess.nn.interactions:InterHTInteraction",
+            "trans = pykeen_bess.nn.interactions:TranSInteraction",
         ],
         "pykeen.models": [
-            "interht = pykeen_bess.models:InterHT",
-            "trans = pykeen_bess.models:TranS",
+            "interht = pykeen_bess.nn.models:InterHT",
+            "trans = pykeen_bess.nn.models:TranS",
         ],
         "pykeen.optimizers": [
-            "rowwise_adagrad = pykeen_bess.optim:RowwiseAdagrad",
+            "rowwise_adagrad = pykeen_bess.tables.optim:RowwiseAdagrad",
         ],
         "pykeen.losses": [
-            "weightednssa = pykeen_bess.loss:WeightedNSSALoss",
+            "weightednssa = pykeen_bess.nn.loss:WeightedNSSALoss",
         ],
         "pykeen.loss_weighters": [
-            "subsampling = pykeen_bess.loss:SubsamplingLossWeighter",
+            "subsampling = pykeen_bess.nn.loss:SubsamplingLossWeighter",
         ],
         "console_scripts": [
             "pykeen-bess = pykeen_bess.cli:main",

@@ -2,7 +2,7 @@
 
 The same work runs with the cores idle and with another process busy-looping on one core (pinned
 to the last usable core with ``sched_setaffinity``), for every ``num_threads`` setting of
-:mod:`pykeen_bess.threads`: all usable cores (fixed), 1 thread (fixed) and ``"auto"`` (the
+:mod:`pykeen_bess.runtime.threads`: all usable cores (fixed), 1 thread (fixed) and ``"auto"`` (the
 default: measured). The work:
 
 * one epoch of BESS training on WN18RR (DistMult d256, 64 negatives, batch 512, Adam), at ``n = 1``
@@ -45,7 +45,7 @@ from result_files import write_result
 from training import load_wn18rr, make_model, time_stock
 
 from pykeen_bess.evaluation import BessEvaluator
-from pykeen_bess.threads import usable_cores
+from pykeen_bess.runtime.threads import usable_cores
 from pykeen_bess.training import BessTrainingLoop
 
 CPU = torch.device("cpu")

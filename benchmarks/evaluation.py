@@ -20,7 +20,7 @@ too: CUDA kernels load, PyKEEN and BessEvaluator search their sizes on the first
 ``--repeats`` (BessEvaluator, default 3) or ``--pykeen-repeats`` (default 1) timed runs, the best
 of which counts. A markdown table reports the wall time, the peak memory (the increase of the
 process's resident-set high-water mark during the evaluation, see
-:func:`pykeen_bess.memory.measure_peak`, after returning freed heap memory to the system;
+:func:`pykeen_bess.runtime.memory.measure_peak`, after returning freed heap memory to the system;
 BessEvaluator's own memory probe resets the high-water mark once, early in its run), whether every
 key of ``to_flat_dict()`` equals the fastest PyKEEN run's value (relative tolerance ``--rtol``),
 the speed-up over the fastest PyKEEN run, and the *effective rate*: the ``2 Q E d`` floating-point
@@ -78,7 +78,7 @@ from result_files import write_result
 from training import generate_graph
 
 from pykeen_bess.evaluation import BessEvaluator
-from pykeen_bess.memory import measure_peak
+from pykeen_bess.runtime.memory import measure_peak
 
 SPLITS = ("train", "valid", "test")
 

@@ -20,7 +20,7 @@ for the set-up and the thread-count trial). Targets: BESS >= 40x the stock loop 
 n = 4 within 1.5x of n = 1. BESS runs with the command line's settings of the process
 (``num_threads="auto"``, ``host_allocator="auto"``; the Python API leaves both alone unless asked).
 The stock loop is timed first, with the C library's allocator as PyKEEN users have it; then BESS's
-allocator setting (:mod:`pykeen_bess.allocator`) is made, process-wide and for good, and the stock
+allocator setting (:mod:`pykeen_bess.runtime.allocator`) is made, process-wide and for good, and the stock
 loop is timed again beside everything else. As the setting cannot be undone, its effect on BESS is
 measured apart, on WN18RR: BESS at n = 1 and n = 4, each run in a fresh process, alternately with
 ``host_allocator="auto"`` and ``None`` (``--allocator-runs`` pairs; the median counts).
@@ -68,7 +68,7 @@ from pykeen.triples import CoreTriplesFactory, TriplesFactory
 
 from devices import CLI_HOST_SETTINGS, add_device_argument, describe, synchronize
 from result_files import write_result
-from pykeen_bess.allocator import resolve_allocator
+from pykeen_bess.runtime.allocator import resolve_allocator
 from pykeen_bess.training import BessTrainingLoop
 
 
@@ -301,7 +301,7 @@ def distmult_workload(args: argparse.Namespace) -> list[dict]:
     }
     rows = []
     # the stock loop first, with the C library's allocator as PyKEEN users have it: BESS's allocator
-    # setting (pykeen_bess.allocator) is process-wide and stays, and everything after it runs with it,
+    # setting (pykeen_bess.runtime.allocator) is process-wide and stays, and everything after it runs with it,
     # the hand-written step and a second timing of the stock loop included
     stock_default = {}
     for name, tf in datasets.items():

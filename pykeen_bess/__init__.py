@@ -9,7 +9,11 @@ middle of its own import without a circular import.
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.util
+import sys
 import warnings
+from types import ModuleType
 from typing import Any
 
 from .registration import register, register_when_ready
@@ -21,17 +25,17 @@ _EXPORTS = {
     "BessTrainingLoop": "training",
     "BessEvaluator": "evaluation",
     "predict_top_k": "evaluation",
-    "InterHTInteraction": "interactions",
-    "TranSInteraction": "interactions",
-    "InterHT": "models",
-    "TranS": "models",
-    "EntitySharding": "sharding",
-    "ShardPairPartition": "partition",
-    "BessSampler": "sampling",
+    "InterHTInteraction": "nn.interactions",
+    "TranSInteraction": "nn.interactions",
+    "InterHT": "nn.models",
+    "TranS": "nn.models",
+    "EntitySharding": "data.sharding",
+    "ShardPairPartition": "data.partition",
+    "BessSampler": "data.sampling",
     "Topology": "distributed",
     "LocalTopology": "distributed",
     "DistributedTopology": "distributed",
-    "ShardedEmbedding": "representation",
+    "ShardedEmbedding": "tables.representation",
     "get_scorer": "scoring",
 }
 
@@ -40,6 +44,41 @@ _RENAMED = {
     "LocalExchange": ("distributed", "LocalTopology"),
     "DistributedExchange": ("distributed", "DistributedTopology"),
 }
+
+#: modules of earlier versions -> where they live now
+_MOVED_MODULES = {
+    f"{__name__}.{name}": f"{__name__}.{package}.{name}"
+    for package, names in {
+        "data": ("balancing", "batch", "partition", "sampling", "seeds", "sharding"),
+        "tables": ("encoding", "optim", "representation", "row_rules"),
+        "nn": ("interactions", "loss", "models"),
+        "runtime": ("allocator", "memory", "threads"),
+    }.items()
+    for name in names
+}
+
+
+class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports a module's former name as the module itself, so imports and pickled models of earlier versions load.
+
+    A pickled model names the classes of its shard tables, models and losses by module (e.g.
+    ``pykeen_bess.representation.ShardedEmbedding``); the old name is imported only when asked for.
+    """
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname not in _MOVED_MODULES:
+            return None
+        return importlib.util.spec_from_loader(fullname, self)
+
+    def create_module(self, spec: Any) -> ModuleType:
+        return importlib.import_module(_MOVED_MODULES[spec.name])
+
+    def exec_module(self, module: ModuleType) -> None:
+        """Nothing: the module has run under its current name."""
+
+
+if not any(isinstance(finder, _MovedModules) for finder in sys.meta_path):
+    sys.meta_path.append(_MovedModules())
 
 __all__ = [
     "BessEvaluator",

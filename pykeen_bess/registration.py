@@ -50,10 +50,10 @@ _registering = False
 def _plugin_classes() -> dict[str, Sequence[type]]:
     """Return the plugin's own classes per entry-point group (imported lazily)."""
     from .evaluation import BessEvaluator
-    from .interactions import InterHTInteraction, TranSInteraction
-    from .loss import SubsamplingLossWeighter, WeightedNSSALoss
-    from .models import InterHT, TranS
-    from .optim import RowwiseAdagrad
+    from .nn.interactions import InterHTInteraction, TranSInteraction
+    from .nn.loss import SubsamplingLossWeighter, WeightedNSSALoss
+    from .nn.models import InterHT, TranS
+    from .tables.optim import RowwiseAdagrad
     from .training import BessTrainingLoop
 
     return {

@@ -7,8 +7,8 @@ from typing import Any
 import torch
 from pykeen.models import ERModel
 
-from pykeen_bess.sampling import BessBatch
-from pykeen_bess.sharding import EntitySharding
+from pykeen_bess.data.sampling import BessBatch
+from pykeen_bess.data.sharding import EntitySharding
 
 
 def _map(x: Any, func) -> Any:

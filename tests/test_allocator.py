@@ -1,4 +1,4 @@
-"""Tests for :mod:`pykeen_bess.allocator`: the policies, their resolution, their effect and their use in the work."""
+"""Tests for :mod:`pykeen_bess.runtime.allocator`: the policies, their resolution, effect and use in the work."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 from pykeen.datasets import Nations
 from pykeen.models import DistMult
 
-from pykeen_bess.allocator import (
+from pykeen_bess.runtime.allocator import (
     HostAllocator,
     KeepAllocator,
     RetainFreedMemory,
@@ -67,7 +67,7 @@ def test_retain_freed_memory_sets_both_thresholds_once(fresh_process_flag):
 
 
 def test_a_refused_setting_is_logged(fresh_process_flag, caplog):
-    with caplog.at_level(logging.WARNING, logger="pykeen_bess.allocator"):
+    with caplog.at_level(logging.WARNING, logger="pykeen_bess.runtime.allocator"):
         RetainFreedMemory(libc=FakeLibc(answer=0)).apply()
     assert "refused mallopt(M_MMAP_THRESHOLD, M_TRIM_THRESHOLD)" in caplog.text
 
@@ -113,7 +113,7 @@ def test_freed_blocks_are_reused_without_page_faults():
     script = textwrap.dedent(
         """
         import resource, torch
-        from pykeen_bess.allocator import RetainFreedMemory
+        from pykeen_bess.runtime.allocator import RetainFreedMemory
 
         def faults():
             start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt

@@ -12,8 +12,8 @@ from pykeen.models import DistMult
 from pykeen.training.training_loop import CheckpointMismatchError
 from pykeen.triples import CoreTriplesFactory
 
-from pykeen_bess.balancing import balance_shards, pair_counts
-from pykeen_bess.sharding import BalancedSharding, EntitySharding, RandomSharding
+from pykeen_bess.data.balancing import balance_shards, pair_counts
+from pykeen_bess.data.sharding import BalancedSharding, EntitySharding, RandomSharding
 from pykeen_bess.training import BessTrainingLoop
 
 
@@ -134,7 +134,7 @@ def test_a_checkpoint_resumes_only_into_its_own_sharding(nations: Nations, tmp_p
 def test_a_checkpoint_from_before_the_sharding_check_resumes_with_the_random_sharding(
     nations: Nations, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from pykeen_bess.representation import ShardedEmbedding
+    from pykeen_bess.tables.representation import ShardedEmbedding
 
     factory = nations.training
     kwargs = dict(batch_size=256, use_tqdm=False, checkpoint_directory=tmp_path, checkpoint_frequency=0)

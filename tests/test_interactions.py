@@ -14,8 +14,8 @@ from pykeen.models import ERModel
 from pykeen.nn.modules import NormBasedInteraction
 from pykeen.pipeline import pipeline
 
-from pykeen_bess.interactions import InterHTInteraction, TranSInteraction
-from pykeen_bess.models import InterHT, TranS
+from pykeen_bess.nn.interactions import InterHTInteraction, TranSInteraction
+from pykeen_bess.nn.models import InterHT, TranS
 from pykeen_bess.scoring import get_scorer
 
 D = 6

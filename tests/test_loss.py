@@ -30,17 +30,17 @@ from pykeen.triples.weights import LossWeighter, RelationLossWeighter
 
 from typed_graphs import typed_graph
 
-from pykeen_bess.batch import BlockScores
-from pykeen_bess.loss import (
+from pykeen_bess.data.batch import BlockScores
+from pykeen_bess.nn.loss import (
     SubsamplingLossWeighter,
     WeightedNSSALoss,
     block_loss,
     delta_pointwise_loss,
     partition_weights,
 )
-from pykeen_bess.partition import ShardPairPartition
-from pykeen_bess.sampling import BessBatch
-from pykeen_bess.sharding import EntitySharding
+from pykeen_bess.data.partition import ShardPairPartition
+from pykeen_bess.data.sampling import BessBatch
+from pykeen_bess.data.sharding import EntitySharding
 from pykeen_bess.training import BessTrainingLoop
 
 

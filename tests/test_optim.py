@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from pykeen_bess.optim import BessOptimizer, row_sparse_grad
+from pykeen_bess.tables.optim import BessOptimizer, row_sparse_grad
 
 CASES = [
     # optimizer class, hyper-parameters, PyTorch reference for sparse gradients
@@ -151,7 +151,7 @@ def _pbg_row_adagrad(table: torch.Tensor, steps: list, lr: float, lr_decay: floa
 
 
 def test_rowwise_adagrad_is_pytorch_biggraphs_rule_dense_sparse_and_row_sparse() -> None:
-    from pykeen_bess.optim import RowwiseAdagrad
+    from pykeen_bess.tables.optim import RowwiseAdagrad
 
     kwargs = dict(lr=0.1, lr_decay=0.01, initial_accumulator_value=0.1, eps=1e-8)
     start = torch.randn(12, 3, dtype=torch.float64)
@@ -179,7 +179,7 @@ def test_rowwise_adagrad_is_pytorch_biggraphs_rule_dense_sparse_and_row_sparse()
 
 
 def test_rowwise_adagrad_without_rows_is_adagrad_and_complex_is_its_real_view() -> None:
-    from pykeen_bess.optim import RowwiseAdagrad
+    from pykeen_bess.tables.optim import RowwiseAdagrad
 
     vector = torch.nn.Parameter(torch.randn(5, dtype=torch.float64))
     reference = torch.nn.Parameter(vector.detach().clone())
@@ -204,7 +204,7 @@ def test_rowwise_adagrad_by_name_and_bad_values() -> None:
     import pykeen_bess  # noqa: F401 - registers the optimizer
     from pykeen.optimizers import optimizer_resolver
 
-    from pykeen_bess.optim import RowwiseAdagrad
+    from pykeen_bess.tables.optim import RowwiseAdagrad
 
     assert optimizer_resolver.lookup("rowwise_adagrad") is RowwiseAdagrad
     with pytest.raises(ValueError, match="lr >= 0"):

@@ -20,17 +20,18 @@ from pykeen.models import model_resolver
 from pykeen.optimizers import optimizer_resolver
 from pykeen.losses import loss_resolver
 from pykeen.triples.weights import loss_weighter_resolver
-import pykeen_bess.training, pykeen_bess.evaluation, pykeen_bess.interactions, pykeen_bess.models, pykeen_bess.optim
-import pykeen_bess.loss
+import pykeen_bess.training, pykeen_bess.evaluation, pykeen_bess.nn.interactions, pykeen_bess.nn.models
+import pykeen_bess.tables.optim
+import pykeen_bess.nn.loss
 assert training_loop_resolver.lookup("bess") is pykeen_bess.training.BessTrainingLoop
 assert evaluator_resolver.lookup("bess") is pykeen_bess.evaluation.BessEvaluator
-assert interaction_resolver.lookup("interht") is pykeen_bess.interactions.InterHTInteraction
-assert interaction_resolver.lookup("trans") is pykeen_bess.interactions.TranSInteraction
-assert model_resolver.lookup("interht") is pykeen_bess.models.InterHT
-assert model_resolver.lookup("trans") is pykeen_bess.models.TranS
-assert optimizer_resolver.lookup("rowwise_adagrad") is pykeen_bess.optim.RowwiseAdagrad
-assert loss_resolver.lookup("weightednssa") is pykeen_bess.loss.WeightedNSSALoss
-assert loss_weighter_resolver.lookup("subsampling") is pykeen_bess.loss.SubsamplingLossWeighter
+assert interaction_resolver.lookup("interht") is pykeen_bess.nn.interactions.InterHTInteraction
+assert interaction_resolver.lookup("trans") is pykeen_bess.nn.interactions.TranSInteraction
+assert model_resolver.lookup("interht") is pykeen_bess.nn.models.InterHT
+assert model_resolver.lookup("trans") is pykeen_bess.nn.models.TranS
+assert optimizer_resolver.lookup("rowwise_adagrad") is pykeen_bess.tables.optim.RowwiseAdagrad
+assert loss_resolver.lookup("weightednssa") is pykeen_bess.nn.loss.WeightedNSSALoss
+assert loss_weighter_resolver.lookup("subsampling") is pykeen_bess.nn.loss.SubsamplingLossWeighter
 print("OK")
 """
 
@@ -48,17 +49,23 @@ def run_python(code: str, cwd: pathlib.Path | None = None) -> subprocess.Complet
 LOOKUPS = [
     ("pykeen.training", "training_loop_resolver", "bess", "pykeen_bess.training", "BessTrainingLoop"),
     ("pykeen.evaluation", "evaluator_resolver", "bess", "pykeen_bess.evaluation", "BessEvaluator"),
-    ("pykeen.nn.modules", "interaction_resolver", "interht", "pykeen_bess.interactions", "InterHTInteraction"),
-    ("pykeen.nn.modules", "interaction_resolver", "trans", "pykeen_bess.interactions", "TranSInteraction"),
-    ("pykeen.models", "model_resolver", "interht", "pykeen_bess.models", "InterHT"),
-    ("pykeen.models", "model_resolver", "trans", "pykeen_bess.models", "TranS"),
+    ("pykeen.nn.modules", "interaction_resolver", "interht", "pykeen_bess.nn.interactions", "InterHTInteraction"),
+    ("pykeen.nn.modules", "interaction_resolver", "trans", "pykeen_bess.nn.interactions", "TranSInteraction"),
+    ("pykeen.models", "model_resolver", "interht", "pykeen_bess.nn.models", "InterHT"),
+    ("pykeen.models", "model_resolver", "trans", "pykeen_bess.nn.models", "TranS"),
 ]
 #: importing ``pykeen.optimizers``, ``pykeen.losses`` or ``pykeen.triples.weights`` alone loads no entry point:
 #: checked after the others (see the README)
 LAST_LOOKUPS = [
-    ("pykeen.optimizers", "optimizer_resolver", "rowwise_adagrad", "pykeen_bess.optim", "RowwiseAdagrad"),
-    ("pykeen.losses", "loss_resolver", "weightednssa", "pykeen_bess.loss", "WeightedNSSALoss"),
-    ("pykeen.triples.weights", "loss_weighter_resolver", "subsampling", "pykeen_bess.loss", "SubsamplingLossWeighter"),
+    ("pykeen.optimizers", "optimizer_resolver", "rowwise_adagrad", "pykeen_bess.tables.optim", "RowwiseAdagrad"),
+    ("pykeen.losses", "loss_resolver", "weightednssa", "pykeen_bess.nn.loss", "WeightedNSSALoss"),
+    (
+        "pykeen.triples.weights",
+        "loss_weighter_resolver",
+        "subsampling",
+        "pykeen_bess.nn.loss",
+        "SubsamplingLossWeighter",
+    ),
 ]
 
 

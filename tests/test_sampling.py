@@ -8,9 +8,9 @@ import time
 import pytest
 import torch
 
-from pykeen_bess.partition import ShardPairPartition
-from pykeen_bess.sampling import BessSampler, StepSharedBessSampler, resolve_negatives
-from pykeen_bess.sharding import EntitySharding
+from pykeen_bess.data.partition import ShardPairPartition
+from pykeen_bess.data.sampling import BessSampler, StepSharedBessSampler, resolve_negatives
+from pykeen_bess.data.sharding import EntitySharding
 
 
 def random_triples(num_entities: int, num_relations: int, num_triples: int, seed: int = 0) -> torch.Tensor:
@@ -227,7 +227,7 @@ def test_random_streams_are_derived_with_seed_sequence() -> None:
     """The epoch order and the negatives come from generators seeded by SeedSequence, not Python's hash()."""
     import numpy as np
 
-    from pykeen_bess.seeds import derive_seed
+    from pykeen_bess.data.seeds import derive_seed
 
     sampler = make_sampler()
     for epoch in (1, 2):

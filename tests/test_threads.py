@@ -1,4 +1,4 @@
-"""Tests for :mod:`pykeen_bess.threads`: the thread policies, their schedule and their use by the loop and evaluator."""
+"""Tests for :mod:`pykeen_bess.runtime.threads`: the thread policies, their schedule and use by loop and evaluator."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pykeen.datasets import Nations
 from pykeen.models import DistMult
 
 from pykeen_bess.evaluation import BessEvaluator
-from pykeen_bess.threads import (
+from pykeen_bess.runtime.threads import (
     AdaptiveThreads,
     FixedThreads,
     KeepThreads,
@@ -124,13 +124,13 @@ def test_policies_restore_torch_threads(restore_threads):
 
 def test_resolve_threads(monkeypatch):
     """``"auto"`` measures on a CPU with several threads; GPUs, one thread and None keep torch's setting."""
-    monkeypatch.setattr("pykeen_bess.threads.threads_per_process", lambda: 2)
+    monkeypatch.setattr("pykeen_bess.runtime.threads.threads_per_process", lambda: 2)
     assert isinstance(resolve_threads("auto", "cpu"), AdaptiveThreads)
     assert isinstance(resolve_threads("auto", None), AdaptiveThreads)
     assert isinstance(resolve_threads("auto", "cuda"), KeepThreads)
     assert isinstance(resolve_threads(None, "cpu"), KeepThreads)
     assert resolve_threads(3, "cpu").threads_for_unit() == 3
-    monkeypatch.setattr("pykeen_bess.threads.threads_per_process", lambda: 1)
+    monkeypatch.setattr("pykeen_bess.runtime.threads.threads_per_process", lambda: 1)
     assert isinstance(resolve_threads("auto", "cpu"), KeepThreads)
     for bad in ("many", 0, -1, True, 1.5):
         with pytest.raises(ValueError, match="num_threads"):
@@ -146,7 +146,7 @@ def test_usable_cores_respect_the_cgroup_quota(tmp_path, monkeypatch):
     quota.write_text("max 100000\n")
     assert usable_cores(str(quota)) == 8
     assert usable_cores(str(tmp_path / "missing")) == 8
-    monkeypatch.setattr("pykeen_bess.threads.usable_cores", lambda: 8)
+    monkeypatch.setattr("pykeen_bess.runtime.threads.usable_cores", lambda: 8)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     monkeypatch.setattr(torch, "get_num_threads", lambda: 16)
     assert threads_per_process() == 2

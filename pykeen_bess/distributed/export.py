@@ -103,7 +103,7 @@ def check_whole_model(model: Any) -> None:
 def guard_pipeline_results() -> None:
     """Make ``PipelineResult.save_model`` and ``save_to_directory`` refuse a partial model before writing anything.
 
-    Pickling a partial table fails (:meth:`~pykeen_bess.representation.ShardedEmbedding.check_whole`),
+    Pickling a partial table fails (:meth:`~pykeen_bess.tables.representation.ShardedEmbedding.check_whole`),
     but only once :func:`torch.save` has opened the file: a good model at that path would be replaced
     by a truncated file (and ``save_to_directory`` would first replace the directory's results). The
     training loop installs this guard (once, idempotently) when training leaves the model sharded over

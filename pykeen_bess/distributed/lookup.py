@@ -47,7 +47,7 @@ __all__ = [
 class ShardedTable(Protocol):
     """What the collectives of this package need of an entity table sharded over processes.
 
-    :class:`~pykeen_bess.representation.ShardedEmbedding` is one; this package does not import it
+    :class:`~pykeen_bess.tables.representation.ShardedEmbedding` is one; this package does not import it
     (the process layer depends on nothing else of pykeen-bess).
     """
 

@@ -20,7 +20,7 @@ A process holds ``L`` of the ``n_shard`` shards ("local shards"). Two kinds of c
     number of rows for every shard (one local shard only; the collective token lookup,
     :mod:`pykeen_bess.distributed.lookup`);
 
-* **along the column axis** (the encoding partition, :mod:`pykeen_bess.encoding`): a process holds
+* **along the column axis** (the encoding partition, :mod:`pykeen_bess.tables.encoding`): a process holds
   ``Lc`` of the ``n_column`` column parts of every row; :meth:`Topology.column_sum` sums partial
   results ``[Lc, ...] -> [...]`` over all parts, differentiably (its backward is the identity on
   every part). Token (row) topologies have one column part.

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..sharding import EntitySharding
+from ..data.sharding import EntitySharding
 
 __all__ = [
     "CandidateColumns",

@@ -2,8 +2,8 @@
 
 :class:`BessEvaluator` is a :class:`pykeen.evaluation.RankBasedEvaluator` whose ranks are never
 computed from a ``[batch, num_entities]`` score matrix. The entities are split into shards (the
-model's own :class:`~pykeen_bess.sharding.EntitySharding` when its entity representations are
-:class:`~pykeen_bess.representation.ShardedEmbedding` tables, else a random one); for each target
+model's own :class:`~pykeen_bess.data.sharding.EntitySharding` when its entity representations are
+:class:`~pykeen_bess.tables.representation.ShardedEmbedding` tables, else a random one); for each target
 (head, tail) the evaluation triples are ranked batch by batch
 (:func:`~pykeen_bess.evaluation.ranking.rank_triples`, one
 :func:`~pykeen_bess.evaluation.ranking.rank_target` per target): every shard scores a batch of
@@ -72,10 +72,10 @@ from pykeen.models import ERModel, Model
 from pykeen.typing import LABEL_HEAD, LABEL_TAIL, Target
 from tqdm.autonotebook import tqdm
 
-from ..allocator import AllocatorHint, resolve_allocator
+from ..runtime.allocator import AllocatorHint, resolve_allocator
 from ..distributed import ProbeTopology, join_torchrun_group
-from ..threads import ThreadPolicy, ThreadsHint, resolve_threads
-from ..representation import ShardedEmbedding
+from ..runtime.threads import ThreadPolicy, ThreadsHint, resolve_threads
+from ..tables.representation import ShardedEmbedding
 from .checks import check_ids, check_targets, check_triples
 from .counting import TIE_TOLERANCE
 from .filtering import FilterIndex
@@ -113,7 +113,7 @@ class BessEvaluator(RankBasedEvaluator):
         """Create the evaluator.
 
         :param num_shards: the number of entity shards; None: the model's sharding if its entity
-            representations are :class:`~pykeen_bess.representation.ShardedEmbedding` tables, else 1
+            representations are :class:`~pykeen_bess.tables.representation.ShardedEmbedding` tables, else 1
         :param batch_size: evaluation triples per batch (both targets are ranked per batch); None:
             chosen by the memory search (the ``batch_size`` of :meth:`evaluate` takes precedence)
         :param slice_size: candidates scored at once per shard; None: chosen by the memory search
@@ -123,10 +123,10 @@ class BessEvaluator(RankBasedEvaluator):
             the available memory on the CPU; out-of-memory errors on a GPU)
         :param process_group: the process group of a model sharded over processes (default: the
             default group); unused in one process
-        :param num_threads: intra-op CPU threads of the score blocks (:mod:`pykeen_bess.threads`): None
+        :param num_threads: intra-op CPU threads of the score blocks (:mod:`pykeen_bess.runtime.threads`): None
             (default: torch's setting, left alone), ``"auto"`` (measure 1 thread against all of the
             process's; what the command line uses), or an integer
-        :param host_allocator: how glibc's allocator serves the score blocks (:mod:`pykeen_bess.allocator`):
+        :param host_allocator: how glibc's allocator serves the score blocks (:mod:`pykeen_bess.runtime.allocator`):
             None (default: leave it alone) or ``"auto"`` (on the CPU: freed blocks stay in the heap for the
             next, a process-wide setting that stays; what the command line uses)
         :param tie_tolerance: the half width of the band around each true score, in units of

@@ -109,7 +109,8 @@ def predict_top_k(
 ) -> pd.DataFrame:
     """Predict the ``k`` best entities for each query, shard by shard.
 
-    :param model: a PyKEEN ``ERModel`` (plain, or with :class:`~pykeen_bess.representation.ShardedEmbedding` tables)
+    :param model: a PyKEEN ``ERModel`` (plain, or with
+        :class:`~pykeen_bess.tables.representation.ShardedEmbedding` tables)
     :param queries: shape: ``[Q, 2]``: ``(head, relation)`` ids for ``target="tail"``,
         ``(relation, tail)`` ids for ``target="head"``; or pairs of labels with ``triples_factory``
     :param k: the number of entities per query (at most the number of entities are returned)

@@ -50,7 +50,7 @@ import torch
 from pykeen.typing import LABEL_TAIL, RANK_OPTIMISTIC, RANK_PESSIMISTIC, RANK_REALISTIC, RankType, Target
 
 from ..distributed import Topology
-from ..threads import ThreadPolicy
+from ..runtime.threads import ThreadPolicy
 from .counting import (
     band_bounds,
     band_scale,

@@ -1,6 +1,6 @@
 """Entity rows for scoring: the (normalized) representations of a process' shards, addressed by local id.
 
-:class:`ShardTableRows` reads a model's :class:`~pykeen_bess.representation.ShardedEmbedding`
+:class:`ShardTableRows` reads a model's :class:`~pykeen_bess.tables.representation.ShardedEmbedding`
 tables directly (a slice of local ids is a view); :class:`ForwardRows` reads any PyKEEN
 representation through its ``forward`` on the global ids of a (virtual) sharding.
 
@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..representation import ShardedEmbedding
-from ..sharding import EntitySharding
+from ..tables.representation import ShardedEmbedding
+from ..data.sharding import EntitySharding
 
 if TYPE_CHECKING:
     from ..distributed import Topology

@@ -35,9 +35,9 @@ from pykeen.models import ERModel, Model
 from pykeen.typing import LABEL_TAIL
 
 from ..distributed import Topology, make_topology
-from ..representation import ShardedEmbedding
+from ..tables.representation import ShardedEmbedding
 from ..scoring import SharedCandidateScorer, Side, get_scorer
-from ..sharding import EntitySharding
+from ..data.sharding import EntitySharding
 from .candidates import CandidateColumns, DeviceTables
 from .rows import EntityRows, ForwardRows, ShardTableRows, gather_entities, module_device
 

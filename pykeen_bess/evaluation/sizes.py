@@ -2,7 +2,7 @@
 
 Without explicit sizes the ``[batch, slice]`` block is bounded to :data:`CPU_BLOCK_BYTES` on the CPU
 and checked by an out-of-memory-catching probe agreed by all processes
-(:func:`pykeen_bess.memory.search_largest`). On a GPU the block is sized from the free device
+(:func:`pykeen_bess.runtime.memory.search_largest`). On a GPU the block is sized from the free device
 memory instead (:func:`cuda_block_sizes`: a ``1 / CUDA_MEMORY_FRACTION`` share of it, between
 :data:`CUDA_BLOCK_BYTES` and :data:`CUDA_MAX_BLOCK_BYTES`), whole shards per slice where that
 leaves at least :data:`CUDA_MIN_BATCH` queries per batch: no probe runs (a probe synchronises
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..memory import available_memory, fits_in_memory, search_largest
+from ..runtime.memory import available_memory, fits_in_memory, search_largest
 
 if TYPE_CHECKING:
     from .sharded import ShardedScoring

@@ -95,7 +95,7 @@ def relation_parameters(model: ERModel, schema: GraphSchema, conversion: Convers
 
 
 class RowwiseTrainedLoop(Protocol):
-    """What a checkpoint reads of a BESS loop that trained with :class:`~pykeen_bess.optim.RowwiseAdagrad`."""
+    """What a checkpoint reads of a BESS loop that trained with :class:`~pykeen_bess.tables.optim.RowwiseAdagrad`."""
 
     #: the optimizer (None after PyKEEN's ``clear_optimizer``)
     optimizer: torch.optim.Optimizer | None
@@ -110,10 +110,10 @@ class RowwiseTrainedLoop(Protocol):
 def rowwise_adagrad_state(training_loop: TrainingLoop | None) -> tuple[Any, float] | None:
     """Return a function ``ids -> per-row sums`` of a BESS loop's row-wise Adagrad entity state, and its lr.
 
-    None if the loop did not train with :class:`~pykeen_bess.optim.RowwiseAdagrad`. Under a process
+    None if the loop did not train with :class:`~pykeen_bess.tables.optim.RowwiseAdagrad`. Under a process
     group the sums of the ids held elsewhere are summed in over the shard group (a collective).
     """
-    from ..optim import RowwiseAdagrad
+    from ..tables.optim import RowwiseAdagrad
 
     if training_loop is None or getattr(training_loop, "optimizer_cls", None) is not RowwiseAdagrad:
         return None

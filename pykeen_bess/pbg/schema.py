@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ..sharding import TypedSharding
+from ..data.sharding import TypedSharding
 
 __all__ = [
     "SCHEMA_KEY",

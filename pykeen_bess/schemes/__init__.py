@@ -8,7 +8,7 @@ costs in bytes (:meth:`ExchangeScheme.negative_cost`):
 * :class:`EmbeddingMovingScheme` (``exchange="embedding"``): negative embeddings move to the heads' shard;
 * :class:`ScoreMovingScheme` (``exchange="score"``): queries move to every shard, scores move back;
 * :class:`EncodingScheme` (``exchange="encoding"``, the encoding partition of
-  :mod:`pykeen_bess.encoding`): every process holds columns of all rows and scores its columns of
+  :mod:`pykeen_bess.tables.encoding`): every process holds columns of all rows and scores its columns of
   the whole batch; one all-reduce of partial scores, no row moves (column-separable interactions);
 * :class:`EncodingLookupScheme` (``exchange="encoding_lookup"``, the encoding partition): whole rows
   are assembled from the column parts (seed 001's encoding lookup) and every part scores its
@@ -28,7 +28,7 @@ import torch
 from class_resolver import ClassResolver
 from pykeen.models import ERModel
 
-from ..representation import ShardedEmbedding
+from ..tables.representation import ShardedEmbedding
 from ..scoring import SharedCandidateScorer
 from .base import ExchangeScheme
 from .embedding import EmbeddingMovingScheme

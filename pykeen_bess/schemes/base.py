@@ -1,6 +1,6 @@
 """The part of a BESS step every exchange scheme shares: gathering rows, positives, regularization.
 
-A step on the global plan :class:`~pykeen_bess.batch.BessBatch` (``n`` shards, blocks of ``b``
+A step on the global plan :class:`~pykeen_bess.data.batch.BessBatch` (``n`` shards, blocks of ``b``
 slots, ``m = K / n`` negatives per shard and block) runs on every process over its ``L`` local
 shards:
 
@@ -24,10 +24,10 @@ from typing import Any, ClassVar
 import torch
 from pykeen.models import ERModel
 
-from ..batch import BessBatch, BlockScores, RowGather, regularization_weights
+from ..data.batch import BessBatch, BlockScores, RowGather, regularization_weights
 from ..distributed import Topology
-from ..optim import row_sparse_grad
-from ..representation import ShardedEmbedding
+from ..tables.optim import row_sparse_grad
+from ..tables.representation import ShardedEmbedding
 from ..scoring import SharedCandidateScorer, Side
 from .lookup import Accumulator, RowLookup, split_parts
 
@@ -105,7 +105,7 @@ class ExchangeScheme(ABC):
         pass sends the same amounts back (gradients).
 
         :param shared_negatives: whether all blocks of a step share one set of negatives
-            (:attr:`~pykeen_bess.batch.BessBatch.shared_negatives`)
+            (:attr:`~pykeen_bess.data.batch.BessBatch.shared_negatives`)
         :returns: bytes sent per process and step
         """
         n, b = n_shard, block_size
@@ -193,7 +193,7 @@ class ExchangeScheme(ABC):
         """Score the slots ``start:stop`` of every local block against the block's negatives.
 
         The regularization term is PyKEEN's sLCWA term of the step as if every positive had its
-        block's shared negatives as its own (see :func:`~pykeen_bess.batch.regularization_weights`),
+        block's shared negatives as its own (see :func:`~pykeen_bess.data.batch.regularization_weights`),
         this process' share of the slots ``start:stop``: summing it over slices (sub-batches) and
         processes gives the term of the whole step regardless of how it is split.
 
@@ -306,7 +306,7 @@ class ExchangeScheme(ABC):
         :param query: shape: ``[L(i), n(j), b'', q]``, the scorer's queries of the side's slots
         :param negatives: shape: ``[L(k), n(i), n(j), m, D]``, this process' negatives of every block,
             packed (all tables' values of a row side by side); ``[L(k), 1, 1, m, D]`` when all blocks
-            share them (:attr:`~pykeen_bess.batch.BessBatch.shared_negatives`)
+            share them (:attr:`~pykeen_bess.data.batch.BessBatch.shared_negatives`)
         :param cache: shared by the sides of one slice (e.g. negatives moved once for both sides)
         :returns: shape: ``[L(i), n(j), b'', K]``
         """

@@ -19,7 +19,7 @@ class EmbeddingMovingScheme(ExchangeScheme):
 
     ``all_to_all([L(k), n(i), n(j), m, D]) -> [L(i), n(k), n(j), m, D]``, once per slice for both
     sides; then ``[L(i), n(j), b', q] x [L(i), n(j), K, c] -> [L(i), n(j), b', K]``. Negatives shared
-    by all blocks (:attr:`~pykeen_bess.batch.BessBatch.shared_negatives`) are all-gathered instead,
+    by all blocks (:attr:`~pykeen_bess.data.batch.BessBatch.shared_negatives`) are all-gathered instead,
     ``[L(k), m, D] -> [n(k), m, D]``, once per process (:meth:`~pykeen_bess.distributed.Topology.all_gather_once`),
     and one product scores all local queries: ``[L(i) * n(j) * b', q] x [K, c]``.
     """

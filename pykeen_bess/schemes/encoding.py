@@ -1,10 +1,10 @@
 """The encoding scheme: every process scores its coordinates of the whole batch; one sum of partial scores.
 
-With the encoding (column) partition (:mod:`pykeen_bess.encoding`) the plan has one shard and one
+With the encoding (column) partition (:mod:`pykeen_bess.tables.encoding`) the plan has one shard and one
 block of ``B`` slots: every process sees the whole batch, the ``K`` negatives of the block are
 drawn uniformly from all entities, and there is no shardpair padding. Each process holds ``Lc``
 of the ``c`` column parts of every row; for each of them it computes partial scores of the
-positives and of the negatives from the part's coordinates (:class:`~pykeen_bess.encoding.SeparableScoring`),
+positives and of the negatives from the part's coordinates (:class:`~pykeen_bess.tables.encoding.SeparableScoring`),
 and one :meth:`~pykeen_bess.distributed.Topology.column_sum` of the ``[B, 1 + K]`` partial scores
 gives every process the full scores (backward: the identity, so every part's coordinates get
 their gradient where they live). No row moves.
@@ -24,10 +24,10 @@ from typing import Any
 import torch
 from pykeen.models import ERModel
 
-from ..batch import BessBatch, BlockScores, RowGather, regularization_weights
+from ..data.batch import BessBatch, BlockScores, RowGather, regularization_weights
 from ..distributed import Topology
-from ..encoding import ColumnSplit, SeparableScoring, check_encoding_model, slice_columns
-from ..representation import ShardedEmbedding
+from ..tables.encoding import ColumnSplit, SeparableScoring, check_encoding_model, slice_columns
+from ..tables.representation import ShardedEmbedding
 from ..scoring import SharedCandidateScorer, Side
 from .base import ExchangeScheme
 from .lookup import Accumulator, slice_parts
@@ -53,7 +53,7 @@ class EncodingScheme(ExchangeScheme):
         """Bind the step to the column parts of the topology.
 
         :raises ValueError: for a topology with several row shards, or a model that is not column-separable
-            (the loop checks the model with :func:`~pykeen_bess.encoding.check_encoding_model` first)
+            (the loop checks the model with :func:`~pykeen_bess.tables.encoding.check_encoding_model` first)
         """
         if topology.n_shard != 1:
             raise ValueError(

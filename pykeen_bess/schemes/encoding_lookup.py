@@ -25,10 +25,10 @@ from typing import Any, ClassVar
 import torch
 from pykeen.models import ERModel
 
-from ..batch import BessBatch, RowGather
+from ..data.batch import BessBatch, RowGather
 from ..distributed import Topology
-from ..optim import row_sparse_grad
-from ..representation import ShardedEmbedding
+from ..tables.optim import row_sparse_grad
+from ..tables.representation import ShardedEmbedding
 from ..scoring import SharedCandidateScorer
 from .embedding import EmbeddingMovingScheme
 from .lookup import RowLookup
@@ -215,7 +215,7 @@ def _part_slots(block_size: int, part: int, n_part: int) -> tuple[int, int]:
 
 def _part_widths(table: ShardedEmbedding) -> list[int]:
     """Return the coordinates of every column part of a table (the split of its whole rows)."""
-    from ..encoding import ColumnSplit
+    from ..tables.encoding import ColumnSplit
 
     whole: Any = table.whole_embedding  # set by ColumnShardTables
     return ColumnSplit(int(whole.shape[0]), table.topology.n_column).sizes

@@ -3,7 +3,7 @@
 :class:`RowLookup` reads the gathered rows of a step in the layout of a role (heads, tails,
 negatives) and packs the parts of all entity tables side by side (``[*, D]``, the unit the exchange
 moves); it weighs every looked-up row's regularizer term as PyKEEN's sLCWA loop does
-(:func:`~pykeen_bess.batch.regularization_weights`), once per use of a table in the role.
+(:func:`~pykeen_bess.data.batch.regularization_weights`), once per use of a table in the role.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from pykeen.models import ERModel
 
-from ..representation import ShardedEmbedding
+from ..tables.representation import ShardedEmbedding
 
 __all__ = [
     "Accumulator",

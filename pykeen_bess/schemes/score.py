@@ -20,7 +20,7 @@ class ScoreMovingScheme(ExchangeScheme):
     ``all_gather([L(i), n(j), b', q]) -> [L(k), n(i), n(j), b', q]``, every shard scores against its
     local negatives, ``[L(k), n(i), n(j), b', m]``, and ``all_to_all -> [L(i), n(k), n(j), b', m]``,
     viewed as ``[L(i), n(j), b', K]``. No entity row of a negative ever moves. Negatives shared by all
-    blocks (:attr:`~pykeen_bess.batch.BessBatch.shared_negatives`) are scored by every shard in one
+    blocks (:attr:`~pykeen_bess.data.batch.BessBatch.shared_negatives`) are scored by every shard in one
     product, ``[L(k), n(i) * n(j) * b', q] x [L(k), m, c]``.
     """
 

@@ -20,7 +20,7 @@ from pykeen.nn.modules import (
 )
 from pykeen.utils import ensure_complex, negative_norm
 
-from ..interactions import InterHTInteraction, TranSInteraction
+from ..nn.interactions import InterHTInteraction, TranSInteraction
 from .base import (
     SharedCandidateScorer,
     Side,

@@ -23,7 +23,7 @@ and, for the row-sparse optimizer rules, its per-row state:
 Every tier counts the bytes it moves (:class:`StorageTraffic`): reading a step's unique rows of a
 table and of each row-state tensor, and writing them back, so a step with ``U`` unique rows of
 width ``W`` and ``s`` row-state tensors of the same width moves ``U * W * (1 + s) * 4`` bytes each
-way (float32). The arithmetic is the same code in every tier (:mod:`pykeen_bess.optim`), so the
+way (float32). The arithmetic is the same code in every tier (:mod:`pykeen_bess.tables.optim`), so the
 tiers train bitwise alike.
 """
 

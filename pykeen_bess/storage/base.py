@@ -47,7 +47,7 @@ class StorageTraffic:
 
 
 class HeldTable(Protocol):
-    """What a tier reads and writes of a table it holds (a :class:`~pykeen_bess.representation.ShardedEmbedding`)."""
+    """What a tier reads and writes of a table it holds (a :class:`~.tables.representation.ShardedEmbedding`)."""
 
     #: the tier's name of the table's tensors
     label: str

@@ -1,6 +1,6 @@
 """A shard table kept outside the model in the model's state dict (checkpoints of the host and file tiers).
 
-:class:`~pykeen_bess.representation.ShardedEmbedding` registers these hooks: a table in host memory
+:class:`~pykeen_bess.tables.representation.ShardedEmbedding` registers these hooks: a table in host memory
 goes into the state dict as tensors, a table in files as the names of the files' copies (or, outside
 a checkpoint, the live files' paths), and loading writes them back into the table's tier.
 """
@@ -18,7 +18,7 @@ __all__ = ["EXTERNAL_WEIGHT_KEY", "STORED_TABLE_KEY", "StateDictTable", "add_sto
 
 
 class StateDictTable(HeldTable, Protocol):
-    """What the state-dict hooks read of a table (a :class:`~pykeen_bess.representation.ShardedEmbedding`)."""
+    """What the state-dict hooks read of a table (a :class:`~pykeen_bess.tables.representation.ShardedEmbedding`)."""
 
     #: the table's storage tier
     storage: TableStorage

@@ -21,13 +21,13 @@ from pykeen.constants import PYKEEN_CHECKPOINTS
 from pykeen.triples.weights import RelationLossWeighter, loss_weighter_resolver
 
 from ..distributed import Topology
-from ..encoding import ColumnSplit, check_encoding_model
-from ..loss import partition_weights, weight_convention
+from ..tables.encoding import ColumnSplit, check_encoding_model
+from ..nn.loss import partition_weights, weight_convention
 from ..schemes import AUTO, ExchangeScheme, choose_scheme, query_width, scheme_resolver
 from ..scoring import get_scorer
-from ..partition import ShardPairPartition
-from ..sampling import BessSampler, TypedBessSampler
-from ..sharding import EntitySharding, resolve_sharding
+from ..data.partition import ShardPairPartition
+from ..data.sampling import BessSampler, TypedBessSampler
+from ..data.sharding import EntitySharding, resolve_sharding
 from .checkpoints import (
     CHECKPOINT_FORMATS,
     CHECKPOINT_RETRIEVALS,
@@ -296,7 +296,7 @@ def make_sampler(loop: LoopParts, partition: ShardPairPartition, block_size: int
     """Return the loop's sampler of balanced batches of ``block_size`` slots per block.
 
     Typed negatives get the graph's schema; a loss weighter (PyKEEN's ``loss_weighter``) the weight
-    of every triple (:func:`~pykeen_bess.loss.partition_weights`).
+    of every triple (:func:`~pykeen_bess.nn.loss.partition_weights`).
     """
     kwargs: dict[str, Any] = {}
     schema = loop.settings.schema

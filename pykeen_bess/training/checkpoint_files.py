@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from ..distributed import Topology
-from ..sharding import EntitySharding
+from ..data.sharding import EntitySharding
 
 __all__ = [
     "POINTER_FORMAT",
@@ -314,7 +314,7 @@ def reshard_stored_tables(
     :param pointer: the pointer
     :param sharding: the new sharding (the old one is the same strategy and seed with the checkpoint's shards)
     :param shard: the shard of the new sharding this process holds (its tables hold only it)
-    :param tables: the process' :class:`~pykeen_bess.representation.ShardedEmbedding` tables, in the
+    :param tables: the process' :class:`~pykeen_bess.tables.representation.ShardedEmbedding` tables, in the
         order of the model's entity representations
     :raises FileNotFoundError: if an old shard's file or table copy is missing
     :raises ValueError: if the checkpoint's tables were kept in another storage tier

@@ -14,7 +14,7 @@ import torch
 from pykeen.models import Model
 
 from ..distributed import Topology
-from ..sharding import EntitySharding
+from ..data.sharding import EntitySharding
 from .config import BessConfig
 from .tables import ShardTables
 

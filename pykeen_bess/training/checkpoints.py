@@ -33,7 +33,7 @@ from pykeen.stoppers import Stopper
 from pykeen.training.training_loop import CheckpointMismatchError, TrainingLoop
 from pykeen.triples import CoreTriplesFactory
 
-from ..sharding import RandomSharding
+from ..data.sharding import RandomSharding
 from .checkpoint_mismatch import describe_mismatch
 from .checkpointed import CheckpointedLoop
 from .checkpoint_files import (

@@ -2,10 +2,10 @@
 
 :class:`ColumnShardTables` is the :class:`~pykeen_bess.training.tables.ShardTables` back end of a
 :class:`~pykeen_bess.distributed.ColumnTopology`: every rank holds all rows with the coordinates
-of its column part (:func:`~pykeen_bess.encoding.column_embedding`: initial values are the
+of its column part (:func:`~pykeen_bess.tables.encoding.column_embedding`: initial values are the
 part's coordinates of the whole table's, constraints and regularizers see whole rows through
 column sums). After training the parts are redistributed to row shards
-(:func:`~pykeen_bess.encoding.rows_from_columns`, one all-to-all): the model then holds a
+(:func:`~pykeen_bess.tables.encoding.rows_from_columns`, one all-to-all): the model then holds a
 row-sharded table on every rank, like a model trained with ``partition="token"``, which
 ``BessEvaluator``, ``predict_top_k``, ``score_hrt`` and the export serve.
 
@@ -22,9 +22,9 @@ from pykeen.models import ERModel
 from pykeen.nn.representation import Embedding
 
 from ..distributed import Topology
-from ..encoding import ColumnSplit, check_encoding_model, column_embedding, rows_from_columns
-from ..optim import BessOptimizer, RowwiseAdagrad
-from ..sharding import EntitySharding
+from ..tables.encoding import ColumnSplit, check_encoding_model, column_embedding, rows_from_columns
+from ..tables.optim import BessOptimizer, RowwiseAdagrad
+from ..data.sharding import EntitySharding
 from ..storage import TableStorage
 from .tables import ShardTables
 

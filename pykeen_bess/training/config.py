@@ -24,7 +24,7 @@ from pykeen.triples import CoreTriplesFactory
 from pykeen.utils import get_batchnorm_modules
 
 from ..distributed import Topology, describe_differences
-from ..sampling import (
+from ..data.sampling import (
     CORRUPTIONS,
     DEFAULT_NEGATIVES,
     BessSampler,
@@ -104,8 +104,9 @@ class BessConfig:
     #: how the entity tables are split: ``"token"`` (rows, BESS's shards) or ``"encoding"`` (columns)
     partition: str = "token"
     #: the sampler of balanced batches (``negatives="step"``, the default:
-    #: :class:`~pykeen_bess.sampling.StepSharedBessSampler`; ``"block"``: :class:`~pykeen_bess.sampling.BessSampler`;
-    #: ``"typed_step"``, ``"typed"``: their typed forms; :data:`~pykeen_bess.sampling.NEGATIVES`)
+    #: :class:`~pykeen_bess.data.sampling.StepSharedBessSampler`; ``"block"``:
+    #: :class:`~pykeen_bess.data.sampling.BessSampler`;
+    #: ``"typed_step"``, ``"typed"``: their typed forms; :data:`~pykeen_bess.data.sampling.NEGATIVES`)
     sampler: type[BessSampler] = StepSharedBessSampler
 
     @classmethod

@@ -19,9 +19,9 @@ import torch
 from pykeen.training.callbacks import MultiTrainingCallback
 from pykeen.training.training_loop import NonFiniteLossError
 
-from ..batch import BessBatch
-from ..optim import BessOptimizer
-from ..sampling import BessSampler, EpochDraws
+from ..data.batch import BessBatch
+from ..tables.optim import BessOptimizer
+from ..data.sampling import BessSampler, EpochDraws
 from .static_step import StaticStep, static_step_obstacle
 from .step import StepRunner
 

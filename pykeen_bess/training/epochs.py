@@ -65,7 +65,7 @@ from pykeen.training.training_loop import NonFiniteLossError, NoTrainingBatchErr
 from pykeen.triples import CoreTriplesFactory
 from tqdm.autonotebook import tqdm, trange
 
-from ..partition import ShardPairPartition
+from ..data.partition import ShardPairPartition
 from .config import run_configuration, verify_same_configuration
 from .epoch_steps import EpochBatches, EpochPlans, eager_step, make_static_step, static_steps
 from .sizes import block_size_for

@@ -29,10 +29,10 @@ from pykeen.triples import CoreTriplesFactory
 from pykeen.triples.instances import BatchedSLCWAInstances
 from torch.utils.data import DataLoader
 
-from ..batch import BessBatch
+from ..data.batch import BessBatch
 from ..distributed import Topology
 from ..scoring import SharedCandidateScorer
-from ..sharding import EntitySharding
+from ..data.sharding import EntitySharding
 from .checkpoints import CheckpointStore
 from .config import BessConfig
 from .plan import MemoryPlan

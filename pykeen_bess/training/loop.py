@@ -21,15 +21,15 @@ from pykeen.models import ERModel, Model
 from pykeen.sampling import NegativeSampler
 from pykeen.triples import CoreTriplesFactory
 
-from ..allocator import AllocatorHint, resolve_allocator
-from ..optim import optimizer_hyperparameters
-from ..partition import ShardPairPartition
+from ..runtime.allocator import AllocatorHint, resolve_allocator
+from ..tables.optim import optimizer_hyperparameters
+from ..data.partition import ShardPairPartition
 from ..pbg.schema import schema_of
-from ..sampling import DEFAULT_NEGATIVES, BessSampler, Corruption
+from ..data.sampling import DEFAULT_NEGATIVES, BessSampler, Corruption
 from ..schemes import ExchangeScheme
-from ..sharding import ShardingStrategy
+from ..data.sharding import ShardingStrategy
 from ..storage import TableStorage, make_storage
-from ..threads import ThreadsHint, resolve_threads
+from ..runtime.threads import ThreadsHint, resolve_threads
 from .pbg_checkpoints import PbgCheckpointStore, prepare_pbg_checkpoint
 from .config import (
     check_train_arguments,
@@ -68,7 +68,7 @@ class BessTrainingLoop(LoopParts):
     split equally over the shardpairs (``block_size = ceil(batch_size / num_shards ** 2)``), and
     all positives of a step share ``num_negs_per_pos`` negatives drawn equally from every shard
     (``negatives="block"``: every block draws its own).
-    See :mod:`pykeen_bess.sampling` for what an epoch is.
+    See :mod:`pykeen_bess.data.sampling` for what an epoch is.
 
     Of PyKEEN's per-batch hooks, a subclass may override :meth:`_process_batch` (one sub-batch's
     loss); overriding ``_train_epoch`` or ``_forward_pass``, which the training steps never call, is refused.
@@ -130,7 +130,7 @@ class BessTrainingLoop(LoopParts):
         :param partition: how the entity tables are split over the ``num_shards`` parts (seed 001's
             strategies): ``"token"`` (rows: BESS's shards; default) or ``"encoding"`` (columns: every
             part holds ``d / num_shards`` coordinates of all entities, every process sees the whole
-            batch; column-separable interactions only, see :mod:`pykeen_bess.encoding`). Default:
+            batch; column-separable interactions only, see :mod:`pykeen_bess.tables.encoding`). Default:
             what ``exchange`` implies
         :param corruption: corrupt heads (``"h"``), tails (``"t"``) or both (``"ht"``: the first
             half of every block corrupts heads, the second half tails)
@@ -141,7 +141,7 @@ class BessTrainingLoop(LoopParts):
         :param seed: the seed of the sharding, the sampler and the initial tables; defaults to the
             model's random seed (``pipeline(random_seed=...)``; under a process group rank 0's), else 0; without
             it, a checkpoint being resumed brings its own (see :meth:`_adopt_checkpoint_seed`)
-        :param sparse_updates: update the shard tables row-sparsely (see :mod:`pykeen_bess.optim`);
+        :param sparse_updates: update the shard tables row-sparsely (see :mod:`pykeen_bess.tables.optim`);
             set False to use any optimizer densely
         :param process_group: a ``torch.distributed`` process group to train in (default: the
             world group if one is initialised with more than one rank; under ``torchrun`` it is
@@ -166,32 +166,32 @@ class BessTrainingLoop(LoopParts):
         :param negative_sampler: None or PyKEEN's basic sampler (BESS draws its own negatives)
         :param negative_sampler_kwargs: only ``num_negs_per_pos`` is meaningful (``filterer=None``, PyKEEN's
             "no filtering", is accepted)
-        :param num_threads: intra-op CPU threads (:mod:`pykeen_bess.threads`): None (default: torch's
+        :param num_threads: intra-op CPU threads (:mod:`pykeen_bess.runtime.threads`): None (default: torch's
             setting, left alone), ``"auto"`` (measure 1 thread against all of the process's while training;
             what the command line uses), or an integer
         :param host_allocator: None (default: leave the C library's allocator alone) or ``"auto"`` (on the
             CPU: glibc keeps freed blocks for the next step, a process-wide setting that stays;
-            :mod:`pykeen_bess.allocator`; what the command line uses)
+            :mod:`pykeen_bess.runtime.allocator`; what the command line uses)
         :param negatives: ``"step"`` (default: ``num_negs_per_pos`` entities drawn equally from every
             shard, one set shared by all blocks of a step, gathered, moved and scored once), ``"block"``
             (BESS's original scheme: one such set per block, ``num_shards ** 2`` sets per step; also
             accepted as ``"uniform"``), ``"typed_step"`` and ``"typed"`` (a relation's negatives have its
             corrupted side's type, one set per step or per block; a typed graph, :mod:`pykeen_bess.pbg`),
             or a ``BessSampler`` subclass. With one shard per-step and per-block draws are the same; see
-            :mod:`pykeen_bess.sampling` for when to use which
+            :mod:`pykeen_bess.data.sampling` for when to use which
         :param checkpoint_format: ``"pykeen"`` (default: PyKEEN's checkpoint file, or versioned files per
             shard under a process group) or ``"pbg"`` (PyTorch-BigGraph's checkpoint layout in the
             checkpoint file's directory: shard ``k`` is partition ``k`` of every entity type; see
             :class:`~pykeen_bess.training.checkpoints.PbgCheckpointStore`)
         :param sharding: ``"balanced"`` (default: every shardpair holds about ``T / n ** 2`` triples, see
-            :mod:`pykeen_bess.balancing`), ``"random"`` or a :class:`~pykeen_bess.sharding.ShardingStrategy`
+            :mod:`pykeen_bess.data.balancing`), ``"random"`` or a :class:`~pykeen_bess.data.sharding.ShardingStrategy`
             (typed graphs: by type); a checkpoint resumes only with the sharding it was written with
         :param static_step: None (default: on a GPU the full steps run as one captured CUDA graph where the
             configuration allows), True (on any device, or an error says why not) or False (eager); see
             :mod:`pykeen_bess.training.static_step`
         :param kwargs: passed to :class:`pykeen.training.TrainingLoop` (optimizer, lr scheduler,
             result tracker, loss weighter (every positive's weight is passed to the loss as
-            ``pos_weights``, see :mod:`pykeen_bess.loss`; default: a typed graph's relation weights), ...)
+            ``pos_weights``, see :mod:`pykeen_bess.nn.loss`; default: a typed graph's relation weights), ...)
         :raises ValueError: for invalid parameters
         :raises UnsupportedModelError: for a model BESS cannot shard (e.g. one with batch normalization, such
             as ConvE); both a ``ValueError`` and a ``NotImplementedError``
@@ -267,7 +267,7 @@ class BessTrainingLoop(LoopParts):
         :param num_epochs: the number of epochs
         :param batch_size: positives per step, a positive integer (rounded up to a multiple of
             ``num_shards ** 2``, logged at INFO); None searches the largest batch that fits (see
-            :mod:`pykeen_bess.memory`) when ``automatic_memory_optimization`` is on, else uses 256
+            :mod:`pykeen_bess.runtime.memory`) when ``automatic_memory_optimization`` is on, else uses 256
         :param num_negs_per_pos: overrides the constructor's value (HPO tunes it here); rounded up to a
             multiple of ``num_shards`` (logged), so that any tuned value works with any shard count
         :param kwargs: the other arguments of :meth:`pykeen.training.TrainingLoop.train`

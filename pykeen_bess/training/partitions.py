@@ -5,7 +5,7 @@ A :class:`TablePartition` is a strategy, resolved from ``partition=`` by :data:`
 * :class:`TokenPartition` (``"token"``, the default): BESS's row shards; a process holds the rows of
   its shards (:class:`~pykeen_bess.training.tables.ShardTables`), the token schemes exchange rows or scores.
 * :class:`EncodingPartition` (``"encoding"``): every part holds ``d / n`` coordinates of all entities
-  (:mod:`pykeen_bess.encoding`); over several processes each holds one column part of every row
+  (:mod:`pykeen_bess.tables.encoding`); over several processes each holds one column part of every row
   (:class:`~pykeen_bess.training.column_tables.ColumnShardTables`), which supports fewer features yet.
 
 The assembly of a run (:func:`~pykeen_bess.training.assembly.assemble`) asks the partition for what
@@ -23,8 +23,8 @@ from class_resolver import ClassResolver
 from pykeen.models import ERModel
 
 from ..distributed import Topology, make_topology
-from ..encoding import ColumnSplit, check_encoding_model
-from ..sampling import TypedBessSampler
+from ..tables.encoding import ColumnSplit, check_encoding_model
+from ..data.sampling import TypedBessSampler
 from ..schemes import AUTO, EncodingScheme
 from ..storage import TableStorage
 from .column_tables import ColumnShardTables, check_column_training

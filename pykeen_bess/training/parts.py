@@ -15,9 +15,9 @@ from pykeen.training.training_loop import _get_lr_scheduler_kwargs
 from pykeen.triples import CoreTriplesFactory
 
 from ..distributed import Topology
-from ..optim import BessOptimizer
-from ..partition import ShardPairPartition
-from ..sampling import BessSampler
+from ..tables.optim import BessOptimizer
+from ..data.partition import ShardPairPartition
+from ..data.sampling import BessSampler
 from ..schemes import ExchangeScheme
 from .assembly import assemble, make_sampler, make_scheme
 from .hooks import PyKEENHooks

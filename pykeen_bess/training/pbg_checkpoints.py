@@ -23,7 +23,7 @@ from .checkpoint_files import POINTER_FORMAT, pointer_shards, read_pointer, save
 from .checkpoints import RankCheckpointStore
 from .checkpointed import CheckpointedLoop
 from ..distributed import Topology
-from ..sharding import EntitySharding
+from ..data.sharding import EntitySharding
 
 __all__ = [
     "PbgCheckpointStore",
@@ -145,7 +145,7 @@ class PbgCheckpointStore(RankCheckpointStore):
 
     def _row_sums(self) -> tuple[torch.Tensor, float] | None:
         """Row-wise Adagrad's per-row sums of the entity table ``[L * S]`` and its lr (None for other optimizers)."""
-        from ..optim import RowwiseAdagrad
+        from ..tables.optim import RowwiseAdagrad
 
         if self.loop.optimizer_cls is not RowwiseAdagrad:
             return None

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ..optim import SPARSE_RULES, _sparse_defaults, state_shapes
+from ..tables.optim import SPARSE_RULES, _sparse_defaults, state_shapes
 from ..storage import format_bytes
 
 __all__ = [

@@ -19,9 +19,9 @@ from pykeen.nn.representation import Embedding
 
 from ..distributed import Topology
 from ..pbg.schema import GraphSchema
-from ..sampling import DEFAULT_NEGATIVES
+from ..data.sampling import DEFAULT_NEGATIVES
 from ..scoring import SharedCandidateScorer
-from ..sharding import EntitySharding
+from ..data.sharding import EntitySharding
 from ..storage import TableStorage
 from .checkpoints import CheckpointStore
 from .config import BessConfig
@@ -57,7 +57,7 @@ class LoopSettings:
     schema: GraphSchema | None = None
     #: the training triples the loop was built for (their labels name the entities of PBG checkpoints)
     factory: Any = None
-    #: the negative sampler (a name in :data:`~pykeen_bess.sampling.NEGATIVES` or a sampler class)
+    #: the negative sampler (a name in :data:`~pykeen_bess.data.sampling.NEGATIVES` or a sampler class)
     negatives: Any = DEFAULT_NEGATIVES
     #: the checkpoint layout (``"pykeen"``, ``"pbg"``)
     checkpoint_format: str = "pykeen"

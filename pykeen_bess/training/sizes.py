@@ -5,7 +5,7 @@
 the same number of steps per epoch, so that the last step is not mostly padding. A step that does
 not fit is split into sub-batches of the largest number of slots that does. Probes run one step's
 forward and backward without communicating (:class:`~pykeen_bess.distributed.ProbeTopology`) and
-all processes agree on each outcome (:func:`pykeen_bess.memory.search_largest`).
+all processes agree on each outcome (:func:`pykeen_bess.runtime.memory.search_largest`).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from collections.abc import Callable
 import torch
 
 from ..distributed import ProbeTopology, Topology
-from ..memory import available_memory, fits_in_memory, search_largest
-from ..partition import ShardPairPartition
+from ..runtime.memory import available_memory, fits_in_memory, search_largest
+from ..data.partition import ShardPairPartition
 
 __all__ = [
     "StepProbe",

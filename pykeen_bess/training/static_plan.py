@@ -3,7 +3,7 @@
 A static step (:mod:`~pykeen_bess.training.static_step`) reads each step's slots from a
 :class:`DevicePlan`. The training triples stay on the device in partition order (grouped by
 shardpair). Per epoch the host draws only the random part of the sort keys and the full steps'
-negatives (:meth:`~pykeen_bess.sampling.BessSampler.draw_epoch`, the same generators as the eager
+negatives (:meth:`~pykeen_bess.data.sampling.BessSampler.draw_epoch`, the same generators as the eager
 sampler), pinned on CUDA (:meth:`DevicePlan.host_plan`, safe on a background thread); they are
 copied once, asynchronously, and the device sorts the triples into the epoch's order
 (``argsort(pair + keys)``, the sampler's definition). Step ``s`` then takes slot ``t`` of block
@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from ..batch import BessBatch, EpochDraws
-from ..sampling import BessSampler
+from ..data.batch import BessBatch, EpochDraws
+from ..data.sampling import BessSampler
 
 __all__ = [
     "DevicePlan",
@@ -78,7 +78,7 @@ class DevicePlan:
         Contiguous, and pinned on CUDA; safe to call on another thread (the loop draws and pins the next
         epoch's while one trains).
 
-        :param draws: the epoch's draws (:meth:`~pykeen_bess.sampling.BessSampler.draw_epoch` with
+        :param draws: the epoch's draws (:meth:`~pykeen_bess.data.sampling.BessSampler.draw_epoch` with
             ``steps=num_steps``)
         """
         fields = {"keys": draws.keys}

@@ -4,29 +4,29 @@ The eager step (:class:`~pykeen_bess.training.step.StepRunner` and the optimizer
 each step's plan on the host, deduplicates the step's rows into a data-dependent number of rows and
 reads the loss on the host every step. On a GPU that is hundreds of small host-side operations
 around a fraction of a millisecond of device work. :class:`StaticStep` runs the *full* steps of an
-epoch (those without padding, :attr:`~pykeen_bess.sampling.BessSampler.full_steps`: all but at
+epoch (those without padding, :attr:`~pykeen_bess.data.sampling.BessSampler.full_steps`: all but at
 most the last few with the default balanced sharding) as one function of fixed shapes and no host
 synchronisation:
 
 1. **plan**: the training triples live on the device in partition order. Per epoch the host draws
    the sort keys of the epoch's order and the full steps' negatives from the same seeded generators
-   as the eager step (:meth:`~pykeen_bess.sampling.BessSampler.draw_epoch`, on a background thread,
+   as the eager step (:meth:`~pykeen_bess.data.sampling.BessSampler.draw_epoch`, on a background thread,
    pinned), they are copied once (asynchronously) and the triples are sorted on the device
    (``argsort(pair + keys)``, the sampler's order); a step takes its slots' triples from the order
    at a device step counter, so the batches are those of the eager step;
 2. **rows**: every looked-up row is its own leaf (``[N, W]`` per table, ``N = 2 n^2 b`` head and
    tail slots plus the negatives' rows, duplicates included), so no ``unique`` is needed;
 3. **scores and loss**: the exchange scheme's own :meth:`~pykeen_bess.schemes.ExchangeScheme.scores`
-   and :func:`~pykeen_bess.loss.block_loss` (all slots real: no masks), so both steps compute the same
+   and :func:`~pykeen_bess.nn.loss.block_loss` (all slots real: no masks), so both steps compute the same
    function;
 4. **gradients**: ``torch.autograd.grad`` for the leaves and the replicated parameters;
 5. **row update**: the occurrences of a row are summed with a persistent row-to-slot map (every
    occurrence of a row finds one representative slot, ``index_add_`` sums into it) and the row
-   rule (:data:`~pykeen_bess.row_rules.STATIC_RULES`) runs on every occurrence with its row's summed
+   rule (:data:`~pykeen_bess.tables.row_rules.STATIC_RULES`) runs on every occurrence with its row's summed
    gradient; duplicates write identical values, so the result is the lazy row-sparse update of the
    eager step (same rows touched, same moments) up to rounding;
 6. **dense update** of the replicated parameters with the user's optimizer's rule
-   (:data:`~pykeen_bess.row_rules.DENSE_RULES`), the step counts and learning rates as device tensors;
+   (:data:`~pykeen_bess.tables.row_rules.DENSE_RULES`), the step counts and learning rates as device tensors;
 7. **bookkeeping on the device**: the loss is summed on the device and read once per epoch; a step
    with a non-finite loss writes nothing, and neither does any later step of the epoch, so the
    epoch's end raises :class:`~pykeen.training.training_loop.NonFiniteLossError` with the parameters
@@ -55,12 +55,12 @@ from pykeen.losses import Loss
 from pykeen.regularizers import Regularizer
 from pykeen.training.callbacks import TrainingCallback
 
-from ..batch import BessBatch, RowGather
+from ..data.batch import BessBatch, RowGather
 from ..distributed import LocalTopology
-from ..loss import block_loss
-from ..optim import BessOptimizer
-from ..row_rules import STATIC_RULES
-from ..sampling import BessSampler, EpochDraws
+from ..nn.loss import block_loss
+from ..tables.optim import BessOptimizer
+from ..tables.row_rules import STATIC_RULES
+from ..data.sampling import BessSampler, EpochDraws
 from ..schemes import ExchangeScheme
 from ..schemes.lookup import static_indices
 from .static_plan import DevicePlan

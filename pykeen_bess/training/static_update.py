@@ -2,17 +2,17 @@
 
 :class:`StaticUpdate` applies the optimizer's rules inside a static step
 (:mod:`~pykeen_bess.training.static_step`) on the very state tensors of the loop's
-:class:`~pykeen_bess.optim.BessOptimizer`, in place, so that its ``state_dict`` (checkpoints) and the
+:class:`~pykeen_bess.tables.optim.BessOptimizer`, in place, so that its ``state_dict`` (checkpoints) and the
 eager step, which runs an epoch's padded steps, see one optimizer:
 
 * **rows**: a step's ``N`` looked-up rows arrive with one gradient per occurrence ``[N, W]``. A
   persistent row-to-slot map ``[R]`` gives every occurrence of a row one representative slot (the
   slot whose write to the map survived), ``index_add_`` sums the occurrences there, and the row rule
-  (:data:`~pykeen_bess.row_rules.STATIC_RULES`) runs on every occurrence with its row's summed
+  (:data:`~pykeen_bess.tables.row_rules.STATIC_RULES`) runs on every occurrence with its row's summed
   gradient. All occurrences of a row compute the same new values, so their writes agree: the
   result is the eager step's lazy row-sparse update (same rows, same moments) up to rounding;
 * **dense**: the replicated parameters with the user's optimizer's rule
-  (:data:`~pykeen_bess.row_rules.DENSE_RULES`);
+  (:data:`~pykeen_bess.tables.row_rules.DENSE_RULES`);
 * **gated**: every write keeps the old value where ``ok`` is False (a non-finite loss);
 * **fused on a GPU**: a rule, its constraint and the gate are one function (:func:`gated_rule`),
   which ``torch.compile`` fuses into a few kernels on CUDA (about ten elementwise passes over the
@@ -33,10 +33,10 @@ import torch
 from pykeen.nn.representation import Embedding
 from torch.optim import SGD, Adagrad, Adam, SparseAdam
 
-from ..batch import RowGather
-from ..optim import BessOptimizer, RowwiseAdagrad
-from ..representation import ShardedEmbedding
-from ..row_rules import DENSE_RULES, STATIC_RULES, state_shapes
+from ..data.batch import RowGather
+from ..tables.optim import BessOptimizer, RowwiseAdagrad
+from ..tables.representation import ShardedEmbedding
+from ..tables.row_rules import DENSE_RULES, STATIC_RULES, state_shapes
 from .tables import ShardTables
 
 __all__ = [
@@ -79,7 +79,8 @@ def gated_rule(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Apply a rule and a constraint to values ``[U, *]``; return the new values, or the old ones where ``ok`` is False.
 
-    :param rule: a rule of :data:`~pykeen_bess.row_rules.STATIC_RULES` or :data:`~pykeen_bess.row_rules.DENSE_RULES`
+    :param rule: a rule of :data:`~pykeen_bess.tables.row_rules.STATIC_RULES` or
+        :data:`~pykeen_bess.tables.row_rules.DENSE_RULES`
     :param old: the current values
     :param grad: their gradient
     :param state: the rule's state of the values

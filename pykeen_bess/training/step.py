@@ -31,10 +31,10 @@ from pykeen.training import TrainingLoop
 from pykeen.losses import Loss
 from pykeen.training.callbacks import TrainingCallback
 
-from ..batch import BessBatch, RowGather
+from ..data.batch import BessBatch, RowGather
 from ..distributed import Topology
-from ..loss import block_loss
-from ..optim import row_sparse_grad
+from ..nn.loss import block_loss
+from ..tables.optim import row_sparse_grad
 from ..schemes import ExchangeScheme
 from .tables import ShardTables
 

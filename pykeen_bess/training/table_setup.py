@@ -10,7 +10,7 @@ from pykeen.models import ERModel
 from pykeen.nn.representation import Embedding
 
 from ..distributed import Topology
-from ..sharding import EntitySharding
+from ..data.sharding import EntitySharding
 from ..storage import TableStorage
 from .plan import MemoryPlan
 from .tables import ShardTables

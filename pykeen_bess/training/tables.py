@@ -1,6 +1,6 @@
 """The model's entity embeddings as shard tables while BESS trains.
 
-:class:`ShardTables` creates one :class:`~pykeen_bess.representation.ShardedEmbedding` per entity
+:class:`ShardTables` creates one :class:`~pykeen_bess.tables.representation.ShardedEmbedding` per entity
 embedding of the model and swaps them in for training (:meth:`ShardTables.installed`, a context
 manager). What happens afterwards is the one thing that differs between the back ends, chosen once
 (:func:`~pykeen_bess.training.table_setup.create_tables`):
@@ -32,9 +32,9 @@ from pykeen.models import ERModel
 from pykeen.nn.representation import Embedding
 
 from ..distributed import Topology
-from ..optim import BessOptimizer
-from ..representation import ShardedEmbedding, constrain_all_rows
-from ..sharding import EntitySharding
+from ..tables.optim import BessOptimizer
+from ..tables.representation import ShardedEmbedding, constrain_all_rows
+from ..data.sharding import EntitySharding
 from ..storage import DeviceStorage, TableStorage
 
 __all__ = [

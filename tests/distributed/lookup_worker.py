@@ -20,8 +20,8 @@ from pykeen.nn.representation import Embedding
 from pykeen.predict import predict_target
 
 from pykeen_bess.distributed import export_model, init_from_environment, make_topology
-from pykeen_bess.representation import ShardedEmbedding
-from pykeen_bess.sharding import EntitySharding
+from pykeen_bess.tables.representation import ShardedEmbedding
+from pykeen_bess.data.sharding import EntitySharding
 
 NUM_ENTITIES = 23
 

@@ -12,8 +12,8 @@ from pykeen.datasets import Nations
 from pykeen.models import TransE
 from pykeen.pipeline.api import PipelineResult
 
-from pykeen_bess.representation import ShardedEmbedding
-from pykeen_bess.sharding import EntitySharding
+from pykeen_bess.tables.representation import ShardedEmbedding
+from pykeen_bess.data.sharding import EntitySharding
 from pykeen_bess.training.tables import DistributedShardTables
 
 

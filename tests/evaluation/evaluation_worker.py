@@ -14,8 +14,8 @@ import torch
 
 from pykeen_bess.distributed import init_from_environment
 from pykeen_bess.evaluation import BessEvaluator, predict_top_k
-from pykeen_bess.representation import ShardedEmbedding
-from pykeen_bess.sharding import EntitySharding
+from pykeen_bess.tables.representation import ShardedEmbedding
+from pykeen_bess.data.sharding import EntitySharding
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from test_evaluation import dataset, filter_triples, make_model

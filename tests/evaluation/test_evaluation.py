@@ -29,8 +29,8 @@ from pykeen_bess.evaluation import (
     ShardTableRows,
     choose_block_sizes,
 )
-from pykeen_bess.representation import ShardedEmbedding
-from pykeen_bess.sharding import EntitySharding
+from pykeen_bess.tables.representation import ShardedEmbedding
+from pykeen_bess.data.sharding import EntitySharding
 
 DATASETS = {"nations": Nations, "kinships": Kinships, "umls": UMLS}
 MODELS = {"DistMult": DistMult, "TransE": TransE, "ComplEx": ComplEx, "RotatE": RotatE}

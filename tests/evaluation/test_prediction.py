@@ -12,8 +12,8 @@ from pykeen.datasets import UMLS, Nations
 from pykeen.models import ComplEx, DistMult, ERModel, TransE
 
 from pykeen_bess.evaluation.prediction import predict_top_k
-from pykeen_bess.representation import ShardedEmbedding
-from pykeen_bess.sharding import EntitySharding
+from pykeen_bess.tables.representation import ShardedEmbedding
+from pykeen_bess.data.sharding import EntitySharding
 
 K = 7
 

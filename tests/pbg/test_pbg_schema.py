@@ -8,7 +8,7 @@ from typed_graphs import TYPES, typed_graph
 from pykeen.datasets import Nations
 
 from pykeen_bess.pbg import GraphSchema, TypedGraph, schema_of
-from pykeen_bess.sharding import EntitySharding, RandomSharding, TypedSharding
+from pykeen_bess.data.sharding import EntitySharding, RandomSharding, TypedSharding
 
 
 def test_ids_are_laid_out_type_by_type_partition_by_partition() -> None:

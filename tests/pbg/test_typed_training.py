@@ -15,10 +15,10 @@ from pykeen.training import TrainingCallback
 from typed_graphs import typed_graph
 
 from pykeen_bess import pbg
-from pykeen_bess.partition import ShardPairPartition
+from pykeen_bess.data.partition import ShardPairPartition
 from pykeen_bess.pbg import TypedGraph, files
-from pykeen_bess.sampling import StepSharedTypedBessSampler, TypedBessSampler, resolve_negatives
-from pykeen_bess.sharding import EntitySharding
+from pykeen_bess.data.sampling import StepSharedTypedBessSampler, TypedBessSampler, resolve_negatives
+from pykeen_bess.data.sharding import EntitySharding
 from pykeen_bess.training import BessTrainingLoop
 
 

@@ -9,14 +9,14 @@ from pykeen.losses import SoftplusLoss
 from pykeen.models import ComplEx, DistMult, PairRE, RotatE, TransE
 
 from pykeen_bess.distributed import LocalTopology
-from pykeen_bess.loss import block_loss
-from pykeen_bess.models import InterHT
-from pykeen_bess.partition import ShardPairPartition
-from pykeen_bess.representation import ShardedEmbedding
-from pykeen_bess.sampling import BessSampler, StepSharedBessSampler
+from pykeen_bess.nn.loss import block_loss
+from pykeen_bess.nn.models import InterHT
+from pykeen_bess.data.partition import ShardPairPartition
+from pykeen_bess.tables.representation import ShardedEmbedding
+from pykeen_bess.data.sampling import BessSampler, StepSharedBessSampler
 from pykeen_bess.schemes import choose_scheme, exchange_cost, resolve_scheme
 from pykeen_bess.scoring import get_scorer
-from pykeen_bess.sharding import EntitySharding
+from pykeen_bess.data.sharding import EntitySharding
 from reference import reference_scores
 
 MODELS = {

@@ -41,7 +41,7 @@ from torch.utils._pytree import tree_leaves
 
 from pykeen_bess import scoring
 from pykeen_bess.scoring import base as _scoring_base
-from pykeen_bess.interactions import InterHTInteraction, TranSInteraction
+from pykeen_bess.nn.interactions import InterHTInteraction, TranSInteraction
 from pykeen_bess.scoring import (
     BroadcastScorer,
     SharedCandidateScorer,

@@ -74,7 +74,7 @@ def test_a_single_process_refuses_a_distributed_checkpoint_through_pipeline(tmp_
 @pytest.mark.parametrize("new_shards", [1, 3, 4])
 def test_resharding_moves_every_row_wise_state(tmp_path: pathlib.Path, new_shards: int) -> None:
     """Tables and per-row optimizer state (Adam's ``[S, D]`` moments, row-wise Adagrad's ``[S]``) move with entities."""
-    from pykeen_bess.sharding import EntitySharding
+    from pykeen_bess.data.sharding import EntitySharding
     from pykeen_bess.training.checkpoint_files import reshard_rank_state, shard_file
 
     num_entities, seed, path = 10, 3, tmp_path / "ck.pt"

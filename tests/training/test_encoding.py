@@ -17,7 +17,7 @@ from pykeen.nn.modules import interaction_resolver
 from pykeen.triples.weights import RelationLossWeighter
 
 from pykeen_bess.distributed import LocalTopology
-from pykeen_bess.encoding import (
+from pykeen_bess.tables.encoding import (
     INNER_PRODUCT_INTERACTIONS,
     NORM_INTERACTIONS,
     ColumnNorm,
@@ -341,8 +341,8 @@ def test_a_column_part_refuses_to_answer_for_whole_rows(nations: Nations) -> Non
     """While it trains, a table of one column part cannot answer lookups of whole rows (no silent partial rows)."""
     from pykeen.nn.representation import Embedding
 
-    from pykeen_bess.representation import ShardedEmbedding
-    from pykeen_bess.sharding import EntitySharding
+    from pykeen_bess.tables.representation import ShardedEmbedding
+    from pykeen_bess.data.sharding import EntitySharding
 
     table = ShardedEmbedding(Embedding(max_id=14, shape=4), EntitySharding.create(14, 1, seed=0), (0,))
     table.column_part = 1  # type: ignore[assignment]  # as ColumnShardTables marks its tables

@@ -15,7 +15,7 @@ from pykeen.models import DistMult
 from pykeen.training import TrainingCallback
 from pykeen.triples import CoreTriplesFactory
 
-from pykeen_bess.sampling import DEFAULT_NEGATIVES, NEGATIVES, StepSharedBessSampler
+from pykeen_bess.data.sampling import DEFAULT_NEGATIVES, NEGATIVES, StepSharedBessSampler
 from pykeen_bess.training import BessTrainingLoop
 
 NUM_ENTITIES = 20_000

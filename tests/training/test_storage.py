@@ -21,7 +21,7 @@ from pykeen.triples import CoreTriplesFactory
 from pykeen_bess.storage import base as storage_base
 from pykeen_bess.storage import files as storage_files
 from pykeen_bess.evaluation import BessEvaluator
-from pykeen_bess.representation import ShardedEmbedding
+from pykeen_bess.tables.representation import ShardedEmbedding
 from pykeen_bess.storage import MmapStorage, make_storage
 from pykeen_bess.training import BessTrainingLoop
 
@@ -446,7 +446,7 @@ def test_mmap_anonymous_memory_does_not_grow_with_the_table(tmp_path) -> None:
 
 def test_large_stored_tables_are_initialised_chunk_by_chunk(nations, tmp_path, monkeypatch) -> None:
     """Above the full-draw limit host and file tables are drawn per chunk of rows: deterministic, tiers alike."""
-    import pykeen_bess.representation as representation
+    import pykeen_bess.tables.representation as representation
 
     monkeypatch.setattr(representation, "FULL_DRAW_BYTES", 0)
     monkeypatch.setattr(representation, "INITIALIZATION_CHUNK_ROWS", 2)

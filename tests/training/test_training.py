@@ -15,9 +15,9 @@ from pykeen.training import TrainingCallback
 from pykeen.training.training_loop import NonFiniteLossError
 from pykeen.triples import CoreTriplesFactory
 
-from pykeen_bess.partition import ShardPairPartition
-from pykeen_bess.sampling import NEGATIVES
-from pykeen_bess.sharding import EntitySharding
+from pykeen_bess.data.partition import ShardPairPartition
+from pykeen_bess.data.sampling import NEGATIVES
+from pykeen_bess.data.sharding import EntitySharding
 from pykeen_bess.training import BessTrainingLoop
 
 from reference import reference_scores
@@ -237,7 +237,7 @@ def test_pipeline_trains_a_sensible_model_and_saves_it(dataset: Nations, tmp_pat
     ],
 )
 def test_models_train(dataset: Nations, model: str, model_kwargs: dict) -> None:
-    from pykeen_bess.models import InterHT, TranS
+    from pykeen_bess.nn.models import InterHT, TranS
 
     model_cls = {"interht": InterHT, "trans": TranS}.get(model, model)
     result = pipeline(
@@ -552,8 +552,8 @@ def test_initial_tables_are_pykeens_and_do_not_depend_on_the_sharding(dataset: N
     """The shard tables start from exactly what PyKEEN's own initialisation draws from the table's seed."""
     from pykeen.models import model_resolver
 
-    from pykeen_bess.representation import INITIALIZATION_STREAM
-    from pykeen_bess.seeds import derive_seed
+    from pykeen_bess.tables.representation import INITIALIZATION_STREAM
+    from pykeen_bess.data.seeds import derive_seed
 
     tables = []
     for n_shard in (1, 3):

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch_max_mem.api import is_oom_error
 
-from .distributed import Topology
+from ..distributed import Topology
 
 __all__ = [
     "measure_peak",

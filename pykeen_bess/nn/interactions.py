@@ -4,7 +4,7 @@ Both represent an entity by two vectors (a main and an auxiliary one) and score 
 negative ``p``-norm of a translation in which the head is scaled by the tail's auxiliary vector
 and vice versa. Their fast shared-candidate scorers are
 :class:`pykeen_bess.scoring.InterHTScorer` and :class:`pykeen_bess.scoring.TranSScorer`; the models
-are :class:`pykeen_bess.models.InterHT` and :class:`pykeen_bess.models.TranS`.
+are :class:`pykeen_bess.nn.models.InterHT` and :class:`pykeen_bess.nn.models.TranS`.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class InterHTInteraction(_OffsetNormInteraction):
     .. note ::
 
         For equivalence to the paper (and to BESS-KGE), the four entity vectors should be
-        normalized to unit Euclidean length, as :class:`pykeen_bess.models.InterHT` does.
+        normalized to unit Euclidean length, as :class:`pykeen_bess.nn.models.InterHT` does.
 
     .. seealso:: https://github.com/destwang/InterHT
 
@@ -118,7 +118,7 @@ class TranSInteraction(_OffsetNormInteraction):
     .. note ::
 
         For equivalence to the paper (and to BESS-KGE), the four entity vectors should be
-        normalized to unit Euclidean length, as :class:`pykeen_bess.models.TranS` does.
+        normalized to unit Euclidean length, as :class:`pykeen_bess.nn.models.TranS` does.
 
     ---
     name: TranS

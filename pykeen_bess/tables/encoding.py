@@ -55,9 +55,9 @@ from pykeen.nn.representation import Embedding
 from pykeen.regularizers import LpRegularizer, NoRegularizer, PowerSumRegularizer, Regularizer
 from pykeen.utils import clamp_norm, complex_normalize, get_expected_norm
 
-from .interactions import InterHTInteraction, TranSInteraction
-from .scoring import SharedCandidateScorer, Side, get_scorer
-from .scoring.base import squared_modulus
+from ..nn.interactions import InterHTInteraction, TranSInteraction
+from ..scoring import SharedCandidateScorer, Side, get_scorer
+from ..scoring.base import squared_modulus
 
 __all__ = [
     "INNER_PRODUCT_INTERACTIONS",
@@ -377,7 +377,7 @@ def rows_from_columns(
 ) -> Any:
     """Redistribute a column-partitioned table to row shards: one all-to-all, each process gets whole rows.
 
-    :param table: this process' column part of the table (a :class:`~pykeen_bess.representation.ShardedEmbedding`
+    :param table: this process' column part of the table (a :class:`~pykeen_bess.tables.representation.ShardedEmbedding`
         holding all rows)
     :param embedding: the model's embedding of the table (whole rows: shape, constrainer, ...)
     :param sharding: the row sharding to build, one shard per process of ``topology``
@@ -385,7 +385,7 @@ def rows_from_columns(
     :param seed: the run's seed
     :param table_index: the table's position among the entity representations
     :param split: the column split
-    :returns: a :class:`~pykeen_bess.representation.ShardedEmbedding` of this process' row shard, whole rows
+    :returns: a :class:`~pykeen_bess.tables.representation.ShardedEmbedding` of this process' row shard, whole rows
     """
     from .representation import ShardedEmbedding
 

@@ -1,4 +1,4 @@
-"""The row rules of :class:`~pykeen_bess.optim.BessOptimizer`: lazy Adam, Adagrad, row-wise Adagrad and SGD on rows.
+"""The row rules of :class:`~pykeen_bess.tables.optim.BessOptimizer`: lazy Adam, Adagrad, row-wise Adagrad, SGD.
 
 A rule takes the rows ``[U, *]`` of a table, their gradient, the rows of its state tensors and
 the step count, and returns the new rows and state rows; it never sees the table itself, so the
@@ -131,7 +131,7 @@ def _rowwise_adagrad(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Row-wise Adagrad on rows ``[U, ...]`` (state ``sum``: ``[U]``); without rows (0-1 dimensions) plain Adagrad.
 
-    ``weight`` itself is left unchanged (:class:`~pykeen_bess.optim.RowwiseAdagrad` passes a dense
+    ``weight`` itself is left unchanged (:class:`~pykeen_bess.tables.optim.RowwiseAdagrad` passes a dense
     parameter here and copies the result in).
     """
     if group["maximize"]:

@@ -1,10 +1,10 @@
 """The data of one BESS step, shared by the stages: the plan, the gathered rows, the scores.
 
-* :class:`BessBatch`: the global plan of a step (drawn by :mod:`~pykeen_bess.sampling`, identical
+* :class:`BessBatch`: the global plan of a step (drawn by :mod:`~pykeen_bess.data.sampling`, identical
   in every process);
 * :class:`RowGather`: the entity rows a process needs for the step, as autograd leaves (built by
   an exchange scheme, :mod:`~pykeen_bess.schemes`);
-* :class:`BlockScores`: the scores of the local blocks (from the scheme, for :mod:`~pykeen_bess.loss`);
+* :class:`BlockScores`: the scores of the local blocks (from the scheme, for :mod:`~pykeen_bess.nn.loss`);
 * :class:`RegularizationWeights`: how PyKEEN's sLCWA loop weighs each looked-up row in the
   regularization term (:func:`regularization_weights`);
 * :class:`EpochPlan`: the plans of consecutive steps stacked along a step axis, and
@@ -65,7 +65,7 @@ class BessBatch:
     #: 0 for padding); None: unweighted
     weights: torch.Tensor | None = None
     #: whether all blocks of the step share one set of negatives (``negatives[:, i, j]`` equal for all
-    #: ``(i, j)``, :class:`~pykeen_bess.sampling.StepSharedBessSampler`): the schemes then gather, move
+    #: ``(i, j)``, :class:`~pykeen_bess.data.sampling.StepSharedBessSampler`): the schemes then gather, move
     #: and score the ``K`` rows once for the whole step
     shared_negatives: bool = False
 
@@ -217,7 +217,7 @@ def regularization_weights(batch: BessBatch, start: int = 0, stop: int | None = 
 class EpochPlan:
     """The plans of consecutive steps of an epoch, stacked along a leading step axis ``S`` (on the CPU).
 
-    Step ``s`` of the plan is :class:`~pykeen_bess.batch.BessBatch` ``first_step + s``; the fields are
+    Step ``s`` of the plan is :class:`~pykeen_bess.data.batch.BessBatch` ``first_step + s``; the fields are
     those of a batch with the step axis in front (:meth:`batch`).
     """
 

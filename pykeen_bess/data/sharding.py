@@ -12,7 +12,7 @@ Relations are not sharded (they are replicated on every worker).
 How entities are dealt to shards is a :class:`ShardingStrategy` (one class per strategy):
 :class:`RandomSharding` (the permutation above), :class:`BalancedSharding` (the training loop's
 default: the permutation above, then a few swaps of entities between shards until the ``n ** 2``
-shardpairs hold about equally many training triples, see :mod:`pykeen_bess.balancing`) and
+shardpairs hold about equally many training triples, see :mod:`pykeen_bess.data.balancing`) and
 :class:`TypedSharding` (graphs with entity types, :mod:`pykeen_bess.pbg`): every shard holds an
 equal share of every entity type, its rows grouped type by type, or, with as many shards as the
 graph has partitions, shard ``k`` is partition ``k`` of every type (PyTorch-BigGraph's layout).
@@ -78,10 +78,10 @@ class RandomSharding(ShardingStrategy):
 class BalancedSharding(ShardingStrategy):
     """:class:`RandomSharding`'s permutation, then swaps until the shardpairs hold equally many triples.
 
-    An epoch has as many steps as the largest shardpair needs (:mod:`pykeen_bess.sampling`); with a
+    An epoch has as many steps as the largest shardpair needs (:mod:`pykeen_bess.data.sampling`); with a
     random permutation, hub entities make some shardpairs several percent larger than the mean,
     and the other shardpairs' slots of the extra steps are padding. The swaps
-    (:func:`~pykeen_bess.balancing.balance_shards`) keep every shard's size; within a shard the
+    (:func:`~pykeen_bess.data.balancing.balance_shards`) keep every shard's size; within a shard the
     entities keep the permutation's order.
     """
 
@@ -343,7 +343,7 @@ def resolve_sharding(hint: Any, schema: Any, factory: Any) -> ShardingStrategy:
     """Return the sharding strategy of a loop.
 
     :param hint: ``"balanced"`` (the default: shardpairs with equally many training triples),
-        ``"random"`` (a random permutation), a :class:`~pykeen_bess.sharding.ShardingStrategy`, or None
+        ``"random"`` (a random permutation), a :class:`~pykeen_bess.data.sharding.ShardingStrategy`, or None
     :param schema: the graph schema of a typed graph (:class:`~pykeen_bess.pbg.schema.GraphSchema`: sharded by
         type through its ``sharding_strategy()``; only None or a strategy allowed), or None
     :param factory: the training triples (balanced: their shardpairs)

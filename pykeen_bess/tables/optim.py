@@ -33,8 +33,8 @@ learning-rate schedulers, ``state_dict`` / ``load_state_dict`` and PyKEEN's chec
 unchanged; its parameter groups are the dense groups followed by one group of shard tables.
 
 Each rule is one function of a step's rows ``[U, W]``, their gradient, the rows of the rule's
-state tensors, the hyper-parameters and the step count (module :mod:`pykeen_bess.row_rules`:
-:data:`~pykeen_bess.row_rules.RULES`, state tensors by :func:`state_shapes`).
+state tensors, the hyper-parameters and the step count (module :mod:`pykeen_bess.tables.row_rules`:
+:data:`~pykeen_bess.tables.row_rules.RULES`, state tensors by :func:`state_shapes`).
 :class:`BessOptimizer` reads those rows from the table's storage tier (:mod:`pykeen_bess.storage`:
 the device, host memory or files) as copies the rule may update in place, applies the rule on the
 compute device and writes rows and state back, so every tier runs the same arithmetic. Lazy Adam
@@ -53,7 +53,7 @@ import torch
 from torch.optim import SGD, Adagrad, Adam, Optimizer, SparseAdam
 
 from .row_rules import RULES, _rowwise_adagrad, count_step, state_shapes
-from .storage import DeviceStorage, HeldTable, TableStorage
+from ..storage import DeviceStorage, HeldTable, TableStorage
 
 __all__ = [
     "RULES",
@@ -65,7 +65,7 @@ __all__ = [
 
 
 class StoredTable(HeldTable, Protocol):
-    """A shard table as the row rules see it (:class:`~pykeen_bess.representation.ShardedEmbedding`).
+    """A shard table as the row rules see it (:class:`~pykeen_bess.tables.representation.ShardedEmbedding`).
 
     Its rows, row state and gradient are where its tier keeps them (:class:`~pykeen_bess.storage.HeldTable`).
     """

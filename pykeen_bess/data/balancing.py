@@ -1,6 +1,6 @@
 """Stage 1 variant: a random sharding refined until its shardpairs hold equal numbers of triples.
 
-An epoch of BESS has ``ceil(max_pair_count / block_size)`` steps (:mod:`pykeen_bess.sampling`):
+An epoch of BESS has ``ceil(max_pair_count / block_size)`` steps (:mod:`pykeen_bess.data.sampling`):
 the largest of the ``n ** 2`` shardpairs sets the number of steps, and the slots that the smaller
 shardpairs cannot fill are padding, computed and thrown away. With a random sharding, hub
 entities make some shardpairs several percent larger than the mean ``T / n ** 2``: on WN18RR with

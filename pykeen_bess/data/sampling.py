@@ -10,7 +10,7 @@ that runs out of triples (a small or empty one) fills its remaining slots with *
 marked ``valid = False`` and excluded from the loss, so small shardpairs are neither
 over-sampled nor able to crash a step. With a random entity sharding, hub entities make some
 shardpairs several percent larger than ``T / n**2`` (8% padding on WN18RR with 4 shards); the
-default balanced sharding (:mod:`pykeen_bess.balancing`) evens them to within 0.3%. The
+default balanced sharding (:mod:`pykeen_bess.data.balancing`) evens them to within 0.3%. The
 fraction is reported by :attr:`BessSampler.padding_fraction`.
 
 **Negatives.** The sampler draws ``num_negs_per_pos / n_shard`` entities uniformly with
@@ -35,7 +35,7 @@ and they reproduce BESS's published scheme.
 **Typed negatives** (:class:`TypedBessSampler`, ``negatives="typed"``, graphs with entity types,
 :mod:`pykeen_bess.pbg`): a slot's negatives have the type of its corrupted side (a relation's head or
 tail type). For every block and every candidate type ``t`` each shard contributes ``m`` entities of
-type ``t`` (the shards hold an equal share of every type, :class:`~pykeen_bess.sharding.TypedSharding`),
+type ``t`` (the shards hold an equal share of every type, :class:`~pykeen_bess.data.sharding.TypedSharding`),
 and the block's slots of that type share them: a block draws ``T * m`` per shard and every slot is
 scored against the ``K = n * m`` of its type.
 
@@ -101,7 +101,7 @@ class BessSampler:
         :param corruption: ``"h"``, ``"t"`` or ``"ht"``
         :param seed: the seed; the plan of epoch ``e`` depends only on ``(seed, e)``
         :param weights: shape: ``[T]``, the loss weight of every triple in partition order (a PyKEEN
-            loss weighter's, see :func:`pykeen_bess.loss.partition_weights`); None: unweighted
+            loss weighter's, see :func:`pykeen_bess.nn.loss.partition_weights`); None: unweighted
         :raises ValueError: on invalid parameters
         """
         n = partition.n_shard
@@ -313,7 +313,7 @@ class TypedBessSampler(BessSampler):
     """Typed negatives: every slot's negatives have its corrupted side's entity type.
 
     Needs a sharding whose shards hold every type's rows grouped type by type
-    (:class:`~pykeen_bess.sharding.TypedSharding`): shard ``k``'s rows of type ``t`` are the local ids
+    (:class:`~pykeen_bess.data.sharding.TypedSharding`): shard ``k``'s rows of type ``t`` are the local ids
     ``offset[k, t] .. offset[k, t] + count[k, t] - 1``.
     """
 

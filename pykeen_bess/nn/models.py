@@ -150,7 +150,7 @@ class InterHT(_TwoVectorEntityModel):
     Entities are represented by a main and an auxiliary vector $\mathbf{e}, \mathbf{e}_a \in \mathbb{R}^d$,
     both normalised to unit L2 length, relations by a vector $\mathbf{r} \in \mathbb{R}^d$, all stored
     in :class:`~pykeen.nn.representation.Embedding` matrices. The representations are passed to
-    :class:`~pykeen_bess.interactions.InterHTInteraction`:
+    :class:`~pykeen_bess.nn.interactions.InterHTInteraction`:
 
     .. math::
 
@@ -182,7 +182,7 @@ class TranS(_TwoVectorEntityModel):
     both normalised to unit L2 length, relations by three vectors
     $\mathbf{r}, \bar{\mathbf{r}}, \hat{\mathbf{r}} \in \mathbb{R}^d$, all stored in
     :class:`~pykeen.nn.representation.Embedding` matrices. The representations are passed to
-    :class:`~pykeen_bess.interactions.TranSInteraction`:
+    :class:`~pykeen_bess.nn.interactions.TranSInteraction`:
 
     .. math::
 

@@ -121,7 +121,7 @@ class RetainFreedMemory(HostAllocator):
         else:
             logger.info(
                 "host allocator: blocks below %d MiB from glibc's heap, up to %d MiB of freed memory kept there "
-                "(pykeen_bess.allocator; host_allocator=None leaves the allocator alone)",
+                "(pykeen_bess.runtime.allocator; host_allocator=None leaves the allocator alone)",
                 self.mmap_threshold // 2**20,
                 self.trim_threshold // 2**20,
             )

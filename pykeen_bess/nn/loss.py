@@ -11,7 +11,7 @@ whole step), so that the values of all processes and all sub-batches add up to t
 step, and the gradients to the gradient of that mean.
 
 **Loss weights.** With a PyKEEN loss weighter (``training_loop_kwargs=dict(loss_weighter=...)``)
-every positive carries a weight (:attr:`~pykeen_bess.batch.BessBatch.weights`), passed to the loss
+every positive carries a weight (:attr:`~pykeen_bess.data.batch.BessBatch.weights`), passed to the loss
 as PyKEEN's sLCWA loop does (``pos_weights``; its negatives weigh the same, ``neg_weights``, see
 :func:`partition_weights`). PyKEEN's adversarial losses (NSSA) refuse weights, so this module adds
 :class:`WeightedNSSALoss` (``loss="weightednssa"``), which weights a positive's whole term (its own
@@ -39,8 +39,8 @@ from pykeen.triples.weights import LossWeighter, RelationLossWeighter
 from pykeen.typing import BoolTensor, FloatTensor, LongTensor, MappedTriples
 from torch.nn import functional
 
-from .batch import BlockScores
-from .partition import ShardPairPartition
+from ..data.batch import BlockScores
+from ..data.partition import ShardPairPartition
 
 __all__ = [
     "SubsamplingLossWeighter",

@@ -33,10 +33,10 @@ from pykeen.nn.init import PretrainedInitializer
 from pykeen.nn.representation import Embedding, Representation
 from torch import nn
 
-from .seeds import derive_seed
-from .sharding import EntitySharding
-from .storage import DeviceStorage, TableStorage
-from .storage.state_dict import add_stored_table, load_stored_table
+from ..data.seeds import derive_seed
+from ..data.sharding import EntitySharding
+from ..storage import DeviceStorage, TableStorage
+from ..storage.state_dict import add_stored_table, load_stored_table
 
 __all__ = [
     "ShardedEmbedding",
@@ -46,7 +46,7 @@ __all__ = [
 ]
 
 
-#: the purpose key of the initial values' random stream (see :func:`~pykeen_bess.seeds.derive_seed`)
+#: the purpose key of the initial values' random stream (see :func:`~pykeen_bess.data.seeds.derive_seed`)
 INITIALIZATION_STREAM = 1
 #: tables in host memory or files larger than this (as a full table) are initialised chunk by chunk
 FULL_DRAW_BYTES = 1 << 30
@@ -119,7 +119,7 @@ class ShardedEmbedding(Representation):
         #: the table's name among the tensors of its tier (file names of ``storage="mmap"``)
         self.label = f"table{self.table_index}.shards{first}-{last}-of{sharding.n_shard}{label_suffix}"
         shape = (self.n_local * sharding.shard_size, self.row_width)
-        #: the row rule's state of a table outside the model (see :class:`pykeen_bess.optim.StoredTable`)
+        #: the row rule's state of a table outside the model (see :class:`pykeen_bess.tables.optim.StoredTable`)
         self.row_state: dict[str, torch.Tensor] = {}
         #: the row-sparse gradient of a table outside the model (see :attr:`gradient`)
         self.stored_gradient: torch.Tensor | None = None
@@ -239,7 +239,7 @@ class ShardedEmbedding(Representation):
         (:func:`~pykeen_bess.distributed.lookup.lookup_entities` with the variant :attr:`token_lookup`):
         every rank must call it, each with its own ids.
         """
-        from .distributed.lookup import lookup_entities
+        from ..distributed.lookup import lookup_entities
 
         if indices is None:
             indices = torch.arange(self.max_id)
