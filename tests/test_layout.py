@@ -157,3 +157,20 @@ def test_the_process_layer_imports_nothing_else_of_the_package() -> None:
         if not target.startswith("pykeen_bess.distributed")
     }
     assert outside == set()
+
+
+def test_former_module_names_import_the_moved_modules() -> None:
+    """Code and pickled models of earlier versions name modules that moved into the layers' folders."""
+    import importlib
+    import pickle
+
+    import pykeen_bess
+    from pykeen_bess.tables.representation import ShardedEmbedding
+
+    for old, new in pykeen_bess._MOVED_MODULES.items():
+        assert importlib.import_module(old) is importlib.import_module(new)
+    data = pickle.dumps(ShardedEmbedding, protocol=2)
+    old = data.replace(b"pykeen_bess.tables.representation\n", b"pykeen_bess.representation\n")
+    assert old != data and pickle.loads(old) is ShardedEmbedding
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("pykeen_bess.no_such_module")
