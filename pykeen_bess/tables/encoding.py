@@ -68,6 +68,7 @@ __all__ = [
     "SeparableScoring",
     "check_encoding_model",
     "column_embedding",
+    "columns_from_rows",
     "rows_from_columns",
     "slice_columns",
 ]
@@ -402,3 +403,31 @@ def rows_from_columns(
         pieces = [received[part, :, : size * inner] for part, size in enumerate(split.sizes)]
         rows.weight.copy_(torch.cat(pieces, dim=-1).to(rows.weight))
     return rows
+
+
+def columns_from_rows(table: Any, rows: Any, topology: Any, split: ColumnSplit, part: int) -> None:
+    """Fill this process' column part of a table from row shards: the inverse of :func:`rows_from_columns`.
+
+    :param table: this process' column part of the table (a :class:`~pykeen_bess.tables.representation.ShardedEmbedding`
+        holding all rows), written in place
+    :param rows: this process' row shard of the whole rows (what :func:`rows_from_columns` returned)
+    :param topology: the token topology of the row shards (the process of shard ``k`` holds column part ``k``)
+    :param split: the column split
+    :param part: the column part of this process
+    """
+    ids = rows.sharding.shard_entities  # [c, S]: the rows of every shard (process)
+    inner = rows.row_width // split.dim
+    width = max(split.sizes) * inner
+    with torch.no_grad():
+        whole = rows.weight.detach().view(rows.weight.shape[0], split.dim, inner)
+        pieces = []
+        for column in range(split.n_part):
+            start, stop = split.bounds(column)
+            piece = whole[:, start:stop].reshape(whole.shape[0], -1)
+            pieces.append(torch.nn.functional.pad(piece, (0, width - piece.shape[-1])))
+        received = topology.all_to_all(torch.stack(pieces).unsqueeze(0))[0]  # [c (row shard), S, width]
+        start, stop = split.bounds(part)
+        held = ids >= 0
+        target = table.entity_rows[ids[held]]
+        values = received[:, :, : (stop - start) * inner][held.to(received.device)]
+        table.weight[target.to(table.weight.device)] = values.to(table.weight)

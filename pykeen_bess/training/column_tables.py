@@ -22,7 +22,8 @@ from pykeen.models import ERModel
 from pykeen.nn.representation import Embedding
 
 from ..distributed import Topology
-from ..tables.encoding import ColumnSplit, check_encoding_model, column_embedding, rows_from_columns
+from ..tables.encoding import ColumnSplit, check_encoding_model, column_embedding, columns_from_rows, rows_from_columns
+from ..tables.representation import ShardedEmbedding
 from ..tables.optim import BessOptimizer, RowwiseAdagrad
 from ..data.sharding import EntitySharding
 from ..storage import TableStorage
@@ -100,14 +101,35 @@ class ColumnShardTables(ShardTables):
             )
         return super().make_optimizer(optimizer_cls, hyperparameters, sparse_updates)
 
-    def install(self, copy_weights: bool) -> None:  # noqa: D102
-        if copy_weights:
-            raise ValueError(
-                "continue_training with partition='encoding' over several processes is not supported: after "
-                "training the model holds row shards. Export it (pykeen_bess.distributed.export_model) and train "
-                "the loaded model, or train with partition='token'."
-            )
-        super().install(copy_weights)
+    def install(self, copy_weights: bool) -> None:
+        """Swap in the column parts; continued training first fills them from the model's current tables.
+
+        After a training the model holds row shards (see :meth:`uninstall`): one all-to-all moves every
+        process' rows' coordinates to the parts (:func:`~pykeen_bess.tables.encoding.columns_from_rows`).
+        A model with whole tables (never trained here) gives each process its part's coordinates.
+
+        :raises ValueError: for a model whose entity representations are neither
+        """
+        if not copy_weights or self.is_installed:
+            super().install(copy_weights)
+            return
+        for index, table in enumerate(self.tables):
+            current = self.model.entity_representations[index]
+            if isinstance(current, ShardedEmbedding) and not current.holds_all_shards:
+                columns_from_rows(table, current, current.topology, self.split, self.part)
+            elif current is self.embeddings[index] and current._embeddings.weight.shape[0] == current.max_id:
+                start, stop = self.split.bounds(self.part)
+                whole = current._embeddings.weight.detach()
+                whole = torch.view_as_real(whole) if whole.is_complex() else whole
+                part = whole.reshape(whole.shape[0], self.split.dim, -1)[:, start:stop]
+                table.copy_from_tensor(part.reshape(whole.shape[0], -1))
+            else:
+                raise ValueError(
+                    f"continue_training with partition='encoding' over several processes continues the row shards "
+                    f"of this loop's last training; entity representation {index} is a {type(current).__name__}."
+                )
+        super().install(copy_weights=False)
+        self.now_hold_weights()  # the column parts hold the weights again
 
     def now_hold_weights(self) -> None:  # noqa: D102
         if self.hold_weights:

@@ -88,6 +88,15 @@ def train(loop: BessTrainingLoop, scenario: dict[str, Any]) -> list[float]:
         callbacks=recorder,
         gradient_clipping_max_norm=scenario.get("gradient_clipping_max_norm"),
     )
+    if "continue_to" in scenario:  # continued training: PyKEEN's num_epochs counts all epochs
+        loop.train(
+            DATASET.training,
+            num_epochs=scenario["continue_to"],
+            batch_size=scenario.get("batch_size", 200),
+            use_tqdm=False,
+            callbacks=recorder,
+            continue_training=True,
+        )
     return recorder.losses
 
 

@@ -34,6 +34,8 @@ SCENARIOS: dict[int, dict[str, dict[str, Any]]] = {
         "RESCAL-lookup": dict(model="RESCAL"),
         "DistMult-lookup": dict(model="DistMult", exchange="encoding_lookup", sub_batch_size=30),
         "TransE-plain-lookup": dict(model="TransE-plain", exchange="encoding_lookup"),
+        # continue_training: the row shards of the first training become column parts again
+        "continued": dict(model="DistMult", continue_to=3),
         "checkpoint": dict(model="DistMult", error=dict(checkpoint_name="x.pt")),
         "rowwise": dict(model="DistMult", optimizer="rowwise_adagrad", error={}),
         "storage": dict(model="DistMult", storage="host", error={}),
