@@ -52,7 +52,7 @@ from typing import Any, Protocol
 import torch
 from torch.optim import SGD, Adagrad, Adam, Optimizer, SparseAdam
 
-from .row_rules import RULES, _rowwise_adagrad, count_step, state_shapes
+from .row_rules import RULES, WHOLE_ROW_RULES, _rowwise_adagrad, count_step, state_shapes
 from ..storage import DeviceStorage, HeldTable, TableStorage
 
 __all__ = [
@@ -76,6 +76,9 @@ class StoredTable(HeldTable, Protocol):
     gradient: torch.Tensor | None
     #: shape: ``[U, W]``, the current values of the rows the gradient touches, if already read (else None)
     touched_values: torch.Tensor | None
+
+    def row_mean(self, x: torch.Tensor) -> torch.Tensor:
+        """Return the mean of every row's entries ``[U, W] -> [U]`` over whole rows."""
 
 
 class RowwiseAdagrad(Optimizer):
@@ -315,7 +318,8 @@ class BessOptimizer(Optimizer):
         cached = table.touched_values if table is not None else None
         old = cached if cached is not None else storage.read(weight, rows)
         state_rows = {name: storage.read(row_state[name], rows) for name in shapes}
-        new, new_state = RULES[rule](old, values, state_rows, group, step)
+        whole_rows = {"row_mean": table.row_mean} if table is not None and rule in WHOLE_ROW_RULES else {}
+        new, new_state = RULES[rule](old, values, state_rows, group, step, **whole_rows)
         constraint = self._row_constraints.get(id(param))
         if constraint is not None:
             new = constraint(new)

@@ -63,6 +63,7 @@ class ShardedEmbedding(Representation):
     weight: torch.Tensor
     # defaults of attributes that tables pickled by earlier versions lack
     column_part: int | None = None
+    whole_width: int | None = None
     whole_embedding: Embedding | None = None
     stored_gradient: torch.Tensor | None = None
 
@@ -167,10 +168,28 @@ class ShardedEmbedding(Representation):
 
     # -- layout ------------------------------------------------------------------------------
 
-    def hold_column_part(self, part: int, whole_embedding: Embedding) -> None:
-        """Mark the table as column part ``part`` of every row of ``whole_embedding`` (the encoding partition)."""
+    def hold_column_part(self, part: int, whole_embedding: Embedding, whole_width: int) -> None:
+        """Mark the table as column part ``part`` of every row of ``whole_embedding`` (the encoding partition).
+
+        :param part: the column part
+        :param whole_embedding: the model's embedding of whole rows
+        :param whole_width: the stored width of a whole row (this part's :attr:`row_width` and the others')
+        """
         self.column_part = int(part)
+        self.whole_width = int(whole_width)
         object.__setattr__(self, "whole_embedding", whole_embedding)  # not a submodule: its parameters are not ours
+
+    def row_mean(self, x: torch.Tensor) -> torch.Tensor:
+        """Return the mean of every row's entries ``[U, *] -> [U]`` over whole rows.
+
+        A column part sums its entries, adds the other parts' sums (a collective of the column parts:
+        every process must call it with the same rows) and divides by the whole row's width.
+        """
+        dims = tuple(range(1, x.dim()))
+        if self.column_part is None:
+            return x.mean(dim=dims)
+        topology = self.topology
+        return topology.column_sum(x.sum(dim=dims).unsqueeze(0)) / self.whole_width
 
     def owned_rows(self, rows: torch.Tensor | slice) -> torch.Tensor:
         """Return flat local rows ``[U, row_width]`` on the compute device, differentiable for a parameter."""

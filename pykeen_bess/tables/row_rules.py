@@ -127,19 +127,25 @@ def _adagrad(
 
 
 def _rowwise_adagrad(
-    weight: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor], group: Mapping[str, Any], step: float
+    weight: torch.Tensor,
+    grad: torch.Tensor,
+    state: dict[str, torch.Tensor],
+    group: Mapping[str, Any],
+    step: float,
+    row_mean: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Row-wise Adagrad on rows ``[U, ...]`` (state ``sum``: ``[U]``); without rows (0-1 dimensions) plain Adagrad.
 
     ``weight`` itself is left unchanged (:class:`~pykeen_bess.tables.optim.RowwiseAdagrad` passes a dense
-    parameter here and copies the result in).
+    parameter here and copies the result in). ``row_mean`` (``[U, ...] -> [U]``, default: the mean over
+    each row's entries) is a column part's mean over its whole rows.
     """
     if group["maximize"]:
         grad = -grad
     squared = grad * grad
     row_wise = weight.dim() >= 2
     if row_wise:
-        squared = squared.mean(dim=tuple(range(1, grad.dim())))
+        squared = row_mean(squared) if row_mean is not None else squared.mean(dim=tuple(range(1, grad.dim())))
     squares = state["sum"].add_(squared)  # the rule's own copy of the state rows
     std = squares.sqrt().add_(group["eps"])
     if row_wise:
@@ -153,6 +159,9 @@ def _sgd(
     """Plain SGD on rows."""
     return weight.add(grad, alpha=group["lr"] if group["maximize"] else -group["lr"]), {}
 
+
+#: the rules whose state is one value per whole row (they take the table's ``row_mean``)
+WHOLE_ROW_RULES = frozenset({"rowwise_adagrad"})
 
 #: the row rules by name
 RULES: dict[str, Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]] = {

@@ -89,15 +89,17 @@ class ColumnShardTables(ShardTables):
         self.embeddings = list(embeddings)  # the model's own (whole rows): installed, released, restored
         self.seed = seed
         for table, embedding in zip(self.tables, self.embeddings):
-            table.hold_column_part(self.part, embedding)
+            table.hold_column_part(
+                self.part, embedding, table.row_width * self.split.dim // self.split.sizes[self.part]
+            )
 
     def make_optimizer(  # noqa: D102
         self, optimizer_cls: type[torch.optim.Optimizer], hyperparameters: dict, sparse_updates: bool
     ) -> BessOptimizer:
-        if issubclass(optimizer_cls, RowwiseAdagrad):
+        if issubclass(optimizer_cls, RowwiseAdagrad) and not sparse_updates:
             raise ValueError(
                 "RowwiseAdagrad keeps one accumulator per whole row, which partition='encoding' splits over "
-                "processes; use Adam, Adagrad or SGD, or partition='token'."
+                "processes: its row-sparse updates sum the parts' squares (sparse_updates=True), dense ones cannot."
             )
         return super().make_optimizer(optimizer_cls, hyperparameters, sparse_updates)
 

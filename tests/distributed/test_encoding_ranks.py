@@ -37,7 +37,9 @@ SCENARIOS: dict[int, dict[str, dict[str, Any]]] = {
         # continue_training: the row shards of the first training become column parts again
         "continued": dict(model="DistMult", continue_to=3),
         "checkpoint": dict(model="DistMult", error=dict(checkpoint_name="x.pt")),
-        "rowwise": dict(model="DistMult", optimizer="rowwise_adagrad", error={}),
+        # one accumulator per whole row: the parts' squares summed over the processes
+        "rowwise": dict(model="DistMult", optimizer="rowwise_adagrad"),
+        "rowwise-complex": dict(model="ComplEx", optimizer="rowwise_adagrad", continue_to=3),
         "storage": dict(model="DistMult", storage="host", error={}),
         "not-separable": dict(model="DistMult", partition="encoding", exchange="score", error={}),
     },
@@ -126,7 +128,6 @@ def test_unsupported_settings_fail_before_training(ranks: tuple[int, dict[str, A
         pytest.skip("checked on 2 ranks")
     messages = {
         "checkpoint": "does not support checkpoints or early stopping",
-        "rowwise": "RowwiseAdagrad keeps one accumulator per whole row",
         "storage": "keeps its column parts on the device",
         "not-separable": "works on the 'token' partition",
     }
