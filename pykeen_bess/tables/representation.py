@@ -39,6 +39,7 @@ from ..storage import DeviceStorage, TableStorage
 from ..storage.state_dict import add_stored_table, load_stored_table
 
 __all__ = [
+    "ColumnPart",
     "ShardedEmbedding",
     "constrain_all_rows",
     "draw_full_table",
@@ -54,17 +55,53 @@ FULL_DRAW_BYTES = 1 << 30
 INITIALIZATION_CHUNK_ROWS = 1 << 20
 
 
-class ShardedEmbedding(Representation):
+class ColumnPart:
+    """The column-part state of a shard table: which part of every row it holds (the encoding partition).
+
+    A base class of :class:`ShardedEmbedding`; a table of whole rows keeps the defaults (None).
+    """
+
+    #: the column part of every row that the table holds (the encoding partition over processes); None: whole rows
+    column_part: int | None = None
+    #: the stored width of a whole row (this part's width and the others'), for a column part
+    whole_width: int | None = None
+    #: for a column part: the model's embedding of whole rows (its shape, normalizer, ...; not a submodule)
+    whole_embedding: Embedding | None = None
+    #: the process topology of the table (a column part's: its column sums)
+    topology: Any
+
+    def hold_column_part(self, part: int, whole_embedding: Embedding, whole_width: int) -> None:
+        """Mark the table as column part ``part`` of every row of ``whole_embedding`` (the encoding partition).
+
+        :param part: the column part
+        :param whole_embedding: the model's embedding of whole rows
+        :param whole_width: the stored width of a whole row (this part's :attr:`row_width` and the others')
+        """
+        self.column_part = int(part)
+        self.whole_width = int(whole_width)
+        object.__setattr__(self, "whole_embedding", whole_embedding)  # not a submodule: its parameters are not ours
+
+    def row_mean(self, x: torch.Tensor) -> torch.Tensor:
+        """Return the mean of every row's entries ``[U, *] -> [U]`` over whole rows.
+
+        A column part sums its entries, adds the other parts' sums (a collective of the column parts:
+        every process must call it with the same rows) and divides by the whole row's width.
+        """
+        dims = tuple(range(1, x.dim()))
+        if self.column_part is None:
+            return x.mean(dim=dims)
+        topology = self.topology
+        return topology.column_sum(x.sum(dim=dims).unsqueeze(0)) / self.whole_width
+
+
+class ShardedEmbedding(ColumnPart, Representation):
     """An entity embedding stored as the tables of the local shards."""
 
     #: shape: ``[num_entities]``, the flat local row of every global entity, -1 where it is not held here
     entity_rows: torch.Tensor
     #: shape: ``[L * shard_size, row_width]``, the table (a parameter of the model, or a tensor of its storage tier)
     weight: torch.Tensor
-    # defaults of attributes that tables pickled by earlier versions lack
-    column_part: int | None = None
-    whole_width: int | None = None
-    whole_embedding: Embedding | None = None
+    #: the row-sparse gradient of a table outside the model (a default: tables pickled earlier lack it)
     stored_gradient: torch.Tensor | None = None
 
     def __init__(
@@ -154,12 +191,6 @@ class ShardedEmbedding(Representation):
         # the embedding this table replaces (not a submodule: its parameters are not the model's)
         self.base_embedding: Embedding
         object.__setattr__(self, "base_embedding", base)
-        #: the column part of every row that this table holds (the encoding partition over processes, see
-        #: :meth:`hold_column_part`); None: whole rows
-        self.column_part: int | None = None
-        #: for a column part: the model's embedding of whole rows (its shape, normalizer, ...; not a submodule)
-        self.whole_embedding: Embedding | None
-        object.__setattr__(self, "whole_embedding", None)
         #: the process topology of the shards (set by the training loop; not pickled); None: the default one
         self.topology: Any = None
         #: how rows held by other processes are looked up (``"routed"`` or ``"gathered"``, see
@@ -167,29 +198,6 @@ class ShardedEmbedding(Representation):
         self.token_lookup = "routed"
 
     # -- layout ------------------------------------------------------------------------------
-
-    def hold_column_part(self, part: int, whole_embedding: Embedding, whole_width: int) -> None:
-        """Mark the table as column part ``part`` of every row of ``whole_embedding`` (the encoding partition).
-
-        :param part: the column part
-        :param whole_embedding: the model's embedding of whole rows
-        :param whole_width: the stored width of a whole row (this part's :attr:`row_width` and the others')
-        """
-        self.column_part = int(part)
-        self.whole_width = int(whole_width)
-        object.__setattr__(self, "whole_embedding", whole_embedding)  # not a submodule: its parameters are not ours
-
-    def row_mean(self, x: torch.Tensor) -> torch.Tensor:
-        """Return the mean of every row's entries ``[U, *] -> [U]`` over whole rows.
-
-        A column part sums its entries, adds the other parts' sums (a collective of the column parts:
-        every process must call it with the same rows) and divides by the whole row's width.
-        """
-        dims = tuple(range(1, x.dim()))
-        if self.column_part is None:
-            return x.mean(dim=dims)
-        topology = self.topology
-        return topology.column_sum(x.sum(dim=dims).unsqueeze(0)) / self.whole_width
 
     def owned_rows(self, rows: torch.Tensor | slice) -> torch.Tensor:
         """Return flat local rows ``[U, row_width]`` on the compute device, differentiable for a parameter."""
