@@ -56,6 +56,13 @@ _MOVED_MODULES = {
     }.items()
     for name in names
 }
+# the state-dict hooks of shard tables outside the model (named by pickled models) and the file helpers
+_MOVED_MODULES.update(
+    {
+        f"{__name__}.stored_tables": f"{__name__}.storage.state_dict",
+        f"{__name__}.mapped_files": f"{__name__}.storage.files",
+    }
+)
 
 
 class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):

@@ -30,7 +30,6 @@ tiers train bitwise alike.
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -40,10 +39,6 @@ from .base import HeldTable, StorageTraffic, TableStorage, available_host_memory
 from .device import DeviceStorage
 from .files import MmapStorage, fsync
 from .host import HostStorage
-from . import state_dict
-
-# models pickled by earlier versions name their state-dict hooks by the hooks' former module
-sys.modules.setdefault("pykeen_bess.stored_tables", state_dict)
 
 __all__ = [
     "DeviceStorage",
