@@ -536,3 +536,21 @@ def test_pickles_of_earlier_module_paths_still_load() -> None:
         module = obj.__module__.encode()
         assert module in data
         assert pickle.loads(data.replace(module + b"\n", old + b"\n")) is obj
+
+
+def test_a_tier_restores_a_tensor_from_a_checkpoints_file(tmp_path) -> None:
+    """Every tier fills a tensor from a ``.npy`` copy chunk by chunk, after checking its shape and dtype."""
+    import numpy as np
+
+    from pykeen_bess.storage import HostStorage
+
+    values = np.arange(12, dtype=np.float32).reshape(4, 3)
+    np.save(tmp_path / "rows.npy", values)
+    tier = HostStorage()
+    tensor = tier.place("t", (4, 3), torch.float32)
+    tier.restore(tensor, tmp_path / "rows.npy")
+    assert torch.equal(tensor, torch.from_numpy(values))
+    with pytest.raises(ValueError, match="expected"):
+        tier.restore(tier.place("u", (3, 3), torch.float32), tmp_path / "rows.npy")
+    with pytest.raises(FileNotFoundError):
+        tier.restore(tensor, tmp_path / "missing.npy")
