@@ -69,7 +69,9 @@ __all__ = [
     "check_encoding_model",
     "column_embedding",
     "columns_from_rows",
+    "columns_of_rows",
     "rows_from_columns",
+    "rows_of_columns",
     "slice_columns",
 ]
 
@@ -373,6 +375,54 @@ def column_embedding(
     return result
 
 
+def rows_of_columns(
+    values: torch.Tensor, entity_rows: torch.Tensor, ids: torch.Tensor, topology: Any, split: ColumnSplit, inner: int
+) -> torch.Tensor:
+    """Move a per-row tensor from column parts to row shards: one all-to-all, each process gets whole rows.
+
+    :param values: shape: ``[R, size_k * inner]``, this process' column part ``k`` of every row (a table,
+        or an optimizer state of the table's shape), row of entity ``e`` at ``entity_rows[e]``
+    :param entity_rows: shape: ``[num_entities]``, the row of every entity in ``values``
+    :param ids: shape: ``[c, S]``, the entities of every row shard (process), -1 for padding
+    :param topology: the token topology of the row shards (the process of shard ``k`` holds column part ``k``)
+    :param split: the column split
+    :param inner: the stored values per coordinate (e.g. 2 for a complex coordinate)
+    :returns: shape: ``[S, dim * inner]``, this process' row shard (zeros in padding rows)
+    """
+    picked = values[entity_rows[ids.clamp_min(0)].view(-1)].view(*ids.shape, -1)  # [c, S, size_k * inner]
+    picked = picked * (ids >= 0).unsqueeze(-1).to(picked.dtype)
+    width = max(split.sizes) * inner
+    padded = torch.nn.functional.pad(picked, (0, width - picked.shape[-1]))
+    received = topology.all_to_all(padded.unsqueeze(0))[0]  # [c (column part), S, width]
+    return torch.cat([received[part, :, : size * inner] for part, size in enumerate(split.sizes)], dim=-1)
+
+
+def columns_of_rows(
+    values: torch.Tensor, ids: torch.Tensor, topology: Any, split: ColumnSplit, part: int, inner: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Move a per-row tensor from row shards to column parts: the inverse of :func:`rows_of_columns`.
+
+    :param values: shape: ``[S, dim * inner]``, this process' row shard of whole rows
+    :param ids: shape: ``[c, S]``, the entities of every row shard (process), -1 for padding
+    :param topology: the token topology of the row shards (the process of shard ``k`` holds column part ``k``)
+    :param split: the column split
+    :param part: the column part of this process
+    :param inner: the stored values per coordinate
+    :returns: the entities ``[n_real]`` and their coordinates of column part ``part``, ``[n_real, size_part * inner]``
+    """
+    width = max(split.sizes) * inner
+    whole = values.reshape(values.shape[0], split.dim, inner)
+    pieces = []
+    for column in range(split.n_part):
+        start, stop = split.bounds(column)
+        piece = whole[:, start:stop].reshape(whole.shape[0], -1)
+        pieces.append(torch.nn.functional.pad(piece, (0, width - piece.shape[-1])))
+    received = topology.all_to_all(torch.stack(pieces).unsqueeze(0))[0]  # [c (row shard), S, width]
+    start, stop = split.bounds(part)
+    held = ids >= 0
+    return ids[held], received[:, :, : (stop - start) * inner][held.to(received.device)]
+
+
 def rows_from_columns(
     table: Any, embedding: Embedding, sharding: Any, topology: Any, seed: int, table_index: int, split: ColumnSplit
 ) -> Any:
@@ -392,16 +442,16 @@ def rows_from_columns(
 
     rows = ShardedEmbedding(embedding, sharding, topology.local_shards, seed=seed, table_index=table_index)
     rows.topology = topology
-    ids = sharding.shard_entities  # [c, S]: the rows every shard (process) gets
     with torch.no_grad():
-        values = table.weight.detach()[table.entity_rows[ids.clamp_min(0)].view(-1)].view(*ids.shape, -1)
-        values = values * (ids >= 0).unsqueeze(-1).to(values.dtype)
-        inner = rows.row_width // split.dim
-        width = max(split.sizes) * inner
-        padded = torch.nn.functional.pad(values, (0, width - values.shape[-1]))
-        received = topology.all_to_all(padded.unsqueeze(0))[0]  # [c (column part), S, width]
-        pieces = [received[part, :, : size * inner] for part, size in enumerate(split.sizes)]
-        rows.weight.copy_(torch.cat(pieces, dim=-1).to(rows.weight))
+        values = rows_of_columns(
+            table.weight.detach(),
+            table.entity_rows,
+            sharding.shard_entities,
+            topology,
+            split,
+            rows.row_width // split.dim,
+        )
+        rows.weight.copy_(values.to(rows.weight))
     return rows
 
 
@@ -415,19 +465,9 @@ def columns_from_rows(table: Any, rows: Any, topology: Any, split: ColumnSplit, 
     :param split: the column split
     :param part: the column part of this process
     """
-    ids = rows.sharding.shard_entities  # [c, S]: the rows of every shard (process)
-    inner = rows.row_width // split.dim
-    width = max(split.sizes) * inner
     with torch.no_grad():
-        whole = rows.weight.detach().view(rows.weight.shape[0], split.dim, inner)
-        pieces = []
-        for column in range(split.n_part):
-            start, stop = split.bounds(column)
-            piece = whole[:, start:stop].reshape(whole.shape[0], -1)
-            pieces.append(torch.nn.functional.pad(piece, (0, width - piece.shape[-1])))
-        received = topology.all_to_all(torch.stack(pieces).unsqueeze(0))[0]  # [c (row shard), S, width]
-        start, stop = split.bounds(part)
-        held = ids >= 0
-        target = table.entity_rows[ids[held]]
-        values = received[:, :, : (stop - start) * inner][held.to(received.device)]
+        ids, values = columns_of_rows(
+            rows.weight.detach(), rows.sharding.shard_entities, topology, split, part, rows.row_width // split.dim
+        )
+        target = table.entity_rows[ids]
         table.weight[target.to(table.weight.device)] = values.to(table.weight)

@@ -33,9 +33,7 @@ from .checkpoints import (
     CHECKPOINT_RETRIEVALS,
     CheckpointStore,
     FileCheckpointStore,
-    NoCheckpointStore,
     checkpoint_seed,
-    RankCheckpointStore,
 )
 from .pbg_checkpoints import PbgCheckpointStore
 from .config import BessConfig
@@ -43,6 +41,7 @@ from .settings import LoopSettings, TrainingSetup
 from .sizes import StepSizes
 from .partitions import TablePartition, partition_resolver
 from .table_setup import create_tables
+from .tables import ShardTables
 
 if TYPE_CHECKING:
     from .parts import LoopParts
@@ -139,7 +138,7 @@ def assemble(loop: LoopParts, settings: LoopSettings, partition: str) -> Trainin
         entity_representations=model.entity_representations,
         relation_representations=model.relation_representations,
     )
-    checkpoints = make_checkpoint_store(loop, settings, table_partition, topology, sharding)
+    checkpoints = make_checkpoint_store(loop, settings, table_partition, topology, sharding, tables)
     logger.info(
         "BESS: %s%s; exchange=%s, corruption=%s",
         table_partition.describe(topology),
@@ -166,6 +165,7 @@ def make_checkpoint_store(
     table_partition: TablePartition,
     topology: Topology,
     sharding: EntitySharding,
+    tables: ShardTables,
 ) -> CheckpointStore:
     """Return the loop's checkpoint store: by the layout, and by whether one process holds every shard.
 
@@ -198,10 +198,8 @@ def make_checkpoint_store(
 
             schema = TypedGraph.from_factories(settings.factory).schema
         return PbgCheckpointStore(loop, schema, settings.factory, topology, sharding, all_replicas=all_replicas)
-    if not table_partition.writes_checkpoints(topology):
-        return NoCheckpointStore(loop)
     if topology.is_distributed:
-        return RankCheckpointStore(loop, all_replicas=all_replicas)
+        return table_partition.rank_checkpoint_store(loop, tables, all_replicas)
     return FileCheckpointStore(loop)
 
 
@@ -211,7 +209,7 @@ def choose_partition(loop: LoopParts, settings: LoopSettings, batch_size: int | 
     Compares every registered scheme's bytes per step for this batch size (token schemes on ``n``
     row shards, the encoding scheme on ``n`` column parts of the same batch); the encoding
     partition is a candidate only where it applies (a column-separable model, no replicas, tables
-    on the device, a fresh training, and over processes no checkpoints or early stopping). Chosen
+    on the device, a fresh training). Chosen
     once, at the first training with a known batch size; the choice and the costs are logged.
     """
     if settings.partition is not None or settings.exchange != AUTO or batch_size is None or loop._partition_chosen:
@@ -284,11 +282,6 @@ def _encoding_unavailable(loop: LoopParts, settings: LoopSettings, train_kwargs:
         return obstacle
     if train_kwargs.get("continue_training"):
         return "continued training"
-    stopper = train_kwargs.get("stopper")
-    if loop.topology.is_distributed and (
-        train_kwargs.get("checkpoint_name") or (stopper is not None and type(stopper).__name__ != "NopStopper")
-    ):
-        return "checkpoints or early stopping over processes"
     return ""
 
 

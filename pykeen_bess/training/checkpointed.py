@@ -8,15 +8,17 @@ and a reader sees what a checkpoint depends on. :class:`~pykeen_bess.training.Be
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from pykeen.models import Model
 
 from ..distributed import Topology
 from ..data.sharding import EntitySharding
-from .config import BessConfig
 from .tables import ShardTables
+
+if TYPE_CHECKING:  # the configuration module resolves partitions, whose checkpoint stores see this protocol
+    from .config import BessConfig
 
 __all__ = ["CheckpointedLoop"]
 

@@ -9,6 +9,8 @@
   shards and replicas) or ``"all_replicas"`` (every process writes its own file; resuming checks that
   the replicas of each shard hold the same values). Resuming on the same number of shards loads each
   shard's file; on another number of shards the tables and their optimizer state are resharded.
+* :class:`RowShardCheckpointStore` (the encoding partition over a process group): the same files,
+  of the row shards the column parts make while they are written or read.
 
 Both write PyKEEN's checkpoint dictionary through :meth:`pykeen.training.TrainingLoop._save_state`
 and read it through :meth:`~pykeen.training.TrainingLoop._load_state`, so everything PyKEEN keeps
@@ -33,9 +35,11 @@ from pykeen.stoppers import Stopper
 from pykeen.training.training_loop import CheckpointMismatchError, TrainingLoop
 from pykeen.triples import CoreTriplesFactory
 
-from ..data.sharding import RandomSharding
+from ..data.sharding import EntitySharding, RandomSharding
+from ..distributed import Topology
 from .checkpoint_mismatch import describe_mismatch
 from .checkpointed import CheckpointedLoop
+from .column_tables import ColumnShardTables
 from .checkpoint_files import (
     POINTER_FORMAT,
     TEMPORARY_INFIX,
@@ -58,8 +62,8 @@ __all__ = [
     "tables_directory",
     "CheckpointStore",
     "FileCheckpointStore",
-    "NoCheckpointStore",
     "RankCheckpointStore",
+    "RowShardCheckpointStore",
 ]
 
 logger = logging.getLogger(__name__)
@@ -240,30 +244,6 @@ class FileCheckpointStore(CheckpointStore):
         return self.read_state(pathlib.Path(path), triples_factory)
 
 
-class NoCheckpointStore(CheckpointStore):
-    """For runs whose checkpoints are not supported (the encoding partition over processes): a clear error.
-
-    Without it every process would write its column part to the same file.
-    """
-
-    def save(  # noqa: D102
-        self,
-        path: pathlib.Path,
-        stopper: Stopper | None = None,
-        best_epoch_model_file_path: pathlib.Path | None = None,
-        triples_factory: CoreTriplesFactory | None = None,
-    ) -> None:
-        raise ValueError(self.message)
-
-    def load(self, path: pathlib.Path, triples_factory: CoreTriplesFactory | None = None) -> Any:  # noqa: D102
-        raise ValueError(self.message)
-
-    message = (
-        "partition='encoding' over several processes does not write or read checkpoints yet (each process holds "
-        "a column part); use partition='token' for checkpointed runs."
-    )
-
-
 class RankCheckpointStore(CheckpointStore):
     """Versioned files per shard (or per replica) and a pointer written last."""
 
@@ -271,6 +251,20 @@ class RankCheckpointStore(CheckpointStore):
         """Serve ``loop``; ``all_replicas``: every process writes its own file."""
         super().__init__(loop)
         self.all_replicas = all_replicas
+
+    @property
+    def topology(self) -> Topology:
+        """The topology whose shards the files are (the loop's)."""
+        return self.loop.topology
+
+    @property
+    def sharding(self) -> EntitySharding:
+        """The row sharding of the files (the loop's)."""
+        return self.loop.sharding
+
+    def table_weights(self) -> list[torch.Tensor]:
+        """Return the entity tables as the model's state dict and the optimizer hold them (the loop's tables)."""
+        return self.loop.tables.weights()
 
     def save(  # noqa: D102
         self,
@@ -288,19 +282,19 @@ class RankCheckpointStore(CheckpointStore):
 
         save_distributed_checkpoint(
             pathlib.Path(path),
-            self.loop.topology,
+            self.topology,
             write,
             epoch=self.loop._epoch,
             seed=self.loop.config.seed,
             random_seed=self.loop.model._random_seed,
             stopper_dict=stopper.get_summary_dict() if stopper is not None else None,
             all_replicas=self.all_replicas,
-            sharding=self.loop.sharding.fingerprint,
+            sharding=self.sharding.fingerprint,
         )
 
     def rank_file(self, path: pathlib.Path) -> pathlib.Path | None:
         """Return this process' file of the checkpoint at ``path`` (same shards), None if it must be resharded."""
-        topology = self.loop.topology
+        topology = self.topology
         shard, n_shard = topology.local_shards[0], topology.n_shard
         pointer = read_pointer(path)
         if pointer is None:  # no pointer (yet): the newest file of this shard, or a plain PyKEEN file
@@ -320,7 +314,7 @@ class RankCheckpointStore(CheckpointStore):
         if file is not None:
             result = self.read_state(file, triples_factory)
         elif pointer is None:
-            raise FileNotFoundError(f"No checkpoint for shard {self.loop.topology.local_shards[0]} at {path}.")
+            raise FileNotFoundError(f"No checkpoint for shard {self.topology.local_shards[0]} at {path}.")
         else:
             seed = self.loop.config.seed
             if int(pointer.get("seed", seed)) != seed:
@@ -328,7 +322,7 @@ class RankCheckpointStore(CheckpointStore):
                     f"Checkpoint {path} was written with sharding seed {pointer['seed']}, this run uses {seed}: pass "
                     f"seed={pointer['seed']} to resume it."
                 )
-            check_pointer_sharding(path, pointer, self.loop.sharding)
+            check_pointer_sharding(path, pointer, self.sharding)
             result = self._load_resharded(path, pointer, triples_factory)
         if pointer is not None and pointer.get("retrieval") == "all_replicas":
             self.verify_replicas_agree(path)
@@ -339,7 +333,7 @@ class RankCheckpointStore(CheckpointStore):
 
         :raises ValueError: naming the shard and the ranks whose values differ
         """
-        topology = self.loop.topology
+        topology = self.topology
         digest = hashlib.sha1()
         for table in self.loop.tables:
             digest.update(table.weight.detach().cpu().contiguous().numpy().tobytes())
@@ -363,19 +357,19 @@ class RankCheckpointStore(CheckpointStore):
         """Load a checkpoint written with another number of shards, resharding the entity tables."""
         loop = self.loop
         logger.warning(
-            "Resharding checkpoint %s from %d to %d shards.", path, pointer_shards(pointer), loop.topology.n_shard
+            "Resharding checkpoint %s from %d to %d shards.", path, pointer_shards(pointer), self.topology.n_shard
         )
-        table_ids = {id(weight) for weight in loop.tables.weights()}
+        table_ids = {id(weight) for weight in self.table_weights()}
         table_keys = [name for name, param in loop.model.named_parameters() if id(param) in table_ids]
         params = [param for group in loop.optimizer.param_groups for param in group["params"]]
         table_indices = [index for index, param in enumerate(params) if id(param) in table_ids]
-        shard = loop.topology.local_shards[0]
+        shard = self.topology.local_shards[0]
         if not table_keys:  # tables outside the model: their rows go straight into the tier
-            reshard_stored_tables(path, pointer, loop.sharding, shard, loop.tables.tables)
+            reshard_stored_tables(path, pointer, self.sharding, shard, loop.tables.tables)
         state = reshard_rank_state(
             path=path,
             pointer=pointer,
-            sharding=loop.sharding,
+            sharding=self.sharding,
             shard=shard,
             table_keys=table_keys,
             table_param_indices=table_indices,
@@ -385,3 +379,47 @@ class RankCheckpointStore(CheckpointStore):
             for key in [key for key in model_state if key.endswith(".stored_table")]:
                 del model_state[key]  # already loaded (the tables of the old shard 0)
         return self.read_checksummed(state, triples_factory)
+
+
+class RowShardCheckpointStore(RankCheckpointStore):
+    """The encoding partition over processes: the token partition's files of the row shards its column parts make.
+
+    While a checkpoint is written or read, the model and the optimizer hold the row shards of a
+    token-partitioned run over the same processes (one all-to-all per table and per optimizer state
+    tensor, :meth:`~pykeen_bess.training.column_tables.ColumnShardTables.row_shards`), so the files
+    are exactly the token partition's: they resume with either partition on any number of processes
+    (resharded as there).
+    """
+
+    def __init__(self, loop: CheckpointedLoop, tables: ColumnShardTables, all_replicas: bool = False):
+        """Serve ``loop``, whose ``tables`` are column parts; ``all_replicas``: every process writes its own file."""
+        super().__init__(loop, all_replicas=all_replicas)
+        self.column_tables = tables
+
+    @property
+    def topology(self) -> Topology:
+        """The token topology of the same processes (rank ``r`` writes row shard ``r``)."""
+        return self.column_tables.row_topology
+
+    @property
+    def sharding(self) -> EntitySharding:
+        """The row sharding of that topology."""
+        return self.column_tables.row_sharding
+
+    def table_weights(self) -> list[torch.Tensor]:
+        """Return the row shards the model holds while a checkpoint is read."""
+        return [row.weight for row in self.column_tables.lent_rows or []]
+
+    def save(  # noqa: D102
+        self,
+        path: pathlib.Path,
+        stopper: Stopper | None = None,
+        best_epoch_model_file_path: pathlib.Path | None = None,
+        triples_factory: CoreTriplesFactory | None = None,
+    ) -> None:
+        with self.column_tables.row_shards(self.loop.optimizer):
+            super().save(path, stopper, best_epoch_model_file_path, triples_factory)
+
+    def load(self, path: pathlib.Path, triples_factory: CoreTriplesFactory | None = None) -> Any:  # noqa: D102
+        with self.column_tables.row_shards(self.loop.optimizer, read=False, write=True):
+            return super().load(path, triples_factory)

@@ -9,20 +9,34 @@ column sums). After training the parts are redistributed to row shards
 row-sharded table on every rank, like a model trained with ``partition="token"``, which
 ``BessEvaluator``, ``predict_top_k``, ``score_hrt`` and the export serve.
 
+While training, :meth:`ColumnShardTables.row_shards` lends the model (and the optimizer) the same
+row shards for a while: an early stopper evaluates them, and checkpoints are written and read in
+the token partition's layout of the same processes (so they resume on any number of processes,
+with either partition; :class:`~pykeen_bess.training.checkpoints.RowShardCheckpointStore`).
+
 (With all column parts in one process the tables are whole and :class:`LocalShardTables` serves.)
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import cast
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any, cast
 
 import torch
 from pykeen.models import ERModel
 from pykeen.nn.representation import Embedding
 
 from ..distributed import Topology
-from ..tables.encoding import ColumnSplit, check_encoding_model, column_embedding, columns_from_rows, rows_from_columns
+from ..tables.encoding import (
+    ColumnSplit,
+    check_encoding_model,
+    column_embedding,
+    columns_from_rows,
+    columns_of_rows,
+    rows_from_columns,
+    rows_of_columns,
+)
 from ..tables.representation import ShardedEmbedding
 from ..tables.optim import BessOptimizer, RowwiseAdagrad
 from ..data.sharding import EntitySharding
@@ -31,29 +45,7 @@ from .tables import ShardTables
 
 __all__ = [
     "ColumnShardTables",
-    "check_column_training",
 ]
-
-
-def check_column_training(train_kwargs: dict) -> None:
-    """Refuse, before training starts, what the encoding partition over processes does not support yet.
-
-    Checkpoints (also ``checkpoint_on_failure``) and early stopping (which evaluates and saves while
-    the tables are column parts).
-
-    :raises ValueError: naming the setting and the alternative
-    """
-    stopper = train_kwargs.get("stopper")
-    if (
-        train_kwargs.get("checkpoint_name") is not None
-        or train_kwargs.get("checkpoint_on_failure")
-        or (stopper is not None and type(stopper).__name__ != "NopStopper")
-    ):
-        raise ValueError(
-            "partition='encoding' over several processes does not support checkpoints or early stopping yet (the "
-            "tables are column parts while training); train without them and evaluate afterwards, or use "
-            "partition='token'."
-        )
 
 
 class ColumnShardTables(ShardTables):
@@ -88,6 +80,12 @@ class ColumnShardTables(ShardTables):
         super().__init__(model, parts, sharding, topology, seed, storage)
         self.embeddings = list(embeddings)  # the model's own (whole rows): installed, released, restored
         self.seed = seed
+        #: the token topology of the same processes (rank ``r`` holds row shard ``r``)
+        self.row_topology: Topology = topology.row_topology()  # type: ignore[attr-defined]
+        #: the row sharding of :attr:`row_topology`
+        self.row_sharding = sharding.with_shards(self.row_topology.n_shard)
+        #: while :meth:`row_shards` runs: the row shards the model holds
+        self.lent_rows: list[ShardedEmbedding] | None = None
         for table, embedding in zip(self.tables, self.embeddings):
             table.hold_column_part(
                 self.part, embedding, table.row_width * self.split.dim // self.split.sizes[self.part]
@@ -149,14 +147,137 @@ class ColumnShardTables(ShardTables):
             return
         representations = cast(torch.nn.ModuleList, self.model.entity_representations)
         if self.hold_weights:
-            rows_topology = self.topology.row_topology()  # type: ignore[attr-defined]
-            sharding = self.sharding.with_shards(rows_topology.n_shard)
             for index, (embedding, table) in enumerate(zip(self.embeddings, self.tables)):
                 representations[index] = rows_from_columns(
-                    table, embedding, sharding, rows_topology, self.seed, index, self.split
+                    table, embedding, self.row_sharding, self.row_topology, self.seed, index, self.split
                 )
         else:  # nothing was trained: the model keeps its own tables
             for index, embedding in enumerate(self.embeddings):
                 representations[index] = embedding
         self.is_installed = False
         self.hold_weights = False
+
+    @contextlib.contextmanager
+    def row_shards(
+        self, optimizer: torch.optim.Optimizer | None, read: bool = True, write: bool = False
+    ) -> Iterator[list[ShardedEmbedding]]:
+        """While the block runs, the model and the optimizer hold the tables as this process' row shards.
+
+        The row shards are those of a token-partitioned run over the same processes
+        (:attr:`row_topology`, :attr:`row_sharding`), and so is the optimizer's state of them: an early
+        stopper evaluates the model as it is after training, and PyKEEN's checkpoint dictionary of
+        the process is the token partition's. Nested calls share the outer one's row shards.
+
+        :param optimizer: the optimizer whose parameters (and state) the row shards stand in for
+        :param read: fill the row shards (weights, optimizer state) from the column parts (one
+            all-to-all per tensor); else they start uninitialised (the block loads them)
+        :param write: after the block (if it raised nothing), fill the column parts (weights, optimizer
+            state) from the row shards, as the block left them
+        :yields: the row shards ``[S, row_width]`` of the tables
+        """
+        if self.lent_rows is not None:
+            yield self.lent_rows
+            return
+        rows = [
+            ShardedEmbedding(
+                embedding, self.row_sharding, self.row_topology.local_shards, seed=self.seed, table_index=i
+            )
+            for i, embedding in enumerate(self.embeddings)
+        ]
+        states = {}
+        for table, row in zip(self.tables, rows):
+            row.topology = self.row_topology
+            if read:
+                with torch.no_grad():
+                    row.weight.copy_(self._to_rows(table.weight.detach(), table, row))
+            if optimizer is not None:
+                states[id(table.weight)] = optimizer.state.pop(table.weight, None)
+                if read and states[id(table.weight)] is not None:
+                    optimizer.state[row.weight] = {
+                        name: self._to_rows(value, table, row) for name, value in states[id(table.weight)].items()
+                    }
+        swaps = [(table.weight, row.weight) for table, row in zip(self.tables, rows)]
+        _swap_parameters(optimizer, swaps)
+        representations = cast(torch.nn.ModuleList, self.model.entity_representations)
+        held = list(representations)  # the column parts while training
+        for index, row in enumerate(rows):
+            representations[index] = row
+        self.lent_rows = rows
+        written = False
+        try:
+            yield rows
+            if write:
+                self._write_back(optimizer, rows)
+                written = True
+        finally:
+            self.lent_rows = None
+            for index, representation in enumerate(held):
+                representations[index] = representation
+            _swap_parameters(optimizer, [(new, old) for old, new in swaps])
+            if optimizer is not None:
+                for table, row in zip(self.tables, rows):
+                    state = optimizer.state.pop(row.weight, None)
+                    if not written:
+                        state = states[id(table.weight)]
+                    if state is not None:
+                        optimizer.state[table.weight] = state
+
+    def _write_back(self, optimizer: torch.optim.Optimizer | None, rows: list[ShardedEmbedding]) -> None:
+        """Fill the column parts' weights and optimizer state from the row shards (inside :meth:`row_shards`)."""
+        for table, row in zip(self.tables, rows):
+            with torch.no_grad():
+                columns_from_rows(table, row, self.row_topology, self.split, self.part)
+            if optimizer is not None and row.weight in optimizer.state:
+                state = optimizer.state[row.weight]
+                optimizer.state[row.weight] = {
+                    name: self._to_columns(value, table, row) for name, value in state.items()
+                }
+
+    def _to_rows(self, value: Any, table: ShardedEmbedding, row: ShardedEmbedding) -> Any:
+        """Return a tensor of the column part's layout in the row shard's.
+
+        Of the table's shape ``[R, w]`` (weights, Adam's moments): the coordinates move (all-to-all);
+        one value per row ``[R]`` (a row-wise accumulator, the same on every part): this shard's rows;
+        anything else (a step count) as it is.
+        """
+        if not torch.is_tensor(value):
+            return value
+        ids = self.row_sharding.shard_entities
+        if value.shape == table.weight.shape:
+            inner = row.row_width // self.split.dim
+            return rows_of_columns(value, table.entity_rows, ids, self.row_topology, self.split, inner).to(value)
+        if value.ndim == 1 and value.shape[0] == table.weight.shape[0]:
+            shard = ids[self.row_topology.local_shards[0]]
+            return value[table.entity_rows[shard.clamp_min(0)]] * (shard >= 0).to(value)
+        return value.clone()
+
+    def _to_columns(self, value: Any, table: ShardedEmbedding, row: ShardedEmbedding) -> Any:
+        """Return a tensor of the row shard's layout in the column part's: the inverse of :meth:`_to_rows`."""
+        if not torch.is_tensor(value):
+            return value
+        ids = self.row_sharding.shard_entities
+        if value.shape == row.weight.shape:
+            result = value.new_zeros(table.weight.shape)
+            inner = row.row_width // self.split.dim
+            entities, values = columns_of_rows(value, ids, self.row_topology, self.split, self.part, inner)
+        elif value.ndim == 1 and value.shape[0] == row.weight.shape[0]:
+            result = value.new_zeros(table.weight.shape[0])
+            copies = value.unsqueeze(0).expand(self.row_topology.n_shard, -1).unsqueeze(-1)  # [c, S, 1]
+            received = self.row_topology.all_to_all(copies.unsqueeze(0).contiguous())[0, ..., 0]  # [c (shard), S]
+            held = ids >= 0
+            entities, values = ids[held], received[held.to(received.device)]
+        else:
+            return value
+        result[table.entity_rows[entities].to(result.device)] = values.to(result)
+        return result
+
+
+def _swap_parameters(
+    optimizer: torch.optim.Optimizer | None, swaps: Sequence[tuple[torch.Tensor, torch.Tensor]]
+) -> None:
+    """Replace parameters in the optimizer's groups: ``(old, new)`` pairs."""
+    if optimizer is None:
+        return
+    replace = {id(old): new for old, new in swaps}
+    for group in optimizer.param_groups:
+        group["params"] = [replace.get(id(param), param) for param in group["params"]]

@@ -36,6 +36,9 @@ deliberately in these points:
    the loop's ``num_negs_per_pos`` and ``corruption``, on the model's current tables, without
    gradients or updates), in one process; under a process group the callback is refused when
    training starts.
+9. The stopper evaluates the tables as row shards: the encoding partition over processes lends the
+   model the row shards its column parts make while the stopper evaluates, keeps the best epoch
+   and, stopping, loads it (:class:`RowShardStopperCallback`); other tables already are row shards.
 
 The failure branch otherwise matches PyKEEN's: a ``RuntimeError`` or ``MemoryError`` writes the
 failure checkpoint (handing it the best-epoch model when there is one), deletes the temporary
@@ -208,7 +211,7 @@ def _pykeen_callbacks(
         callback.register_callback(TrackerTrainingCallback())
     if stopper is not None:
         callback.register_callback(
-            StopperTrainingCallback(
+            RowShardStopperCallback(  # 9.
                 stopper,
                 triples_factory=triples_factory,
                 last_best_epoch=last_best_epoch,
@@ -216,6 +219,20 @@ def _pykeen_callbacks(
             )
         )
     return callback
+
+
+class RowShardStopperCallback(StopperTrainingCallback):
+    """PyKEEN's stopper callback; it evaluates the model with the tables as row shards (difference 9)."""
+
+    def post_epoch(self, epoch: int, epoch_loss: float, **kwargs: Any) -> None:
+        """Evaluate (and keep the best epoch) as PyKEEN does, the model holding row shards meanwhile."""
+        if not self.stopper.should_evaluate(epoch):
+            super().post_epoch(epoch=epoch, epoch_loss=epoch_loss, **kwargs)
+            return
+        loop = self.training_loop
+        # written back: PyKEEN's EarlyStopper loads the best epoch's weights into the model when it stops
+        with loop.tables.row_shards(loop.optimizer, write=True):  # type: ignore[attr-defined]
+            super().post_epoch(epoch=epoch, epoch_loss=epoch_loss, **kwargs)
 
 
 def _refuse_what_does_not_apply(

@@ -289,7 +289,6 @@ class BessTrainingLoop(LoopParts):
         if isinstance(self.checkpoints, PbgCheckpointStore):
             prepare_pbg_checkpoint(self, kwargs)
         choose_partition(self, self.settings, batch_size, kwargs)
-        self.setup.table_partition.check_training(self.topology, kwargs)
         # without continue_training the tables are re-initialised (or loaded from a checkpoint)
         self.host_allocator.apply()
         with self.tables.installed(copy_weights=bool(kwargs.get("continue_training"))), self.thread_policy.applied():

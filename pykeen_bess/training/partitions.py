@@ -6,11 +6,12 @@ A :class:`TablePartition` is a strategy, resolved from ``partition=`` by :data:`
   its shards (:class:`~pykeen_bess.training.tables.ShardTables`), the token schemes exchange rows or scores.
 * :class:`EncodingPartition` (``"encoding"``): every part holds ``d / n`` coordinates of all entities
   (:mod:`pykeen_bess.tables.encoding`); over several processes each holds one column part of every row
-  (:class:`~pykeen_bess.training.column_tables.ColumnShardTables`), which supports fewer features yet.
+  (:class:`~pykeen_bess.training.column_tables.ColumnShardTables`): no storage tiers or replicas yet;
+  its checkpoints are the token partition's files of the row shards the parts make.
 
 The assembly of a run (:func:`~pykeen_bess.training.assembly.assemble`) asks the partition for what
 differs: the default exchange scheme, the model check, the topology, the tables' back end, the
-checkpoint store and what training refuses. A new partition is one new class here.
+checkpoint store. A new partition is one new class here.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ from ..tables.encoding import ColumnSplit, check_encoding_model
 from ..data.sampling import TypedBessSampler
 from ..schemes import AUTO, EncodingScheme
 from ..storage import TableStorage
-from .column_tables import ColumnShardTables, check_column_training
+from .checkpointed import CheckpointedLoop
+from .checkpoints import CheckpointStore, RankCheckpointStore, RowShardCheckpointStore
+from .column_tables import ColumnShardTables
 from .tables import DistributedShardTables, LocalShardTables, ShardTables, StoredShardTables
 
 __all__ = ["EncodingPartition", "TablePartition", "TokenPartition", "partition_resolver"]
@@ -67,12 +70,9 @@ class TablePartition(ABC):
         """Why this run cannot write checkpoints of ``checkpoint_format`` (None: it can)."""
         return None
 
-    def writes_checkpoints(self, topology: Topology) -> bool:
-        """Whether the run writes checkpoints at all (else training refuses to be asked for them)."""
-        return True
-
-    def check_training(self, topology: Topology, train_kwargs: dict[str, Any]) -> None:  # noqa: B027
-        """Raise :class:`ValueError`, before training starts, for ``train()`` settings the partition lacks."""
+    def rank_checkpoint_store(self, loop: CheckpointedLoop, tables: ShardTables, all_replicas: bool) -> CheckpointStore:
+        """Return the checkpoint store of a run over processes: the token partition's files of its row shards."""
+        return RankCheckpointStore(loop, all_replicas=all_replicas)
 
     def describe(self, topology: Topology) -> str:
         """Describe the split for logs (empty for rows)."""
@@ -145,13 +145,11 @@ class EncodingPartition(TablePartition):
             return "checkpoint_format='pbg' writes row shards as partitions; it needs partition='token'."
         return None
 
-    def writes_checkpoints(self, topology: Topology) -> bool:
-        """Not while the tables are column parts over processes."""
-        return topology.holds_all_columns
-
-    def check_training(self, topology: Topology, train_kwargs: dict[str, Any]) -> None:  # noqa: D102
-        if not topology.holds_all_columns:
-            check_column_training(train_kwargs)
+    def rank_checkpoint_store(self, loop: CheckpointedLoop, tables: ShardTables, all_replicas: bool) -> CheckpointStore:
+        """Return the store of the row shards the column parts make (the token partition's files)."""
+        if isinstance(tables, ColumnShardTables):
+            return RowShardCheckpointStore(loop, tables, all_replicas=all_replicas)
+        return super().rank_checkpoint_store(loop, tables, all_replicas)
 
     def describe(self, topology: Topology) -> str:  # noqa: D102
         return f"{topology.n_column} column parts of every row, "

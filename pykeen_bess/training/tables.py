@@ -219,6 +219,19 @@ class ShardTables:
             weight.data = weight.data.new_empty(0, table.row_width)
         self.hold_weights = True
 
+    @contextlib.contextmanager
+    def row_shards(
+        self, optimizer: torch.optim.Optimizer | None, read: bool = True, write: bool = False
+    ) -> Iterator[list[ShardedEmbedding]]:
+        """While the block runs, the model holds the tables as row shards: these tables already are.
+
+        (:class:`~pykeen_bess.training.column_tables.ColumnShardTables` lends the model row shards
+        made from its column parts; the arguments are its.)
+
+        :yields: the tables
+        """
+        yield self.tables
+
     @property
     def keeps_files(self) -> bool:
         """Whether the tables live in files (checkpoints copy them into a directory next to the checkpoint)."""

@@ -40,7 +40,9 @@ MODELS = {
 }
 
 
-def build_loop(scenario: dict[str, Any], num_shards: int | None, partition: str | None) -> BessTrainingLoop:
+def build_loop(
+    scenario: dict[str, Any], num_shards: int | None, partition: str | None, process_group: Any = None
+) -> BessTrainingLoop:
     """The loop of a scenario; the single-process reference builds it with one token shard."""
     from pykeen.models import model_resolver
 
@@ -54,6 +56,7 @@ def build_loop(scenario: dict[str, Any], num_shards: int | None, partition: str 
         model=model,
         triples_factory=dataset.training,
         num_shards=num_shards,
+        process_group=process_group,
         partition=partition,
         exchange=scenario.get("exchange") if partition != "token" else None,
         storage=scenario.get("storage"),

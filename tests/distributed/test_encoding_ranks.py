@@ -36,7 +36,6 @@ SCENARIOS: dict[int, dict[str, dict[str, Any]]] = {
         "TransE-plain-lookup": dict(model="TransE-plain", exchange="encoding_lookup"),
         # continue_training: the row shards of the first training become column parts again
         "continued": dict(model="DistMult", continue_to=3),
-        "checkpoint": dict(model="DistMult", error=dict(checkpoint_name="x.pt")),
         # one accumulator per whole row: the parts' squares summed over the processes
         "rowwise": dict(model="DistMult", optimizer="rowwise_adagrad"),
         "rowwise-complex": dict(model="ComplEx", optimizer="rowwise_adagrad", continue_to=3),
@@ -127,7 +126,6 @@ def test_unsupported_settings_fail_before_training(ranks: tuple[int, dict[str, A
     if world_size != 2:
         pytest.skip("checked on 2 ranks")
     messages = {
-        "checkpoint": "does not support checkpoints or early stopping",
         "storage": "keeps its column parts on the device",
         "not-separable": "works on the 'token' partition",
     }

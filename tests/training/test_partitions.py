@@ -6,6 +6,7 @@ import pytest
 
 from pykeen_bess.distributed import LocalTopology
 from pykeen_bess.storage import DeviceStorage, HostStorage
+from pykeen_bess.training.checkpoints import RankCheckpointStore
 from pykeen_bess.training.config import PARTITIONS
 from pykeen_bess.training.partitions import EncodingPartition, TokenPartition, partition_resolver
 from pykeen_bess.training.tables import LocalShardTables, StoredShardTables
@@ -23,8 +24,9 @@ def test_in_one_process_both_partitions_use_the_row_back_ends(partition) -> None
     assert topology.holds_all_columns
     assert partition.tables_kind(topology, DeviceStorage()) is LocalShardTables
     assert partition.tables_kind(topology, HostStorage()) is StoredShardTables
-    assert partition.writes_checkpoints(topology)
-    partition.check_training(topology, dict(checkpoint_name="x.pt"))  # allowed in one process
+    tables = object.__new__(LocalShardTables)  # row tables: the token partition's files of their shards
+    store = partition.rank_checkpoint_store(None, tables, all_replicas=True)
+    assert type(store) is RankCheckpointStore and store.all_replicas
 
 
 def test_the_encoding_partition_says_what_it_cannot_do() -> None:

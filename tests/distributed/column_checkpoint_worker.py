@@ -1,0 +1,117 @@
+"""One rank of the encoding partition's checkpoint and early-stopping tests (``test_encoding_checkpoints.py``).
+
+Every scenario is a list of phases run one after the other, each a fresh loop (a new process
+would build the same) on all ranks or on the first ``ranks`` of them:
+``{"partition": "encoding" | "token", "num_epochs": N, "checkpoint": NAME, "copy_to": NAME,
+"stopper": {...}, "ranks": k}``. A phase with ``checkpoint`` trains with that checkpoint (written
+at every epoch's end; an existing one is resumed); ``copy_to`` copies the checkpoint's files (rank 0,
+after the phase) for a later phase; ``stopper`` trains with PyKEEN's early stopper on Nations'
+validation triples. Writes ``{output}/{name}/rank{r}.pt``: the step losses of all phases, the stopper's
+results, and the exported model and the last token phase's table rows and optimizer state.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from encoding_worker import DATASET, Recorder, build_loop
+from pykeen.stoppers import EarlyStopper
+
+from pykeen_bess.distributed import export_model, init_from_environment
+from pykeen_bess.evaluation import BessEvaluator
+from pykeen_bess.training import BessTrainingLoop
+
+
+def make_stopper(loop: BessTrainingLoop, settings: dict[str, Any]) -> EarlyStopper:
+    """PyKEEN's early stopper on Nations' validation triples (also the reference's)."""
+    return EarlyStopper(
+        model=loop.model,
+        evaluator=BessEvaluator(),
+        training_triples_factory=DATASET.training,
+        evaluation_triples_factory=DATASET.validation,
+        use_tqdm=False,
+        **settings,
+    )
+
+
+def train_phase(
+    loop: BessTrainingLoop, phase: dict[str, Any], directory: pathlib.Path | None
+) -> tuple[list[float], EarlyStopper | None]:
+    """Train one phase (with its checkpoint in ``directory`` and its stopper); return the step losses."""
+    recorder = Recorder()
+    kwargs: dict[str, Any] = {}
+    if "checkpoint" in phase:
+        assert directory is not None
+        kwargs.update(checkpoint_name=phase["checkpoint"], checkpoint_directory=str(directory), checkpoint_frequency=0)
+    stopper = make_stopper(loop, phase["stopper"]) if "stopper" in phase else None
+    loop.train(
+        DATASET.training,
+        num_epochs=phase["num_epochs"],
+        batch_size=200,
+        use_tqdm=False,
+        callbacks=recorder,
+        stopper=stopper,
+        **kwargs,
+    )
+    return recorder.losses, stopper
+
+
+def token_state(loop: BessTrainingLoop) -> dict[str, Any]:
+    """The rows of the first table and their optimizer state held by this process of a token loop."""
+    table = loop.tables[0]
+    shard = loop.topology.local_shards[0]
+    state = loop.optimizer.state.get(table.optimizer_parameter, {})
+    return dict(
+        ids=table.sharding.shard_entities[shard].clone(),
+        rows=table.shard_tables()[0].detach().clone(),
+        state={name: value.clone() for name, value in state.items() if torch.is_tensor(value) and value.ndim > 0},
+    )
+
+
+def run(name: str, phases: list[dict[str, Any]], output: pathlib.Path, rank: int) -> None:
+    """Run a scenario's phases as this rank."""
+    directory = output / name
+    directory.mkdir(parents=True, exist_ok=True)
+    result: dict[str, Any] = dict(step_losses=[], stopper=None)
+    loop = None
+    for phase in phases:
+        ranks = phase.get("ranks", dist.get_world_size())
+        group = dist.new_group(list(range(ranks))) if ranks < dist.get_world_size() else None
+        if rank < ranks:
+            loop = build_loop(dict(model="DistMult"), None, phase.get("partition", "encoding"), process_group=group)
+            losses, stopper = train_phase(loop, phase, directory / phase.get("directory", "checkpoints"))
+            result["step_losses"].extend(losses)
+            if stopper is not None:
+                result["stopper"] = dict(results=list(stopper.results), best_epoch=stopper.best_epoch)
+            if loop.config.partition == "token":
+                result["token_state"] = token_state(loop)
+        dist.barrier()
+        if "copy_to" in phase and rank == 0:
+            source = directory / phase.get("directory", "checkpoints")
+            shutil.copytree(source, directory / phase["copy_to"])
+        dist.barrier()
+    assert loop is not None
+    export_model(loop.model, directory / "model.pt")
+    torch.save(result, directory / f"rank{rank}.pt")
+
+
+def main() -> None:
+    """Run the scenarios ``{"output": ..., "runs": {name: [phase, ...]}}`` one after the other."""
+    config = json.loads(sys.argv[1])
+    output = pathlib.Path(config["output"])
+    init_from_environment()
+    rank = dist.get_rank()
+    for name, phases in config["runs"].items():
+        run(name, phases, output, rank)
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

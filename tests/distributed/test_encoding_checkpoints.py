@@ -1,0 +1,130 @@
+"""Checkpoints and early stopping of the encoding partition over 2 and 3 gloo ranks, equal to one process.
+
+The encoding partition's checkpoints are the token partition's files of the row shards its column
+parts make: they resume with the encoding partition on the same or another number of processes, and
+with the token partition. Early stopping evaluates those row shards. Every run is compared with the
+one-process run of one token shard (the encoding partition's reference) or, for the token partition
+over 2 ranks, of 2 logical shards.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any
+
+import pytest
+import torch
+from column_checkpoint_worker import train_phase
+from encoding_worker import build_loop
+
+from pykeen_bess.distributed import harness
+
+pytestmark = pytest.mark.slow
+
+WORKER = pathlib.Path(__file__).with_name("column_checkpoint_worker.py")
+STOPPER = dict(frequency=1, patience=1, metric="inverse_harmonic_mean_rank")
+
+#: the scenarios of each world size (one launch each): phases of fresh loops
+SCENARIOS: dict[int, dict[str, list[dict[str, Any]]]] = {
+    2: {
+        # two epochs, then a new loop resumes the checkpoint and trains the third
+        "resumed": [dict(num_epochs=2, checkpoint="c.pt"), dict(num_epochs=3, checkpoint="c.pt")],
+        # the token partition on the same ranks loads the files as its own (nothing left to train)
+        "to-token": [dict(num_epochs=2, checkpoint="c.pt"), dict(partition="token", num_epochs=2, checkpoint="c.pt")],
+        "early-stopping": [dict(num_epochs=8, stopper=STOPPER)],
+        "early-stopping-token": [dict(partition="token", num_epochs=8, stopper=STOPPER)],
+    },
+    3: {
+        # written by 2 of the ranks (2 column parts), resumed by 3 (3 column parts)
+        "resharded": [dict(ranks=2, num_epochs=2, checkpoint="c.pt"), dict(num_epochs=3, checkpoint="c.pt")],
+        # and by the token partition on 3 ranks: resharded from 2 row shards to 3
+        "resharded-to-token": [
+            dict(ranks=2, num_epochs=2, checkpoint="c.pt"),
+            dict(partition="token", num_epochs=2, checkpoint="c.pt"),
+        ],
+    },
+}
+
+
+@pytest.fixture(scope="module", params=[2, 3])
+def ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[int, dict[str, Any]]:
+    world_size = request.param
+    output = tmp_path_factory.mktemp(f"columns{world_size}")
+    config = dict(output=str(output), runs=SCENARIOS[world_size])
+    results = harness.launch(world_size, [str(WORKER), json.dumps(config)], timeout=600)
+    assert results.ok, results.report()
+    loaded = {
+        name: dict(
+            ranks=[torch.load(output / name / f"rank{rank}.pt", weights_only=False) for rank in range(world_size)],
+            model=torch.load(output / name / "model.pt", weights_only=False),
+        )
+        for name in SCENARIOS[world_size]
+    }
+    return world_size, loaded
+
+
+def reference(num_epochs: int, num_shards: int = 1, stopper: dict | None = None) -> tuple[Any, list[float], Any]:
+    """The one-process run: the loop, its step losses and its stopper."""
+    loop = build_loop(dict(model="DistMult"), num_shards, "token")
+    phase: dict[str, Any] = dict(num_epochs=num_epochs)
+    if stopper is not None:
+        phase["stopper"] = stopper
+    losses, made = train_phase(loop, phase, None)
+    return loop, losses, made
+
+
+def assert_same_model(exported: torch.nn.Module, model: torch.nn.Module) -> None:
+    for ours, theirs in zip(exported.parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-12)
+
+
+def assert_same_token_state(state: dict[str, Any], loop: Any) -> None:
+    """A token rank's rows and Adam moments equal the one-process run's rows of the same entities."""
+    table = loop.tables[0]
+    ids = state["ids"]
+    rows = table.entity_rows[ids[ids >= 0]]
+    torch.testing.assert_close(state["rows"][ids >= 0], table.weight.detach()[rows], rtol=1e-10, atol=1e-12)
+    expected = loop.optimizer.state[table.optimizer_parameter]
+    assert sorted(state["state"]) == sorted(name for name, value in expected.items() if value.ndim > 0)
+    for name, value in state["state"].items():
+        torch.testing.assert_close(value[ids >= 0], expected[name][rows], rtol=1e-10, atol=1e-12)
+
+
+def test_a_resumed_checkpoint_continues_as_one_process(ranks: tuple[int, dict[str, Any]]) -> None:
+    """Resumed on the same (2) or another (2 -> 3) number of column parts: the remaining steps and the model."""
+    world_size, results = ranks
+    name = "resumed" if world_size == 2 else "resharded"
+    loop, losses, _ = reference(3)
+    steps_per_epoch = len(losses) // 3
+    for rank, result in enumerate(results[name]["ranks"]):
+        expected = losses if rank < 2 else losses[2 * steps_per_epoch :]  # rank 2 joins for the third epoch
+        assert result["step_losses"] == pytest.approx(expected, rel=1e-10, abs=1e-12)
+    assert_same_model(results[name]["model"], loop.model)
+
+
+def test_the_token_partition_resumes_the_checkpoint(ranks: tuple[int, dict[str, Any]]) -> None:
+    """On the same number of processes (its own files) and on another (resharded): rows, optimizer state, model."""
+    world_size, results = ranks
+    name = "to-token" if world_size == 2 else "resharded-to-token"
+    loop, losses, _ = reference(2)
+    for rank, result in enumerate(results[name]["ranks"]):
+        assert result["step_losses"] == pytest.approx(losses if rank < 2 else [], rel=1e-10, abs=1e-12)
+        assert_same_token_state(result["token_state"], loop)
+    assert_same_model(results[name]["model"], loop.model)
+
+
+@pytest.mark.parametrize("partition", ["encoding", "token"])
+def test_early_stopping_equals_one_process(ranks: tuple[int, dict[str, Any]], partition: str) -> None:
+    """The stopper's evaluations, its stop and the best epoch's model restored (token: 2 logical shards)."""
+    world_size, results = ranks
+    if world_size != 2:
+        pytest.skip("checked on 2 ranks")
+    name = "early-stopping" if partition == "encoding" else "early-stopping-token"
+    loop, losses, stopper = reference(8, num_shards=1 if partition == "encoding" else 2, stopper=STOPPER)
+    assert stopper.stopped and stopper.best_epoch < len(stopper.results)  # the best epoch is restored
+    for result in results[name]["ranks"]:
+        assert result["step_losses"] == pytest.approx(losses, rel=1e-10, abs=1e-12)
+        assert result["stopper"]["best_epoch"] == stopper.best_epoch
+        assert result["stopper"]["results"] == pytest.approx(stopper.results, rel=1e-9)
+    assert_same_model(results[name]["model"], loop.model)
