@@ -96,6 +96,10 @@ class RowwiseAdagrad(Optimizer):
     dense gradient that are all zero are left unchanged, as with a sparse gradient. Registered in
     PyKEEN's ``optimizer_resolver`` as ``"rowwise_adagrad"``; the BESS training loop updates shard
     tables with the same rule, row-sparsely.
+
+    A table whose rows are split into column parts over processes (the encoding partition) takes
+    the mean over its whole rows from :attr:`row_means` (set by :class:`BessOptimizer` for the
+    tables it updates densely).
     """
 
     def __init__(
@@ -126,6 +130,8 @@ class RowwiseAdagrad(Optimizer):
             lr=lr, lr_decay=lr_decay, eps=eps, initial_accumulator_value=initial_accumulator_value, maximize=maximize
         )
         super().__init__(params, defaults)
+        #: per parameter (by ``id``): the mean over each row's entries ``[U, *] -> [U]`` (default: the row's own)
+        self.row_means: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {}
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -146,16 +152,16 @@ class RowwiseAdagrad(Optimizer):
                         shape, group["initial_accumulator_value"], dtype=real.dtype, device=param.device
                     )
                 step = count_step(state)
+                row_mean = self.row_means.get(id(param))
                 if param.grad.is_sparse:
                     rows, values = _sparse_rows(param.grad)
-                    weight, new = _rowwise_adagrad(
-                        param.index_select(0, rows), values, {"sum": state["sum"].index_select(0, rows)}, group, step
-                    )
+                    old = {"sum": state["sum"].index_select(0, rows)}
+                    weight, new = _rowwise_adagrad(param.index_select(0, rows), values, old, group, step, row_mean)
                     param.index_copy_(0, rows, weight)
                     state["sum"].index_copy_(0, rows, new["sum"])
                 else:  # complex parameters as their real view: rows of real values
                     grad = torch.view_as_real(param.grad) if param.grad.is_complex() else param.grad
-                    weight, new = _rowwise_adagrad(real, grad, {"sum": state["sum"]}, group, step)
+                    weight, new = _rowwise_adagrad(real, grad, {"sum": state["sum"]}, group, step, row_mean)
                     real.copy_(weight)
                     state["sum"].copy_(new["sum"])  # in place: a captured step reads this tensor
         return loss
@@ -229,6 +235,8 @@ class BessOptimizer(Optimizer):
         if dense_params:
             self._dense = dense_cls(dense_params, **hyperparameters)
             groups.extend(self._dense.param_groups)
+            if isinstance(self._dense, RowwiseAdagrad):  # tables updated densely: the mean over whole rows
+                self._dense.row_means = {key: table.row_mean for key, table in self._tables.items()}
         self._num_dense_groups = len(groups)
         if table_params:
             rule = SPARSE_RULES.get(optimizer_cls)

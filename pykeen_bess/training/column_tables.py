@@ -38,7 +38,6 @@ from ..tables.encoding import (
     rows_of_columns,
 )
 from ..tables.representation import ShardedEmbedding
-from ..tables.optim import BessOptimizer, RowwiseAdagrad
 from ..data.sharding import EntitySharding
 from ..storage import TableStorage
 from .tables import ShardTables
@@ -90,16 +89,6 @@ class ColumnShardTables(ShardTables):
             table.hold_column_part(
                 self.part, embedding, table.row_width * self.split.dim // self.split.sizes[self.part]
             )
-
-    def make_optimizer(  # noqa: D102
-        self, optimizer_cls: type[torch.optim.Optimizer], hyperparameters: dict, sparse_updates: bool
-    ) -> BessOptimizer:
-        if issubclass(optimizer_cls, RowwiseAdagrad) and not sparse_updates:
-            raise ValueError(
-                "RowwiseAdagrad keeps one accumulator per whole row, which partition='encoding' splits over "
-                "processes: its row-sparse updates sum the parts' squares (sparse_updates=True), dense ones cannot."
-            )
-        return super().make_optimizer(optimizer_cls, hyperparameters, sparse_updates)
 
     def install(self, copy_weights: bool) -> None:
         """Swap in the column parts; continued training first fills them from the model's current tables.

@@ -3,7 +3,7 @@
 Every scenario is a list of phases run one after the other, each a fresh loop (a new process
 would build the same) on all ranks or on the first ``ranks`` of them:
 ``{"partition": "encoding" | "token", "num_epochs": N, "checkpoint": NAME, "copy_to": NAME,
-"stopper": {...}, "ranks": k}``. A phase with ``checkpoint`` trains with that checkpoint (written
+"stopper": {...}, "optimizer": NAME, "ranks": k}``. A phase with ``checkpoint`` trains with that checkpoint (written
 at every epoch's end; an existing one is resumed); ``copy_to`` copies the checkpoint's files (rank 0,
 after the phase) for a later phase; ``stopper`` trains with PyKEEN's early stopper on Nations'
 validation triples. Writes ``{output}/{name}/rank{r}.pt``: the step losses of all phases, the stopper's
@@ -84,7 +84,8 @@ def run(name: str, phases: list[dict[str, Any]], output: pathlib.Path, rank: int
         ranks = phase.get("ranks", dist.get_world_size())
         group = dist.new_group(list(range(ranks))) if ranks < dist.get_world_size() else None
         if rank < ranks:
-            loop = build_loop(dict(model="DistMult"), None, phase.get("partition", "encoding"), process_group=group)
+            scenario = dict(model="DistMult", optimizer=phase.get("optimizer", "adam"))
+            loop = build_loop(scenario, None, phase.get("partition", "encoding"), process_group=group)
             losses, stopper = train_phase(loop, phase, directory / phase.get("directory", "checkpoints"))
             result["step_losses"].extend(losses)
             if stopper is not None:

@@ -63,6 +63,7 @@ def build_loop(
         num_negs_per_pos=scenario.get("num_negs_per_pos", 6),
         seed=5,
         optimizer=optimizer,
+        sparse_updates=scenario.get("sparse_updates", True),
         optimizer_kwargs=dict(lr=0.05 if optimizer == "adam" else 0.1),
         automatic_memory_optimization=False,
     )

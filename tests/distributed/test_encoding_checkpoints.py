@@ -43,6 +43,15 @@ SCENARIOS: dict[int, dict[str, list[dict[str, Any]]]] = {
             dict(ranks=2, num_epochs=2, checkpoint="c.pt"),
             dict(partition="token", num_epochs=2, checkpoint="c.pt"),
         ],
+        # one accumulator per whole row: the same on every part, one value per row in the files
+        "resharded-rowwise": [
+            dict(ranks=2, num_epochs=2, checkpoint="c.pt", optimizer="rowwise_adagrad"),
+            dict(num_epochs=3, checkpoint="c.pt", optimizer="rowwise_adagrad"),
+        ],
+        "resharded-rowwise-to-token": [
+            dict(ranks=2, num_epochs=2, checkpoint="c.pt", optimizer="rowwise_adagrad"),
+            dict(partition="token", num_epochs=2, checkpoint="c.pt", optimizer="rowwise_adagrad"),
+        ],
     },
 }
 
@@ -64,9 +73,11 @@ def ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     return world_size, loaded
 
 
-def reference(num_epochs: int, num_shards: int = 1, stopper: dict | None = None) -> tuple[Any, list[float], Any]:
+def reference(
+    num_epochs: int, num_shards: int = 1, stopper: dict | None = None, optimizer: str = "adam"
+) -> tuple[Any, list[float], Any]:
     """The one-process run: the loop, its step losses and its stopper."""
-    loop = build_loop(dict(model="DistMult"), num_shards, "token")
+    loop = build_loop(dict(model="DistMult", optimizer=optimizer), num_shards, "token")
     phase: dict[str, Any] = dict(num_epochs=num_epochs)
     if stopper is not None:
         phase["stopper"] = stopper
@@ -91,11 +102,14 @@ def assert_same_token_state(state: dict[str, Any], loop: Any) -> None:
         torch.testing.assert_close(value[ids >= 0], expected[name][rows], rtol=1e-10, atol=1e-12)
 
 
-def test_a_resumed_checkpoint_continues_as_one_process(ranks: tuple[int, dict[str, Any]]) -> None:
+@pytest.mark.parametrize("optimizer", ["adam", "rowwise_adagrad"])
+def test_a_resumed_checkpoint_continues_as_one_process(ranks: tuple[int, dict[str, Any]], optimizer: str) -> None:
     """Resumed on the same (2) or another (2 -> 3) number of column parts: the remaining steps and the model."""
     world_size, results = ranks
-    name = "resumed" if world_size == 2 else "resharded"
-    loop, losses, _ = reference(3)
+    if world_size == 2 and optimizer != "adam":
+        pytest.skip("checked on 3 ranks")
+    name = "resumed" if world_size == 2 else "resharded-rowwise" if optimizer != "adam" else "resharded"
+    loop, losses, _ = reference(3, optimizer=optimizer)
     steps_per_epoch = len(losses) // 3
     for rank, result in enumerate(results[name]["ranks"]):
         expected = losses if rank < 2 else losses[2 * steps_per_epoch :]  # rank 2 joins for the third epoch
@@ -103,11 +117,16 @@ def test_a_resumed_checkpoint_continues_as_one_process(ranks: tuple[int, dict[st
     assert_same_model(results[name]["model"], loop.model)
 
 
-def test_the_token_partition_resumes_the_checkpoint(ranks: tuple[int, dict[str, Any]]) -> None:
+@pytest.mark.parametrize("optimizer", ["adam", "rowwise_adagrad"])
+def test_the_token_partition_resumes_the_checkpoint(ranks: tuple[int, dict[str, Any]], optimizer: str) -> None:
     """On the same number of processes (its own files) and on another (resharded): rows, optimizer state, model."""
     world_size, results = ranks
-    name = "to-token" if world_size == 2 else "resharded-to-token"
-    loop, losses, _ = reference(2)
+    if world_size == 2 and optimizer != "adam":
+        pytest.skip("checked on 3 ranks")
+    name = (
+        "to-token" if world_size == 2 else "resharded-rowwise-to-token" if optimizer != "adam" else "resharded-to-token"
+    )
+    loop, losses, _ = reference(2, optimizer=optimizer)
     for rank, result in enumerate(results[name]["ranks"]):
         assert result["step_losses"] == pytest.approx(losses if rank < 2 else [], rel=1e-10, abs=1e-12)
         assert_same_token_state(result["token_state"], loop)

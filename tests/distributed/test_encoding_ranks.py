@@ -39,6 +39,8 @@ SCENARIOS: dict[int, dict[str, dict[str, Any]]] = {
         # one accumulator per whole row: the parts' squares summed over the processes
         "rowwise": dict(model="DistMult", optimizer="rowwise_adagrad"),
         "rowwise-complex": dict(model="ComplEx", optimizer="rowwise_adagrad", continue_to=3),
+        # dense updates: the parts' squares of every row summed (one all-reduce of a value per row)
+        "rowwise-dense": dict(model="DistMult", optimizer="rowwise_adagrad", sparse_updates=False),
         "storage": dict(model="DistMult", storage="host", error={}),
         "not-separable": dict(model="DistMult", partition="encoding", exchange="score", error={}),
     },
