@@ -27,6 +27,8 @@ class StateDictTable(HeldTable, Protocol):
     snapshot_directory: pathlib.Path | None
     #: while a checkpoint whose own files hold the rows is written: omit them
     external_weights: bool
+    #: while a state dict that must keep today's values is taken: the tensors themselves, not the files
+    state_by_value: bool
 
 
 STORED_TABLE_KEY, EXTERNAL_WEIGHT_KEY = "stored_table", "external_weight"
@@ -37,9 +39,12 @@ def add_stored_table(module: StateDictTable, state_dict: dict, prefix: str, loca
 
     Host memory: the tensors themselves. Files: while a checkpoint is written (the store sets
     :attr:`ShardedEmbedding.snapshot_directory`), copies of the flushed files in that directory,
-    referenced by name; otherwise the live files, by path.
+    referenced by name; while ``state_by_value`` is set (PyKEEN's early stopper keeps the best
+    epoch's state dict), the tensors themselves; otherwise the live files, by path.
     """
-    entry = module.storage.state_entry(module, module.snapshot_directory, omit_weight=module.external_weights)
+    entry = module.storage.state_entry(
+        module, module.snapshot_directory, omit_weight=module.external_weights, by_value=module.state_by_value
+    )
     if entry is None:  # a parameter of the model: its rows are in the state dict already
         if module.external_weights:
             del state_dict[prefix + "weight"]

@@ -424,7 +424,14 @@ def columns_of_rows(
 
 
 def rows_from_columns(
-    table: Any, embedding: Embedding, sharding: Any, topology: Any, seed: int, table_index: int, split: ColumnSplit
+    table: Any,
+    embedding: Embedding,
+    sharding: Any,
+    topology: Any,
+    seed: int,
+    table_index: int,
+    split: ColumnSplit,
+    storage: Any = None,
 ) -> Any:
     """Redistribute a column-partitioned table to row shards: one all-to-all, each process gets whole rows.
 
@@ -436,11 +443,14 @@ def rows_from_columns(
     :param seed: the run's seed
     :param table_index: the table's position among the entity representations
     :param split: the column split
+    :param storage: the storage tier of the row shard (default: a parameter on the embedding's device)
     :returns: a :class:`~pykeen_bess.tables.representation.ShardedEmbedding` of this process' row shard, whole rows
     """
     from .representation import ShardedEmbedding
 
-    rows = ShardedEmbedding(embedding, sharding, topology.local_shards, seed=seed, table_index=table_index)
+    rows = ShardedEmbedding(
+        embedding, sharding, topology.local_shards, seed=seed, table_index=table_index, storage=storage
+    )
     rows.topology = topology
     with torch.no_grad():
         values = rows_of_columns(

@@ -208,9 +208,9 @@ def choose_partition(loop: LoopParts, settings: LoopSettings, batch_size: int | 
 
     Compares every registered scheme's bytes per step for this batch size (token schemes on ``n``
     row shards, the encoding scheme on ``n`` column parts of the same batch); the encoding
-    partition is a candidate only where it applies (a column-separable model, no replicas, tables
-    on the device, a fresh training). Chosen
-    once, at the first training with a known batch size; the choice and the costs are logged.
+    partition is a candidate only where it applies (a column-separable model, no replicas, a fresh
+    training). Chosen once, at the first training with a known batch size; the choice and the costs
+    are logged.
     """
     if settings.partition is not None or settings.exchange != AUTO or batch_size is None or loop._partition_chosen:
         return
@@ -277,9 +277,6 @@ def _encoding_unavailable(loop: LoopParts, settings: LoopSettings, train_kwargs:
         return "typed negatives"
     if settings.checkpoint_format != "pykeen":
         return f"checkpoint_format={settings.checkpoint_format!r}"
-    obstacle = settings.storage.column_parts_obstacle()
-    if obstacle is not None:
-        return obstacle
     if train_kwargs.get("continue_training"):
         return "continued training"
     return ""

@@ -37,6 +37,7 @@ from pykeen.triples import CoreTriplesFactory
 
 from ..data.sharding import EntitySharding, RandomSharding
 from ..distributed import Topology
+from ..tables.representation import ShardedEmbedding
 from .checkpoint_mismatch import describe_mismatch
 from .checkpointed import CheckpointedLoop
 from .column_tables import ColumnShardTables
@@ -266,6 +267,10 @@ class RankCheckpointStore(CheckpointStore):
         """Return the entity tables as the model's state dict and the optimizer hold them (the loop's tables)."""
         return self.loop.tables.weights()
 
+    def held_tables(self) -> list[ShardedEmbedding]:
+        """Return the tables the model holds while a checkpoint is read (the loop's tables)."""
+        return self.loop.tables.tables
+
     def save(  # noqa: D102
         self,
         path: pathlib.Path,
@@ -365,7 +370,7 @@ class RankCheckpointStore(CheckpointStore):
         table_indices = [index for index, param in enumerate(params) if id(param) in table_ids]
         shard = self.topology.local_shards[0]
         if not table_keys:  # tables outside the model: their rows go straight into the tier
-            reshard_stored_tables(path, pointer, self.sharding, shard, loop.tables.tables)
+            reshard_stored_tables(path, pointer, self.sharding, shard, self.held_tables())
         state = reshard_rank_state(
             path=path,
             pointer=pointer,
@@ -399,16 +404,20 @@ class RowShardCheckpointStore(RankCheckpointStore):
     @property
     def topology(self) -> Topology:
         """The token topology of the same processes (rank ``r`` writes row shard ``r``)."""
-        return self.column_tables.row_topology
+        return self.column_tables.layout.topology
 
     @property
     def sharding(self) -> EntitySharding:
         """The row sharding of that topology."""
-        return self.column_tables.row_sharding
+        return self.column_tables.layout.sharding
 
     def table_weights(self) -> list[torch.Tensor]:
+        """Return the row shards' weights the model holds while a checkpoint is read."""
+        return [row.weight for row in self.held_tables()]
+
+    def held_tables(self) -> list[ShardedEmbedding]:
         """Return the row shards the model holds while a checkpoint is read."""
-        return [row.weight for row in self.column_tables.lent_rows or []]
+        return self.column_tables.lent_rows or []
 
     def save(  # noqa: D102
         self,

@@ -39,6 +39,8 @@ deliberately in these points:
 9. The stopper evaluates the tables as row shards: the encoding partition over processes lends the
    model the row shards its column parts make while the stopper evaluates, keeps the best epoch
    and, stopping, loads it (:class:`RowShardStopperCallback`); other tables already are row shards.
+   The best epoch's state dict holds tables in files by value (PyKEEN's stopper keeps the model's
+   state dict, which otherwise names the live files, whose values change).
 
 The failure branch otherwise matches PyKEEN's: a ``RuntimeError`` or ``MemoryError`` writes the
 failure checkpoint (handing it the best-epoch model when there is one), deletes the temporary
@@ -230,8 +232,10 @@ class RowShardStopperCallback(StopperTrainingCallback):
             super().post_epoch(epoch=epoch, epoch_loss=epoch_loss, **kwargs)
             return
         loop = self.training_loop
-        # written back: PyKEEN's EarlyStopper loads the best epoch's weights into the model when it stops
-        with loop.tables.row_shards(loop.optimizer, write=True):  # type: ignore[attr-defined]
+        tables = loop.tables  # type: ignore[attr-defined]
+        # written back: PyKEEN's EarlyStopper loads the best epoch's weights into the model when it stops;
+        # it keeps them as the model's state dict, in which tables in files must be values, not the live files
+        with tables.row_shards(loop.optimizer, write=True), tables.values_in_state_dict():
             super().post_epoch(epoch=epoch, epoch_loss=epoch_loss, **kwargs)
 
 

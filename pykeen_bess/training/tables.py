@@ -104,8 +104,7 @@ class ShardTables:
             storage = DeviceStorage()
         storage.compute_device = self.embeddings[0]._embeddings.weight.device
         self.storage = storage
-        # the replicas of a shard keep their own copies (e.g. files in a shared storage_path)
-        suffix = f".replica{topology.replica}-of{topology.replicas}" if topology.replicas > 1 else ""
+        suffix = self.label_suffix(topology)
         self.tables = [
             ShardedEmbedding(
                 embedding,
@@ -124,6 +123,12 @@ class ShardTables:
         self.sharding = sharding
         self.is_installed = False
         self.hold_weights = False
+
+    @staticmethod
+    def label_suffix(topology: Topology) -> str:
+        """Return what tells this process' tables apart from other processes' of the same shards (file names)."""
+        # the replicas of a shard keep their own copies (e.g. files in a shared storage_path)
+        return f".replica{topology.replica}-of{topology.replicas}" if topology.replicas > 1 else ""
 
     def __iter__(self) -> Iterator[ShardedEmbedding]:
         return iter(self.tables)
@@ -237,27 +242,45 @@ class ShardTables:
         """Whether the tables live in files (checkpoints copy them into a directory next to the checkpoint)."""
         return self.storage.keeps_files
 
+    def state_dict_tables(self) -> list[ShardedEmbedding]:
+        """Return the tables whose entries the model's state dict may hold now (these tables)."""
+        return self.tables
+
     @contextlib.contextmanager
     def checkpoint_files(self, directory: pathlib.Path | None) -> Iterator[None]:
         """While a checkpoint is written (read): copy table files into (read them from) ``directory``."""
-        for table in self.tables:
+        tables = self.state_dict_tables()
+        for table in tables:
             table.snapshot_directory = directory
         try:
             yield
         finally:
-            for table in self.tables:
+            for table in tables:
                 table.snapshot_directory = None
 
     @contextlib.contextmanager
     def weights_elsewhere(self) -> Iterator[None]:
         """While a checkpoint whose own files hold the tables' rows is written (read): leave the rows out of it."""
-        for table in self.tables:
+        tables = self.state_dict_tables()
+        for table in tables:
             table.external_weights = True
         try:
             yield
         finally:
-            for table in self.tables:
+            for table in tables:
                 table.external_weights = False
+
+    @contextlib.contextmanager
+    def values_in_state_dict(self) -> Iterator[None]:
+        """While the block runs, the model's state dict holds tables in files by value (not the live files)."""
+        tables = self.state_dict_tables()
+        for table in tables:
+            table.state_by_value = True
+        try:
+            yield
+        finally:
+            for table in tables:
+                table.state_by_value = False
 
     def constrain_all(self) -> None:
         """Apply the tables' constraints to every real row (after a reset)."""

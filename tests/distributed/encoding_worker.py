@@ -60,6 +60,7 @@ def build_loop(
         partition=partition,
         exchange=scenario.get("exchange") if partition != "token" else None,
         storage=scenario.get("storage"),
+        storage_path=scenario.get("storage_path"),
         num_negs_per_pos=scenario.get("num_negs_per_pos", 6),
         seed=5,
         optimizer=optimizer,
@@ -108,6 +109,9 @@ def run(name: str, scenario: dict[str, Any], output: pathlib.Path, rank: int) ->
     """Train, evaluate and export one scenario as this rank (or record the error it must raise)."""
     directory = output / name
     directory.mkdir(parents=True, exist_ok=True)
+    if scenario.get("storage") == "mmap":  # every rank's files in one directory (their names differ)
+        (directory / "tables").mkdir(exist_ok=True)
+        scenario = dict(scenario, storage_path=str(directory / "tables"))
     if "error" in scenario:
         try:
             loop = build_loop(scenario, None, scenario.get("partition", "encoding"))

@@ -33,6 +33,12 @@ SCENARIOS: dict[int, dict[str, list[dict[str, Any]]]] = {
         # the token partition on the same ranks loads the files as its own (nothing left to train)
         "to-token": [dict(num_epochs=2, checkpoint="c.pt"), dict(partition="token", num_epochs=2, checkpoint="c.pt")],
         "early-stopping": [dict(num_epochs=8, stopper=STOPPER)],
+        # the column parts (and the row shards lent meanwhile) in a storage tier
+        "resumed-mmap": [
+            dict(num_epochs=2, checkpoint="c.pt", storage="mmap"),
+            dict(num_epochs=3, checkpoint="c.pt", storage="mmap"),
+        ],
+        "early-stopping-mmap": [dict(num_epochs=8, stopper=STOPPER, storage="mmap")],
         "early-stopping-token": [dict(partition="token", num_epochs=8, stopper=STOPPER)],
     },
     3: {
@@ -102,13 +108,16 @@ def assert_same_token_state(state: dict[str, Any], loop: Any) -> None:
         torch.testing.assert_close(value[ids >= 0], expected[name][rows], rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("optimizer", ["adam", "rowwise_adagrad"])
-def test_a_resumed_checkpoint_continues_as_one_process(ranks: tuple[int, dict[str, Any]], optimizer: str) -> None:
+@pytest.mark.parametrize(("optimizer", "storage"), [("adam", None), ("rowwise_adagrad", None), ("adam", "mmap")])
+def test_a_resumed_checkpoint_continues_as_one_process(
+    ranks: tuple[int, dict[str, Any]], optimizer: str, storage: str | None
+) -> None:
     """Resumed on the same (2) or another (2 -> 3) number of column parts: the remaining steps and the model."""
     world_size, results = ranks
-    if world_size == 2 and optimizer != "adam":
-        pytest.skip("checked on 3 ranks")
+    if world_size == 2 and optimizer != "adam" or world_size == 3 and storage is not None:
+        pytest.skip(f"checked on {5 - world_size} ranks")
     name = "resumed" if world_size == 2 else "resharded-rowwise" if optimizer != "adam" else "resharded"
+    name += "-mmap" if storage else ""
     loop, losses, _ = reference(3, optimizer=optimizer)
     steps_per_epoch = len(losses) // 3
     for rank, result in enumerate(results[name]["ranks"]):
@@ -133,13 +142,13 @@ def test_the_token_partition_resumes_the_checkpoint(ranks: tuple[int, dict[str, 
     assert_same_model(results[name]["model"], loop.model)
 
 
-@pytest.mark.parametrize("partition", ["encoding", "token"])
-def test_early_stopping_equals_one_process(ranks: tuple[int, dict[str, Any]], partition: str) -> None:
+@pytest.mark.parametrize("name", ["early-stopping", "early-stopping-token", "early-stopping-mmap"])
+def test_early_stopping_equals_one_process(ranks: tuple[int, dict[str, Any]], name: str) -> None:
     """The stopper's evaluations, its stop and the best epoch's model restored (token: 2 logical shards)."""
     world_size, results = ranks
     if world_size != 2:
         pytest.skip("checked on 2 ranks")
-    name = "early-stopping" if partition == "encoding" else "early-stopping-token"
+    partition = "token" if name.endswith("token") else "encoding"
     loop, losses, stopper = reference(8, num_shards=1 if partition == "encoding" else 2, stopper=STOPPER)
     assert stopper.stopped and stopper.best_epoch < len(stopper.results)  # the best epoch is restored
     for result in results[name]["ranks"]:

@@ -554,3 +554,28 @@ def test_a_tier_restores_a_tensor_from_a_checkpoints_file(tmp_path) -> None:
         tier.restore(tier.place("u", (3, 3), torch.float32), tmp_path / "rows.npy")
     with pytest.raises(FileNotFoundError):
         tier.restore(tensor, tmp_path / "missing.npy")
+
+
+@pytest.mark.parametrize("tier", ["host", "mmap"])
+def test_early_stopping_restores_the_best_epoch_of_every_tier(nations, tmp_path, tier) -> None:
+    """PyKEEN's stopper keeps the best epoch's state dict: tables in files go in by value, not as the live files."""
+    from pykeen.stoppers import EarlyStopper
+
+    factory = factory_of(nations)
+    models = {}
+    for name in ("device", tier):
+        loop = make_loop(factory, name, tmp_path, num_shards=1)
+        stopper = EarlyStopper(
+            model=loop.model,
+            evaluator=BessEvaluator(),
+            training_triples_factory=factory,
+            evaluation_triples_factory=nations.validation,
+            frequency=1,
+            patience=1,
+            metric="inverse_harmonic_mean_rank",
+            use_tqdm=False,
+        )
+        loop.train(factory, num_epochs=12, batch_size=72, use_tqdm=False, stopper=stopper)
+        assert stopper.stopped and stopper.best_epoch < len(stopper.results)  # an earlier epoch is restored
+        models[name] = loop.model.entity_representations[0](torch.arange(factory.num_entities)).detach().clone()
+    torch.testing.assert_close(models[tier], models["device"], rtol=1e-6, atol=1e-7)
