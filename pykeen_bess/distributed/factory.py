@@ -47,14 +47,12 @@ def make_topology(
         if process_group is None:
             join_torchrun_group()
         if process_group is not None or (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-            world_size = dist.get_world_size(process_group)
-            if num_shards not in (None, world_size) or (replicas or 1) > 1 or replica_grouping not in (None, "none"):
-                raise ValueError(
-                    f"partition='encoding' holds one column part per rank: leave num_shards unset (or {world_size}) "
-                    f"and do not combine it with replicas (got num_shards={num_shards}, replicas={replicas}, "
-                    f"replica_grouping={replica_grouping!r})."
-                )
-            return ColumnTopology(process_group)
+            return _column_topology(process_group, num_shards, replicas, replica_grouping)
+        if (replicas or 1) > 1 or replica_grouping not in (None, "none"):
+            raise ValueError(
+                f"replicas={replicas}, replica_grouping={replica_grouping!r} need a process group of several ranks "
+                f"(torchrun); in one process every column part is held once."
+            )
         return LocalTopology(1, n_column=1 if num_shards is None else num_shards)
     if _is_device_mesh(process_group):
         return _mesh_topology(process_group, num_shards, replicas, replica_grouping)
@@ -83,6 +81,30 @@ def make_topology(
             f"(torchrun); in one process every shard is held once."
         )
     return LocalTopology(1 if num_shards is None else num_shards)
+
+
+def _column_topology(
+    process_group: Any, num_shards: int | None, replicas: int | None, replica_grouping: str | None
+) -> ColumnTopology:
+    """Return the column parts of the encoding partition over a process group: one per rank of a shard group.
+
+    :raises ValueError: for a device mesh, or settings that do not fit the processes
+    """
+    if _is_device_mesh(process_group):
+        raise ValueError(
+            "partition='encoding' takes a process group, not a device mesh: give num_shards (the column parts), "
+            "replicas and replica_grouping instead."
+        )
+    world_size = dist.get_world_size(process_group)
+    DistributedTopology.check_same_settings(
+        process_group, dict(num_shards=num_shards, replicas=replicas, replica_grouping=replica_grouping)
+    )
+    if replicas is None and replica_grouping is None and num_shards not in (None, world_size):
+        raise ValueError(
+            f"partition='encoding' holds one column part per rank: leave num_shards unset (or {world_size})"
+            f"{shard_count_advice(world_size, num_shards)}"
+        )
+    return ColumnTopology(process_group, RankLayout.create(world_size, num_shards, replicas, replica_grouping))
 
 
 def shard_count_advice(world_size: int, num_shards: int) -> str:

@@ -309,22 +309,38 @@ class DistributedTopology(Topology):
 
 
 class ColumnTopology(DistributedTopology):
-    """The encoding partition on a process group: every rank holds all rows, rank ``r`` column part ``r``.
+    """The encoding partition on a process group: every rank holds all rows and one column part of them.
 
     The row axis has one shard, held by every rank, so the shard collectives are local; what the
     ranks share is the column axis: :meth:`column_sum` all-reduces partial results (backward: the
     identity), and sums of table quantities (:meth:`shard_all_reduce`, e.g. gradient norms for
-    clipping) run over all ranks, each holding different columns. :attr:`bytes_sent` counts the
-    column sums as a ring all-reduce sends them, ``2 (c - 1) / c`` times the payload.
+    clipping) run over the ranks of the column parts. :attr:`bytes_sent` counts the column sums as
+    a ring all-reduce sends them, ``2 (c - 1) / c`` times the payload.
+
+    With replicas the layout's shards are the column parts: the **shard group** of a rank holds one
+    rank per column part (its column sums run there), the **replica group** the ranks of its column
+    part (their row gradients are summed there, as for row shards).
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None):
-        """Use an initialised process group (default: the world); one column part per rank."""
-        super().__init__(group)
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        layout: RankLayout | None = None,
+        shard_group: dist.ProcessGroup | None = None,
+        replica_group: dist.ProcessGroup | None = None,
+    ):
+        """Use an initialised process group (default: the world); one column part per rank (without replicas).
+
+        :param group: the process group of all ranks taking part (the world)
+        :param layout: the column parts (as shards) and replicas of the ranks (default: one part per rank)
+        :param shard_group: this rank's group of column parts, if it exists already; created otherwise
+        :param replica_group: this rank's replica group, likewise
+        """
+        super().__init__(group, layout, shard_group, replica_group)
+        self.n_column = self.layout.num_shards
+        self.local_columns = self.local_shards  # the layout's shard of this rank is its column part
         self.n_shard = 1
         self.local_shards = (0,)
-        self.n_column = self.layout.world_size
-        self.local_columns = (self._rank,)
 
     def all_to_all(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
         check_leading(x, 1, 1)
@@ -339,7 +355,7 @@ class ColumnTopology(DistributedTopology):
         return x.detach() if self._rank == 0 else None
 
     def shard_all_reduce(self, x: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:  # noqa: D102
-        return self._all_reduce(x, op, self.group)  # the table's columns are spread over all ranks
+        return self._all_reduce(x, op, self.shard_group)  # the table's columns are spread over the parts
 
     def column_sum(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
         check_leading(x, 1)
@@ -350,17 +366,17 @@ class ColumnTopology(DistributedTopology):
         return all_to_all_differentiable(self, x[0]).unsqueeze(0)
 
     def row_topology(self) -> DistributedTopology:
-        """Return the token topology of the same ranks (rank ``r`` holds row shard ``r``; no new group)."""
-        return DistributedTopology(self.group)
+        """Return the token topology of the same ranks and groups (column part ``k``'s ranks hold row shard ``k``)."""
+        return DistributedTopology(self.group, self.layout, self.shard_group, self.replica_group)
 
     def column_all_reduce_primitive(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum over the ranks (the primitive of :meth:`column_sum`), counting a ring all-reduce's bytes."""
-        y = self._all_reduce(x, "sum", self.group)
+        """Sum over the column parts (the primitive of :meth:`column_sum`), counting a ring all-reduce's bytes."""
+        y = self._all_reduce(x, "sum", self.shard_group)
         self.bytes_sent += 2 * (self.n_column - 1) * x.numel() * x.element_size() // self.n_column
         return y
 
     def __repr__(self) -> str:
-        return f"{self.__class__.__name__}(rank={self._rank}, n_column={self.n_column})"
+        return f"{self.__class__.__name__}(rank={self._rank}, n_column={self.n_column}, replicas={self.replicas})"
 
 
 def reduce_op(op: ReduceOp) -> Any:

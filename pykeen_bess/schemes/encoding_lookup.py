@@ -7,11 +7,11 @@ looks up the requested rows in its columns and one all-to-all sends each request
 slices of its rows, which it concatenates (the ids need no all-gather: every process draws the
 same plan, so it knows every part's requests). The ``B`` slots of the step's one block are split
 over the ``c`` parts (part ``r`` scores slots ``r * ceil(B / c)`` onwards, as replicas split a
-block); each part requests the heads and tails of its slots and the block's ``K`` negatives,
-scores them with the model's own scorer, and after all sub-batches sends the whole rows'
-gradients back the same way, where the owners add them into their columns (one all-to-all per
-table each way and step). Relations are replicated; their gradients are summed over the
-processes as usual.
+block; with replicas, the parts split their replica's share); each part requests the heads and
+tails of its slots and the block's ``K`` negatives, scores them with the model's own scorer, and
+after all sub-batches sends the whole rows' gradients back the same way, where the owners add them
+into their columns (one all-to-all per table each way and step). Relations are replicated; their
+gradients are summed over the processes as usual.
 
 With all parts in one process the rows are whole already: the scheme is the one-shard token
 scheme (``embedding``).
@@ -122,10 +122,16 @@ class EncodingLookupScheme(EmbeddingMovingScheme):
     # -- slots, rows and gradients ---------------------------------------------------------------
 
     def slot_range(self, block_size: int) -> tuple[int, int]:
-        """Return the slots this process scores: its column part's share of the block (all in one process)."""
+        """Return the slots this process scores: its column part's share of its replica's slots (all in one process)."""
         if self.topology.holds_all_columns:
             return super().slot_range(block_size)
-        return _part_slots(block_size, self.topology.local_columns[0], self.topology.n_column)
+        return self._part_range(block_size, self.topology.local_columns[0])
+
+    def _part_range(self, block_size: int, part: int) -> tuple[int, int]:
+        """Return the slots of column part ``part`` of this replica: consecutive shares of the replica's slots."""
+        first, last = self.topology.replica_slots(block_size)
+        start, stop = _part_slots(last - first, part, self.topology.n_column)
+        return first + start, first + stop
 
     def gather(self, batch: BessBatch, start: int = 0, stop: int | None = None) -> RowGather:
         """Look up the rows of all parts' slots in this process' columns, and assemble whole rows of its own.
@@ -146,14 +152,14 @@ class EncodingLookupScheme(EmbeddingMovingScheme):
         self._column_leaves = [leaf.detach() for leaf in columns.leaves]
         self._requests = []
         for other in range(n):
-            first, last = _part_slots(batch.block_size, other, n)
+            first, last = self._part_range(batch.block_size, other)
             wanted = [columns.heads[..., first:last], columns.tails[..., first:last], columns.negatives]
             self._requests.append(torch.unique(torch.cat([w.reshape(-1) for w in wanted])))
         own = self._requests[part]
         whole = [self._assemble(leaf, table) for leaf, table in zip(self._column_leaves, self.column_tables)]
         position = torch.full((columns.rows.numel(),), -1, dtype=torch.long, device=own.device)
         position[own] = torch.arange(own.numel(), device=own.device)
-        first, last = _part_slots(batch.block_size, part, n)
+        first, last = self._part_range(batch.block_size, part)
         gathered = RowGather(
             rows=columns.rows,
             leaves=[rows.requires_grad_(table.trainable) for rows, table in zip(whole, self.column_tables)],

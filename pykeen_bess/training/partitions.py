@@ -6,8 +6,8 @@ A :class:`TablePartition` is a strategy, resolved from ``partition=`` by :data:`
   its shards (:class:`~pykeen_bess.training.tables.ShardTables`), the token schemes exchange rows or scores.
 * :class:`EncodingPartition` (``"encoding"``): every part holds ``d / n`` coordinates of all entities
   (:mod:`pykeen_bess.tables.encoding`); over several processes each holds one column part of every row
-  (:class:`~pykeen_bess.training.column_tables.ColumnShardTables`): no storage tiers or replicas yet;
-  its checkpoints are the token partition's files of the row shards the parts make.
+  (:class:`~pykeen_bess.training.column_tables.ColumnShardTables`, with replicas: ``R`` ranks per
+  part); its checkpoints are the token partition's files of the row shards the parts make.
 
 The assembly of a run (:func:`~pykeen_bess.training.assembly.assemble`) asks the partition for what
 differs: the default exchange scheme, the model check, the topology, the tables' back end, the

@@ -3,7 +3,7 @@
 Every scenario is a list of phases run one after the other, each a fresh loop (a new process
 would build the same) on all ranks or on the first ``ranks`` of them:
 ``{"partition": "encoding" | "token", "num_epochs": N, "checkpoint": NAME, "copy_to": NAME,
-"stopper": {...}, "optimizer": NAME, "storage": TIER, "ranks": k}``. A phase with ``checkpoint``
+"stopper": {...}, "optimizer": NAME, "storage": TIER, "replicas": R, "ranks": k}``. A phase with ``checkpoint``
 trains with that checkpoint (written at every epoch's end; an existing one is resumed);
 ``copy_to`` copies the checkpoint's files (rank 0, after the phase) for a later phase; ``stopper``
 trains with PyKEEN's early stopper on Nations' validation triples. Writes
@@ -85,7 +85,12 @@ def run(name: str, phases: list[dict[str, Any]], output: pathlib.Path, rank: int
         ranks = phase.get("ranks", dist.get_world_size())
         group = dist.new_group(list(range(ranks))) if ranks < dist.get_world_size() else None
         if rank < ranks:
-            scenario = dict(model="DistMult", optimizer=phase.get("optimizer", "adam"), storage=phase.get("storage"))
+            scenario = dict(
+                model="DistMult",
+                optimizer=phase.get("optimizer", "adam"),
+                storage=phase.get("storage"),
+                replicas=phase.get("replicas"),
+            )
             if phase.get("storage") == "mmap":  # every rank's files in one directory (their names differ)
                 (directory / "tables").mkdir(exist_ok=True)
                 scenario["storage_path"] = str(directory / "tables")

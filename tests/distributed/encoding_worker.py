@@ -57,6 +57,8 @@ def build_loop(
         triples_factory=dataset.training,
         num_shards=num_shards,
         process_group=process_group,
+        replicas=scenario.get("replicas"),
+        replica_grouping=scenario.get("replica_grouping"),
         partition=partition,
         exchange=scenario.get("exchange") if partition != "token" else None,
         storage=scenario.get("storage"),
@@ -130,6 +132,7 @@ def run(name: str, scenario: dict[str, Any], output: pathlib.Path, rank: int) ->
         partition=loop.config.partition,
         column_part=topology.local_columns[0],
         n_column=topology.n_column,
+        replicas=topology.replicas,
         part_width=loop.tables[0].row_width,
     )
     dataset = DATASET

@@ -59,10 +59,23 @@ SCENARIOS: dict[int, dict[str, list[dict[str, Any]]]] = {
             dict(partition="token", num_epochs=2, checkpoint="c.pt", optimizer="rowwise_adagrad"),
         ],
     },
+    # 2 column parts x 2 replicas: the first replica of each part writes its row shard's file
+    4: {
+        "replicas-resumed": [
+            dict(num_epochs=2, checkpoint="c.pt", replicas=2),
+            dict(num_epochs=3, checkpoint="c.pt", replicas=2),
+        ],
+        # resumed by 4 column parts without replicas (resharded from 2 row shards to 4)
+        "replicas-resharded": [
+            dict(num_epochs=2, checkpoint="c.pt", replicas=2),
+            dict(num_epochs=3, checkpoint="c.pt"),
+        ],
+        "replicas-early-stopping": [dict(num_epochs=8, stopper=STOPPER, replicas=2)],
+    },
 }
 
 
-@pytest.fixture(scope="module", params=[2, 3])
+@pytest.fixture(scope="module", params=[2, 3, 4])
 def ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[int, dict[str, Any]]:
     world_size = request.param
     output = tmp_path_factory.mktemp(f"columns{world_size}")
@@ -108,48 +121,52 @@ def assert_same_token_state(state: dict[str, Any], loop: Any) -> None:
         torch.testing.assert_close(value[ids >= 0], expected[name][rows], rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize(("optimizer", "storage"), [("adam", None), ("rowwise_adagrad", None), ("adam", "mmap")])
-def test_a_resumed_checkpoint_continues_as_one_process(
-    ranks: tuple[int, dict[str, Any]], optimizer: str, storage: str | None
-) -> None:
-    """Resumed on the same (2) or another (2 -> 3) number of column parts: the remaining steps and the model."""
+def scenario_of(world_size: int, name: str) -> list[dict[str, Any]]:
+    """The phases of a scenario of this launch (skip the test on the launches without it)."""
+    if name not in SCENARIOS[world_size]:
+        pytest.skip(f"no {name} on {world_size} ranks")
+    return SCENARIOS[world_size][name]
+
+
+RESUMED = ["resumed", "resumed-mmap", "resharded", "resharded-rowwise", "replicas-resumed", "replicas-resharded"]
+
+
+@pytest.mark.parametrize("name", RESUMED)
+def test_a_resumed_checkpoint_continues_as_one_process(ranks: tuple[int, dict[str, Any]], name: str) -> None:
+    """Resumed on the same or another number of column parts (and replicas): the remaining steps and the model."""
     world_size, results = ranks
-    if world_size == 2 and optimizer != "adam" or world_size == 3 and storage is not None:
-        pytest.skip(f"checked on {5 - world_size} ranks")
-    name = "resumed" if world_size == 2 else "resharded-rowwise" if optimizer != "adam" else "resharded"
-    name += "-mmap" if storage else ""
-    loop, losses, _ = reference(3, optimizer=optimizer)
+    first, last = scenario_of(world_size, name)
+    loop, losses, _ = reference(3, optimizer=last.get("optimizer", "adam"))
     steps_per_epoch = len(losses) // 3
     for rank, result in enumerate(results[name]["ranks"]):
-        expected = losses if rank < 2 else losses[2 * steps_per_epoch :]  # rank 2 joins for the third epoch
+        # a rank that did not write the checkpoint joins for the third epoch
+        expected = losses if rank < first.get("ranks", world_size) else losses[2 * steps_per_epoch :]
         assert result["step_losses"] == pytest.approx(expected, rel=1e-10, abs=1e-12)
     assert_same_model(results[name]["model"], loop.model)
 
 
-@pytest.mark.parametrize("optimizer", ["adam", "rowwise_adagrad"])
-def test_the_token_partition_resumes_the_checkpoint(ranks: tuple[int, dict[str, Any]], optimizer: str) -> None:
+@pytest.mark.parametrize("name", ["to-token", "resharded-to-token", "resharded-rowwise-to-token"])
+def test_the_token_partition_resumes_the_checkpoint(ranks: tuple[int, dict[str, Any]], name: str) -> None:
     """On the same number of processes (its own files) and on another (resharded): rows, optimizer state, model."""
     world_size, results = ranks
-    if world_size == 2 and optimizer != "adam":
-        pytest.skip("checked on 3 ranks")
-    name = (
-        "to-token" if world_size == 2 else "resharded-rowwise-to-token" if optimizer != "adam" else "resharded-to-token"
-    )
-    loop, losses, _ = reference(2, optimizer=optimizer)
+    first, last = scenario_of(world_size, name)
+    loop, losses, _ = reference(2, optimizer=last.get("optimizer", "adam"))
     for rank, result in enumerate(results[name]["ranks"]):
-        assert result["step_losses"] == pytest.approx(losses if rank < 2 else [], rel=1e-10, abs=1e-12)
+        expected = losses if rank < first.get("ranks", world_size) else []  # nothing left to train
+        assert result["step_losses"] == pytest.approx(expected, rel=1e-10, abs=1e-12)
         assert_same_token_state(result["token_state"], loop)
     assert_same_model(results[name]["model"], loop.model)
 
 
-@pytest.mark.parametrize("name", ["early-stopping", "early-stopping-token", "early-stopping-mmap"])
+@pytest.mark.parametrize(
+    "name", ["early-stopping", "early-stopping-token", "early-stopping-mmap", "replicas-early-stopping"]
+)
 def test_early_stopping_equals_one_process(ranks: tuple[int, dict[str, Any]], name: str) -> None:
     """The stopper's evaluations, its stop and the best epoch's model restored (token: 2 logical shards)."""
     world_size, results = ranks
-    if world_size != 2:
-        pytest.skip("checked on 2 ranks")
-    partition = "token" if name.endswith("token") else "encoding"
-    loop, losses, stopper = reference(8, num_shards=1 if partition == "encoding" else 2, stopper=STOPPER)
+    (phase,) = scenario_of(world_size, name)
+    num_shards = world_size if phase.get("partition") == "token" else 1
+    loop, losses, stopper = reference(8, num_shards=num_shards, stopper=STOPPER)
     assert stopper.stopped and stopper.best_epoch < len(stopper.results)  # the best epoch is restored
     for result in results[name]["ranks"]:
         assert result["step_losses"] == pytest.approx(losses, rel=1e-10, abs=1e-12)
