@@ -340,7 +340,7 @@ class RankCheckpointStore(CheckpointStore):
         """
         topology = self.topology
         digest = hashlib.sha1()
-        for table in self.loop.tables:
+        for table in self.held_tables():
             digest.update(table.weight.detach().cpu().contiguous().numpy().tobytes())
             state = dict(self.loop.optimizer.state.get(table.optimizer_parameter, {}), **table.row_state)
             for _, value in sorted(state.items()):

@@ -2,11 +2,12 @@
 
 Every scenario is a list of phases run one after the other, each a fresh loop (a new process
 would build the same) on all ranks or on the first ``ranks`` of them:
-``{"partition": "encoding" | "token", "num_epochs": N, "checkpoint": NAME, "copy_to": NAME,
+``{"partition": "encoding" | "token", "num_epochs": N, "checkpoint": NAME, "tamper": PATTERN,
 "stopper": {...}, "optimizer": NAME, "storage": TIER, "replicas": R, "ranks": k}``. A phase with ``checkpoint``
-trains with that checkpoint (written at every epoch's end; an existing one is resumed);
-``copy_to`` copies the checkpoint's files (rank 0, after the phase) for a later phase; ``stopper``
-trains with PyKEEN's early stopper on Nations' validation triples. Writes
+trains with that checkpoint (written at every epoch's end; an existing one is resumed); ``tamper``
+changes a value in the checkpoint file matching a pattern (rank 0, after the phase); with
+``expect_error`` the phase records the ``ValueError`` it raises; ``stopper`` trains with PyKEEN's
+early stopper on Nations' validation triples. Writes
 ``{output}/{name}/rank{r}.pt``: the step losses of all phases, the stopper's results, and the
 exported model and the last token phase's table rows and optimizer state.
 """
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import shutil
 import sys
 from typing import Any
 
@@ -90,21 +90,31 @@ def run(name: str, phases: list[dict[str, Any]], output: pathlib.Path, rank: int
                 optimizer=phase.get("optimizer", "adam"),
                 storage=phase.get("storage"),
                 replicas=phase.get("replicas"),
+                checkpoint_retrieval=phase.get("checkpoint_retrieval", "one_per_group"),
             )
             if phase.get("storage") == "mmap":  # every rank's files in one directory (their names differ)
                 (directory / "tables").mkdir(exist_ok=True)
                 scenario["storage_path"] = str(directory / "tables")
             loop = build_loop(scenario, None, phase.get("partition", "encoding"), process_group=group)
-            losses, stopper = train_phase(loop, phase, directory / phase.get("directory", "checkpoints"))
+            try:
+                losses, stopper = train_phase(loop, phase, directory / "checkpoints")
+            except ValueError as error:
+                if not phase.get("expect_error"):
+                    raise
+                torch.save(dict(error=str(error)), directory / f"rank{rank}.pt")
+                return
             result["step_losses"].extend(losses)
             if stopper is not None:
                 result["stopper"] = dict(results=list(stopper.results), best_epoch=stopper.best_epoch)
             if loop.config.partition == "token":
                 result["token_state"] = token_state(loop)
         dist.barrier()
-        if "copy_to" in phase and rank == 0:
-            source = directory / phase.get("directory", "checkpoints")
-            shutil.copytree(source, directory / phase["copy_to"])
+        if "tamper" in phase and rank == 0:  # change a value in the checkpoint file matching the pattern
+            (file,) = (directory / "checkpoints").glob(phase["tamper"])
+            state = torch.load(file, weights_only=False)
+            key = next(k for k in state["model_state_dict"] if "entity_representations" in k)
+            state["model_state_dict"][key][0, 0] += 1.0
+            torch.save(state, file)
         dist.barrier()
     assert loop is not None
     export_model(loop.model, directory / "model.pt")

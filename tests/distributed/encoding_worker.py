@@ -59,6 +59,7 @@ def build_loop(
         process_group=process_group,
         replicas=scenario.get("replicas"),
         replica_grouping=scenario.get("replica_grouping"),
+        checkpoint_retrieval=scenario.get("checkpoint_retrieval", "one_per_group"),
         partition=partition,
         exchange=scenario.get("exchange") if partition != "token" else None,
         storage=scenario.get("storage"),

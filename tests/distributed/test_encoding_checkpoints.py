@@ -71,6 +71,22 @@ SCENARIOS: dict[int, dict[str, list[dict[str, Any]]]] = {
             dict(num_epochs=3, checkpoint="c.pt"),
         ],
         "replicas-early-stopping": [dict(num_epochs=8, stopper=STOPPER, replicas=2)],
+        # every replica writes its file; resuming checks that the replicas of each part agree
+        "replicas-all-files": [
+            dict(num_epochs=2, checkpoint="c.pt", replicas=2, checkpoint_retrieval="all_replicas"),
+            dict(num_epochs=3, checkpoint="c.pt", replicas=2, checkpoint_retrieval="all_replicas"),
+        ],
+        # a replica's file changed: the replicas of part 1 disagree (checked on the row shards loaded)
+        "replicas-tampered": [
+            dict(
+                num_epochs=2,
+                checkpoint="c.pt",
+                replicas=2,
+                checkpoint_retrieval="all_replicas",
+                tamper="c.pt.v*.rank1-of-2.replica1-of-2",
+            ),
+            dict(num_epochs=3, checkpoint="c.pt", replicas=2, checkpoint_retrieval="all_replicas", expect_error=True),
+        ],
     },
 }
 
@@ -85,7 +101,9 @@ def ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     loaded = {
         name: dict(
             ranks=[torch.load(output / name / f"rank{rank}.pt", weights_only=False) for rank in range(world_size)],
-            model=torch.load(output / name / "model.pt", weights_only=False),
+            model=torch.load(output / name / "model.pt", weights_only=False)
+            if (output / name / "model.pt").exists()
+            else None,
         )
         for name in SCENARIOS[world_size]
     }
@@ -128,7 +146,15 @@ def scenario_of(world_size: int, name: str) -> list[dict[str, Any]]:
     return SCENARIOS[world_size][name]
 
 
-RESUMED = ["resumed", "resumed-mmap", "resharded", "resharded-rowwise", "replicas-resumed", "replicas-resharded"]
+RESUMED = [
+    "resumed",
+    "resumed-mmap",
+    "resharded",
+    "resharded-rowwise",
+    "replicas-resumed",
+    "replicas-resharded",
+    "replicas-all-files",
+]
 
 
 @pytest.mark.parametrize("name", RESUMED)
@@ -173,3 +199,11 @@ def test_early_stopping_equals_one_process(ranks: tuple[int, dict[str, Any]], na
         assert result["stopper"]["best_epoch"] == stopper.best_epoch
         assert result["stopper"]["results"] == pytest.approx(stopper.results, rel=1e-9)
     assert_same_model(results[name]["model"], loop.model)
+
+
+def test_a_changed_replica_file_is_found(ranks: tuple[int, dict[str, Any]]) -> None:
+    """With every replica's file, resuming compares the replicas' row shards (not the column parts' old values)."""
+    world_size, results = ranks
+    scenario_of(world_size, "replicas-tampered")
+    for result in results["replicas-tampered"]["ranks"]:
+        assert "The replicas of shard 1" in result["error"] and "hold different values" in result["error"]
