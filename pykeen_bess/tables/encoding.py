@@ -432,6 +432,7 @@ def rows_from_columns(
     table_index: int,
     split: ColumnSplit,
     storage: Any = None,
+    label_suffix: str = "",
 ) -> Any:
     """Redistribute a column-partitioned table to row shards: one all-to-all, each process gets whole rows.
 
@@ -444,12 +445,19 @@ def rows_from_columns(
     :param table_index: the table's position among the entity representations
     :param split: the column split
     :param storage: the storage tier of the row shard (default: a parameter on the embedding's device)
+    :param label_suffix: appended to the row shard's name in its tier (e.g. its replica)
     :returns: a :class:`~pykeen_bess.tables.representation.ShardedEmbedding` of this process' row shard, whole rows
     """
     from .representation import ShardedEmbedding
 
     rows = ShardedEmbedding(
-        embedding, sharding, topology.local_shards, seed=seed, table_index=table_index, storage=storage
+        embedding,
+        sharding,
+        topology.local_shards,
+        seed=seed,
+        table_index=table_index,
+        storage=storage,
+        label_suffix=label_suffix,
     )
     rows.topology = topology
     with torch.no_grad():

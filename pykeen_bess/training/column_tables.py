@@ -76,8 +76,8 @@ class ColumnShardTables(ShardTables):
 
     @staticmethod
     def label_suffix(topology: Topology) -> str:
-        """Name the column part (every process holds all rows: its files must not be another's)."""
-        return f".column{topology.local_columns[0]}-of{topology.n_column}"
+        """Name the column part and the replica (every process holds all rows: its files must not be another's)."""
+        return f".column{topology.local_columns[0]}-of{topology.n_column}" + ShardTables.label_suffix(topology)
 
     def install(self, copy_weights: bool) -> None:
         """Swap in the column parts; continued training first fills them from the model's current tables.
@@ -136,6 +136,7 @@ class ColumnShardTables(ShardTables):
                     index,
                     self.split,
                     self.storage,
+                    ShardTables.label_suffix(self.layout.topology),
                 )
         else:  # nothing was trained: the model keeps its own tables
             for index, embedding in enumerate(self.embeddings):

@@ -25,6 +25,7 @@ from ..data.sharding import EntitySharding
 from ..distributed import Topology
 from ..tables.encoding import ColumnSplit, columns_from_rows, columns_of_rows, rows_of_columns
 from ..tables.representation import ShardedEmbedding
+from .tables import ShardTables
 
 if TYPE_CHECKING:
     from .column_tables import ColumnShardTables
@@ -104,7 +105,13 @@ def lend_row_shards(
     rows = []
     for index, (embedding, table) in enumerate(zip(tables.embeddings, tables.tables)):
         row = ShardedEmbedding(
-            embedding, layout.sharding, layout.topology.local_shards, tables.seed, index, storage=table.storage
+            embedding,
+            layout.sharding,
+            layout.topology.local_shards,
+            tables.seed,
+            index,
+            storage=table.storage,
+            label_suffix=ShardTables.label_suffix(layout.topology),  # the replicas' files apart
         )
         row.topology = layout.topology
         shapes = {name: (layout.row_shape(value, table, row), 0.0) for name, value in table.row_state.items()}

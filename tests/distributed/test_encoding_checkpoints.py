@@ -71,6 +71,10 @@ SCENARIOS: dict[int, dict[str, list[dict[str, Any]]]] = {
             dict(num_epochs=3, checkpoint="c.pt"),
         ],
         "replicas-early-stopping": [dict(num_epochs=8, stopper=STOPPER, replicas=2)],
+        "replicas-mmap": [
+            dict(num_epochs=2, checkpoint="c.pt", replicas=2, storage="mmap"),
+            dict(num_epochs=3, checkpoint="c.pt", replicas=2, storage="mmap"),
+        ],
         # every replica writes its file; resuming checks that the replicas of each part agree
         "replicas-all-files": [
             dict(num_epochs=2, checkpoint="c.pt", replicas=2, checkpoint_retrieval="all_replicas"),
@@ -154,6 +158,7 @@ RESUMED = [
     "replicas-resumed",
     "replicas-resharded",
     "replicas-all-files",
+    "replicas-mmap",
 ]
 
 

@@ -59,6 +59,8 @@ SCENARIOS: dict[int, dict[str, dict[str, Any]]] = {
         "RotatE": dict(model="RotatE", replicas=2, replica_grouping="consecutive"),
         "RESCAL-lookup": dict(model="RESCAL", replicas=2, sub_batch_size=30),
         "rowwise": dict(model="DistMult", optimizer="rowwise_adagrad", replicas=2),
+        # the replicas' files apart in one storage_path (column parts and the row shards after training)
+        "mmap-continued": dict(model="DistMult", storage="mmap", replicas=2, continue_to=3),
         "sub-batches": dict(
             model="DistMult", replicas=2, sub_batch_size=50, gradient_clipping_max_norm=0.5, optimizer="sgd"
         ),
