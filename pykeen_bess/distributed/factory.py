@@ -62,19 +62,7 @@ def make_topology(
         dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     )
     if in_group:
-        world_size = dist.get_world_size(process_group)
-        # before any subgroup is created: ranks that disagree would wait for each other forever
-        DistributedTopology.check_same_settings(
-            process_group, dict(num_shards=num_shards, replicas=replicas, replica_grouping=replica_grouping)
-        )
-        if replicas is None and replica_grouping is None and num_shards not in (None, world_size):
-            raise ValueError(
-                f"num_shards={num_shards} differs from the process group's size {world_size}; under "
-                f"torch.distributed every rank holds one shard (leave num_shards unset)"
-                f"{shard_count_advice(world_size, num_shards)}"
-            )
-        layout = RankLayout.create(world_size, num_shards, replicas, replica_grouping)
-        return DistributedTopology(process_group, layout)
+        return DistributedTopology(process_group, _group_layout(process_group, num_shards, replicas, replica_grouping))
     if (replicas or 1) > 1 or replica_grouping not in (None, "none"):
         raise ValueError(
             f"replicas={replicas}, replica_grouping={replica_grouping!r} need a process group of several ranks "
@@ -95,16 +83,33 @@ def _column_topology(
             "partition='encoding' takes a process group, not a device mesh: give num_shards (the column parts), "
             "replicas and replica_grouping instead."
         )
+    layout = _group_layout(process_group, num_shards, replicas, replica_grouping, parts="column part")
+    return ColumnTopology(process_group, layout)
+
+
+def _group_layout(
+    process_group: Any,
+    num_shards: int | None,
+    replicas: int | None,
+    replica_grouping: str | None,
+    parts: str = "shard",
+) -> RankLayout:
+    """Return the layout of the group's ranks: ``num_shards`` shards (or column parts) in ``replicas`` replicas.
+
+    :raises ValueError: if the ranks disagree on the settings (checked before any subgroup is created:
+        ranks that disagree would wait for each other forever), or the settings do not fit the group
+    """
     world_size = dist.get_world_size(process_group)
     DistributedTopology.check_same_settings(
         process_group, dict(num_shards=num_shards, replicas=replicas, replica_grouping=replica_grouping)
     )
     if replicas is None and replica_grouping is None and num_shards not in (None, world_size):
         raise ValueError(
-            f"partition='encoding' holds one column part per rank: leave num_shards unset (or {world_size})"
+            f"num_shards={num_shards} differs from the process group's size {world_size}; under "
+            f"torch.distributed every rank holds one {parts} (leave num_shards unset)"
             f"{shard_count_advice(world_size, num_shards)}"
         )
-    return ColumnTopology(process_group, RankLayout.create(world_size, num_shards, replicas, replica_grouping))
+    return RankLayout.create(world_size, num_shards, replicas, replica_grouping)
 
 
 def shard_count_advice(world_size: int, num_shards: int) -> str:

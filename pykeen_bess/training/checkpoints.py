@@ -263,10 +263,6 @@ class RankCheckpointStore(CheckpointStore):
         """The row sharding of the files (the loop's)."""
         return self.loop.sharding
 
-    def table_weights(self) -> list[torch.Tensor]:
-        """Return the entity tables as the model's state dict and the optimizer hold them (the loop's tables)."""
-        return self.loop.tables.weights()
-
     def held_tables(self) -> list[ShardedEmbedding]:
         """Return the tables the model holds while a checkpoint is read (the loop's tables)."""
         return self.loop.tables.tables
@@ -364,7 +360,7 @@ class RankCheckpointStore(CheckpointStore):
         logger.warning(
             "Resharding checkpoint %s from %d to %d shards.", path, pointer_shards(pointer), self.topology.n_shard
         )
-        table_ids = {id(weight) for weight in self.table_weights()}
+        table_ids = {id(table.weight) for table in self.held_tables()}
         table_keys = [name for name, param in loop.model.named_parameters() if id(param) in table_ids]
         params = [param for group in loop.optimizer.param_groups for param in group["params"]]
         table_indices = [index for index, param in enumerate(params) if id(param) in table_ids]
@@ -410,10 +406,6 @@ class RowShardCheckpointStore(RankCheckpointStore):
     def sharding(self) -> EntitySharding:
         """The row sharding of that topology."""
         return self.column_tables.layout.sharding
-
-    def table_weights(self) -> list[torch.Tensor]:
-        """Return the row shards' weights the model holds while a checkpoint is read."""
-        return [row.weight for row in self.held_tables()]
 
     def held_tables(self) -> list[ShardedEmbedding]:
         """Return the row shards the model holds while a checkpoint is read."""
