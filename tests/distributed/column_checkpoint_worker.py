@@ -14,17 +14,15 @@ exported model and the last token phase's table rows and optimizer state.
 
 from __future__ import annotations
 
-import json
 import pathlib
-import sys
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from encoding_worker import DATASET, Recorder, build_loop
+from encoding_worker import DATASET, Recorder, build_loop, main
 from pykeen.stoppers import EarlyStopper
 
-from pykeen_bess.distributed import export_model, init_from_environment
+from pykeen_bess.distributed import export_model
 from pykeen_bess.evaluation import BessEvaluator
 from pykeen_bess.training import BessTrainingLoop
 
@@ -122,17 +120,5 @@ def run(name: str, phases: list[dict[str, Any]], output: pathlib.Path, rank: int
     torch.save(result, directory / f"rank{rank}.pt")
 
 
-def main() -> None:
-    """Run the scenarios ``{"output": ..., "runs": {name: [phase, ...]}}`` one after the other."""
-    config = json.loads(sys.argv[1])
-    output = pathlib.Path(config["output"])
-    init_from_environment()
-    rank = dist.get_rank()
-    for name, phases in config["runs"].items():
-        run(name, phases, output, rank)
-        dist.barrier()
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # the scenarios {"output": ..., "runs": {name: [phase, ...]}}
+    main(run)

@@ -150,14 +150,17 @@ def run(name: str, scenario: dict[str, Any], output: pathlib.Path, rank: int) ->
     torch.save(result, directory / f"rank{rank}.pt")
 
 
-def main() -> None:
-    """Run the scenarios ``{"output": ..., "runs": {name: scenario}}`` one after the other."""
+def main(run_scenario: Any = None) -> None:
+    """Run the scenarios ``{"output": ..., "runs": {name: scenario}}`` one after the other (with ``run_scenario``).
+
+    :param run_scenario: what runs one scenario as this rank, ``(name, scenario, output, rank)`` (default: :func:`run`)
+    """
     config = json.loads(sys.argv[1])
     output = pathlib.Path(config["output"])
     init_from_environment()
     rank = dist.get_rank()
     for name, scenario in config["runs"].items():
-        run(name, scenario, output, rank)
+        (run_scenario or run)(name, scenario, output, rank)
         dist.barrier()
     dist.destroy_process_group()
 
