@@ -100,7 +100,14 @@ def worker(args: argparse.Namespace) -> None:
             shared_negatives=loop.config.sampler.shares_negatives,
         )
     predicted_replica = replica_cost(
-        n, topology.replicas, last - first, args.negatives, entity_width, loop.sharding.shard_size, element_size=4
+        n,
+        topology.replicas,
+        last - first,
+        args.negatives,
+        entity_width,
+        loop.sharding.shard_size,
+        element_size=4,
+        shared_negatives=loop.config.sampler.shares_negatives,
     )
     result = dict(
         rank=loop.topology.rank,

@@ -5,10 +5,14 @@
 scalar from such a tensor on the host (``item``, ``bool``, ``int``, ``float``: the operator
 ``_local_scalar_dense``) is counted, with the Python line that asked for it. Tensors of the
 sampling plan (built on the CPU by design) are not followed.
+
+:class:`DeviceOps` counts every operator of a block of code and, among them, the synchronising
+ones (:data:`SYNCHRONISING`) whose inputs derive from the given tensors (the static step's).
 """
 
 from __future__ import annotations
 
+import collections
 import traceback
 from collections.abc import Iterable
 
@@ -50,3 +54,82 @@ class HostReads(TorchDispatchMode):
                 if isinstance(tensor, torch.Tensor):
                     self._track(tensor)
         return out
+
+
+#: operators that make the host wait for a device (a GPU) when their input lives there
+SYNCHRONISING = {
+    "_local_scalar_dense",
+    "item",
+    "nonzero",
+    "_unique",
+    "_unique2",
+    "unique_dim",
+    "unique_consecutive",
+    "masked_select",
+    "equal",
+    "is_nonzero",
+}
+
+
+class DeviceOps(TorchDispatchMode):
+    """Count the operators of a block of code, and the synchronising ones whose inputs derive from ``sources``.
+
+    ``sources`` are the tensors that live on the compute device in a GPU run (parameters, optimizer
+    state, the plan buffers, the step's bookkeeping); every operator with such an input marks its
+    outputs. CPU-side constants (the real slots of a step kind, the regularization weights) are not
+    followed: reading them costs no device synchronisation.
+    """
+
+    def __init__(self, sources: Iterable[torch.Tensor]) -> None:
+        super().__init__()
+        self.ops: collections.Counter = collections.Counter()
+        self.synchronising: list[str] = []
+        self._alive = list(sources)
+        self._tracked = {id(t) for t in self._alive}
+
+    @property
+    def total(self) -> int:
+        """The number of operators counted."""
+        return sum(self.ops.values())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.ops[name] += 1
+        inputs = [t for t in tree_leaves((args, kwargs or {})) if isinstance(t, torch.Tensor)]
+        tracked = any(id(t) in self._tracked for t in inputs)
+        if tracked and name in SYNCHRONISING:
+            frame = next((f for f in reversed(traceback.extract_stack()) if "pykeen_bess" in f.filename), None)
+            self.synchronising.append(f"{name} at {frame.filename}:{frame.lineno}" if frame else name)
+        out = func(*args, **(kwargs or {}))
+        if tracked:
+            for tensor in tree_leaves(out):
+                if isinstance(tensor, torch.Tensor) and id(tensor) not in self._tracked:
+                    self._tracked.add(id(tensor))
+                    self._alive.append(tensor)
+        return out
+
+
+def static_step_sources(static) -> list[torch.Tensor]:
+    """Return the tensors of a static step that live on the device in a GPU run (see :class:`DeviceOps`)."""
+    loop_state = [t for state in static.optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
+    plan = static.plan
+    kinds = [t for kind in plan.kinds for t in (kind.device_valid, kind.fallback) if t is not None]
+    real = [mask for mask in static.real if mask is not None]
+    return [
+        *static.model.parameters(),
+        *(table.weight for table in static.tables),
+        *plan.buffers.values(),
+        *plan.triples.values(),
+        *([plan.weights] if plan.weights is not None else []),
+        *kinds,
+        *real,
+        *static._indices.values(),
+        *static.update.learning_rates,
+        *static.update._step_counts.values(),
+        plan.step_index,
+        static.healthy,
+        static.applied,
+        static.loss_sum,
+        static.last_loss,
+        *loop_state,
+    ]

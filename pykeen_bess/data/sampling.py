@@ -193,7 +193,7 @@ class BessSampler:
         :param steps: the leading steps whose negatives are drawn
         """
         generator = self._generator(epoch, 1)
-        negatives = torch.stack([self._negatives(generator) for _ in range(steps)]) if steps else None
+        negatives = self.draw_negatives(generator, steps) if steps else None
         return EpochDraws(epoch=epoch, keys=self.epoch_keys(epoch), negatives=negatives, generator=generator)
 
     def remaining_steps(
@@ -274,7 +274,7 @@ class BessSampler:
         if self.weights is not None:
             weights = torch.where(valid, self.weights.index_select(0, positions), 0.0).view(shape)
         # one draw per step, in step order: the generator's stream is that of the step-by-step sampler
-        negatives = torch.stack([self._negatives(negative_generator) for _ in range(num_steps)])
+        negatives = self.draw_negatives(negative_generator, num_steps)
         return EpochPlan(
             heads=self.partition.heads.index_select(0, positions).view(shape),
             relations=relations,
@@ -289,6 +289,17 @@ class BessSampler:
             shared_negatives=self.shares_negatives,
             **self._candidate_types(relations),
         )
+
+    def draw_negatives(self, generator: torch.Generator, steps: int) -> torch.Tensor:
+        """Draw the negatives of ``steps`` consecutive steps, one step after the other.
+
+        :returns: shape: ``[steps, n(k), n(i), n(j), T * m]`` (``steps`` may be 0: an epoch whose steps
+            were all drawn before)
+        """
+        if steps == 0:
+            n = self.n_shard
+            return torch.empty((0, n, n, n, self.num_candidate_types * self.negatives_per_shard), dtype=torch.long)
+        return torch.stack([self._negatives(generator) for _ in range(steps)])
 
     def _candidate_types(self, relations: torch.Tensor) -> dict:
         """Which negatives each slot is scored against (none to choose: all slots share the block's)."""

@@ -243,6 +243,15 @@ class DistributedTopology(Topology):
             summed.index_add_(0, part, gathered_values[index][:size])
         return union.to(rows.device), summed.to(values.device)
 
+    def replica_all_gather(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        if self.replicas == 1:
+            return x.detach().unsqueeze(0)
+        staged = x.detach().contiguous().to(self._device)
+        pieces = [torch.empty_like(staged) for _ in range(self.replicas)]
+        dist.all_gather(pieces, staged, group=self.replica_group)
+        self.replica_bytes_sent += (self.replicas - 1) * staged.numel() * staged.element_size()
+        return torch.stack(pieces).to(x.device)
+
     def replica_all_reduce(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
         if self.replicas == 1:
             return x.detach().clone()

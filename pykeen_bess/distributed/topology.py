@@ -130,11 +130,16 @@ class Topology(ABC):
     def select_local(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """Select the local shards' entries of a global plan along ``dim``.
 
+        Consecutive local shards (one per rank, or all of them) are a view (no index moves to ``x``'s device).
+
         :param x: shape: ``[..., n, ...]`` with the shard axis at ``dim``
         :returns: shape: ``[..., L, ...]``
         """
         if self.holds_all_shards:
             return x
+        first = self.local_shards[0]
+        if self.local_shards == tuple(range(first, first + self.n_local)):
+            return x.narrow(dim, first, self.n_local)
         return x.index_select(dim, self.local_index().to(x.device))
 
     # -- along the shard axis (differentiable) ---------------------------------------------------
@@ -257,6 +262,14 @@ class Topology(ABC):
     def replica_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum a dense tensor over the replicas of this process' shard (a copy without replicas)."""
         return x.detach().clone()
+
+    def replica_all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Give every replica of this process' shard the tensors of all of them (not differentiable; fixed shapes).
+
+        :param x: the same shape and dtype on every replica
+        :returns: shape: ``[R, *x.shape]``, in replica order (``[1, *x.shape]`` without replicas)
+        """
+        return x.detach().unsqueeze(0)
 
     def all_reduce_coalesced(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Sum many tensors over the processes with one collective per dtype (not in place).

@@ -58,7 +58,7 @@ def block_loss(
     num_valid_step: int,
     label_smoothing: float = 0.0,
     num_entities: int | None = None,
-    weight_step: float = 0.0,
+    weight_step: float | torch.Tensor = 0.0,
 ) -> torch.Tensor:
     """Compute this process' share of the step loss (plus the regularization term).
 
@@ -68,7 +68,8 @@ def block_loss(
     :param label_smoothing: PyKEEN's label smoothing (pointwise losses only)
     :param num_entities: the number of entities (needed for label smoothing)
     :param weight_step: the sum of the loss weights of the whole step's positives (with a loss weighter)
-        (every negative triple weighs what its positive weighs, see :func:`partition_weights`)
+        (every negative triple weighs what its positive weighs, see :func:`partition_weights`); a
+        0-dimensional tensor on the scores' device is not read on the host
     :returns: a scalar; summing it over sub-batches and processes gives the step loss
     """
     num_valid = scores.num_valid  # known on the host: no device synchronisation
@@ -101,7 +102,11 @@ def block_loss(
             if weights is not None and weight_convention(loss) == "sum":
                 # PyKEEN's weighted mean divides by the weights' sum, (1 + K) times the positives' weights
                 # (a step whose positives all weigh 0 has the value 0, as PyKEEN's clamped division gives)
-                value = value * (weights.sum() / (weight_step if weight_step > 0 else 1.0))
+                if torch.is_tensor(weight_step):  # the static step's, on the device
+                    step_sum = weight_step.to(weights.dtype)
+                    value = value * (weights.sum() / torch.where(step_sum > 0, step_sum, torch.ones_like(step_sum)))
+                else:
+                    value = value * (weights.sum() / (weight_step if weight_step > 0 else 1.0))
             else:
                 value = value * (num_valid / max(num_valid_step, 1))
     return value + scores.regularization

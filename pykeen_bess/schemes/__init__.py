@@ -101,35 +101,40 @@ def replica_cost(
     shard_size: int,
     element_size: int = 4,
     sparse: bool = True,
+    shared_negatives: bool = False,
 ) -> int:
     """Return the bytes one process sends to its replicas per step to sum its shard's gradients (at most).
 
-    With row-sparse updates every replica all-gathers its touched rows (ids, 8 bytes each) and their
-    gradients (``D`` values each) to the ``R - 1`` others
-    (:meth:`~pykeen_bess.distributed.DistributedTopology.replica_reduce_rows`). A replica touches at
-    most ``U = min(S, 2 n b' + n K)`` rows of its shard of ``S`` rows: the heads and tails of its
-    ``b'`` slots in the ``n`` blocks of its row and column, and its share of every block's ``K``
-    negatives; duplicates make the measured bytes smaller. Dense updates all-reduce the whole shard
-    table, ``2 (R - 1) / R * S * D`` values (ring all-reduce), and all-gather the touched rows (to
-    constrain them after the update) with a 4-byte flag each. The exchange inside the shard group
-    (:func:`exchange_cost`) comes on top, with ``b'`` slots per block.
+    With row-sparse updates the static step (:mod:`~pykeen_bess.training.static_step`) all-gathers
+    every row it looked up, duplicates included (a fixed number per step: no host read), its id (8
+    bytes), whether a real slot looked it up (1 byte) and its gradient (``D`` values) to the ``R - 1``
+    other replicas: ``2 n b'`` heads and tails of its ``b'`` slots in the ``n`` blocks of its row and
+    column, plus its share of the negatives, ``n K`` (one set per block) or ``K / n`` (one set per
+    step, ``shared_negatives``). The eager step sends only the distinct rows, at most
+    ``min(S, ...)`` of a shard of ``S`` rows, and no flags, so this bounds it too. Dense updates
+    all-reduce the whole shard table, ``2 (R - 1) / R * S * D`` values (ring all-reduce), and
+    all-gather the touched rows (to constrain them after the update) with a 4-byte flag each. The
+    exchange inside the shard group (:func:`exchange_cost`) comes on top, with ``b'`` slots per block.
 
     :param n_shard: ``n``
     :param replicas: ``R``
-    :param replica_block_size: ``b'``, the slots of every block one replica trains
+    :param replica_block_size: ``b'``, the slots of every block one replica trains (the largest share)
     :param num_negs_per_pos: ``K``, negatives per block and positive
     :param entity_width: ``D``, packed values per entity row
     :param shard_size: ``S``, rows of a shard table
     :param element_size: bytes per value
     :param sparse: row-sparse (default) or dense updates
+    :param shared_negatives: whether all blocks of a step share one set of negatives
     :returns: bytes sent per process and step
     """
     if replicas == 1:
         return 0
-    rows = min(shard_size, 2 * n_shard * replica_block_size + n_shard * num_negs_per_pos)
+    negatives = num_negs_per_pos // n_shard if shared_negatives else n_shard * num_negs_per_pos
+    rows = 2 * n_shard * replica_block_size + negatives
     if not sparse:
+        rows = min(shard_size, rows)
         return 2 * (replicas - 1) * shard_size * entity_width * element_size // replicas + (replicas - 1) * rows * 12
-    return (replicas - 1) * rows * (8 + entity_width * element_size)
+    return (replicas - 1) * rows * (8 + 1 + entity_width * element_size)
 
 
 def resolve_scheme(scheme: str | type[ExchangeScheme]) -> type[ExchangeScheme]:

@@ -29,7 +29,7 @@ from ..distributed import Topology
 from ..tables.optim import row_sparse_grad
 from ..tables.representation import ShardedEmbedding
 from ..scoring import SharedCandidateScorer, Side
-from .lookup import Accumulator, RowLookup, split_parts
+from .lookup import Accumulator, RowLookup, device_index, split_parts
 
 __all__ = [
     "ExchangeScheme",
@@ -73,6 +73,10 @@ class ExchangeScheme(ABC):
     def applies(cls, model: ERModel) -> bool:
         """Return whether the scheme can train the model (all token schemes can)."""
         return True
+
+    def static_step_obstacle(self, rule: str | None) -> str | None:
+        """Return why the static step cannot run this scheme with the row rule ``rule`` (None: it can)."""
+        return None
 
     def slot_range(self, block_size: int) -> tuple[int, int]:
         """Return the slots ``[start, stop)`` of every block this process scores (its replica's share)."""
@@ -210,7 +214,7 @@ class ExchangeScheme(ABC):
         gathered_slots = slice(start - gathered.first_slot, stop - gathered.first_slot)
         device = self.tables[0].compute_device
         local_valid = topology.select_local(batch.valid[..., slots], 0).reshape(-1)  # on the CPU
-        valid_index = None if bool(local_valid.all()) else local_valid.nonzero().view(-1).to(device)
+        valid_index = None if bool(local_valid.all()) else device_index(local_valid, device)
         regularization = Accumulator()
         normalized = [self.lookup.normalized_rows(table, leaf) for table, leaf in zip(self.tables, gathered.leaves)]
         role_weights, relation_weights = self._regularization_weights(batch, gathered, start, stop)

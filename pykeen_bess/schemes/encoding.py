@@ -30,7 +30,7 @@ from ..tables.encoding import ColumnSplit, SeparableScoring, check_encoding_mode
 from ..tables.representation import ShardedEmbedding
 from ..scoring import SharedCandidateScorer, Side
 from .base import ExchangeScheme
-from .lookup import Accumulator, slice_parts
+from .lookup import Accumulator, device_index, slice_parts
 
 __all__ = [
     "EncodingScheme",
@@ -82,6 +82,12 @@ class EncodingScheme(ExchangeScheme):
         except ValueError:
             return False
         return True
+
+    def static_step_obstacle(self, rule: str | None) -> str | None:
+        """Row-wise Adagrad's accumulators need the mean over whole rows, a column sum the static rule lacks."""
+        if rule == "rowwise_adagrad" and not self.topology.holds_all_columns:
+            return "its row-wise Adagrad needs whole rows (column parts over processes)"
+        return None
 
     # -- the cost model --------------------------------------------------------------------------
 
@@ -138,7 +144,7 @@ class EncodingScheme(ExchangeScheme):
         gathered_slots = slice(start - gathered.first_slot, stop - gathered.first_slot)
         device = self.tables[0].compute_device
         local_valid = batch.valid[..., slots].reshape(-1)
-        valid_index = None if bool(local_valid.all()) else local_valid.nonzero().view(-1).to(device)
+        valid_index = None if bool(local_valid.all()) else device_index(local_valid, device)
         regularization, replicated = Accumulator(), Accumulator()
         lookup = self.lookup
         normalized = [lookup.normalized_rows(table, leaf) for table, leaf in zip(self.tables, gathered.leaves)]

@@ -121,6 +121,10 @@ class EncodingLookupScheme(EmbeddingMovingScheme):
 
     # -- slots, rows and gradients ---------------------------------------------------------------
 
+    def static_step_obstacle(self, rule: str | None) -> str | None:
+        """Assembling whole rows moves a data-dependent number of rows between the column parts."""
+        return "it looks whole rows up with data-dependent sizes (exchange='encoding_lookup')"
+
     def slot_range(self, block_size: int) -> tuple[int, int]:
         """Return the slots this process scores: its column part's share of its replica's slots (all in one process)."""
         if self.topology.holds_all_columns:

@@ -22,6 +22,7 @@ from ..tables.representation import ShardedEmbedding
 __all__ = [
     "Accumulator",
     "RowLookup",
+    "device_index",
     "regularize",
     "slice_parts",
     "split_parts",
@@ -245,7 +246,7 @@ def regularize(regularizer: Any, x: torch.Tensor, weights: torch.Tensor, accumul
         if bool(selected.all()):
             rows = rows_all
         else:
-            rows = rows_all.index_select(0, _device_index(selected, x.device))
+            rows = rows_all.index_select(0, device_index(selected, x.device))
         regularizer.update(rows)
         accumulator.add(regularizer.pop_regularization_term() * (rows.shape[0] * value))
 
@@ -270,8 +271,13 @@ def static_indices(store: dict) -> Iterator[dict]:
         _STATIC_INDICES.reset(token)
 
 
-def _device_index(selected: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Return the positions of the True entries of a CPU mask on ``device`` (cached while a static step is traced)."""
+def device_index(selected: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Return the positions of the True entries of a CPU mask on ``device`` (cached while a static step runs).
+
+    A static step's masks (regularization groups, the real slots of its kind) are the same every step of a
+    kind: the first run copies each index to the device once, later runs (and a CUDA graph captured from
+    them) use those copies.
+    """
     index = selected.nonzero().view(-1)
     store = _STATIC_INDICES.get()
     if store is None:

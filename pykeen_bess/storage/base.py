@@ -236,8 +236,11 @@ class TableStorage(ABC):
         """Raise :class:`ValueError` if the tier cannot train a model built on the meta device."""
 
     def captured_step_obstacle(self) -> str | None:
-        """Why a captured (static) step cannot hold these tables, None if it can."""
-        return f"it keeps the tables on the device (storage={self.name!r})"
+        """Why a static step on a GPU cannot hold these tables, None if it can (on the CPU every tier can).
+
+        Its rows would cross from host memory to the GPU inside the step, which a CUDA graph cannot capture.
+        """
+        return f"on a GPU it keeps the tables on the device (storage={self.name!r})"
 
     def state_entry(
         self, table: HeldTable, directory: pathlib.Path | None, omit_weight: bool, by_value: bool = False

@@ -1,18 +1,21 @@
-"""The steps of an epoch: the eager step, the static step and the plans of the coming epochs.
+"""The steps of an epoch: the static step, the eager step and the plans of the coming epochs.
 
-:func:`eager_step` runs one BESS step (forward and backward over its sub-batches, the loss summed
-over the sub-batches and the processes and checked, the gradients handed to the tables, then the
-callbacks with the optimizer step); :func:`make_static_step` decides whether the full steps of an
-epoch run as one static step (:mod:`~pykeen_bess.training.static_step`) and
-:func:`static_steps` runs them; :class:`EpochPlans` draws the next epoch's plan on a thread while
-an epoch trains; :class:`EpochBatches` is what PyKEEN's data loader is to its loop.
+:func:`make_static_step` decides whether the steps of the epochs run as the static step
+(:mod:`~pykeen_bess.training.static_step`, wherever the configuration allows) and
+:func:`static_steps` runs an epoch of them; :func:`eager_step` runs one step of the configurations
+it cannot train (forward and backward over its sub-batches, the loss summed over the sub-batches
+and the processes and checked, the gradients handed to the tables, then the callbacks with the
+optimizer step); :class:`EpochPlans` draws the next epoch's plan on a thread while an epoch
+trains; :class:`EpochBatches` is what PyKEEN's data loader is to its loop.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
-from collections.abc import Iterator
+import math
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,6 +26,7 @@ from ..data.batch import BessBatch
 from ..tables.optim import BessOptimizer
 from ..data.sampling import BessSampler, EpochDraws
 from .static_step import StaticStep, static_step_obstacle
+from .static_update import Clipping
 from .step import StepRunner
 
 if TYPE_CHECKING:
@@ -67,10 +71,10 @@ def make_static_step(
     loop: BessTrainingLoop,
     runner: StepRunner,
     batches: Any,
-    callback: MultiTrainingCallback,
     block_size: int,
     sub_block_size: int,
     label_smoothing: float,
+    clipping: Clipping,
     only_size_probing: bool,
 ) -> StaticStep | None:
     """Return the static step of this training, or None where the eager step runs (the reason logged).
@@ -78,7 +82,7 @@ def make_static_step(
     :raises ValueError: if the loop asks for the static step (``static_step=True``) and it cannot apply
     """
     mode = loop.static_step
-    if mode is False or only_size_probing or (mode is None and loop.device.type != "cuda"):
+    if mode is False or only_size_probing:
         return None
     if loop.overrides_process_batch:  # the hook runs on the host for every sub-batch: the eager step calls it
         if mode:
@@ -88,16 +92,7 @@ def make_static_step(
             )
         logger.info("BESS: the eager step trains this loop, whose subclass overrides _process_batch.")
         return None
-    obstacle = static_step_obstacle(
-        runner,
-        loop.tables,
-        loop.optimizer,
-        batches.sampler,
-        sub_block_size=sub_block_size,
-        block_size=block_size,
-        callbacks=callback.callbacks,
-        weighted=loop.loss_weighter is not None,
-    )
+    obstacle = static_step_obstacle(runner, loop.tables, loop.optimizer, batches.sampler)
     if obstacle is not None:
         if mode:
             raise ValueError(f"static_step=True: the static step cannot train this configuration: {obstacle}.")
@@ -106,35 +101,70 @@ def make_static_step(
     optimizer = loop.optimizer
     assert isinstance(optimizer, BessOptimizer)  # static_step_obstacle refuses any other
     static = StaticStep(
-        runner, loop.tables, optimizer, loop.model, batches.sampler, label_smoothing, capture=mode is None
+        runner,
+        loop.tables,
+        optimizer,
+        loop.model,
+        batches.sampler,
+        label_smoothing,
+        capture=mode is None,
+        sub_block_size=sub_block_size,
+        clipping=clipping,
     )
+    padded = len(static.plan.kinds) - 1
     logger.info(
-        "BESS: %d of %d steps per epoch run as the static step%s; the rest (with padding) eagerly.",
-        static.num_steps,
+        "BESS: the static step trains all %d steps per epoch%s%s.",
         len(batches),
-        " (captured as a CUDA graph)" if static.capture else "",
+        f" ({padded} with padding, each its own step kind)" if padded else "",
+        " (captured as CUDA graphs)" if static.capture else "",
     )
     return static
 
 
 def static_steps(
-    static: StaticStep, epoch: int, num_steps: int, fields: dict[str, torch.Tensor], progress: Any
+    static: StaticStep,
+    epoch: int,
+    num_steps: int,
+    fields: dict[str, torch.Tensor],
+    progress: Any,
+    callback: MultiTrainingCallback | None,
+    unit: Callable[[], contextlib.AbstractContextManager],
 ) -> float:
-    """Run the full steps of an epoch as static steps; return the sum of their losses (one host read).
+    """Run the steps of an epoch as static steps; return the sum of their losses (one host read).
 
+    :param callback: the callbacks, if one of them has a per-step hook: they are called around every
+        step (``pre_batch`` before it; ``on_batch`` with its loss, read on the host, ``pre_step`` and
+        ``post_batch`` after it, the update done); None: the loss is read once, at the end
+    :param unit: a context manager around every step (the thread policy's unit of work)
     :raises NonFiniteLossError: if a step's loss was non-finite (that step and the later ones wrote nothing)
     """
     static.load_plan(fields)
-    static.run(static.num_steps, progress)
+    for index in range(static.num_steps):
+        if callback is not None:
+            callback.pre_batch()
+        with unit():
+            static.run(1, progress)
+        if callback is not None:
+            loss = float(static.last_loss)
+            if not math.isfinite(loss):
+                raise NonFiniteLossError(_non_finite(epoch, index, num_steps, f"The loss is non-finite ({loss})"))
+            batch = static.callback_batch(epoch, index)
+            callback.on_batch(epoch=epoch, batch=batch, batch_loss=loss)
+            callback.pre_step()
+            callback.post_batch(epoch=epoch, batch=batch)
     loss_sum, applied = static.finish_epoch()
     if applied < static.num_steps:
-        raise NonFiniteLossError(
-            f"The loss is non-finite in epoch {epoch}, step {applied + 1}/{num_steps} (global step "
-            f"{(epoch - 1) * num_steps + applied + 1}). Neither that step nor a later one was applied, and no "
-            f"checkpoint was written for it. Lower the learning rate, add gradient clipping or check the model's "
-            f"constraints."
-        )
+        raise NonFiniteLossError(_non_finite(epoch, applied, num_steps, "The loss is non-finite"))
     return loss_sum
+
+
+def _non_finite(epoch: int, index: int, num_steps: int, what: str) -> str:
+    """Return the message of a non-finite loss in step ``index`` (0-based) of an epoch of the static step."""
+    return (
+        f"{what} in epoch {epoch}, step {index + 1}/{num_steps} (global step {(epoch - 1) * num_steps + index + 1}). "
+        f"Neither that step nor a later one was applied, and no checkpoint was written for it. Lower the learning "
+        f"rate, add gradient clipping or check the model's constraints."
+    )
 
 
 class EpochPlans:

@@ -74,7 +74,8 @@ from ..data.partition import ShardPairPartition
 from .config import run_configuration, verify_same_configuration
 from .epoch_steps import EpochBatches, EpochPlans, eager_step, make_static_step, static_steps
 from .sizes import block_size_for
-from .static_step import StaticStep
+from .static_step import StaticStep, per_step_hooks
+from .static_update import Clipping
 from .step import BessOptimizerCallback, GlobalNormClippingCallback, StepRunner, ValueClippingCallback
 
 if TYPE_CHECKING:
@@ -132,6 +133,10 @@ def run_epochs(
     if topology.is_distributed:  # every rank trains with the same settings
         arguments: dict[str, Any] = dict(num_epochs=num_epochs, batch_size=batch_size, sub_batch_size=sub_batch_size)
         arguments.update(label_smoothing=label_smoothing, continue_training=continue_training)
+        # the static and the eager step, and clipping, run different collectives
+        arguments.update(static_step=loop.static_step, gradient_clipping_max_norm=gradient_clipping_max_norm)
+        arguments.update(gradient_clipping_norm_type=gradient_clipping_norm_type)
+        arguments.update(gradient_clipping_max_abs_value=gradient_clipping_max_abs_value)
         verify_same_configuration(topology, run_configuration(loop, triples_factory, **arguments))
     _reset_or_continue(loop, continue_training)
     block_size, sub_block_size = _step_sizes(  # 4.
@@ -139,15 +144,14 @@ def run_epochs(
     )
     batches = loop.epoch_batches(triples_factory, batch_size=block_size * topology.n_shard**2)
     runner = loop.runner = loop.make_runner(block_size)
-    _register_step_callbacks(  # 3.
-        loop, callback, runner, gradient_clipping_max_norm, gradient_clipping_norm_type, gradient_clipping_max_abs_value
+    clipping = Clipping(gradient_clipping_max_norm, gradient_clipping_norm_type, gradient_clipping_max_abs_value)
+    static = loop.static = make_static_step(
+        loop, runner, batches, block_size, sub_block_size, label_smoothing, clipping, only_size_probing
     )
+    _register_step_callbacks(loop, callback, runner, clipping, eager=static is None)  # 3.
     callback.register_training_loop(loop)
     if topology.is_main_process and not only_size_probing:
         _log_plan(loop, batches, runner, block_size, sub_block_size)
-    static = loop.static = make_static_step(
-        loop, runner, batches, callback, block_size, sub_block_size, label_smoothing, only_size_probing
-    )
     plans = EpochPlans(batches.sampler, static, loop._epoch + 1, num_epochs) if static is not None else None
     show = use_tqdm and topology.is_main_process and not only_size_probing  # 5.
     epochs = trange(
@@ -315,22 +319,23 @@ def _step_sizes(
 
 
 def _register_step_callbacks(
-    loop: BessTrainingLoop,
-    callback: MultiTrainingCallback,
-    runner: StepRunner,
-    max_norm: float | None,
-    norm_type: float | None,
-    max_abs_value: float | None,
+    loop: BessTrainingLoop, callback: MultiTrainingCallback, runner: StepRunner, clipping: Clipping, eager: bool
 ) -> None:
-    """Difference 3: BESS's optimizer step (gradients of gathered rows to the tables, global-norm clipping)."""
-    pre_step: list[TrainingCallback] = []
-    if max_norm is not None:
-        pre_step.append(GlobalNormClippingCallback(loop.tables, loop.topology, max_norm, norm_type))
-    if max_abs_value is not None:
-        pre_step.append(ValueClippingCallback(loop.tables, max_abs_value))
-    callback.register_callback(
-        BessOptimizerCallback(runner, loop.tables, pre_step, constrain_rows=not loop.config.sparse_updates)
-    )
+    """Difference 3: BESS's optimizer step (gradients of gathered rows to the tables, global-norm clipping).
+
+    The static step updates and clips within the step; the eager step's optimizer step is a callback.
+    """
+    if eager:
+        pre_step: list[TrainingCallback] = []
+        if clipping.max_norm is not None:
+            pre_step.append(
+                GlobalNormClippingCallback(loop.tables, loop.topology, clipping.max_norm, clipping.norm_type)
+            )
+        if clipping.max_abs_value is not None:
+            pre_step.append(ValueClippingCallback(loop.tables, clipping.max_abs_value))
+        callback.register_callback(
+            BessOptimizerCallback(runner, loop.tables, pre_step, constrain_rows=not loop.config.sparse_updates)
+        )
     if loop.lr_scheduler is not None:
         callback.register_callback(LearningRateSchedulerTrainingCallback())
 
@@ -384,29 +389,26 @@ def _run_epoch(
 ) -> float | None:
     """Run the steps of one epoch; return the mean step loss (None after the one step of a size probe).
 
-    The full steps run as static steps where there is one, the steps with padding eagerly (difference 2:
-    ``on_batch`` gets each step's loss once).
+    The steps run as static steps where there is one, else eagerly (difference 2: ``on_batch`` gets each
+    step's loss once).
     """
     progress = tqdm(
         total=len(batches), desc=f"Training batches on {loop.device}", leave=False, unit="batch", disable=not show
     )
     with progress:
-        if static is None:
-            steps = batches.epoch(epoch)
-            epoch_loss = 0.0
-        else:
+        if static is not None:
             assert plans is not None
-            draws, fields = plans.get(epoch)
-            epoch_loss = static_steps(static, epoch, len(batches), fields, progress)
-            steps = batches.sampler.remaining_steps(draws, static.order_lookup, static.num_steps).batches()
-        for batch in steps:
+            _, fields = plans.get(epoch)
+            per_step = callback if per_step_hooks(callback.callbacks) else None
+            epoch_loss = static_steps(static, epoch, len(batches), fields, progress, per_step, loop.thread_policy.unit)
+            return epoch_loss / len(batches)
+        epoch_loss = 0.0
+        for batch in batches.epoch(epoch):
             with loop.thread_policy.unit():
                 epoch_loss += eager_step(runner, callback, batch, sub_block_size, label_smoothing, len(batches), loop)
             progress.update(1)
             if only_size_probing:
                 return None
-        if static is not None:
-            static.resume_after_eager()
     return epoch_loss / len(batches)
 
 

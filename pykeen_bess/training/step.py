@@ -196,6 +196,33 @@ class StepRunner:
                 "the step's rows first."
             )
         weight_step = 0.0 if batch.weights is None else float(batch.weights.sum(dtype=torch.float64))  # CPU plan
+        loss, self._own = self.slots_loss(batch, rows, start, stop, label_smoothing, weight_step)
+        return loss
+
+    def slots_loss(
+        self,
+        batch: BessBatch,
+        rows: RowGather,
+        start: int,
+        stop: int,
+        label_smoothing: float,
+        weight_step: float | torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return the loss of the slots ``start:stop`` of every block (not backpropagated), and its own part.
+
+        The loss is the sub-batch's share of the step loss (PyKEEN's reduction over the step's valid
+        slots, loss weights and regularization terms included), a scalar. Its own part is what every
+        process computes in full (see :meth:`forward_backward`). Reads nothing on the host: the static
+        step calls it, too.
+
+        :param batch: the step's plan
+        :param rows: the step's rows (from the scheme's gather, or the static step's)
+        :param start: the first slot of every block
+        :param stop: the end slot (exclusive)
+        :param label_smoothing: PyKEEN's label smoothing
+        :param weight_step: the sum of the loss weights of the whole step's positives (0 without weights)
+        :raises ValueError: if the loop has a loss weighter and the batch carries no weights
+        """
         if batch.weights is None and self.weighted:
             raise ValueError("The loop has a loss weighter, but its sampler's batches carry no weights.")
         scores = self.scheme.scores(batch, rows, start, stop)
@@ -213,8 +240,8 @@ class StepRunner:
         share = (stop - start) / batch.block_size * self.topology.n_local / self.topology.n_shard * replicated
         extra = self.collect_regularization_term() * share
         loss = (loss + extra).sum()  # regularizer terms have shape [1]
-        self._own = torch.as_tensor(extra + scores.replicated_regularization).sum().detach()
-        return loss
+        own = torch.as_tensor(extra + scores.replicated_regularization).sum().detach()
+        return loss, own
 
 
 class GlobalNormClippingCallback(TrainingCallback):

@@ -128,6 +128,7 @@ def build_loop(config: dict[str, Any], factory: CoreTriplesFactory) -> BessTrain
         storage_kwargs=config.get("storage_kwargs"),
         loss_weighter=loss_weighter(config.get("loss_weighter"), factory),
         negatives=config.get("negatives", "block"),
+        static_step=config.get("static_step"),
     )
 
 
@@ -212,7 +213,26 @@ def run(config: dict[str, Any], output: pathlib.Path, rank: int) -> None:
         result["top_k"] = frame[["query", "tail_id", "rank", "score"]].to_dict("list")
     if config.get("export"):
         export_model(loop.model, output / "model.pt")
+    if config.get("count_ops"):
+        result["static_step_ops"] = count_static_step_ops(loop, config["num_epochs"] + 1)
     torch.save(result, output / f"rank{rank}.pt")
+
+
+def count_static_step_ops(loop: BessTrainingLoop, epoch: int) -> dict[str, Any]:
+    """Run a further step of every kind of the loop's static step; count its operators and synchronising ones."""
+    sys.path.insert(0, str(pathlib.Path(__file__).parent.parent))
+    from host_reads import DeviceOps, static_step_sources
+
+    static = loop.static
+    assert static is not None, "the loop trained eagerly"
+    counts = {}
+    with loop.tables.installed(copy_weights=False):
+        static.load_epoch(epoch)
+        for kind in static.plan.kinds:
+            with DeviceOps(static_step_sources(static)) as ops:
+                static.step(kind)
+            counts[kind.index] = dict(total=ops.total, synchronising=ops.synchronising)
+    return counts
 
 
 def main() -> None:

@@ -52,9 +52,13 @@ def assemble(results: list[dict[str, Any]], num_entities: int) -> torch.Tensor:
 
 
 def local_reference(config: dict[str, Any], num_shards: int):
-    """The same training in one process with ``num_shards`` logical shards."""
+    """The same training in one process with ``num_shards`` logical shards, on the eager step.
+
+    The ranks train on the static step (the default wherever it applies), so their equality with this
+    reference is also the static step's with the eager one.
+    """
     factory, dataset = small_factory(config.get("num_triples", 300))
-    loop = build_loop({**config, "num_shards": num_shards}, factory)
+    loop = build_loop({**config, "num_shards": num_shards, "static_step": False}, factory)
     losses: list[float] = []
 
     from pykeen.training import TrainingCallback
@@ -91,6 +95,9 @@ SCENARIOS = {
         # one set of negatives per step: all-gathered (embedding) or scored in one product per shard (score)
         step_embedding=dict(BASE, exchange="embedding", negatives="step", sub_batch_size=8),
         step_score=dict(BASE, exchange="score", negatives="step"),
+        # the eager step over ranks (what trains the configurations the static step cannot)
+        eager=dict(BASE, exchange="embedding", static_step=False, sub_batch_size=8),
+        clipping=dict(BASE, exchange="score", gradient_clipping_max_norm=0.05, count_ops=True),
     ),
     4: dict(
         embedding=dict(BASE, exchange="embedding", batch_size=4 * 4**2),
@@ -170,6 +177,26 @@ def test_step_shared_negatives_on_ranks_equal_logical_shards(
     check_equals_local_reference(results, SCENARIOS[world_size][scenario], world_size)
     _, _, per_block, _ = local_reference({**SCENARIOS[world_size][scenario], "negatives": "uniform"}, world_size)
     assert results[0]["step_losses"] != pytest.approx(per_block, rel=1e-6)  # other negatives: another run
+
+
+@pytest.mark.parametrize("scenario", ["eager", "clipping"])
+def test_eager_and_clipped_steps_on_ranks_equal_logical_shards(two_ranks: dict[str, Any], scenario: str) -> None:
+    """The eager step over ranks (sub-batches), and the static step with clipping by the global norm."""
+    check_equals_local_reference(two_ranks[scenario], SCENARIOS[2][scenario], 2)
+
+
+def test_the_static_step_on_ranks_reads_nothing_on_the_host(two_ranks: dict[str, Any]) -> None:
+    """Every step kind on every rank: no synchronising operator (its collectives have fixed shapes), a bounded count.
+
+    The score-moving scheme with clipping by the global norm (the clipping norm's all-reduce and the loss's are
+    the step's only scalar collectives); about 400 operators, as in one process.
+    """
+    for result in two_ranks["clipping"]:
+        counts = result["static_step_ops"]
+        assert len(counts) >= 2  # the full steps and at least one padded kind
+        for count in counts.values():
+            assert count["synchronising"] == []
+            assert 0 < count["total"] <= 480, count
 
 
 @pytest.mark.parametrize("scenario", ["weighted", "weighted_nssa"])

@@ -33,12 +33,16 @@ class CountSteps(TrainingCallback):
         self.steps += 1
 
 
+@pytest.mark.parametrize("static_step", [False, True])
 @pytest.mark.parametrize("clipping", [dict(gradient_clipping_max_norm=0.5), dict(gradient_clipping_max_abs_value=0.1)])
-def test_a_step_reads_only_its_loss_on_the_host(factory: CoreTriplesFactory, clipping: dict) -> None:
-    """Per step the host reads one value computed from the model (the loss); clipping reads none.
+def test_a_step_reads_only_its_loss_on_the_host(factory: CoreTriplesFactory, clipping: dict, static_step: bool) -> None:
+    """The eager step reads one value computed from the model per step (the loss); clipping reads none.
 
-    On a GPU every such read waits for the device; the rows, masks and weights of a step are
-    computed from the sampling plan on the CPU instead.
+    The static step reads it only for a callback that asks for every step's loss (this one does), and
+    once per epoch the loss sum and the step counts (one copy, ``tolist``, not a scalar read, so not
+    counted here). On a GPU every such read waits for the device; the rows, masks and weights of a step
+    are computed from the sampling plan on the CPU (the eager step) or from device buffers (the static
+    step) instead.
     """
     model = DistMult(triples_factory=factory, embedding_dim=8, random_seed=0)
     loop = BessTrainingLoop(
@@ -48,13 +52,14 @@ def test_a_step_reads_only_its_loss_on_the_host(factory: CoreTriplesFactory, cli
         num_negs_per_pos=4,
         optimizer="adam",
         automatic_memory_optimization=False,
+        static_step=static_step,
     )
     counter = CountSteps()
     with HostReads([*loop.tables.weights(), *loop.tables.replicated_parameters()]) as reads:
         loop.train(
             factory, num_epochs=2, batch_size=16, sub_batch_size=8, use_tqdm=False, callbacks=counter, **clipping
         )
-    assert counter.steps > 10
+    assert counter.steps > 10 and (loop.static is not None) == static_step
     assert len(reads.reads) == counter.steps, "\n".join(sorted(set(reads.reads)))
 
 

@@ -138,8 +138,9 @@ def test_stored_tables_are_not_reachable_from_the_model_or_the_optimizer(nations
 @pytest.mark.parametrize("tier", TIERS)
 @pytest.mark.parametrize("optimizer", ["adam", "rowwise_adagrad", "sgd"])
 def test_traffic_per_step_is_unique_rows_times_row_and_state_bytes(nations, tmp_path, tier, optimizer) -> None:
+    """The eager step moves every distinct row once each way (and the dummy row of padding slots in)."""
     factory = factory_of(nations)
-    loop = make_loop(factory, tier, tmp_path, optimizer=optimizer)
+    loop = make_loop(factory, tier, tmp_path, optimizer=optimizer, static_step=False)
     storage = loop.tables.storage
     steps: list[dict[str, int]] = []
 
@@ -172,6 +173,35 @@ def test_traffic_per_step_is_unique_rows_times_row_and_state_bytes(nations, tmp_
         assert step["written"] == step["real"] * (width + state_width) * size, step
     # so a step without padding moves unique rows x (width + state width) each way
     assert any(step["gathered"] == step["real"] for step in steps)
+
+
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("optimizer", ["adam", "rowwise_adagrad", "sgd"])
+def test_static_step_traffic_is_every_looked_up_row(nations, tmp_path, tier, optimizer) -> None:
+    """The static step (fixed shapes) moves every row it looks up, duplicates included, once each way."""
+    factory = factory_of(nations)
+    loop = make_loop(factory, tier, tmp_path, optimizer=optimizer, static_step=True)
+    storage = loop.tables.storage
+    steps: list[dict[str, int]] = []
+
+    class Traffic(TrainingCallback):
+        """Records each step's traffic (a per-step hook: the static step runs one step between them)."""
+
+        def pre_batch(self, **kwargs: Any) -> None:
+            storage.traffic.reset()
+
+        def on_batch(self, epoch: int, batch: Any, batch_loss: float, **kwargs: Any) -> None:
+            steps.append(dict(read=storage.traffic.bytes_read, written=storage.traffic.bytes_written))
+
+    loop.train(factory, num_epochs=1, batch_size=72, use_tqdm=False, callbacks=Traffic())
+    assert loop.static is not None and len(steps) > 3
+    looked_up = sum(index.numel() for index in loop.static.role_index)  # heads, tails, negatives
+    width, size = 8, 4
+    state_width = {"adam": 2 * width, "rowwise_adagrad": 1, "sgd": 0}[optimizer]
+    for step in steps:
+        assert step == dict(
+            read=looked_up * (width + state_width) * size, written=looked_up * (width + state_width) * size
+        )
 
 
 def test_evaluation_and_prediction_read_rows_from_every_tier(nations, tmp_path) -> None:
