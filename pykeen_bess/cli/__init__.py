@@ -191,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     bess.add_argument(
         "--static-step",
         choices=["auto", "on", "off"],
-        help="auto (default): on a GPU, steps run as one CUDA graph where possible; on: also on the CPU; off: eager",
+        help="auto (default): the static step wherever it applies (a CUDA graph on a GPU); on: or an error; off: eager",
     )
 
     training = train.add_argument_group("training")

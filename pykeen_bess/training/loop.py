@@ -186,8 +186,9 @@ class BessTrainingLoop(LoopParts):
         :param sharding: ``"balanced"`` (default: every shardpair holds about ``T / n ** 2`` triples, see
             :mod:`pykeen_bess.data.balancing`), ``"random"`` or a :class:`~pykeen_bess.data.sharding.ShardingStrategy`
             (typed graphs: by type); a checkpoint resumes only with the sharding it was written with
-        :param static_step: None (default: on a GPU the full steps run as one captured CUDA graph where the
-            configuration allows), True (on any device, or an error says why not) or False (eager); see
+        :param static_step: None (default: every step runs as the static step, one function of fixed shapes,
+            captured as a CUDA graph on a GPU, wherever the configuration allows; else the eager step, the reason
+            logged), True (the static step, or an error says why not) or False (the eager step); see
             :mod:`pykeen_bess.training.static_step`
         :param kwargs: passed to :class:`pykeen.training.TrainingLoop` (optimizer, lr scheduler,
             result tracker, loss weighter (every positive's weight is passed to the loss as
