@@ -68,6 +68,8 @@ class ExchangeScheme(ABC):
         self.head_indices = list(model.interaction.head_indices)
         self.tail_indices = list(model.interaction.tail_indices)
         self.lookup = RowLookup(model, self.tables)
+        #: the regularization weights of steps without padding, by the plan's shape and slots
+        self._full_step_weights: dict[tuple, Any] = {}
 
     @classmethod
     def applies(cls, model: ERModel) -> bool:
@@ -282,6 +284,13 @@ class ExchangeScheme(ABC):
         """
         if not self.lookup.regularized:  # no weights to compute
             return [[None] * len(self.tables)] * 3, None
+        # a step without padding (most steps) weighs its rows as every other one of its shape does
+        key: tuple | None = None
+        if batch.candidate_types is None and bool(batch.valid.all()):
+            key = (batch.valid.shape, start, stop, batch.num_head_corrupted, batch.negatives.shape)
+            key += (gathered.negatives.shape, batch.num_candidate_types, batch.shared_negatives)
+            if key in self._full_step_weights:
+                return self._full_step_weights[key]
         topology = self.topology
         weights = regularization_weights(batch, start, stop)
         types = batch.num_candidate_types
@@ -298,7 +307,10 @@ class ExchangeScheme(ABC):
                 head=_per_row(negative_head, negative_shape), tail=_per_row(negative_tail, negative_shape)
             ),
         ]
-        return role_weights, topology.select_local(weights.relation, 0)
+        result = role_weights, topology.select_local(weights.relation, 0)
+        if key is not None:
+            self._full_step_weights[key] = result
+        return result
 
     @abstractmethod
     def negative_scores(

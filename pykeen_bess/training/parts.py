@@ -21,7 +21,7 @@ from ..data.sampling import BessSampler
 from ..schemes import ExchangeScheme
 from .assembly import assemble, make_sampler, make_scheme
 from .hooks import PyKEENHooks
-from .step import StepRunner
+from .step import StepRunner, held_terms
 
 __all__ = ["LoopParts"]
 
@@ -104,7 +104,7 @@ class LoopParts(PyKEENHooks):
             loss=self.loss,
             tables=self.tables,
             sparse_updates=self.config.sparse_updates,
-            collect_regularization_term=self.model.collect_regularization_term,
+            collect_regularization_term=held_terms(self.model),
             post_forward_pass=self.model.post_forward_pass,
             weighted=self.loss_weighter is not None,
         )

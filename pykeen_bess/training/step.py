@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from pykeen.training import TrainingLoop
 from pykeen.losses import Loss
+from pykeen.models.nbase import _NewAbstractModel
+from pykeen.regularizers import Regularizer
 from pykeen.training.callbacks import TrainingCallback
 
 from ..data.batch import BessBatch, RowGather
@@ -43,7 +45,30 @@ __all__ = [
     "GlobalNormClippingCallback",
     "StepRunner",
     "ValueClippingCallback",
+    "held_terms",
 ]
+
+
+def held_terms(model: Any) -> Callable[[], torch.Tensor | float]:
+    """Return the model's ``collect_regularization_term``, popping only the regularizers that hold a term.
+
+    A representation's regularizer is never updated in a BESS step (the scheme weighs its terms
+    itself), so popping it adds ``weight * 0`` for a dozen operations per step; regularizers that
+    were updated or track parameters are popped as PyKEEN pops them. A model with its own
+    ``collect_regularization_term`` keeps it.
+    """
+    if type(model).collect_regularization_term is not _NewAbstractModel.collect_regularization_term:
+        return model.collect_regularization_term
+    regularizers = [module for module in model.modules() if isinstance(module, Regularizer)]
+
+    def collect() -> torch.Tensor | float:
+        return sum(
+            regularizer.pop_regularization_term()
+            for regularizer in regularizers
+            if regularizer.updated or regularizer.tracked_parameters
+        )
+
+    return collect
 
 
 class StepRunner:

@@ -248,3 +248,34 @@ def test_split_parts_splits_the_slot_axis() -> None:
     assert torch.equal(pairs[1][1], (x + 1)[:, :, 4:]) and torch.equal(pairs[0][0], x[:, :, :4])
     (whole,) = split_parts(x, [slice(0, 5)])
     assert torch.equal(whole, x)
+
+
+@pytest.mark.parametrize("n_shard", [1, 3])
+@pytest.mark.parametrize("step", [0, -1])  # the last step has padding slots
+def test_complex_l2_regularization_equals_pykeens_per_group(dataset: Nations, n_shard: int, step: int) -> None:
+    """ComplEx's default regularizer, computed once per step's row on the real view: the term and the gradients
+    (float64) of PyKEEN's regularizer run on the complex rows of every group of looked-up rows with one weight."""
+    from pykeen_bess.schemes import lookup
+
+    results = []
+    for plain in (True, False):
+        model, _, tables, batch = make_setup(
+            dataset, "ComplEx", n_shard, step=step, sampler_class=StepSharedBessSampler, num_negs_per_pos=2 * n_shard
+        )
+        model.train()
+        scheme = resolve_scheme("embedding")(model, tables, get_scorer(model.interaction), LocalTopology(n_shard))
+        with pytest.MonkeyPatch.context() as patch:
+            if not plain:
+                patch.setattr(lookup, "_plain_l2", lambda regularizer, rows: False)
+            gathered = scheme.gather(batch)
+            scores = scheme.scores(batch, gathered)
+        parameters = [*gathered.leaves, *model.relation_representations.parameters()]
+        term = scores.regularization
+        grads = torch.autograd.grad(term.sum(), parameters, retain_graph=True)
+        loss = block_loss(SoftplusLoss(), scores, batch.num_valid).sum() + term.sum()
+        results.append((term.detach(), grads, torch.autograd.grad(loss, parameters)))
+    (term, grads, loss_grads), (expected, expected_grads, expected_loss_grads) = results
+    assert float(expected.sum()) > 0 and term.shape == expected.shape and term.dtype == expected.dtype
+    torch.testing.assert_close(term, expected, rtol=1e-12, atol=0.0)
+    for a, b in zip([*grads, *loss_grads], [*expected_grads, *expected_loss_grads]):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-15)
