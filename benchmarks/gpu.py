@@ -5,8 +5,8 @@ would not fit is skipped and says so) and that needs nothing but this repository
 graph is generated in the process. It prints one markdown table, the device's name above it, and
 writes the figures as JSON (``--output``):
 
-* **check**: the captured static step (``static_step=None`` on CUDA: the full steps of an epoch
-  replayed as one CUDA graph) against the eager step (``static_step=False``) on PyKEEN's bundled
+* **check**: the captured static step (``static_step=None`` on CUDA: every step kind of an epoch
+  replayed as a CUDA graph) against the eager step (``static_step=False``) on PyKEEN's bundled
   Nations, three epochs each (DistMult with its default regularizer at n = 1 and n = 4, n = 4 with
   per-block negatives, RotatE with the score-moving exchange): the largest relative difference of
   the epoch losses (float32 on the GPU, so about 1e-6, not 0) and whether the step was captured;
@@ -21,11 +21,16 @@ writes the figures as JSON (``--output``):
   (``cudaGraphLaunch`` and ``cudaLaunchKernel``), host synchronisations and copies per step, and the
   fraction of the steps' wall time the GPU is busy (the union of the device activities' intervals);
   target at least 80%;
+* **configurations** (:mod:`gpu_configurations`): the static step against the eager step in a process
+  group of one rank (NCCL, collectives captured; target 0.9x the single-process static step), the
+  encoding partition, sub-batches and a per-step callback (each at least 10x eager), and a
+  *modelled* row for 2, 4 and 8 GPUs over NVLink (the one-rank step time divided by the GPUs plus
+  the exchange cost model's bytes at ``--nvlink-gbps``);
 * **scale**: TransE (dimension 100, PyKEEN's default p = 1), 256 negatives, batch 4,096, Adam on a
   generated skewed graph with 2.5M entities (``--scale-entities``, ``--scale-triples``), n = 1 and
   n = 4, the second epoch timed; target at least 10M triples/s;
 * **storage**: the training workload at batch 512 (n = 1) with the tables on the device and in host
-  memory (``storage="host"``, which trains with the eager step); target host at least 0.8x device;
+  memory (``storage="host"``, which trains with the eager step on a GPU); target host at least 0.8x device;
 * **evaluation**: BessEvaluator against PyKEEN's ``RankBasedEvaluator`` on the same GPU
   (``benchmarks/evaluation.py``'s :func:`evaluation_rows`); targets at least 20x and identical metrics.
 
@@ -55,6 +60,7 @@ from pykeen.models import DistMult, RotatE, TransE
 from pykeen.triples import CoreTriplesFactory
 
 from devices import add_device_argument, describe, synchronize
+from gpu_configurations import configurations
 from pykeen_bess.training import BessTrainingLoop
 from scale import generate
 from training import EpochClock, generate_graph, steady, time_stock
@@ -94,9 +100,14 @@ def train_bess(
     losses = loop.train(tf, num_epochs=epochs, batch_size=batch_size, use_tqdm=False, callbacks=clock)
     first, best = steady(start, clock.ends, tf.num_triples)
     static = loop.static
-    how = "eager" if static is None else ("captured" if static._graph is not None else "static, uncaptured")
+    how = "eager" if static is None else ("captured" if _captured(static) else "static, uncaptured")
     print(f"    trained {epochs} epochs ({how}): first {first:,.0f}/s, best {best:,.0f}/s", flush=True)
     return loop, losses or [], first, best
+
+
+def _captured(static: Any) -> bool:
+    """Whether a static step was replayed as CUDA graphs."""
+    return bool(getattr(static.executor, "graphs", {}))
 
 
 # -- check -----------------------------------------------------------------------------------------
@@ -151,7 +162,7 @@ def check(device: torch.device, rows: list[Row], quick: bool = False) -> None:
             )
             losses[mode] = loss
             if mode is not False and loop.static is not None:
-                captured = loop.static._graph is not None
+                captured = _captured(loop.static)
         eager, static = losses[False], losses[static_mode(device)]
         difference = max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(eager, static))
         rows.append(
@@ -413,7 +424,7 @@ def evaluation(device: torch.device, rows: list[Row], args: argparse.Namespace) 
 # -- main --------------------------------------------------------------------------------------------
 
 
-SECTIONS = ("check", "training", "profile", "scale", "storage", "evaluation")
+SECTIONS = ("check", "training", "profile", "configurations", "scale", "storage", "evaluation")
 
 
 def main() -> None:  # noqa: C901  # one branch per section, run in order
@@ -432,6 +443,7 @@ def main() -> None:  # noqa: C901  # one branch per section, run in order
     parser.add_argument("--scale-norms", type=int, nargs="+", default=[1], help="TransE's p (1: the target)")
     parser.add_argument("--eval-data", default=None, help="a dataset directory also evaluated (e.g. WN18RR)")
     parser.add_argument("--output", default=None, help="write the rows as JSON here")
+    parser.add_argument("--nvlink-gbps", type=float, default=300.0, help="the modelled rows' bandwidth per direction")
     add_device_argument(parser)
     args = parser.parse_args()
     if args.quick:
@@ -445,7 +457,15 @@ def main() -> None:  # noqa: C901  # one branch per section, run in order
     budget = Budget(args.budget)
     rows: list[Row] = []
     loops: dict = {}
-    minimum = {"check": 20, "training": 60, "profile": 10, "scale": 90, "storage": 20, "evaluation": 30}
+    minimum = {
+        "check": 20,
+        "training": 60,
+        "profile": 10,
+        "configurations": 60,
+        "scale": 90,
+        "storage": 20,
+        "evaluation": 30,
+    }
     for section in args.sections:
         if budget.left() < minimum[section] and not args.quick:
             rows.append(dict(section=section, workload="", contender="", figure="skipped (time budget)"))
@@ -459,6 +479,8 @@ def main() -> None:  # noqa: C901  # one branch per section, run in order
                 training(device, rows, args, loops)
             elif section == "profile":
                 profile(device, rows, loops)
+            elif section == "configurations":
+                configurations(device, rows, args)
             elif section == "scale":
                 scale(device, rows, args, budget)
             elif section == "storage":

@@ -489,7 +489,7 @@ def test_storage_benchmark_large_removes_its_files(tmp_path: pathlib.Path):
 def gpu_run(results: pathlib.Path) -> tuple[str, list[list[str]]]:
     return successful_run(
         "gpu",
-        *("--device", "cpu", "--quick", "--sections", "check", "training", "profile"),
+        *("--device", "cpu", "--quick", "--sections", "check", "training", "profile", "configurations"),
         *("--output", str(results / "gpu-h100.json")),
     )
 
@@ -500,7 +500,7 @@ def test_gpu_benchmark_runs_its_sections_on_the_cpu(gpu_run, results: pathlib.Pa
     output = results / "gpu-h100.json"
     stdout, rows = gpu_run
     sections = [row[0] for row in rows]
-    assert {"check", "training", "profile"} <= set(sections), stdout
+    assert {"check", "training", "profile", "configurations"} <= set(sections), stdout
     assert all(row[5] == "yes" for row in rows if row[0] == "check"), stdout
     assert not any("failed" in row[3] for row in rows), stdout
     assert len(json.loads(output.read_text())["rows"]) == len(rows)

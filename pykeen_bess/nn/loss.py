@@ -59,6 +59,7 @@ def block_loss(
     label_smoothing: float = 0.0,
     num_entities: int | None = None,
     weight_step: float | torch.Tensor = 0.0,
+    per_shard: bool = False,
 ) -> torch.Tensor:
     """Compute this process' share of the step loss (plus the regularization term).
 
@@ -70,8 +71,18 @@ def block_loss(
     :param weight_step: the sum of the loss weights of the whole step's positives (with a loss weighter)
         (every negative triple weighs what its positive weighs, see :func:`partition_weights`); a
         0-dimensional tensor on the scores' device is not read on the host
+    :param per_shard: compute every local shard's share on its own and add them up, as processes that hold
+        one shard each do (one mean over all local shards, weighed by their share, gives every score another
+        gradient: ``1 / (V K)`` instead of ``(V_l / V) / (V_l K)``, equal up to rounding)
     :returns: a scalar; summing it over sub-batches and processes gives the step loss
     """
+    if per_shard and scores.positive.shape[0] > 1:
+        shares = [
+            block_loss(loss, part, num_valid_step, label_smoothing, num_entities, weight_step)
+            for part in scores.shards()
+        ]
+        # added in float64, as the processes' shares are all-reduced
+        return torch.stack(shares).to(torch.float64).sum() + scores.regularization
     num_valid = scores.num_valid  # known on the host: no device synchronisation
     positive = scores.positive.reshape(-1, 1)
     negative = scores.negative.reshape(-1, scores.negative.shape[-1])

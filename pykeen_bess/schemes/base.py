@@ -68,8 +68,13 @@ class ExchangeScheme(ABC):
         self.head_indices = list(model.interaction.head_indices)
         self.tail_indices = list(model.interaction.tail_indices)
         self.lookup = RowLookup(model, self.tables)
-        #: the regularization weights of steps without padding, by the plan's shape and slots
-        self._full_step_weights: dict[tuple, Any] = {}
+        #: how the rows of a step are weighed in the regularization term
+        self.row_weights = RowWeights(self.lookup, topology)
+        #: a process holding several shards sums the loss and the gradients of shared rows per shard, then
+        #: over its shards, as processes holding one shard each do (so ``n`` logical shards and ``n`` ranks
+        #: agree bitwise for two shards, to rounding beyond); on the CPU only, where sums are deterministic
+        #: (a GPU's atomic adds are not) and the extra operators cost little
+        self.sums_per_shard = topology.n_local > 1 and self.tables[0].compute_device.type == "cpu"
 
     @classmethod
     def applies(cls, model: ERModel) -> bool:
@@ -219,7 +224,7 @@ class ExchangeScheme(ABC):
         valid_index = None if bool(local_valid.all()) else device_index(local_valid, device)
         regularization = Accumulator()
         normalized = [self.lookup.normalized_rows(table, leaf) for table, leaf in zip(self.tables, gathered.leaves)]
-        role_weights, relation_weights = self._regularization_weights(batch, gathered, start, stop)
+        role_weights, relation_weights = self.row_weights.of(batch, gathered, start, stop)
 
         # the rows of the three roles in one lookup: heads and tails of the positives, and the
         # negatives of every local block, shared by its slots. These are gathered in the layout
@@ -242,7 +247,7 @@ class ExchangeScheme(ABC):
         # positives: heads stay, tails move to the heads' shard
         tails = topology.all_to_all(tails_out)
         relations = self.lookup.relations(
-            topology.select_local(batch.relations[..., slots], 0), relation_weights, regularization
+            topology.select_local(batch.relations[..., slots], 0), relation_weights, regularization, self.sums_per_shard
         )
         head_parts, tail_parts = self.lookup.unpack(heads), self.lookup.unpack(tails)
         positive = self.scorer.score_triples(
@@ -271,46 +276,8 @@ class ExchangeScheme(ABC):
             valid_index=valid_index,
             regularization=regularization.value,
             weights=None if batch.weights is None else topology.select_local(batch.weights[..., slots], 0),
+            shard_valid=None if valid_index is None else tuple(local_valid.view(topology.n_local, -1).sum(1).tolist()),
         )
-
-    def _regularization_weights(
-        self, batch: BessBatch, gathered: RowGather, start: int, stop: int
-    ) -> tuple[list[list[torch.Tensor | None]], torch.Tensor | None]:
-        """Return the regularization weights of the local rows of slots ``start:stop`` (None: nothing is regularized).
-
-        :returns: per role (heads, tails, negatives) and table, the weight of each looked-up row (CPU), and the
-            relations' weights ``[L(i), n(j), b']``; each negative row shared by all blocks weighs what
-            it weighs in all blocks together
-        """
-        if not self.lookup.regularized:  # no weights to compute
-            return [[None] * len(self.tables)] * 3, None
-        # a step without padding (most steps) weighs its rows as every other one of its shape does
-        key: tuple | None = None
-        if batch.candidate_types is None and bool(batch.valid.all()):
-            key = (batch.valid.shape, start, stop, batch.num_head_corrupted, batch.negatives.shape)
-            key += (gathered.negatives.shape, batch.num_candidate_types, batch.shared_negatives)
-            if key in self._full_step_weights:
-                return self._full_step_weights[key]
-        topology = self.topology
-        weights = regularization_weights(batch, start, stop)
-        types = batch.num_candidate_types
-        blocks = gathered.negatives.shape[1]  # n, or 1 when the step's blocks share the negatives
-        negative_head, negative_tail = weights.negative_head, weights.negative_tail
-        if blocks < topology.n_shard:
-            negative_head = negative_head.sum(dim=(0, 1), keepdim=True)
-            negative_tail = negative_tail.sum(dim=(0, 1), keepdim=True)
-        negative_shape = (blocks, blocks, topology.n_local, types, gathered.negatives.shape[-1] // types)
-        role_weights = [
-            self.lookup.role_weights(head=topology.select_local(weights.head, 0)),
-            self.lookup.role_weights(tail=topology.select_local(weights.tail, 1).transpose(0, 1)),
-            self.lookup.role_weights(
-                head=_per_row(negative_head, negative_shape), tail=_per_row(negative_tail, negative_shape)
-            ),
-        ]
-        result = role_weights, topology.select_local(weights.relation, 0)
-        if key is not None:
-            self._full_step_weights[key] = result
-        return result
 
     @abstractmethod
     def negative_scores(
@@ -360,6 +327,59 @@ def select_candidate_type(scores: torch.Tensor, candidate_types: torch.Tensor, n
     scores = scores.view(*slots, n, types, -1)
     index = candidate_types.to(scores.device).view(*slots, 1, 1, 1).expand(*slots, n, 1, scores.shape[-1])
     return scores.gather(-2, index).reshape(*slots, -1)
+
+
+class RowWeights:
+    """The regularization weights of a step's local rows, as PyKEEN's sLCWA loop weighs them.
+
+    Steps without padding (most steps) weigh their rows as every other step of their shape does: their
+    weights are computed once and kept.
+    """
+
+    def __init__(self, lookup: RowLookup, topology: Topology):
+        """Weigh the rows of ``lookup``'s tables for a process of ``topology``."""
+        self.lookup = lookup
+        self.topology = topology
+        self._full_steps: dict[tuple, Any] = {}  # by the plan's shapes and slots
+
+    def of(
+        self, batch: BessBatch, gathered: RowGather, start: int, stop: int
+    ) -> tuple[list[list[torch.Tensor | None]], torch.Tensor | None]:
+        """Return the regularization weights of the local rows of slots ``start:stop`` (None: nothing is regularized).
+
+        :returns: per role (heads, tails, negatives) and table, the weight of each looked-up row (CPU), and the
+            relations' weights ``[L(i), n(j), b']``; each negative row shared by all blocks weighs what
+            it weighs in all blocks together
+        """
+        lookup = self.lookup
+        if not lookup.regularized:  # no weights to compute
+            return [[None] * len(lookup.tables)] * 3, None
+        key: tuple | None = None
+        if batch.candidate_types is None and bool(batch.valid.all()):
+            key = (batch.valid.shape, start, stop, batch.num_head_corrupted, batch.negatives.shape)
+            key += (gathered.negatives.shape, batch.num_candidate_types, batch.shared_negatives)
+            if key in self._full_steps:
+                return self._full_steps[key]
+        topology = self.topology
+        weights = regularization_weights(batch, start, stop)
+        types = batch.num_candidate_types
+        blocks = gathered.negatives.shape[1]  # n, or 1 when the step's blocks share the negatives
+        negative_head, negative_tail = weights.negative_head, weights.negative_tail
+        if blocks < topology.n_shard:
+            negative_head = negative_head.sum(dim=(0, 1), keepdim=True)
+            negative_tail = negative_tail.sum(dim=(0, 1), keepdim=True)
+        negative_shape = (blocks, blocks, topology.n_local, types, gathered.negatives.shape[-1] // types)
+        role_weights = [
+            lookup.role_weights(head=topology.select_local(weights.head, 0)),
+            lookup.role_weights(tail=topology.select_local(weights.tail, 1).transpose(0, 1)),
+            lookup.role_weights(
+                head=_per_row(negative_head, negative_shape), tail=_per_row(negative_tail, negative_shape)
+            ),
+        ]
+        result = role_weights, topology.select_local(weights.relation, 0)
+        if key is not None:
+            self._full_steps[key] = result
+        return result
 
 
 def _per_row(block_weights: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:

@@ -162,18 +162,25 @@ class RowLookup:
         packed = self.entities(normalized, flat_index, regularization, table_weights, identity=identity)
         return [part.view(*index.shape, -1) for part, index in zip(packed.split(sizes), indices)]
 
-    def relations(self, indices: torch.Tensor, weights: torch.Tensor | None, regularization: Accumulator) -> Any:
+    def relations(
+        self, indices: torch.Tensor, weights: torch.Tensor | None, regularization: Accumulator, per_shard: bool = False
+    ) -> Any:
         """Look up the relation representations of ``[L, n, b']`` relation ids.
 
         :param indices: shape: ``[L, n, b']``, relation ids
         :param weights: shape: ``[L, n, b']`` (CPU), the rows' regularization weights; None: not regularized
         :param regularization: accumulates the weighted regularization terms
+        :param per_shard: one lookup per local shard: the relations' gradient is summed per shard, then over
+            the shards, as processes holding one shard each sum theirs (then all-reduced), not in one pass
         :returns: the representations (a tuple for several)
         """
         indices = indices.to(self.tables[0].compute_device)
         parts = []
         for representation in self.model.relation_representations:
-            x = representation._plain_forward(indices=indices)
+            if per_shard and indices.shape[0] > 1:
+                x = torch.cat([representation._plain_forward(indices=part) for part in indices.split(1)])
+            else:
+                x = representation._plain_forward(indices=indices)
             if representation.normalizer is not None:
                 x = representation.normalizer(x)
             rows = x.reshape(-1, *x.shape[indices.ndim :])

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from pykeen.datasets import Nations
-from pykeen.models import DistMult
+from pykeen.models import DistMult, TransE
 from pykeen.training import TrainingCallback
 from pykeen.triples import CoreTriplesFactory
 
@@ -96,10 +96,16 @@ def loss_weighter(name: str | None, factory: CoreTriplesFactory) -> Any:
     return RelationLossWeighter(weights=torch.linspace(0.5, 2.0, factory.num_relations, dtype=torch.float64))
 
 
+#: the models a scenario names (``"model"``)
+MODELS = {"DistMult": DistMult, "TransE": TransE}
+
+
 def build_loop(config: dict[str, Any], factory: CoreTriplesFactory) -> BessTrainingLoop:
     """Create the model and the loop exactly as the single-process reference does."""
-    cls = DistMultWithExtra if config.get("extra_parameter") else DistMult
-    model = cls(triples_factory=factory, embedding_dim=8, random_seed=0, loss=config.get("loss", "softplus")).double()
+    cls = DistMultWithExtra if config.get("extra_parameter") else MODELS[config.get("model", "DistMult")]
+    model = cls(triples_factory=factory, embedding_dim=8, random_seed=0, loss=config.get("loss", "softplus"))
+    if not config.get("float32"):
+        model = model.double()
     optimizer = config.get("optimizer", "adagrad")
     process_group = None
     if config.get("mesh"):  # a user-made device mesh, dimensions in the order the config gives
