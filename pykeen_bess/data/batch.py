@@ -18,7 +18,7 @@ negatives per positive. All plan tensors live on the CPU.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -198,7 +198,12 @@ class RegularizationWeights:
     negative_tail: torch.Tensor
 
 
-def regularization_weights(batch: BessBatch, start: int = 0, stop: int | None = None) -> RegularizationWeights:
+def regularization_weights(
+    batch: BessBatch,
+    start: int = 0,
+    stop: int | None = None,
+    to_device: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> RegularizationWeights:
     """Weigh the rows of slots ``start:stop`` as PyKEEN's sLCWA loop weighs them.
 
     PyKEEN's :class:`~pykeen.training.SLCWATrainingLoop` scores the ``V`` positives and their ``V x K``
@@ -220,7 +225,9 @@ def regularization_weights(batch: BessBatch, start: int = 0, stop: int | None = 
     :param batch: the step's plan
     :param start: the first slot of the slice
     :param stop: the end of the slice (default: the block size)
-    :returns: the weights
+    :param to_device: moves the plan's host masks to the device of its candidate types (typed negatives
+        whose types a static step computes on the device; default: ``Tensor.to``)
+    :returns: the weights (on the candidate types' device with typed negatives, else on the CPU)
     """
     stop = batch.block_size if stop is None else stop
     valid = batch.valid[..., start:stop].to(torch.float64)
@@ -230,7 +237,12 @@ def regularization_weights(batch: BessBatch, start: int = 0, stop: int | None = 
     if batch.candidate_types is None:
         of_type = valid.unsqueeze(-1)  # [n, n, b', 1]
     else:  # [n, n, b', T]: the slot's real positive, in its candidate type's column
-        of_type = torch.nn.functional.one_hot(batch.candidate_types[..., start:stop], batch.num_candidate_types)
+        types = batch.candidate_types[..., start:stop]
+        if types.device != valid.device:
+            move = to_device or (lambda tensor: tensor.to(types.device))
+            valid, corrupts_head = move(valid), move(corrupts_head)
+        # one-hot by comparison (one_hot checks the values' range on the host)
+        of_type = types.unsqueeze(-1) == torch.arange(batch.num_candidate_types, device=types.device)
         of_type = of_type.to(torch.float64) * valid.unsqueeze(-1)
     return RegularizationWeights(
         head=valid * (2.0 - corrupts_head) / num_valid,

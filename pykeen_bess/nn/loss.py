@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -47,6 +48,7 @@ __all__ = [
     "WeightedNSSALoss",
     "block_loss",
     "delta_pointwise_loss",
+    "summed_loss",
     "partition_weights",
     "weight_convention",
 ]
@@ -59,9 +61,15 @@ def block_loss(
     label_smoothing: float = 0.0,
     num_entities: int | None = None,
     weight_step: float | torch.Tensor = 0.0,
-    per_shard: bool = False,
 ) -> torch.Tensor:
     """Compute this process' share of the step loss (plus the regularization term).
+
+    With ``reduction="mean"`` and no loss weights the share is the loss's *sum* over this process' values
+    times ``1 / (V c)``, ``V`` the step's real positives and ``c`` the values per positive the loss
+    averages over (:func:`summed_loss`): every value's gradient is then that one constant in every
+    process, however the step's positives are split over processes, local shards and sub-batches (a
+    mean over this process' values scaled by its share, ``(V' / V) / (V' c)``, rounds differently for
+    every split, and a model whose gradients are signs, such as TransE's, turns an ulp into another run).
 
     :param loss: the PyKEEN loss
     :param scores: the block scores of (a sub-batch of) the step
@@ -71,18 +79,8 @@ def block_loss(
     :param weight_step: the sum of the loss weights of the whole step's positives (with a loss weighter)
         (every negative triple weighs what its positive weighs, see :func:`partition_weights`); a
         0-dimensional tensor on the scores' device is not read on the host
-    :param per_shard: compute every local shard's share on its own and add them up, as processes that hold
-        one shard each do (one mean over all local shards, weighed by their share, gives every score another
-        gradient: ``1 / (V K)`` instead of ``(V_l / V) / (V_l K)``, equal up to rounding)
     :returns: a scalar; summing it over sub-batches and processes gives the step loss
     """
-    if per_shard and scores.positive.shape[0] > 1:
-        shares = [
-            block_loss(loss, part, num_valid_step, label_smoothing, num_entities, weight_step)
-            for part in scores.shards()
-        ]
-        # added in float64, as the processes' shares are all-reduced
-        return torch.stack(shares).to(torch.float64).sum() + scores.regularization
     num_valid = scores.num_valid  # known on the host: no device synchronisation
     positive = scores.positive.reshape(-1, 1)
     negative = scores.negative.reshape(-1, scores.negative.shape[-1])
@@ -93,34 +91,112 @@ def block_loss(
         weights = None if weights is None else weights.index_select(0, scores.valid_index)
     if num_valid == 0:
         # keep the autograd graph connected: its backward runs collectives that every process joins
-        value = (scores.positive.sum() + scores.negative.sum()) * 0.0
-    else:
-        direct = None if label_smoothing or weights is not None else delta_pointwise_loss(loss, positive, negative)
-        value = (
-            direct
-            if direct is not None
-            else loss.process_slcwa_scores(
-                positive_scores=positive,
-                negative_scores=negative,
-                label_smoothing=label_smoothing or None,
-                num_entities=num_entities,
-                pos_weights=weights,
-                # PyKEEN's sLCWA loop weighs every negative triple, too: here each weighs its positive's weight
-                neg_weights=_negative_weights(loss, weights, negative),
-            )
+        return (scores.positive.sum() + scores.negative.sum()) * 0.0 + scores.regularization
+    if loss.reduction == "mean" and weights is None:
+        summed = summed_loss(loss, positive, negative, label_smoothing, num_entities)
+        if summed is not None:
+            total, per_positive = summed
+            return total * (1.0 / (max(num_valid_step, 1) * per_positive)) + scores.regularization
+    direct = None if label_smoothing or weights is not None else delta_pointwise_loss(loss, positive, negative)
+    value = (
+        direct
+        if direct is not None
+        else loss.process_slcwa_scores(
+            positive_scores=positive,
+            negative_scores=negative,
+            label_smoothing=label_smoothing or None,
+            num_entities=num_entities,
+            pos_weights=weights,
+            # PyKEEN's sLCWA loop weighs every negative triple, too: here each weighs its positive's weight
+            neg_weights=_negative_weights(loss, weights, negative),
         )
-        if loss.reduction == "mean":
-            if weights is not None and weight_convention(loss) == "sum":
-                # PyKEEN's weighted mean divides by the weights' sum, (1 + K) times the positives' weights
-                # (a step whose positives all weigh 0 has the value 0, as PyKEEN's clamped division gives)
-                if torch.is_tensor(weight_step):  # the static step's, on the device
-                    step_sum = weight_step.to(weights.dtype)
-                    value = value * (weights.sum() / torch.where(step_sum > 0, step_sum, torch.ones_like(step_sum)))
-                else:
-                    value = value * (weights.sum() / (weight_step if weight_step > 0 else 1.0))
+    )
+    if loss.reduction == "mean":
+        if weights is not None and weight_convention(loss) == "sum":
+            # PyKEEN's weighted mean divides by the weights' sum, (1 + K) times the positives' weights
+            # (a step whose positives all weigh 0 has the value 0, as PyKEEN's clamped division gives)
+            if torch.is_tensor(weight_step):  # the static step's, on the device
+                step_sum = weight_step.to(weights.dtype)
+                value = value * (weights.sum() / torch.where(step_sum > 0, step_sum, torch.ones_like(step_sum)))
             else:
-                value = value * (num_valid / max(num_valid_step, 1))
+                value = value * (weights.sum() / (weight_step if weight_step > 0 else 1.0))
+        else:
+            value = value * (num_valid / max(num_valid_step, 1))
     return value + scores.regularization
+
+
+def summed_loss(
+    loss: Loss,
+    positive: torch.Tensor,
+    negative: torch.Tensor,
+    label_smoothing: float = 0.0,
+    num_entities: int | None = None,
+) -> tuple[torch.Tensor, int] | None:
+    """Return the sum of a mean-reduced loss's values (unweighted) and the values per positive its mean divides by.
+
+    PyKEEN's losses average over ``c`` values per positive: ``1 + K`` for the pointwise ones (the positive
+    and its negatives), ``K`` for the pairwise ones, 1 for NSSA and cross entropy. The sum is that of a
+    copy of the loss with ``reduction="sum"`` (:func:`delta_pointwise_loss` for margin-activation losses);
+    ``c`` is measured once per loss class and ``K``, comparing the copy with the loss on a small batch.
+
+    :param loss: a loss with ``reduction="mean"``
+    :param positive: shape: ``[V, 1]``
+    :param negative: shape: ``[V, K]``
+    :returns: the sum and ``c``, or None where the loss's mean is not a sum over a fixed number of values
+        per positive (then the caller scales the mean)
+    """
+    per_positive = _values_per_positive(loss, negative.shape[-1])
+    if per_positive is None:
+        return None
+    direct = None if label_smoothing else delta_pointwise_loss(loss, positive, negative, reduce=False)
+    if direct is not None:
+        return direct, per_positive
+    value = _summing(loss).process_slcwa_scores(
+        positive_scores=positive,
+        negative_scores=negative,
+        label_smoothing=label_smoothing or None,
+        num_entities=num_entities,
+    )
+    return value, per_positive
+
+
+#: per loss, a shallow copy that sums instead of averaging (its submodules and buffers are the loss's)
+_SUMMING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: per loss class and number of negatives, the values per positive its mean divides by (None: not such a mean)
+_PER_POSITIVE: dict[tuple[type, int], int | None] = {}
+
+
+def _summing(loss: Loss) -> Loss:
+    """Return a shallow copy of ``loss`` that sums its values (PyKEEN's ``reduction="sum"``)."""
+    if loss not in _SUMMING:
+        summing = copy.copy(loss)
+        summing.reduction = "sum"
+        summing._reduction_method = torch.sum
+        _SUMMING[loss] = summing
+    return _SUMMING[loss]
+
+
+def _values_per_positive(loss: Loss, num_negatives: int) -> int | None:
+    """Measure ``c`` of :func:`summed_loss`: the summing copy's value over the loss's, on two positives."""
+    key = (type(loss), num_negatives)
+    if key not in _PER_POSITIVE:
+        buffer = next(iter(loss.buffers()), None)
+        device = buffer.device if buffer is not None else torch.device("cpu")
+        generator = torch.Generator().manual_seed(0)
+        positive = torch.randn(2, 1, generator=generator, dtype=torch.float64).to(device)
+        negative = torch.randn(2, num_negatives, generator=generator, dtype=torch.float64).to(device)
+        result = None
+        try:
+            with torch.no_grad():
+                mean = float(loss.process_slcwa_scores(positive_scores=positive, negative_scores=negative))
+                total = float(_summing(loss).process_slcwa_scores(positive_scores=positive, negative_scores=negative))
+            count = total / mean / 2 if mean else float("nan")
+            if math.isfinite(count) and round(count) >= 1 and math.isclose(count, round(count), rel_tol=1e-6):
+                result = round(count)
+        except (RuntimeError, ValueError, TypeError, AttributeError):  # a loss that cannot sum: the mean stays
+            result = None
+        _PER_POSITIVE[key] = result
+    return _PER_POSITIVE[key]
 
 
 def _negative_weights(loss: Loss, weights: torch.Tensor | None, negative: torch.Tensor) -> torch.Tensor | None:
@@ -130,7 +206,9 @@ def _negative_weights(loss: Loss, weights: torch.Tensor | None, negative: torch.
     return weights.unsqueeze(-1).expand_as(negative).contiguous()
 
 
-def delta_pointwise_loss(loss: Loss, positive: torch.Tensor, negative: torch.Tensor) -> torch.Tensor | None:
+def delta_pointwise_loss(
+    loss: Loss, positive: torch.Tensor, negative: torch.Tensor, reduce: bool = True
+) -> torch.Tensor | None:
     """PyKEEN's sLCWA value of a margin-activation pointwise loss, without concatenating scores and labels.
 
     For :class:`~pykeen.losses.DeltaPointwiseLoss` (softplus, pointwise hinge, soft pointwise hinge)
@@ -142,6 +220,7 @@ def delta_pointwise_loss(loss: Loss, positive: torch.Tensor, negative: torch.Ten
     :param loss: the PyKEEN loss
     :param positive: shape: ``[V, 1]``
     :param negative: shape: ``[V, K]``
+    :param reduce: apply the loss's reduction (False: the sum, whatever the reduction)
     :returns: the loss value (PyKEEN's reductions: mean or sum), or None where the loss is not such
         a loss with PyKEEN's own forward and score processing (a subclass overriding either)
     """
@@ -156,7 +235,7 @@ def delta_pointwise_loss(loss: Loss, positive: torch.Tensor, negative: torch.Ten
         return None
     margin = loss.margin
     total = loss.margin_activation(margin - positive).sum() + loss.margin_activation(margin + negative).sum()
-    return total / (positive.numel() + negative.numel()) if loss.reduction == "mean" else total
+    return total / (positive.numel() + negative.numel()) if reduce and loss.reduction == "mean" else total
 
 
 def partition_weights(weighter: LossWeighter | None, loss: Loss, partition: ShardPairPartition) -> torch.Tensor | None:

@@ -17,6 +17,7 @@ shards:
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any, ClassVar
@@ -29,7 +30,7 @@ from ..distributed import Topology
 from ..tables.optim import row_sparse_grad
 from ..tables.representation import ShardedEmbedding
 from ..scoring import SharedCandidateScorer, Side
-from .lookup import Accumulator, RowLookup, device_index, split_parts
+from .lookup import Accumulator, RowLookup, device_copy, device_index, split_parts
 
 __all__ = [
     "ExchangeScheme",
@@ -70,10 +71,10 @@ class ExchangeScheme(ABC):
         self.lookup = RowLookup(model, self.tables)
         #: how the rows of a step are weighed in the regularization term
         self.row_weights = RowWeights(self.lookup, topology)
-        #: a process holding several shards sums the loss and the gradients of shared rows per shard, then
-        #: over its shards, as processes holding one shard each do (so ``n`` logical shards and ``n`` ranks
-        #: agree bitwise for two shards, to rounding beyond); on the CPU only, where sums are deterministic
-        #: (a GPU's atomic adds are not) and the extra operators cost little
+        #: a process holding several shards sums the gradients of rows every shard uses (the shared negatives,
+        #: the relations) per shard, then over its shards, as processes holding one shard each do (so ``n``
+        #: logical shards and ``n`` ranks agree bitwise for two shards, to rounding beyond); on the CPU only,
+        #: where sums are deterministic (a GPU's atomic adds are not)
         self.sums_per_shard = topology.n_local > 1 and self.tables[0].compute_device.type == "cpu"
 
     @classmethod
@@ -276,7 +277,6 @@ class ExchangeScheme(ABC):
             valid_index=valid_index,
             regularization=regularization.value,
             weights=None if batch.weights is None else topology.select_local(batch.weights[..., slots], 0),
-            shard_valid=None if valid_index is None else tuple(local_valid.view(topology.n_local, -1).sum(1).tolist()),
         )
 
     @abstractmethod
@@ -361,7 +361,9 @@ class RowWeights:
             if key in self._full_steps:
                 return self._full_steps[key]
         topology = self.topology
-        weights = regularization_weights(batch, start, stop)
+        candidates = batch.candidate_types
+        to_device = None if candidates is None else functools.partial(device_copy, device=candidates.device)
+        weights = regularization_weights(batch, start, stop, to_device)
         types = batch.num_candidate_types
         blocks = gathered.negatives.shape[1]  # n, or 1 when the step's blocks share the negatives
         negative_head, negative_tail = weights.negative_head, weights.negative_tail

@@ -43,19 +43,15 @@ class EmbeddingMovingScheme(ExchangeScheme):
                 cache["moved"] = moved.reshape(-1, moved.shape[-1])
             local, blocks, slots, width = query.shape
             if local > 1 and self.sums_per_shard:
-                # every local shard's queries on their own, as a process holding only that shard scores them: the
-                # candidates' gradient is summed per shard, then over the shards in shard order (the expand's
-                # backward, as the all-gather's backward sums the processes' parts)
+                # every local shard's queries against its own copy of the candidates (one batched product), as a
+                # process holding only that shard scores them: the candidates' gradient is summed per shard, then
+                # over the shards in shard order (the expand's backward, as the all-gather's backward sums the
+                # processes' parts)
                 if "per_shard" not in cache:  # one expand for both sides: each shard sums its sides' parts first
                     cache["per_shard"] = cache["moved"].expand(local, *cache["moved"].shape)
-                moved = cache["per_shard"]
-                per_shard = [
-                    self.scorer.score(
-                        side, query[shard].reshape(blocks * slots, width), self.candidate_parts(side, moved[shard])
-                    )
-                    for shard in range(local)
-                ]
-                return torch.stack(per_shard).reshape(local, blocks, slots, -1)
+                candidates = self.candidate_parts(side, cache["per_shard"])  # [L, K, c]
+                scores = self.scorer.score(side, query.reshape(local, blocks * slots, width), candidates)
+                return scores.reshape(local, blocks, slots, -1)
             candidates = self.candidate_parts(side, cache["moved"])  # [K, c]
             return self.scorer.score(side, query.reshape(local * blocks * slots, width), candidates).reshape(
                 local, blocks, slots, -1

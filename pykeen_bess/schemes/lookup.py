@@ -48,6 +48,16 @@ class RowLookup:
             representation.regularizer is not None for representation in self.model.relation_representations
         )
 
+    @property
+    def weighs_on_the_device(self) -> bool:
+        """Whether every regularizer is PyKEEN's L2 norm of rows (:func:`_plain_l2`): its weights stay on the device.
+
+        Other regularizers group their rows by weight (:func:`regularize`), which reads the weights on the host.
+        """
+        regularizers = [table.regularizer for table in self.tables]
+        regularizers += [representation.regularizer for representation in self.model.relation_representations]
+        return all(regularizer is None or _plain_l2_regularizer(regularizer) for regularizer in regularizers)
+
     @staticmethod
     def normalized_rows(table: ShardedEmbedding, leaf: torch.Tensor) -> torch.Tensor:
         """Return the stored rows of a leaf in the representation's shape, normalized as PyKEEN's forward would."""
@@ -282,11 +292,11 @@ def regularize(regularizer: Any, x: torch.Tensor, weights: torch.Tensor, accumul
 
 
 def _plain_l2(regularizer: Any, rows: torch.Tensor) -> bool:
-    """Whether the regularizer is PyKEEN's L2 norm of complex rows (ComplEx's default), for :func:`_l2_term`.
+    """Whether the regularizer is PyKEEN's L2 norm of rows (ComplEx's and DistMult's default), for :func:`_l2_term`.
 
     :func:`regularize` runs the regularizer once per group of rows with the same weight, on the looked-up
-    rows: ``torch`` computes the norm of complex rows and its gradient tens of times slower on the CPU
-    than that of their real view (the same value), and every group costs dozens of small operations.
+    rows: every group costs dozens of small operations, and ``torch`` computes the norm of complex rows
+    and its gradient tens of times slower on the CPU than that of their real view (the same value).
     Only where :meth:`~pykeen.regularizers.Regularizer.update` would add ``forward(rows)`` and
     :meth:`~pykeen.regularizers.Regularizer.pop_regularization_term` return ``weight`` times it,
     ``forward`` being :class:`~pykeen.regularizers.LpRegularizer`'s with ``p = 2`` over each row.
@@ -294,15 +304,22 @@ def _plain_l2(regularizer: Any, rows: torch.Tensor) -> bool:
     :param rows: shape: ``[N, *row_shape]``
     """
     return (
-        rows.is_complex()
+        (rows.is_complex() or rows.is_floating_point())
         and rows.ndim == 2
-        and type(regularizer).forward is LpRegularizer.forward
+        and _plain_l2_regularizer(regularizer)
+        and regularizer.training
+        and torch.is_grad_enabled()
+    )
+
+
+def _plain_l2_regularizer(regularizer: Any) -> bool:
+    """Whether a regularizer is :class:`~pykeen.regularizers.LpRegularizer`'s L2 norm of each row, weighed per step."""
+    return (
+        type(regularizer).forward is LpRegularizer.forward
         and regularizer.dim == -1
         and float(regularizer.p) == 2.0
         and not regularizer.apply_only_once
         and not regularizer.tracked_parameters
-        and regularizer.training
-        and torch.is_grad_enabled()
     )
 
 
@@ -318,7 +335,7 @@ def _l2_term(regularizer: Any, rows: torch.Tensor, row_weights: torch.Tensor) ->
 
 
 class _WeightedRowNorms(torch.autograd.Function):
-    """``weight * scale * sum_rows w_row * ||row||_2`` of complex rows ``[N, d]``, computed on their real view.
+    """``weight * scale * sum_rows w_row * ||row||_2`` of rows ``[N, d]`` (complex ones on their real view).
 
     The gradient is ``torch``'s (0 for a zero row): ``torch.linalg.vector_norm``'s backward masks zero
     norms on the broadcast ``[N, 2 d]`` tensor, which costs a millisecond per step on the CPU; this
@@ -327,7 +344,8 @@ class _WeightedRowNorms(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, rows: torch.Tensor, w: torch.Tensor, weight: torch.Tensor, scale: float) -> torch.Tensor:
-        x = torch.view_as_real(rows).flatten(-2)
+        ctx.complex = rows.is_complex()
+        x = torch.view_as_real(rows).flatten(-2) if ctx.complex else rows
         norm = torch.linalg.vector_norm(x, ord=2, dim=-1)
         ctx.save_for_backward(x, norm, w, weight)
         ctx.scale = scale
@@ -337,13 +355,19 @@ class _WeightedRowNorms(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         x, norm, w, weight = ctx.saved_tensors
         factor = (w * (grad * weight * ctx.scale) / norm).masked_fill_(norm == 0, 0)
-        return torch.view_as_complex((x * factor.unsqueeze(-1)).view(*x.shape[:-1], -1, 2)), None, None, None
+        rows = x * factor.unsqueeze(-1)
+        return (torch.view_as_complex(rows.view(*x.shape[:-1], -1, 2)) if ctx.complex else rows), None, None, None
 
 
 def _device_weights(weights: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """Return CPU weights (flat) on the device of ``like``, in its real dtype (cached while a static step is traced)."""
+    """Return CPU weights (flat) on the device of ``like``, in its real dtype (cached while a static step is traced).
+
+    Weights computed on that device already (a static step's typed negatives) are only cast.
+    """
     dtype = like.dtype.to_real()
     weights = weights.reshape(-1)
+    if weights.device == like.device:
+        return weights.to(dtype)
     store = _STATIC_INDICES.get()
     if store is None:
         return weights.to(like.device, dtype)
@@ -371,6 +395,19 @@ def static_indices(store: dict) -> Iterator[dict]:
         yield store
     finally:
         _STATIC_INDICES.reset(token)
+
+
+def device_copy(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Return a CPU tensor on ``device`` (cached by content while a static step runs: copied in its first run only)."""
+    if tensor.device == device:
+        return tensor
+    store = _STATIC_INDICES.get()
+    if store is None:
+        return tensor.to(device)
+    key = ("copy", str(device), str(tensor.dtype), tuple(tensor.shape), tensor.numpy().tobytes())
+    if key not in store:
+        store[key] = tensor.to(device)
+    return store[key]
 
 
 def device_index(selected: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -112,15 +112,20 @@ class TableStorage(ABC):
 
     # -- row traffic ---------------------------------------------------------------------------
 
-    def read(self, tensor: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def read(self, tensor: torch.Tensor, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Read rows of a tensor of this tier to the compute device.
 
         :param tensor: shape: ``[R, *]``, a tensor placed by this tier
         :param rows: shape: ``[U]``, row ids (any device)
-        :returns: shape: ``[U, *]``, on the compute device (a new tensor)
+        :param out: shape: ``[U, *]``, a buffer to read into where the tensor is on its device (a reused
+            buffer spares the CPU's allocator fresh pages every step), or None
+        :returns: shape: ``[U, *]``, on the compute device (a new tensor, or ``out``)
         """
         rows = rows.to(tensor.device)
-        values = self._gather(tensor.detach(), rows)
+        if out is not None and out.device == tensor.device and out.dtype == tensor.dtype:
+            values = torch.index_select(tensor.detach(), 0, rows, out=out)
+        else:
+            values = self._gather(tensor.detach(), rows)
         self.traffic.bytes_read += values.numel() * values.element_size()
         return values
 

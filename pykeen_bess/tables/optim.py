@@ -57,6 +57,8 @@ from ..storage import DeviceStorage, HeldTable, TableStorage
 
 __all__ = [
     "RULES",
+    "DENSE_REQUIRED_OPTIONS",
+    "REQUIRED_OPTIONS",
     "SPARSE_RULES",
     "StoredTable",
     "BessOptimizer",
@@ -167,7 +169,10 @@ class RowwiseAdagrad(Optimizer):
         return loss
 
 
-#: the row-sparse rule used for each supported optimizer class
+#: the one registry of the optimizers BESS updates itself: each supported class's rule, by which the shard tables
+#: are updated row-sparsely (:data:`~pykeen_bess.tables.row_rules.RULES`, on the device
+#: :data:`~pykeen_bess.tables.row_rules.STATIC_RULES`) and the static step updates the replicated parameters
+#: (:data:`~pykeen_bess.tables.row_rules.DENSE_RULES`)
 SPARSE_RULES: dict[type[Optimizer], str] = {
     Adam: "adam",
     SparseAdam: "adam",
@@ -176,13 +181,16 @@ SPARSE_RULES: dict[type[Optimizer], str] = {
     RowwiseAdagrad: "rowwise_adagrad",
 }
 
-#: hyper-parameters that must have these values for a row-sparse rule
-_UNSUPPORTED_OPTIONS: dict[str, dict[str, Any]] = {
+#: hyper-parameters that must have these values for a rule (row-sparse, and the static step's dense update)
+REQUIRED_OPTIONS: dict[str, dict[str, Any]] = {
     "adam": dict(weight_decay=0, amsgrad=False),
     "adagrad": dict(weight_decay=0),
     "sgd": dict(momentum=0, weight_decay=0, nesterov=False),
     "rowwise_adagrad": {},
 }
+
+#: and for the static step's update of the replicated parameters (which differentiates nothing)
+DENSE_REQUIRED_OPTIONS: dict[str, Any] = dict(differentiable=False)
 
 
 def optimizer_hyperparameters(optimizer: Optimizer) -> dict[str, Any]:
@@ -247,10 +255,8 @@ class BessOptimizer(Optimizer):
                     f"--dense-updates) to update the entity shard tables densely (slower)."
                 )
             defaults = dict(_sparse_defaults(optimizer_cls))
-            defaults.update(
-                {k: v for k, v in hyperparameters.items() if k in defaults or k in _UNSUPPORTED_OPTIONS[rule]}
-            )
-            for key, required in _UNSUPPORTED_OPTIONS[rule].items():
+            defaults.update({k: v for k, v in hyperparameters.items() if k in defaults or k in REQUIRED_OPTIONS[rule]})
+            for key, required in REQUIRED_OPTIONS[rule].items():
                 if key in defaults and defaults.pop(key) != required:
                     raise ValueError(
                         f"{optimizer_cls.__name__}({key}={hyperparameters[key]!r}) has no row-sparse meaning; use "

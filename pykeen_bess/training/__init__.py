@@ -14,7 +14,9 @@
   (global-norm clipping): the eager step;
 * :mod:`~pykeen_bess.training.static_step`: the static step of fixed shapes a GPU replays as one CUDA
   graph, over the device-side plan (:mod:`~pykeen_bess.training.static_plan`) and the optimizer's
-  updates on the device (:mod:`~pykeen_bess.training.static_update`);
+  updates on the device (:mod:`~pykeen_bess.training.static_update`, their rules in
+  :mod:`~pykeen_bess.training.static_rules`; on the CPU the distinct rows' updates in
+  :mod:`~pykeen_bess.training.host_rows`);
 * :mod:`~pykeen_bess.training.sizes`: block sizes and the automatic memory search;
 * :mod:`~pykeen_bess.training.checkpoints`: checkpoint stores (one atomic file, or versioned rank
   files with resharding), which see the loop through :mod:`~pykeen_bess.training.checkpointed`;

@@ -40,9 +40,10 @@ captured once as a CUDA graph (after two warm-up steps on a side stream) and eve
 the kind is one ``replay()``; elsewhere (and where capturing fails, logged with the reason) the
 same function runs directly.
 
-Where the static step cannot train a configuration (the encoding partition, tables in host memory
-or files, dense updates of the tables, optimizers without a rule here, typed negatives with a
-regularizer), the loop trains eagerly and logs why (:func:`static_step_obstacle`).
+Where the static step cannot train a configuration (whole rows assembled by ``encoding_lookup``,
+dense updates of the tables, optimizer options without a rule here, row-wise Adagrad over column
+parts on several processes; on a GPU tables in host memory or files, and typed negatives with a
+regularizer other than L2), the loop trains eagerly and logs why (:func:`static_step_obstacle`).
 """
 
 from __future__ import annotations
@@ -58,10 +59,10 @@ from ..data.batch import BessBatch, RowGather
 from ..data.sampling import BessSampler, EpochDraws
 from ..schemes import ExchangeScheme
 from ..schemes.lookup import static_indices
-from ..tables.optim import BessOptimizer
+from ..tables.optim import DENSE_REQUIRED_OPTIONS, REQUIRED_OPTIONS, SPARSE_RULES, BessOptimizer
 from ..tables.row_rules import STATIC_RULES
 from .static_plan import DevicePlan, StepKind
-from .static_update import DENSE_CLASSES, DENSE_OPTIONS, Clipping, StaticUpdate
+from .static_update import Clipping, StaticUpdate
 from .step_graphs import CapturedSteps, DirectSteps
 from .step import BessOptimizerCallback, StepRunner
 from .tables import ShardTables
@@ -136,8 +137,9 @@ def static_step_obstacle(
     obstacle = _dense_obstacle(optimizer)
     if obstacle is not None:
         return obstacle
-    if sampler.num_candidate_types > 1 and scheme.lookup.regularized:
-        return "its regularization weights do not depend on the step (typed negatives with a regularizer)"
+    typed = sampler.num_candidate_types > 1
+    if typed and tables[0].compute_device.type != "cpu" and not scheme.lookup.weighs_on_the_device:
+        return "its typed negatives' regularization weights group the rows on the host (a regularizer other than L2)"
     return None
 
 
@@ -145,11 +147,12 @@ def _dense_obstacle(optimizer: BessOptimizer) -> str | None:
     """Return why the static step cannot reproduce the dense update of the replicated parameters."""
     if not optimizer.dense_groups:
         return None
-    rule = DENSE_CLASSES.get(optimizer.optimizer_cls)
+    rule = SPARSE_RULES.get(optimizer.optimizer_cls)
     if rule is None:
         return f"it has no dense rule for {optimizer.optimizer_cls.__name__}"
+    required_options = {**REQUIRED_OPTIONS[rule], **DENSE_REQUIRED_OPTIONS}
     for group in optimizer.dense_groups:
-        for key, required in DENSE_OPTIONS[rule].items():
+        for key, required in required_options.items():
             if key in group and group[key] != required:
                 return f"it has no dense rule for {optimizer.optimizer_cls.__name__}({key}={group[key]!r})"
     return None
@@ -360,8 +363,12 @@ class StaticStep:
         with torch.no_grad():
             step_loss = self.topology.all_reduce(total)
             ok = torch.isfinite(step_loss) & self.healthy
-            step_rows = self.update.row_gradients(gathered.rows, leaves, grads[: len(leaves)], real, self.max_rows)
-            dense, present = self.update.dense_gradients(grads[len(leaves) :])
+            n_leaves = len(leaves)
+            step_rows = self.update.row_gradients(gathered.rows, leaves, grads[:n_leaves], real, self.max_rows)
+            # the occurrences' values and gradients ([N, W] each) are summed: free them before the update
+            del gathered, leaves, inputs
+            dense, present = self.update.dense_gradients(grads[n_leaves:])
+            del grads
             if self.clipping.clips:
                 self.update.clip(step_rows, dense, self.clipping)
             self.update.rows(step_rows, ok)

@@ -6,12 +6,14 @@
 (checkpoints) sees the optimizer as the eager step leaves it:
 
 * **rows summed without a host read**: a step's ``N`` looked-up rows arrive with one gradient per
-  occurrence ``[N, W]``. :func:`occurrence_groups` sorts the rows (fixed size ``N``) and numbers
-  their distinct values; ``index_add_`` sums the occurrences of every row into its group, and
-  every occurrence reads its row's sum back (:class:`StepRows`). With replicas the occurrences of
-  all replicas of the shard are all-gathered first (a fixed size per replica), so every replica
-  sums the same occurrences and updates the union of their rows, as the eager step's replica sum
-  does;
+  occurrence ``[N, W]``. :func:`~pykeen_bess.training.static_rules.occurrence_groups` sorts the
+  rows (fixed size ``N``) and numbers their distinct values; ``index_add_`` sums the occurrences of
+  every row into its group, and every occurrence reads its row's sum back (:class:`StepRows`). With
+  replicas the occurrences of all replicas of the shard are all-gathered first (a fixed size per
+  replica), so every replica sums the same occurrences and updates the union of their rows, as the
+  eager step's replica sum does. On the CPU (:attr:`StaticUpdate.host_rules`) the distinct rows are
+  found on the host instead and updated once each, by the eager step's in-place rules, in buffers
+  kept across steps (:class:`~pykeen_bess.training.host_rows.HostRows`);
 * **clipping** (:meth:`StaticUpdate.clip`): by the global norm over the rows (each row once) and the
   replicated parameters, summed over the shards by one scalar collective, or by value;
 * **rows**: the row rule (:data:`~pykeen_bess.tables.row_rules.STATIC_RULES`) runs on every
@@ -21,9 +23,10 @@
 * **dense**: the replicated parameters with the user's optimizer's rule
   (:data:`~pykeen_bess.tables.row_rules.DENSE_RULES`), their gradients summed over the processes;
 * **gated**: every write keeps the old value where ``ok`` is False (a non-finite loss);
-* **fused on a GPU**: a rule, its constraint and the gate are one function (:func:`gated_rule`),
-  which ``torch.compile`` fuses into a few kernels on CUDA (about ten elementwise passes over the
-  step's rows otherwise); on the CPU, and if compiling fails (logged once), it runs as written;
+* **fused on a GPU**: a rule, its constraint and the gate are one function
+  (:func:`~pykeen_bess.training.static_rules.gated_rule`), which ``torch.compile`` fuses into a few
+  kernels on CUDA (about ten elementwise passes over the step's rows otherwise); on the CPU, and if
+  compiling fails (logged once), it runs as written;
 * **step counts and learning rates** are float64 device tensors: the counts start from the
   optimizer state's host counts and are written back into it at the end of every epoch
   (:meth:`StaticUpdate.write_step_counts`); the learning rates are refreshed per epoch (a scheduler
@@ -33,145 +36,27 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from pykeen.nn.representation import Embedding
-from torch.optim import SGD, Adagrad, Adam, SparseAdam
 
 from ..distributed import Topology
-from ..tables.optim import BessOptimizer, RowwiseAdagrad
+from ..tables.optim import SPARSE_RULES, BessOptimizer
 from ..tables.representation import ShardedEmbedding
 from ..tables.row_rules import DENSE_RULES, STATIC_RULES, state_shapes
+from . import static_rules
+from .host_rows import HostRows
+from .static_rules import StepRows, occurrence_groups
 from .tables import ShardTables
 
 __all__ = [
-    "DENSE_CLASSES",
-    "DENSE_OPTIONS",
     "Clipping",
     "StaticUpdate",
     "StepRows",
-    "gated_rule",
-    "occurrence_groups",
 ]
-
-logger = logging.getLogger(__name__)
-
-#: the user's optimizer classes whose dense update the static step reproduces, with their rule
-DENSE_CLASSES: dict[type, str] = {
-    Adam: "adam",
-    SparseAdam: "adam",
-    Adagrad: "adagrad",
-    SGD: "sgd",
-    RowwiseAdagrad: "rowwise_adagrad",
-}
-
-#: options of the user's optimizer that must have these values for the static step's dense update
-DENSE_OPTIONS: dict[str, dict[str, Any]] = {
-    "adam": dict(weight_decay=0, amsgrad=False, differentiable=False),
-    "adagrad": dict(weight_decay=0, differentiable=False),
-    "sgd": dict(momentum=0, weight_decay=0, nesterov=False, differentiable=False),
-    "rowwise_adagrad": {},
-}
-
-
-def _gate(mask: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-    """``where(mask, new, old)`` with a 0-dimensional mask or one value per leading row (``[U]``)."""
-    if mask.dim() == 1 and new.dim() > 1:
-        mask = mask.view(-1, *([1] * (new.dim() - 1)))
-    return torch.where(mask, new, old)
-
-
-def gated_rule(
-    rule: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]],
-    old: torch.Tensor,
-    grad: torch.Tensor,
-    state: Mapping[str, torch.Tensor],
-    group: Mapping[str, Any],
-    step: torch.Tensor,
-    lr: torch.Tensor,
-    ok: torch.Tensor,
-    constraint: Callable[[torch.Tensor], torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Apply a rule and a constraint to values ``[U, *]``; return the new values, or the old ones where ``ok`` is False.
-
-    :param rule: a rule of :data:`~pykeen_bess.tables.row_rules.STATIC_RULES` or
-        :data:`~pykeen_bess.tables.row_rules.DENSE_RULES`
-    :param old: the current values
-    :param grad: their gradient
-    :param state: the rule's state of the values
-    :param group: the hyper-parameters
-    :param step: the step count including this step (a 0-dimensional tensor)
-    :param lr: the learning rate (a 0-dimensional tensor)
-    :param ok: whether to apply the step: a 0-dimensional bool tensor, or one per row ``[U]``
-    :param constraint: applied to the new values (e.g. a projection to unit norm), or None
-    :returns: the values and the state to write
-    """
-    new, new_state = rule(old, grad, state, group, step, lr)
-    if constraint is not None:
-        new = constraint(new)
-    return _gate(ok, new, old), {name: _gate(ok, value, state[name]) for name, value in new_state.items()}
-
-
-class _Fused:
-    """:func:`gated_rule` compiled by ``torch.compile`` on CUDA; as written elsewhere, or once compiling failed."""
-
-    #: compile on every device (tests compile on the CPU)
-    everywhere = False
-
-    def __init__(self) -> None:
-        self.compiled: Any = None
-        self.failed = False
-
-    def __call__(self, device: torch.device, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        if self.failed or (device.type != "cuda" and not self.everywhere):
-            return gated_rule(*args, **kwargs)
-        if self.compiled is None:
-            self.compiled = torch.compile(gated_rule)
-        try:
-            return self.compiled(*args, **kwargs)
-        except Exception as error:  # noqa: BLE001 - a compiler failure falls back to the same function, uncompiled
-            self.failed = True
-            logger.warning("BESS: the static step's updates could not be compiled (%s); they run uncompiled.", error)
-            return gated_rule(*args, **kwargs)
-
-
-#: the fused rule of the static steps (one compiled function, specialised per rule and shapes by its guards)
-fused_rule = _Fused()
-
-
-def occurrence_groups(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return the number of every occurrence's row among the distinct rows, without a host read (fixed shapes).
-
-    :param rows: shape: ``[N]``, rows with repetitions
-    :returns: ``group`` ``[N]``, the number (``0 .. G - 1``, in sorted order) of every occurrence's row, and
-        ``first`` ``[N]``, whether an occurrence is the first of its row (one per row)
-    """
-    ordered, order = torch.sort(rows, stable=True)
-    starts = torch.ones_like(ordered, dtype=torch.bool)
-    starts[1:] = ordered[1:] != ordered[:-1]
-    group = torch.empty_like(rows).scatter_(0, order, torch.cumsum(starts, 0) - 1)
-    first = torch.empty_like(starts).scatter_(0, order, starts)
-    return group, first
-
-
-@dataclasses.dataclass(eq=False)
-class StepRows:
-    """The rows a step updates: every occurrence with its row's summed gradient (:meth:`StaticUpdate.row_gradients`)."""
-
-    #: shape: ``[M]``, the flat local row of every occurrence (``M = N``, or ``R * N`` over ``R`` replicas)
-    rows: torch.Tensor
-    #: shape: ``[M]``, whether an occurrence is the first of its row (norms count each row once)
-    first: torch.Tensor
-    #: shape: ``[M]``, whether an occurrence's row is updated (a real slot or negative looked it up); None: all are
-    real: torch.Tensor | None
-    #: per trainable table, shape: ``[M, W]``, the rows' values before the step
-    old: list[torch.Tensor]
-    #: per trainable table, shape: ``[M, W]``, the row's gradient summed over its occurrences (None: no gradient)
-    summed: list[torch.Tensor | None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,6 +78,11 @@ class Clipping:
 
 class StaticUpdate:
     """The updates of a static step, on the state of the loop's optimizer."""
+
+    #: on the CPU, sum the gradients of the step's distinct rows (a host-side ``unique``), update them with the
+    #: eager step's in-place rules and skip a non-finite step on the host (a value read costs no synchronisation
+    #: there); False: the fixed shapes, device-tensor rules and gates a GPU runs
+    host_rules = True
 
     def __init__(self, optimizer: BessOptimizer, tables: ShardTables, model: Any, topology: Topology):
         """Bind to the optimizer; create the tables' missing row state as the optimizer would at its first step.
@@ -220,6 +110,8 @@ class StaticUpdate:
         #: one learning rate per parameter group, read by the step (a captured step reads these tensors)
         self.learning_rates = [torch.zeros((), dtype=torch.float64, device=self.device) for _ in optimizer.param_groups]
         self._step_counts: dict[int, torch.Tensor] = {}  # the same on the device
+        #: the CPU's updates of the step's distinct rows (:attr:`on_the_host`)
+        self.host_rows = HostRows(optimizer, self.trainable)
         #: the parameters with a step count, and their optimizer state
         self.counted: list[tuple[torch.Tensor, dict]] = []
 
@@ -251,6 +143,8 @@ class StaticUpdate:
             rows, real, old, grads = self._all_replicas(rows, real, grads, size)
         else:
             old = [leaf.detach() for leaf in leaves]
+        if self.on_the_host:  # the distinct rows themselves, as the eager step's optimizer has them
+            return self.host_rows.sums(rows, grads, real)
         group, first = occurrence_groups(rows)
         if real is not None:  # a row is updated if any occurrence is real
             count = torch.zeros_like(rows).index_add_(0, group, real.long())
@@ -259,7 +153,7 @@ class StaticUpdate:
             None if grad is None else torch.zeros_like(grad).index_add_(0, group, grad).index_select(0, group)
             for grad in grads
         ]
-        return StepRows(rows=rows, first=first, real=real, old=old, summed=summed)
+        return StepRows(rows=rows, first=first, real=real, old=old, summed=summed, most=rows.numel())
 
     def _all_replicas(
         self,
@@ -350,6 +244,13 @@ class StaticUpdate:
         """
         if all(grad is None for grad in step_rows.summed):
             return
+        if self.on_the_host:
+            counts = [
+                None if summed is None else self._count(table.optimizer_parameter, self._state(table), ok)
+                for table, summed in zip(self.trainable, step_rows.summed)
+            ]
+            self.host_rows.update(step_rows, bool(ok), counts)
+            return
         rows = step_rows.rows
         mask = ok if step_rows.real is None else ok & step_rows.real
         group = self.optimizer.sparse_groups[0]
@@ -364,11 +265,22 @@ class StaticUpdate:
             names = list(state_shapes(group["rule"], table.weight.shape, group))
             old_state = {name: storage.read(row_state[name], rows) for name in names}
             constraint = self.optimizer._row_constraints.get(id(param))
-            new, new_state = fused_rule(self.device, rule, old, summed, old_state, group, step, lr, mask, constraint)
+            new, new_state = static_rules.fused_rule(
+                self.device, rule, old, summed, old_state, group, step, lr, mask, constraint
+            )
             # every occurrence of a row writes the same values; rows in host memory or files are written back
             storage.write(table.weight, rows, new)
             for name in names:
                 storage.write(row_state[name], rows, new_state[name])
+
+    @property
+    def on_the_host(self) -> bool:
+        """Whether the rows are updated by the host-side path (:attr:`host_rules` on the CPU)."""
+        return self.device.type == "cpu" and self.host_rules and not static_rules.fused_rule.everywhere
+
+    def _state(self, table: ShardedEmbedding) -> dict[str, Any]:
+        """Return the optimizer's state of a table's parameter (its step count)."""
+        return self.optimizer.state[table.optimizer_parameter]
 
     def _row_state(self, table: ShardedEmbedding) -> dict[str, Any]:
         """Return the dictionary of a table's row state (the optimizer's state, or the table's own in its tier)."""
@@ -383,7 +295,7 @@ class StaticUpdate:
         """
         if not self.dense:
             return
-        rule = DENSE_RULES[DENSE_CLASSES[self.optimizer.optimizer_cls]]
+        rule = DENSE_RULES[SPARSE_RULES[self.optimizer.optimizer_cls]]
         params = iter(zip(self.dense, grads, range(len(self.dense))))
         for index, group in enumerate(self.optimizer.dense_groups):
             lr = self.learning_rates[index]
@@ -398,7 +310,9 @@ class StaticUpdate:
                 names = [name for name in state if name != "step"]
                 step = self._count(param, state, apply) if "step" in state else lr  # SGD counts no steps
                 old_state = {name: state[name] for name in names}
-                new, new_state = fused_rule(self.device, rule, param.detach(), grad, old_state, group, step, lr, apply)
+                new, new_state = static_rules.fused_rule(
+                    self.device, rule, param.detach(), grad, old_state, group, step, lr, apply
+                )
                 param.copy_(new)
                 for name in names:
                     state[name].copy_(new_state[name])
@@ -426,7 +340,7 @@ class StaticUpdate:
     def _dense_state(self, param: torch.Tensor, group: dict) -> dict:
         """Return a replicated parameter's optimizer state (created as its optimizer creates it at its first step)."""
         state = self.optimizer.state[param]
-        rule = DENSE_CLASSES[self.optimizer.optimizer_cls]
+        rule = SPARSE_RULES[self.optimizer.optimizer_cls]
         for name, (shape, fill) in state_shapes(rule, param.shape, group).items():
             if name not in state:
                 state[name] = torch.full(shape, fill, dtype=param.dtype, device=param.device)

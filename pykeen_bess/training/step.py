@@ -258,7 +258,6 @@ class StepRunner:
             label_smoothing=label_smoothing,
             num_entities=self.num_entities,
             weight_step=weight_step,
-            per_shard=self.scheme.sums_per_shard,
         )
         # the terms the scheme did not weigh (e.g. weight regularizers) are replicated: add this
         # process' share of this sub-batch

@@ -229,8 +229,11 @@ def count_static_step_ops(loop: BessTrainingLoop, epoch: int) -> dict[str, Any]:
     sys.path.insert(0, str(pathlib.Path(__file__).parent.parent))
     from host_reads import DeviceOps, static_step_sources
 
+    from pykeen_bess.training.static_update import StaticUpdate
+
     static = loop.static
     assert static is not None, "the loop trained eagerly"
+    StaticUpdate.host_rules = False  # what a GPU runs (the CPU's host-side unique would synchronise there)
     counts = {}
     with loop.tables.installed(copy_weights=False):
         static.load_epoch(epoch)

@@ -15,6 +15,7 @@ import pathlib
 import pytest
 import torch
 from host_reads import DeviceOps, static_step_sources
+from typed_graphs import typed_graph
 from pykeen.datasets import Nations
 from pykeen.models import ComplEx, DistMult, ERModel, RotatE, TransE
 from pykeen.training import TrainingCallback
@@ -24,7 +25,8 @@ from pykeen.triples import CoreTriplesFactory
 
 from pykeen_bess.training import BessTrainingLoop
 from pykeen_bess.training.static_step import StaticStep
-from pykeen_bess.training.static_update import Clipping, occurrence_groups
+from pykeen_bess.training.static_rules import occurrence_groups
+from pykeen_bess.training.static_update import Clipping, StaticUpdate
 
 
 @pytest.fixture(scope="module")
@@ -159,6 +161,70 @@ def test_static_step_equals_the_eager_step(factory: CoreTriplesFactory, case: di
         assert static_steps.calls == eager_steps.calls
 
 
+#: cases also run with the device path on the CPU (what a GPU runs: sums per occurrence, device-tensor rules, gates)
+DEVICE_PATH_CASES = [
+    dict(num_shards=2),
+    dict(num_shards=4, negatives="block", exchange="score"),
+    dict(num_shards=2, optimizer="adagrad", optimizer_kwargs=dict(lr=0.1, lr_decay=0.01)),
+    dict(num_shards=2, optimizer="sgd", optimizer_kwargs=dict(lr=0.5)),
+    dict(num_shards=2, optimizer="rowwise_adagrad"),
+    dict(num_shards=2, model_cls=TransE),
+    dict(num_shards=2, model_cls=ComplEx, train_kwargs=dict(sub_batch_size=8)),
+    dict(num_shards=4, train_kwargs=dict(gradient_clipping_max_norm=0.01, gradient_clipping_norm_type=float("inf"))),
+    dict(num_shards=2, train_kwargs=dict(gradient_clipping_max_abs_value=0.001)),
+    dict(num_shards=2, storage="host"),
+    dict(num_shards=2, exchange="encoding"),
+]
+
+
+@pytest.mark.parametrize("case", DEVICE_PATH_CASES, ids=_case_id)
+def test_the_device_path_equals_the_eager_step(
+    factory: CoreTriplesFactory, case: dict, monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    """The updates a GPU runs (every occurrence with its row's sum, device-tensor rules, gates), forced on the CPU."""
+    monkeypatch.setattr(StaticUpdate, "host_rules", False)
+    test_static_step_equals_the_eager_step(factory, case, tmp_path)
+
+
+#: typed negatives (PyTorch-BigGraph's data model) with PyKEEN's default regularizers (DistMult: L2 of the
+#: relations; ComplEx: of both) and one that groups its rows by weight (L3)
+TYPED_CASES = [
+    dict(num_shards=2, negatives="typed"),
+    dict(num_shards=2, negatives="typed_step", exchange="score"),
+    dict(num_shards=1, negatives="typed_step", model_cls=ComplEx),
+    dict(num_shards=2, negatives="typed_step", model_kwargs=dict(regularizer="lp", regularizer_kwargs=dict(p=3.0))),
+]
+
+
+@pytest.mark.parametrize("host_rules", [True, False], ids=["cpu-updates", "device-updates"])
+@pytest.mark.parametrize("case", TYPED_CASES, ids=str)
+def test_typed_negatives_with_a_regularizer_equal_the_eager_step(
+    case: dict, host_rules: bool, monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    """Every step weighs its rows by its own candidate types (computed on the device), as the eager step does."""
+    monkeypatch.setattr(StaticUpdate, "host_rules", host_rules)
+    test_static_step_equals_the_eager_step(typed_graph().training, case, tmp_path)
+
+
+def test_a_gpu_refuses_typed_negatives_with_a_grouping_regularizer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only L2 keeps a typed step's weights on the device; another regularizer groups them on the host."""
+    from pykeen_bess.training import static_step as module
+
+    graph = typed_graph().training
+    obstacles = []
+    for regularizer_kwargs in (dict(p=2.0), dict(p=3.0)):
+        model_kwargs = dict(regularizer="lp", regularizer_kwargs=regularizer_kwargs)
+        loop = make_loop(graph, num_shards=2, negatives="typed_step", static_step=False, model_kwargs=model_kwargs)
+        loop.train(graph, num_epochs=1, batch_size=32, use_tqdm=False)
+        sampler = loop.make_sampler(loop.partition(graph), 8)
+        assert module.static_step_obstacle(loop.runner, loop.tables, loop.optimizer, sampler) is None  # the CPU
+        with monkeypatch.context() as patch:
+            patch.setattr(type(loop.tables[0]), "compute_device", property(lambda self: torch.device("cuda")))
+            obstacles.append(module.static_step_obstacle(loop.runner, loop.tables, loop.optimizer, sampler))
+    assert obstacles[0] is None  # L2: the weights stay on the device
+    assert obstacles[1] is not None and "regularizer other than L2" in obstacles[1]
+
+
 def test_every_step_runs_as_the_static_step(factory: CoreTriplesFactory, caplog: pytest.LogCaptureFixture) -> None:
     """The padded steps at the end of an epoch are step kinds of their own, not eager steps."""
     loop = make_loop(factory, num_shards=2, static_step=None)
@@ -211,6 +277,23 @@ def _static_step(loop: BessTrainingLoop, factory: CoreTriplesFactory, block_size
     """A static step of a trained loop (its tables installed by the caller)."""
     sampler = loop.make_sampler(loop.partition(factory), block_size)
     return StaticStep(loop.runner, loop.tables, loop.optimizer, loop.model, sampler, 0.0, capture=False, **kwargs)
+
+
+def test_the_cpu_updates_reuse_their_buffers(factory: CoreTriplesFactory) -> None:
+    """The CPU's updates of the distinct rows read into the same buffers every step (no fresh pages to map)."""
+    loop = make_loop(factory, num_shards=2)
+    loop.train(factory, num_epochs=1, batch_size=64, use_tqdm=False)
+    with loop.tables.installed(copy_weights=True):
+        static = _static_step(loop, factory, 16)
+        assert static.update.on_the_host
+        static.load_epoch(2)
+        static.run(1)
+        buffers = static.update.host_rows._buffers
+        # the summed gradients, the rows' values and Adam's two moments of the one trainable table
+        assert set(buffers) == {("summed", 0), ("old", 0), ("exp_avg", 0), ("exp_avg_sq", 0)}
+        pointers = {key: buffer.data_ptr() for key, buffer in buffers.items()}
+        static.run(4)
+        assert {key: buffer.data_ptr() for key, buffer in buffers.items()} == pointers
 
 
 def test_a_non_finite_loss_applies_no_step(factory: CoreTriplesFactory) -> None:
@@ -327,19 +410,24 @@ OPERATOR_MATRIX = {
     "encoding": (dict(num_shards=2, exchange="encoding"), {}, 480),
     # the CPU's sums per local shard (a GPU sums over all local shards at once)
     "n4-per-shard": (dict(num_shards=4, model_kwargs=dict(regularizer=None)), dict(per_shard=True), 550),
+    # typed negatives weigh the regularized rows by every step's candidate types, on the device
+    "typed-lp": (dict(num_shards=2, negatives="typed_step"), dict(typed=True), 420),
 }
 
 
 @pytest.mark.parametrize("name", sorted(OPERATOR_MATRIX))
 def test_a_static_step_reads_nothing_on_the_host_and_stays_within_its_operator_budget(
-    factory: CoreTriplesFactory, name: str
+    factory: CoreTriplesFactory, name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Every configuration the static step trains runs without a synchronising operator (a CUDA graph captures it)."""
     loop_kwargs, step_kwargs, budget = OPERATOR_MATRIX[name]
+    monkeypatch.setattr(StaticUpdate, "host_rules", False)  # what a GPU runs (the CPU's host-side unique would sync)
+    step_kwargs = dict(step_kwargs)
+    if step_kwargs.pop("typed", False):
+        factory = typed_graph().training
     loop = make_loop(factory, **loop_kwargs)
     num_shards = loop_kwargs["num_shards"]
     loop.train(factory, num_epochs=1, batch_size=64, use_tqdm=False)
-    step_kwargs = dict(step_kwargs)
     padded = step_kwargs.pop("padded", False)
     # as on a GPU, unless the entry counts the CPU's sums per local shard
     loop.runner.scheme.sums_per_shard = step_kwargs.pop("per_shard", False)
@@ -362,13 +450,13 @@ def test_compiled_updates_equal_the_eager_step(factory: CoreTriplesFactory, monk
     TransE: a row constraint (unit norm) inside the fused row update, and Adam's dense update.
     """
     case = dict(num_shards=2, model_cls=TransE)
-    from pykeen_bess.training import static_update
+    from pykeen_bess.training import static_rules
 
     _, eager, eager_parameters = train(factory, static_step=False, epochs=2, **case)
-    monkeypatch.setattr(static_update._Fused, "everywhere", True)
-    monkeypatch.setattr(static_update, "fused_rule", static_update._Fused())
+    monkeypatch.setattr(static_rules._Fused, "everywhere", True)
+    monkeypatch.setattr(static_rules, "fused_rule", static_rules._Fused())
     _, static, static_parameters = train(factory, static_step=True, epochs=2, **case)
-    assert not static_update.fused_rule.failed and static_update.fused_rule.compiled is not None
+    assert not static_rules.fused_rule.failed and static_rules.fused_rule.compiled is not None
     assert static == pytest.approx(eager, rel=1e-9)
     for actual, expected in zip(static_parameters, eager_parameters):
         torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-9)

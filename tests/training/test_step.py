@@ -35,15 +35,21 @@ class CountSteps(TrainingCallback):
 
 @pytest.mark.parametrize("static_step", [False, True])
 @pytest.mark.parametrize("clipping", [dict(gradient_clipping_max_norm=0.5), dict(gradient_clipping_max_abs_value=0.1)])
-def test_a_step_reads_only_its_loss_on_the_host(factory: CoreTriplesFactory, clipping: dict, static_step: bool) -> None:
+def test_a_step_reads_only_its_loss_on_the_host(
+    factory: CoreTriplesFactory, clipping: dict, static_step: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The eager step reads one value computed from the model per step (the loss); clipping reads none.
 
-    The static step reads it only for a callback that asks for every step's loss (this one does), and
+    The static step (with a GPU's updates: the CPU's read the step's flag and distinct rows, which costs
+    nothing there) reads it only for a callback that asks for every step's loss (this one does), and
     once per epoch the loss sum and the step counts (one copy, ``tolist``, not a scalar read, so not
     counted here). On a GPU every such read waits for the device; the rows, masks and weights of a step
     are computed from the sampling plan on the CPU (the eager step) or from device buffers (the static
     step) instead.
     """
+    from pykeen_bess.training.static_update import StaticUpdate
+
+    monkeypatch.setattr(StaticUpdate, "host_rules", False)
     model = DistMult(triples_factory=factory, embedding_dim=8, random_seed=0)
     loop = BessTrainingLoop(
         model=model,

@@ -177,8 +177,18 @@ def test_traffic_per_step_is_unique_rows_times_row_and_state_bytes(nations, tmp_
 
 @pytest.mark.parametrize("tier", TIERS)
 @pytest.mark.parametrize("optimizer", ["adam", "rowwise_adagrad", "sgd"])
-def test_static_step_traffic_is_every_looked_up_row(nations, tmp_path, tier, optimizer) -> None:
-    """The static step (fixed shapes) moves every row it looks up, duplicates included, once each way."""
+@pytest.mark.parametrize("host_rules", [False, True], ids=["device-updates", "cpu-updates"])
+def test_static_step_traffic_is_every_looked_up_row(
+    nations, tmp_path, tier, optimizer, host_rules, monkeypatch
+) -> None:
+    """The static step (fixed shapes) reads every row it looks up, duplicates included.
+
+    A GPU's updates (fixed shapes) then move every looked-up row and its state once each way; the CPU's
+    updates read the step's distinct rows and their state again, and write those back once each.
+    """
+    from pykeen_bess.training.static_update import StaticUpdate
+
+    monkeypatch.setattr(StaticUpdate, "host_rules", host_rules)
     factory = factory_of(nations)
     loop = make_loop(factory, tier, tmp_path, optimizer=optimizer, static_step=True)
     storage = loop.tables.storage
@@ -199,9 +209,18 @@ def test_static_step_traffic_is_every_looked_up_row(nations, tmp_path, tier, opt
     width, size = 8, 4
     state_width = {"adam": 2 * width, "rowwise_adagrad": 1, "sgd": 0}[optimizer]
     for step in steps:
-        assert step == dict(
-            read=looked_up * (width + state_width) * size, written=looked_up * (width + state_width) * size
-        )
+        if not host_rules:
+            assert step == dict(
+                read=looked_up * (width + state_width) * size, written=looked_up * (width + state_width) * size
+            )
+            continue
+        real, remainder = divmod(step["written"], (width + state_width) * size)  # distinct rows a slot updates
+        assert remainder == 0 and 0 < real < looked_up, step
+        # the looked-up rows, every distinct row (padding slots' rows too: not written), the updated rows' state
+        distinct, remainder = divmod(step["read"] - (looked_up * width + real * state_width) * size, width * size)
+        assert remainder == 0 and real <= distinct < looked_up, step
+    if host_rules:  # without padding every distinct row is updated
+        assert any(step["read"] == looked_up * width * size + step["written"] for step in steps)
 
 
 def test_evaluation_and_prediction_read_rows_from_every_tier(nations, tmp_path) -> None:
@@ -609,3 +628,20 @@ def test_early_stopping_restores_the_best_epoch_of_every_tier(nations, tmp_path,
         assert stopper.stopped and stopper.best_epoch < len(stopper.results)  # an earlier epoch is restored
         models[name] = loop.model.entity_representations[0](torch.arange(factory.num_entities)).detach().clone()
     torch.testing.assert_close(models[tier], models["device"], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("tier", ["device", "host", "mmap"])
+def test_a_read_into_a_buffer_equals_a_fresh_read(tier: str, tmp_path: pathlib.Path) -> None:
+    """``read(out=...)`` (the static step's reused buffers on the CPU) reads the same rows and counts the same bytes."""
+    storage = make_storage(tier, tmp_path if tier == "mmap" else None)
+    table = storage.place("table", (10, 3), torch.float32)
+    table.copy_(torch.arange(30, dtype=torch.float32).view(10, 3))
+    rows = torch.tensor([7, 2, 2, 9])
+    fresh = storage.read(table, rows)
+    read_bytes = storage.traffic.bytes_read
+    buffer = torch.full((6, 3), -1.0)
+    values = storage.read(table, rows, out=buffer[:4])
+    assert torch.equal(values, fresh) and torch.equal(buffer[:4], fresh)
+    assert values.data_ptr() == buffer.data_ptr()  # into the buffer, no new tensor
+    assert torch.equal(buffer[4:], torch.full((2, 3), -1.0))
+    assert storage.traffic.bytes_read == 2 * read_bytes

@@ -1,0 +1,126 @@
+"""The rules' side of the static step: the gated, fused rule and the dense optimizers it reproduces.
+
+* :func:`gated_rule` applies a rule of :data:`~pykeen_bess.tables.row_rules.STATIC_RULES` or
+  :data:`~pykeen_bess.tables.row_rules.DENSE_RULES` and a constraint, keeping the old values where a
+  step is not applied (a non-finite loss, or a padding row);
+* :data:`fused_rule` is that function compiled by ``torch.compile`` on CUDA (a few kernels instead of
+  about ten elementwise passes);
+* :func:`occurrence_groups` numbers a step's distinct rows without a host read (fixed shapes);
+* :class:`StepRows` holds the rows a step updates, with their summed gradients.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+__all__ = [
+    "StepRows",
+    "fused_rule",
+    "gated_rule",
+    "occurrence_groups",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def _gate(mask: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """``where(mask, new, old)`` with a 0-dimensional mask or one value per leading row (``[U]``)."""
+    if mask.dim() == 1 and new.dim() > 1:
+        mask = mask.view(-1, *([1] * (new.dim() - 1)))
+    return torch.where(mask, new, old)
+
+
+def gated_rule(
+    rule: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]],
+    old: torch.Tensor,
+    grad: torch.Tensor,
+    state: Mapping[str, torch.Tensor],
+    group: Mapping[str, Any],
+    step: torch.Tensor,
+    lr: torch.Tensor,
+    ok: torch.Tensor,
+    constraint: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Apply a rule and a constraint to values ``[U, *]``; return the new values, or the old ones where ``ok`` is False.
+
+    :param rule: a rule of :data:`~pykeen_bess.tables.row_rules.STATIC_RULES` or
+        :data:`~pykeen_bess.tables.row_rules.DENSE_RULES`
+    :param old: the current values
+    :param grad: their gradient
+    :param state: the rule's state of the values
+    :param group: the hyper-parameters
+    :param step: the step count including this step (a 0-dimensional tensor)
+    :param lr: the learning rate (a 0-dimensional tensor)
+    :param ok: whether to apply the step: a 0-dimensional bool tensor, or one per row ``[U]``
+    :param constraint: applied to the new values (e.g. a projection to unit norm), or None
+    :returns: the values and the state to write
+    """
+    new, new_state = rule(old, grad, state, group, step, lr)
+    if constraint is not None:
+        new = constraint(new)
+    return _gate(ok, new, old), {name: _gate(ok, value, state[name]) for name, value in new_state.items()}
+
+
+class _Fused:
+    """:func:`gated_rule` compiled by ``torch.compile`` on CUDA; as written elsewhere, or once compiling failed."""
+
+    #: compile on every device (tests compile on the CPU)
+    everywhere = False
+
+    def __init__(self) -> None:
+        self.compiled: Any = None
+        self.failed = False
+
+    def __call__(self, device: torch.device, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        if self.failed or (device.type != "cuda" and not self.everywhere):
+            return gated_rule(*args, **kwargs)
+        if self.compiled is None:
+            self.compiled = torch.compile(gated_rule)
+        try:
+            return self.compiled(*args, **kwargs)
+        except Exception as error:  # noqa: BLE001 - a compiler failure falls back to the same function, uncompiled
+            self.failed = True
+            logger.warning("BESS: the static step's updates could not be compiled (%s); they run uncompiled.", error)
+            return gated_rule(*args, **kwargs)
+
+
+#: the fused rule of the static steps (one compiled function, specialised per rule and shapes by its guards)
+fused_rule = _Fused()
+
+
+def occurrence_groups(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return the number of every occurrence's row among the distinct rows, without a host read (fixed shapes).
+
+    :param rows: shape: ``[N]``, rows with repetitions
+    :returns: ``group`` ``[N]``, the number (``0 .. G - 1``, in sorted order) of every occurrence's row, and
+        ``first`` ``[N]``, whether an occurrence is the first of its row (one per row)
+    """
+    ordered, order = torch.sort(rows, stable=True)
+    starts = torch.ones_like(ordered, dtype=torch.bool)
+    starts[1:] = ordered[1:] != ordered[:-1]
+    group = torch.empty_like(rows).scatter_(0, order, torch.cumsum(starts, 0) - 1)
+    first = torch.empty_like(starts).scatter_(0, order, starts)
+    return group, first
+
+
+@dataclasses.dataclass(eq=False)
+class StepRows:
+    """The rows a step updates: every occurrence with its row's summed gradient (:meth:`StaticUpdate.row_gradients`)."""
+
+    #: shape: ``[M]``, the flat local row of every occurrence (``M = N``, or ``R * N`` over ``R`` replicas)
+    rows: torch.Tensor
+    #: shape: ``[M]``, whether an occurrence is the first of its row (norms count each row once)
+    first: torch.Tensor
+    #: shape: ``[M]``, whether an occurrence's row is updated (a real slot or negative looked it up); None: all are
+    real: torch.Tensor | None
+    #: per trainable table, shape: ``[M, W]``, the rows' values before the step
+    old: list[torch.Tensor]
+    #: per trainable table, shape: ``[M, W]``, the row's gradient summed over its occurrences (None: no gradient)
+    summed: list[torch.Tensor | None]
+    #: the number of occurrences (``M`` before the host-side path keeps each row once): the most rows a step has
+    most: int
