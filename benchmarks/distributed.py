@@ -19,7 +19,9 @@ token plan's padding makes more of them).
     python benchmarks/distributed.py --data ../shared/data/wn18rr --skewed 40000:50:300000
 
 ``--output FILE.json`` writes the table, one per graph, as the benchmarks page reads it
-(:mod:`result_files`).
+(:mod:`result_files`). ``--baseline DIR`` times instead the ranks of this checkout against those of
+another (e.g. ``git worktree add DIR COMMIT`` of the commit before a change), alternately,
+``--ab-runs`` pairs per layout and exchange, and writes the medians and ratios.
 
 On a GPU machine pass ``--backend nccl``: every rank computes on its own GPU (``LOCAL_RANK``), so
 every layout's world size must be at most the number of GPUs (checked before any rank starts).
@@ -32,6 +34,8 @@ import json
 import os
 import pathlib
 import re
+import statistics
+import subprocess
 import tempfile
 import time
 
@@ -80,6 +84,10 @@ def worker(args: argparse.Namespace) -> None:
     if args.backend == "nccl":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
+    if args.timing_only:  # (--baseline: another checkout's package, whose cost models may differ)
+        result = dict(rank=loop.topology.rank, seconds=seconds, triples=factory.num_triples)
+        (args.rank_output / f"rank{result['rank']}.json").write_text(json.dumps(result))
+        return
     topology = loop.topology
     n = topology.n_shard
     block_size = -(-args.batch_size // n**2)
@@ -123,8 +131,18 @@ def worker(args: argparse.Namespace) -> None:
     (args.rank_output / f"rank{result['rank']}.json").write_text(json.dumps(result))
 
 
-def launch(args: argparse.Namespace, shards: int, replicas: int, exchange: str, output: pathlib.Path) -> list[dict]:
-    """Run one configuration with one process per rank (the shared harness); return the ranks' measurements."""
+def launch(
+    args: argparse.Namespace,
+    shards: int,
+    replicas: int,
+    exchange: str,
+    output: pathlib.Path,
+    tree: pathlib.Path | None = None,
+) -> list[dict]:
+    """Run one configuration with one process per rank (the shared harness); return the ranks' measurements.
+
+    :param tree: a checkout whose ``pykeen_bess`` the ranks import (``--baseline``), or None: this one's
+    """
     from pykeen_bess.distributed import harness
 
     world_size = shards * replicas
@@ -133,11 +151,52 @@ def launch(args: argparse.Namespace, shards: int, replicas: int, exchange: str, 
     command += ["--backend", args.backend, "--dim", str(args.dim)]
     command += ["--negatives", str(args.negatives), "--batch-size", str(args.batch_size)]
     threads = max(1, args.cores // world_size)
-    command += ["--threads", str(threads)]
-    results = harness.launch(world_size, command, timeout=3600, collective_timeout=600, threads=threads)
+    command += ["--threads", str(threads)] + (["--timing-only"] if tree is not None else [])
+    env = None if tree is None else dict(PYTHONPATH=str(tree))
+    results = harness.launch(world_size, command, timeout=3600, collective_timeout=600, threads=threads, env=env)
     if not results.ok:
         raise RuntimeError(f"a rank of {shards}x{replicas} {exchange} failed:\n{results.report()}")
     return [json.loads((output / f"rank{rank}.json").read_text()) for rank in range(world_size)]
+
+
+def step_ab(args: argparse.Namespace, layouts: list[tuple[int, int]]) -> list[dict]:
+    """This tree's training step against a baseline checkout's (``--baseline``), per layout and exchange, A B A B.
+
+    Each run is one epoch per rank, as the table's runs; the ranks of the baseline import ``pykeen_bess`` from
+    ``--baseline`` (e.g. a checkout of the commit before a change), those of this tree from this checkout.
+    """
+    here = pathlib.Path(__file__).resolve().parent.parent
+    settings = [(s, r, e) for s, r in layouts for e in args.exchanges if not (e == "encoding" and (r > 1 or s == 1))]
+    throughput: dict[tuple[int, int, str], dict[str, list[float]]] = {
+        setting: {"baseline": [], "this": []} for setting in settings
+    }
+    for _ in range(args.ab_runs):
+        for (shards, replicas, exchange), measured in throughput.items():
+            for which, tree in (("baseline", args.baseline.resolve()), ("this", here)):
+                with tempfile.TemporaryDirectory() as directory:
+                    results = launch(args, shards, replicas, exchange, pathlib.Path(directory), tree=tree)
+                measured[which].append(results[0]["triples"] / max(r["seconds"] for r in results))
+    baseline_commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=args.baseline
+    ).stdout.strip()
+    rows = []
+    for (shards, replicas, exchange), measured in throughput.items():
+        ratios = [this / base for this, base in zip(measured["this"], measured["baseline"])]
+        rows.append(
+            dict(
+                layout=f"{shards} x {replicas}",
+                exchange=exchange,
+                baseline=baseline_commit or str(args.baseline),
+                baseline_triples_per_s=statistics.median(measured["baseline"]),
+                this_triples_per_s=statistics.median(measured["this"]),
+                ratio_median=round(statistics.median(ratios), 3),
+                ratio_min=round(min(ratios), 3),
+                ratio_max=round(max(ratios), 3),
+                pairs=len(ratios),
+            )
+        )
+        print(rows[-1], flush=True)
+    return rows
 
 
 def skewed_graph(spec: str, directory: pathlib.Path, seed: int = 0) -> pathlib.Path:
@@ -177,6 +236,12 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=512)
     parser.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="threads shared by the ranks")
     parser.add_argument("--output", type=pathlib.Path, help="write the table as a result file (JSON)")
+    parser.add_argument(
+        "--baseline",
+        type=pathlib.Path,
+        help="a checkout of another commit: time its ranks against this tree's instead (A B A B, --ab-runs pairs)",
+    )
+    parser.add_argument("--ab-runs", type=int, default=3, help="pairs of --baseline runs per layout and exchange")
     # worker mode (internal)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rank-output", type=pathlib.Path, help=argparse.SUPPRESS)
@@ -185,6 +250,7 @@ def main() -> None:
     parser.add_argument("--shards", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--replicas", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--timing-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args)
@@ -199,6 +265,17 @@ def main() -> None:
             parser.error(
                 f"--backend nccl runs one rank per CUDA GPU: layouts {too_big} need more than the {gpus} GPUs here"
             )
+    if args.baseline is not None:
+        rows = step_ab(args, layouts)
+        if args.output is not None:
+            configuration = (
+                f"one epoch of DistMult d{args.dim} on {args.data.name}, {args.negatives} negatives, Adam, global "
+                f"batch {args.batch_size}, each run the ranks' default step; this tree's against {args.baseline}'s"
+            )
+            device = f"CPU, {args.backend} over loopback, one process per rank, the ranks share {args.cores} threads"
+            tables = [dict(title="the ranks' training step of this tree against the baseline's", rows=rows)]
+            write_result(args.output, "distributed-step-ab", "benchmarks/distributed.py", tables, configuration, device)
+        return
     rows = []
     with tempfile.TemporaryDirectory() as generated:
         graphs = [("WN18RR" if args.data.name.lower() == "wn18rr" else args.data.name, args.data)]

@@ -35,6 +35,12 @@ the same run: ``torchbiggraph_train`` with 2 Hogwild workers (its own "Processed
 per epoch; the best epoch), and BESS at n = 1 and n = 4 (and n = 4 with ``negatives="block"``).
 Targets: BESS n = 1 >= 1.5x PyTorch-BigGraph, n = 4 >= 1.0x.
 
+**A step against another commit's** (``--baseline CHECKOUT``, e.g. a ``git worktree`` of the commit
+before a change): BESS on WN18RR at ``--ab-shards`` (default 1 and 4), each run in a fresh process
+that imports ``pykeen_bess`` from the checkout or from this one, alternately (``--ab-runs`` pairs;
+``--threads`` intra-op threads, the C library's allocator left alone); the medians and the pairs'
+ratios.
+
 ``--output FILE.json`` writes the rows of the tables with the date, commit, machine and settings.
 
 ``--device`` (:mod:`devices`) picks the compute device of PyKEEN's loop, BESS and the hand-written
@@ -44,12 +50,14 @@ Hogwild workers do.
     python benchmarks/training.py --data ../shared/data/wn18rr
     python benchmarks/training.py --pbg-workload
     python benchmarks/training.py --data ../shared/data/wn18rr --device cuda
+    python benchmarks/training.py --data ../shared/data/wn18rr --baseline ../base --threads 1
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import re
 import statistics
@@ -285,9 +293,67 @@ def allocator_runs(args: argparse.Namespace) -> dict[str, dict[tuple[int, str], 
     return medians
 
 
+def step_ab(args: argparse.Namespace) -> list[dict]:
+    """The training step of this tree against a baseline checkout's, in fresh processes, A B A B (``--baseline``).
+
+    Each run is one BESS run on WN18RR (``--one-bess``) with the process's default step: the baseline
+    imports ``pykeen_bess`` from ``--baseline`` (a checkout of another commit, e.g. the one before a
+    change), this tree from its own checkout. Per setting, the medians of the best steady epoch and of
+    the pairs' ratios; the table's rows.
+    """
+    here = pathlib.Path(__file__).resolve().parent.parent
+    runs: dict[tuple[int, str], dict[str, list[float]]] = {
+        (n, "step"): {"baseline": [], "this": []} for n in args.ab_shards
+    }
+    for _ in range(args.ab_runs):
+        for setting, measured in runs.items():
+            for which, tree in (("baseline", args.baseline), ("this", here)):
+                command = [sys.executable, __file__, "--data", str(args.data.resolve()), "--dim", str(args.dim)]
+                command += ["--negatives", str(args.negatives), "--batch-size", str(args.batch_size)]
+                command += ["--epochs", str(args.epochs), "--exchange", args.exchange, "--device", str(args.device)]
+                command += ["--one-bess", f"{setting[0]}:{setting[1]}:keep", "--threads", str(args.threads)]
+                # the tree's package first on the path, from a directory without one of its own
+                env = dict(os.environ, PYTHONPATH=str(tree))
+                result = subprocess.run(
+                    command, check=True, capture_output=True, text=True, env=env, cwd=tempfile.gettempdir()
+                )
+                measured[which].append(json.loads(result.stdout.strip().splitlines()[-1])[1])
+    baseline_commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=args.baseline
+    ).stdout.strip()
+    rows = []
+    for (n, negatives), measured in runs.items():
+        ratios = [this / base for this, base in zip(measured["this"], measured["baseline"])]
+        rows.append(
+            dict(
+                dataset="WN18RR",
+                num_shards=n,
+                negatives=negatives,
+                threads=args.threads,
+                baseline=baseline_commit or str(args.baseline),
+                baseline_positives_per_s=statistics.median(measured["baseline"]),
+                this_positives_per_s=statistics.median(measured["this"]),
+                ratio_median=round(statistics.median(ratios), 3),
+                ratio_min=round(min(ratios), 3),
+                ratio_max=round(max(ratios), 3),
+                pairs=len(ratios),
+            )
+        )
+        row = rows[-1]
+        print(
+            f"# {label(n, negatives)}, {args.threads} thread(s): baseline {row['baseline_positives_per_s']:,.0f}/s, "
+            f"this tree {row['this_positives_per_s']:,.0f}/s, ratio {row['ratio_median']:.3f} "
+            f"({row['ratio_min']:.3f}-{row['ratio_max']:.3f} over {len(ratios)} pairs)",
+            flush=True,
+        )
+    return rows
+
+
 def one_bess(args: argparse.Namespace) -> None:
     """Print ``[first, best]`` positives per second of one BESS run on WN18RR (``--one-bess N:NEGATIVES:ALLOCATOR``)."""
     n, negatives, allocator = args.one_bess.split(":")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     tf = load_wn18rr(args.data)
     first, best = run_bess(tf, args, int(n), negatives, host_allocator=None if allocator == "keep" else "auto")
     print(json.dumps([first, best]))
@@ -523,6 +589,14 @@ def main() -> None:
     parser.add_argument(
         "--allocator-runs", type=int, default=3, help="pairs of fresh-process BESS runs with and without the allocator"
     )
+    parser.add_argument(
+        "--baseline",
+        type=pathlib.Path,
+        help="a checkout of another commit: time its training step against this tree's instead (fresh processes)",
+    )
+    parser.add_argument("--ab-runs", type=int, default=5, help="pairs of --baseline runs per setting")
+    parser.add_argument("--ab-shards", type=int, nargs="+", default=[1, 4], help="the --baseline runs' shard counts")
+    parser.add_argument("--threads", type=int, default=0, help="intra-op threads of the --baseline runs (0: torch's)")
     parser.add_argument("--one-bess", help=argparse.SUPPRESS)  # one BESS run of allocator_runs, in this process
     parser.add_argument("--output", type=pathlib.Path, help="write the table's rows as JSON")
     add_device_argument(parser)
@@ -531,6 +605,24 @@ def main() -> None:
         one_bess(args)
         return
     print(f"# device: {describe(args.device)}; torch {torch.__version__}", flush=True)
+    if args.baseline is not None:
+        if args.data is None:
+            parser.error("--baseline times the DistMult workload on WN18RR: give --data")
+        rows = step_ab(args)
+        if args.output is not None:
+            configuration = (
+                f"DistMult d{args.dim}, {args.negatives} negatives per positive, batch {args.batch_size}, Adam; each "
+                f"run the process's default step, this tree's against {args.baseline}'s"
+            )
+            write_result(
+                args.output,
+                "training-step-ab",
+                "benchmarks/training.py",
+                [dict(title="this tree's step against the baseline's", rows=rows)],
+                configuration,
+                device=describe(args.device),
+            )
+        return
     if args.pbg_workload:
         rows, workload = pbg_workload(args), "pbg"
     elif args.data is None:

@@ -328,6 +328,16 @@ RENDERERS: dict[str, tuple[str, str, Callable[[Any, Path], str]]] = {
     "scale": ("scale-cpu.json", "python benchmarks/scale.py --output FILE", scale),
     "evaluation": ("evaluation-cpu.json", "python benchmarks/evaluation.py --output FILE", evaluation),
     "distributed": ("distributed-cpu.json", "python benchmarks/distributed.py --output FILE", distributed),
+    "training-step-ab": (
+        "training-step-ab-cpu.json",
+        "python benchmarks/training.py --data DIR --baseline CHECKOUT --output FILE",
+        generic,
+    ),
+    "distributed-step-ab": (
+        "distributed-step-ab-cpu.json",
+        "python benchmarks/distributed.py --data DIR --baseline CHECKOUT --output FILE",
+        generic,
+    ),
     "storage": ("storage-cpu.json", "python benchmarks/storage.py --output FILE", generic),
     "busy": ("busy-cpu.json", "python benchmarks/busy_cpu.py --output FILE", generic),
     "pbg-import": ("pbg-import-cpu.json", "python benchmarks/pbg_import.py --output FILE", generic),

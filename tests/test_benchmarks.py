@@ -538,10 +538,45 @@ def test_busy_cpu_and_pbg_import_rows(tmp_path: pathlib.Path):
     assert written["rows"] == [] and set(HEADER) <= set(written)
 
 
+@pytest.fixture(scope="module")
+def step_ab_runs(results: pathlib.Path) -> tuple[str, str]:
+    """This checkout's training step against a baseline checkout's (this one again), in one process and on ranks."""
+    training = successful_run(
+        "training",
+        *("--data", nations_directory(), "--dim", "8", "--negatives", "4", "--batch-size", "32", "--epochs", "2"),
+        *("--baseline", str(ROOT), "--ab-runs", "1", "--ab-shards", "1", "--threads", "1", "--device", "cpu"),
+        *("--output", str(results / "training-step-ab-cpu.json")),
+    )
+    distributed = successful_run(
+        "distributed",
+        *("--data", nations_directory(), "--layouts", "2x1", "--exchanges", "embedding", "--dim", "8"),
+        *("--negatives", "4", "--batch-size", "64", "--baseline", str(ROOT), "--ab-runs", "1"),
+        *("--output", str(results / "distributed-step-ab-cpu.json")),
+    )
+    return training[0], distributed[0]
+
+
+@pytest.mark.slow
+def test_a_step_against_a_baseline_checkout(step_ab_runs, results: pathlib.Path):
+    """``--baseline``: fresh processes (ranks) of either checkout, alternately; the medians and the pairs' ratios."""
+    training, _ = step_ab_runs
+    assert "# nations" not in training and "baseline" in training and "ratio" in training
+    keys = ("num_shards", "baseline_positives_per_s", "this_positives_per_s", "ratio_median", "pairs")
+    written = result_file(results / "training-step-ab-cpu.json", "training-step-ab", keys)
+    (row,) = written["tables"][0]["rows"]
+    assert row["num_shards"] == 1 and row["pairs"] == 1 and row["this_positives_per_s"] > 0
+    assert row["ratio_median"] == pytest.approx(row["this_positives_per_s"] / row["baseline_positives_per_s"], 1e-2)
+    keys = ("layout", "exchange", "baseline_triples_per_s", "this_triples_per_s", "ratio_median", "pairs")
+    written = result_file(results / "distributed-step-ab-cpu.json", "distributed-step-ab", keys)
+    (row,) = written["tables"][0]["rows"]
+    assert (row["layout"], row["exchange"], row["pairs"]) == ("2 x 1", "embedding", 1) and row["this_triples_per_s"] > 0
+
+
 @pytest.mark.slow
 def test_the_benchmarks_page_renders_the_scripts_result_files(
     results: pathlib.Path,
     tmp_path: pathlib.Path,
+    step_ab_runs,
     training_run,
     pbg_run,
     parity_run,
