@@ -34,12 +34,10 @@ import json
 import os
 import pathlib
 import re
-import statistics
-import subprocess
 import tempfile
 import time
 
-from result_files import write_result
+from result_files import commit, paired_columns, write_result
 
 
 def _peak_rss() -> int:
@@ -176,25 +174,11 @@ def step_ab(args: argparse.Namespace, layouts: list[tuple[int, int]]) -> list[di
                 with tempfile.TemporaryDirectory() as directory:
                     results = launch(args, shards, replicas, exchange, pathlib.Path(directory), tree=tree)
                 measured[which].append(results[0]["triples"] / max(r["seconds"] for r in results))
-    baseline_commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=args.baseline
-    ).stdout.strip()
+    baseline = commit(args.baseline) or str(args.baseline)
     rows = []
     for (shards, replicas, exchange), measured in throughput.items():
-        ratios = [this / base for this, base in zip(measured["this"], measured["baseline"])]
-        rows.append(
-            dict(
-                layout=f"{shards} x {replicas}",
-                exchange=exchange,
-                baseline=baseline_commit or str(args.baseline),
-                baseline_triples_per_s=statistics.median(measured["baseline"]),
-                this_triples_per_s=statistics.median(measured["this"]),
-                ratio_median=round(statistics.median(ratios), 3),
-                ratio_min=round(min(ratios), 3),
-                ratio_max=round(max(ratios), 3),
-                pairs=len(ratios),
-            )
-        )
+        columns = paired_columns(measured["baseline"], measured["this"], "triples_per_s")
+        rows.append(dict(layout=f"{shards} x {replicas}", exchange=exchange, baseline=baseline, **columns))
         print(rows[-1], flush=True)
     return rows
 

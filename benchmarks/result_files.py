@@ -23,27 +23,46 @@ import os
 import pathlib
 import platform
 import shlex
+import statistics
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["commit", "command_line", "header", "machine", "write_result"]
+__all__ = ["commit", "command_line", "header", "machine", "paired_columns", "write_result"]
 
 HERE = pathlib.Path(__file__).resolve().parent
 
 
-def commit() -> str | None:
-    """The checkout's short commit hash, or None (no git, or not a git checkout)."""
+def commit(checkout: str | os.PathLike[str] = HERE) -> str | None:
+    """A checkout's short commit hash (default: this one's), or None (no git, or not a git checkout)."""
     try:
         result = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE, timeout=30
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=checkout, timeout=30
         )
     except (OSError, subprocess.SubprocessError):
         return None
     if result.returncode != 0:
         return None
     return result.stdout.strip() or None
+
+
+def paired_columns(baseline: Sequence[float], this: Sequence[float], unit: str) -> dict[str, Any]:
+    """The columns of an A/B comparison (``--baseline``): both medians, the pairs' ratios (this / baseline).
+
+    :param baseline: the baseline's measurements, in the order of the pairs
+    :param this: this checkout's, in the same order
+    :param unit: the measurements' name in the columns (``"positives_per_s"``)
+    """
+    ratios = [mine / theirs for mine, theirs in zip(this, baseline)]
+    return {
+        f"baseline_{unit}": statistics.median(baseline),
+        f"this_{unit}": statistics.median(this),
+        "ratio_median": round(statistics.median(ratios), 3),
+        "ratio_min": round(min(ratios), 3),
+        "ratio_max": round(max(ratios), 3),
+        "pairs": len(ratios),
+    }
 
 
 def machine() -> str:

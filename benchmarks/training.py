@@ -75,7 +75,7 @@ from pykeen.training import SLCWATrainingLoop, TrainingCallback
 from pykeen.triples import CoreTriplesFactory, TriplesFactory
 
 from devices import CLI_HOST_SETTINGS, add_device_argument, describe, synchronize
-from result_files import write_result
+from result_files import commit, paired_columns, write_result
 from pykeen_bess.runtime.allocator import resolve_allocator
 from pykeen_bess.training import BessTrainingLoop
 
@@ -318,32 +318,20 @@ def step_ab(args: argparse.Namespace) -> list[dict]:
                     command, check=True, capture_output=True, text=True, env=env, cwd=tempfile.gettempdir()
                 )
                 measured[which].append(json.loads(result.stdout.strip().splitlines()[-1])[1])
-    baseline_commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=args.baseline
-    ).stdout.strip()
+    baseline = commit(args.baseline) or str(args.baseline)
     rows = []
     for (n, negatives), measured in runs.items():
-        ratios = [this / base for this, base in zip(measured["this"], measured["baseline"])]
+        columns = paired_columns(measured["baseline"], measured["this"], "positives_per_s")
         rows.append(
             dict(
-                dataset="WN18RR",
-                num_shards=n,
-                negatives=negatives,
-                threads=args.threads,
-                baseline=baseline_commit or str(args.baseline),
-                baseline_positives_per_s=statistics.median(measured["baseline"]),
-                this_positives_per_s=statistics.median(measured["this"]),
-                ratio_median=round(statistics.median(ratios), 3),
-                ratio_min=round(min(ratios), 3),
-                ratio_max=round(max(ratios), 3),
-                pairs=len(ratios),
+                dataset="WN18RR", num_shards=n, negatives=negatives, threads=args.threads, baseline=baseline, **columns
             )
         )
         row = rows[-1]
         print(
             f"# {label(n, negatives)}, {args.threads} thread(s): baseline {row['baseline_positives_per_s']:,.0f}/s, "
             f"this tree {row['this_positives_per_s']:,.0f}/s, ratio {row['ratio_median']:.3f} "
-            f"({row['ratio_min']:.3f}-{row['ratio_max']:.3f} over {len(ratios)} pairs)",
+            f"({row['ratio_min']:.3f}-{row['ratio_max']:.3f} over {row['pairs']} pairs)",
             flush=True,
         )
     return rows
