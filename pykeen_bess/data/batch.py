@@ -144,39 +144,11 @@ class BlockScores:
     #: shape: ``[L(i), n(j), b']``, the loss weights of the slots (CPU, from :attr:`BessBatch.weights`);
     #: None: unweighted
     weights: torch.Tensor | None = None
-    #: the number of real slots of every local shard (host); None: every slot is real
-    shard_valid: tuple[int, ...] | None = None
 
     @property
     def num_valid(self) -> int:
         """The number of real slots ``V'`` (known on the host)."""
         return self.positive.numel() if self.valid_index is None else self.valid_index.numel()
-
-    def shards(self) -> list[BlockScores]:
-        """Split into the scores of every local shard (the leading axis), without the regularization terms.
-
-        :raises ValueError: for scores with padding slots but no :attr:`shard_valid`
-        """
-        parts = []
-        offset, slots = 0, self.positive[0].numel()
-        for shard in range(self.positive.shape[0]):
-            index = None
-            if self.valid_index is not None:
-                if self.shard_valid is None:
-                    raise ValueError("Scores with padding slots need shard_valid to be split into shards.")
-                count = self.shard_valid[shard]
-                index = self.valid_index[offset : offset + count] - shard * slots
-                offset += count
-            parts.append(
-                BlockScores(
-                    positive=self.positive[shard : shard + 1],
-                    negative=self.negative[shard : shard + 1],
-                    valid_index=index,
-                    regularization=0.0,
-                    weights=None if self.weights is None else self.weights[shard : shard + 1],
-                )
-            )
-        return parts
 
 
 @dataclasses.dataclass(eq=False)
