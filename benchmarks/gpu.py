@@ -30,7 +30,8 @@ writes the figures as JSON (``--output``):
   generated skewed graph with 2.5M entities (``--scale-entities``, ``--scale-triples``), n = 1 and
   n = 4, the second epoch timed; target at least 10M triples/s;
 * **storage**: the training workload at batch 512 (n = 1) with the tables on the device and in host
-  memory (``storage="host"``, which trains with the eager step on a GPU); target host at least 0.8x device;
+  memory (``storage="host"``: the static step, uncaptured on a GPU, its rows read and written
+  synchronously; and the eager step for comparison); target host at least 0.8x device;
 * **evaluation**: BessEvaluator against PyKEEN's ``RankBasedEvaluator`` on the same GPU
   (``benchmarks/evaluation.py``'s :func:`evaluation_rows`); targets at least 20x and identical metrics.
 
@@ -359,24 +360,30 @@ def storage(device: torch.device, rows: list[Row], args: argparse.Namespace) -> 
     """The same training with the tables on the device and in host memory (n=1, batch 512)."""
     tf = generate_graph(args.entities, 237, args.triples, seed=0)
     rates = {}
-    for tier in ("device", "host"):
+    runs = {
+        "storage='device'": ("device", static_mode(device)),
+        "storage='host'": ("host", static_mode(device)),  # uncaptured on a GPU: its rows cross every step
+        "storage='host', eager step": ("host", False),
+    }
+    for contender, (tier, mode) in runs.items():
         model = DistMult(triples_factory=tf, embedding_dim=args.dim, random_seed=0).to(device)
-        mode = static_mode(device) if tier == "device" else None
-        _, _, _, rates[tier] = train_bess(
+        _, _, _, rates[contender] = train_bess(
             tf, model, 2, 512, num_shards=1, num_negs_per_pos=64, optimizer="adam", storage=tier, static_step=mode
         )
         del model
         gc.collect()
-    ratio = rates["host"] / rates["device"]
-    for tier, rate in rates.items():
+    device_rate = rates["storage='device'"]
+    for contender, rate in rates.items():
+        host = contender != "storage='device'"
+        ratio = rate / device_rate
         rows.append(
             dict(
                 section="storage",
                 workload=f"{tf.num_triples:,} triples, DistMult d{args.dim}, batch 512, n=1",
-                contender=f"storage={tier!r}",
-                figure=f"{rate:,.0f}/s" + (f" ({ratio:.2f}x device)" if tier == "host" else ""),
-                target=">= 0.8x device" if tier == "host" else "",
-                met=ratio >= 0.8 if tier == "host" else None,
+                contender=contender,
+                figure=f"{rate:,.0f}/s" + (f" ({ratio:.2f}x device)" if host else ""),
+                target=">= 0.8x device" if contender == "storage='host'" else "",
+                met=ratio >= 0.8 if contender == "storage='host'" else None,
                 value=rate,
             )
         )

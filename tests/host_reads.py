@@ -125,7 +125,7 @@ def static_step_sources(static) -> list[torch.Tensor]:
         *real,
         *static._indices.values(),
         *static.update.learning_rates,
-        *static.update._step_counts.values(),
+        *static.update.step_counts.values(),
         plan.step_index,
         static.healthy,
         static.applied,

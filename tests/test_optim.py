@@ -209,3 +209,15 @@ def test_rowwise_adagrad_by_name_and_bad_values() -> None:
     assert optimizer_resolver.lookup("rowwise_adagrad") is RowwiseAdagrad
     with pytest.raises(ValueError, match="lr >= 0"):
         RowwiseAdagrad([torch.nn.Parameter(torch.zeros(2, 2))], lr=-1.0)
+
+
+@pytest.mark.parametrize("cls", [torch.optim.AdamW, torch.optim.Adam, torch.optim.RMSprop, torch.optim.SGD])
+def test_the_users_hyperparameters_rebuild_the_optimizer(cls) -> None:
+    """Keys of a group the constructor does not take are left out (AdamW's group has Adam's decoupled_weight_decay)."""
+    from pykeen_bess.tables.optim import optimizer_hyperparameters
+
+    table = torch.nn.Parameter(torch.randn(4, 2))
+    hyperparameters = optimizer_hyperparameters(cls([table], lr=0.05))
+    assert hyperparameters["lr"] == 0.05
+    rebuilt = BessOptimizer(cls, [], [table], hyperparameters, sparse_updates=False)
+    assert rebuilt.param_groups[0]["lr"] == 0.05

@@ -100,7 +100,7 @@ def replica_cost(
     entity_width: int,
     shard_size: int,
     element_size: int = 4,
-    sparse: bool = True,
+    eager_dense: bool = False,
     shared_negatives: bool = False,
 ) -> int:
     """Return the bytes one process sends to its replicas per step to sum its shard's gradients (at most).
@@ -111,10 +111,12 @@ def replica_cost(
     other replicas: ``2 n b'`` heads and tails of its ``b'`` slots in the ``n`` blocks of its row and
     column, plus its share of the negatives, ``n K`` (one set per block) or ``K / n`` (one set per
     step, ``shared_negatives``). The eager step sends only the distinct rows, at most
-    ``min(S, ...)`` of a shard of ``S`` rows, and no flags, so this bounds it too. Dense updates
-    all-reduce the whole shard table, ``2 (R - 1) / R * S * D`` values (ring all-reduce), and
-    all-gather the touched rows (to constrain them after the update) with a 4-byte flag each. The
-    exchange inside the shard group (:func:`exchange_cost`) comes on top, with ``b'`` slots per block.
+    ``min(S, ...)`` of a shard of ``S`` rows, and no flags, so this bounds it too. With dense updates
+    (``sparse_updates=False``) the static step sends the same (every replica builds the dense gradient
+    from all replicas' rows); the eager step (``eager_dense``) all-reduces the whole shard table,
+    ``2 (R - 1) / R * S * D`` values (ring all-reduce), and all-gathers the touched rows (to constrain
+    them after the update) with a 4-byte flag each. The exchange inside the shard group
+    (:func:`exchange_cost`) comes on top, with ``b'`` slots per block.
 
     :param n_shard: ``n``
     :param replicas: ``R``
@@ -123,7 +125,7 @@ def replica_cost(
     :param entity_width: ``D``, packed values per entity row
     :param shard_size: ``S``, rows of a shard table
     :param element_size: bytes per value
-    :param sparse: row-sparse (default) or dense updates
+    :param eager_dense: the eager step's dense updates (default: the static step, or row-sparse updates)
     :param shared_negatives: whether all blocks of a step share one set of negatives
     :returns: bytes sent per process and step
     """
@@ -131,7 +133,7 @@ def replica_cost(
         return 0
     negatives = num_negs_per_pos // n_shard if shared_negatives else n_shard * num_negs_per_pos
     rows = 2 * n_shard * replica_block_size + negatives
-    if not sparse:
+    if eager_dense:
         rows = min(shard_size, rows)
         return 2 * (replicas - 1) * shard_size * entity_width * element_size // replicas + (replicas - 1) * rows * 12
     return (replicas - 1) * rows * (8 + 1 + entity_width * element_size)

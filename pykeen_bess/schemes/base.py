@@ -82,13 +82,26 @@ class ExchangeScheme(ABC):
         """Return whether the scheme can train the model (all token schemes can)."""
         return True
 
-    def static_step_obstacle(self, rule: str | None) -> str | None:
-        """Return why the static step cannot run this scheme with the row rule ``rule`` (None: it can)."""
-        return None
-
     def slot_range(self, block_size: int) -> tuple[int, int]:
         """Return the slots ``[start, stop)`` of every block this process scores (its replica's share)."""
         return self.topology.replica_slots(block_size)
+
+    # -- the static step's rows ------------------------------------------------------------------
+
+    def looked_up_slots(self, block_size: int) -> tuple[int, int]:
+        """Return the slots ``[start, stop)`` of every block whose rows a static step looks up in this process' tables.
+
+        Default: the slots it scores (:meth:`slot_range`).
+        """
+        return self.slot_range(block_size)
+
+    def scored_rows(self, looked_up: RowGather) -> RowGather:
+        """Return the rows a static step scores, from the rows it looked up in this process' tables (default: those).
+
+        :param looked_up: one row per occurrence (``in_role_order``) of the slots :meth:`looked_up_slots`
+            and of the negatives; its leaves are what the step differentiates and updates
+        """
+        return looked_up
 
     @classmethod
     def get_name(cls) -> str:

@@ -83,12 +83,6 @@ class EncodingScheme(ExchangeScheme):
             return False
         return True
 
-    def static_step_obstacle(self, rule: str | None) -> str | None:
-        """Row-wise Adagrad's accumulators need the mean over whole rows, a column sum the static rule lacks."""
-        if rule == "rowwise_adagrad" and not self.topology.holds_all_columns:
-            return "its row-wise Adagrad needs whole rows (column parts over processes)"
-        return None
-
     # -- the cost model --------------------------------------------------------------------------
 
     @classmethod

@@ -13,6 +13,13 @@ after all sub-batches sends the whole rows' gradients back the same way, where t
 into their columns (one all-to-all per table each way and step). Relations are replicated; their
 gradients are summed over the processes as usual.
 
+The static step (:mod:`~pykeen_bess.training.static_step`) does the same with fixed shapes
+(:meth:`EncodingLookupScheme.scored_rows`): every part looks up the rows of all the replica's slots and
+the negatives in its columns, one row per occurrence (no ``unique``); every part's request is the
+heads and tails of its share of the slots (padded to the largest share) and the negatives; one
+differentiable all-to-all per table assembles the whole rows, and the backward pass sends their
+gradients back to the occurrences they came from.
+
 With all parts in one process the rows are whole already: the scheme is the one-shard token
 scheme (``embedding``).
 """
@@ -85,6 +92,8 @@ class EncodingLookupScheme(EmbeddingMovingScheme):
             self.lookup = RowLookup(model, self.tables)
         #: the requests of the current step: per part, positions into the gathered rows
         self._requests: list[torch.Tensor] = []
+        #: a static step's requests (fixed per number of slots and negatives), and every part's slot count
+        self._static: dict[tuple, tuple[torch.Tensor, list[int]]] = {}
         self._column_leaves: list[torch.Tensor] = []
 
     # -- the cost model --------------------------------------------------------------------------
@@ -121,9 +130,65 @@ class EncodingLookupScheme(EmbeddingMovingScheme):
 
     # -- slots, rows and gradients ---------------------------------------------------------------
 
-    def static_step_obstacle(self, rule: str | None) -> str | None:
-        """Assembling whole rows moves a data-dependent number of rows between the column parts."""
-        return "it looks whole rows up with data-dependent sizes (exchange='encoding_lookup')"
+    def looked_up_slots(self, block_size: int) -> tuple[int, int]:
+        """Return the slots of the replica: a static step looks up every part's rows in this process' columns."""
+        return self.topology.replica_slots(block_size)
+
+    def scored_rows(self, looked_up: RowGather) -> RowGather:
+        """Assemble the whole rows of this part's slots and the negatives from every part's columns (fixed shapes).
+
+        Every part requests ``M = 2 * share + m`` rows: the heads and tails of its share of the replica's
+        ``S`` slots (the last part's share padded by repeating row 0, which nothing scores) and the ``m``
+        negatives. One all-to-all per table sends every part its requested rows' slices of this process'
+        columns (differentiable: the backward sends the whole rows' gradients back to the columns' owners).
+
+        :param looked_up: the rows of all the replica's slots and the negatives in this process' columns,
+            ``[2 S + m, W_own]`` per table, heads, tails and negatives in role order
+        :returns: the whole rows ``[M, W]`` per table, with this part's heads, tails and negatives indexing them
+        """
+        topology = self.topology
+        if topology.holds_all_columns:
+            return looked_up
+        n, part = topology.n_column, topology.local_columns[0]
+        slots = looked_up.heads.shape[-1]  # S: the replica's slots
+        share = -(-slots // n)
+        requests, count = self._static_requests(looked_up, slots, share)
+        leaves = []
+        for leaf, table in zip(looked_up.leaves, self.column_tables):
+            widths = [width * table.row_width // table.shape[0] for width in _part_widths(table)]
+            message = leaf.index_select(0, requests.view(-1)).view(n, requests.shape[1], leaf.shape[-1])
+            message = torch.nn.functional.pad(message, (0, max(widths) - leaf.shape[-1]))
+            received = topology.column_all_to_all(message.unsqueeze(0))[0]  # [c, M, W_max]: part p's columns
+            leaves.append(torch.cat([received[p, :, :width] for p, width in enumerate(widths)], dim=-1))
+        start, _ = _part_slots(slots, part, n)
+        own = torch.arange(count[part], device=requests.device).view(1, 1, -1)
+        negatives = looked_up.negatives.numel()
+        return RowGather(
+            rows=looked_up.rows,
+            leaves=leaves,
+            heads=own,
+            tails=own + share,
+            negatives=(2 * share + torch.arange(negatives, device=requests.device)).view(looked_up.negatives.shape),
+            first_real=0,
+            first_slot=looked_up.first_slot + start,
+        )
+
+    def _static_requests(self, looked_up: RowGather, slots: int, share: int) -> tuple[torch.Tensor, list[int]]:
+        """Return every part's requests ``[c, 2 * share + m]`` (positions into the looked-up rows) and slot counts."""
+        n = self.topology.n_column
+        key = (slots, looked_up.negatives.numel(), looked_up.rows.device)
+        if key not in self._static:
+            negatives = looked_up.negatives.numel()
+            requests, counts = [], []
+            for part in range(n):
+                start, stop = _part_slots(slots, part, n)
+                own = torch.arange(start, stop)
+                pad = torch.zeros(share - own.numel(), dtype=torch.long)
+                negative = 2 * slots + torch.arange(negatives)
+                requests.append(torch.cat([own, pad, own + slots, pad, negative]))
+                counts.append(stop - start)
+            self._static[key] = (torch.stack(requests).to(looked_up.rows.device), counts)
+        return self._static[key]
 
     def slot_range(self, block_size: int) -> tuple[int, int]:
         """Return the slots this process scores: its column part's share of its replica's slots (all in one process)."""

@@ -241,11 +241,12 @@ class TableStorage(ABC):
         """Raise :class:`ValueError` if the tier cannot train a model built on the meta device."""
 
     def captured_step_obstacle(self) -> str | None:
-        """Why a static step on a GPU cannot hold these tables, None if it can (on the CPU every tier can).
+        """Why a CUDA graph cannot capture a static step on these tables, None if it can.
 
-        Its rows would cross from host memory to the GPU inside the step, which a CUDA graph cannot capture.
+        Their rows cross from host memory or files to the GPU inside the step (synchronously: the step then
+        runs uncaptured), which a CUDA graph cannot capture.
         """
-        return f"on a GPU it keeps the tables on the device (storage={self.name!r})"
+        return f"its rows cross from storage={self.name!r} to the GPU"
 
     def state_entry(
         self, table: HeldTable, directory: pathlib.Path | None, omit_weight: bool, by_value: bool = False

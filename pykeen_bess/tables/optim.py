@@ -46,6 +46,7 @@ step count); its state tensors stay in its tier, never in the optimizer's ``stat
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
@@ -196,7 +197,14 @@ DENSE_REQUIRED_OPTIONS: dict[str, Any] = dict(differentiable=False)
 def optimizer_hyperparameters(optimizer: Optimizer) -> dict[str, Any]:
     """Return the hyper-parameters of an optimizer's first parameter group (without parameters)."""
     group = optimizer.param_groups[0] if optimizer.param_groups else optimizer.defaults
-    return {key: value for key, value in group.items() if key not in {"params", "initial_lr"}}
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
+    # a group may hold keys its class' constructor does not take (torch's AdamW keeps Adam's decoupled_weight_decay)
+    return {
+        key: value
+        for key, value in group.items()
+        if key not in {"params", "initial_lr"} and (takes_any or key in accepted)
+    }
 
 
 class BessOptimizer(Optimizer):
@@ -295,15 +303,20 @@ class BessOptimizer(Optimizer):
         """Update the dense parameters with the user's optimizer, the shard tables row-sparsely."""
         if closure is not None:
             raise ValueError("BessOptimizer does not support closures.")
+        self.dense_step()
+        for group in self.sparse_groups:
+            for param in group["params"]:
+                self._update_rows(param, group)
+        return None
+
+    @torch.no_grad()
+    def dense_step(self) -> None:
+        """Update the parameters of the dense groups that have a gradient with the user's optimizer itself."""
         if self._dense is not None:
             # the dense optimizer works on our groups and state (load_state_dict replaces both)
             self._dense.param_groups = self.dense_groups
             self._dense.state = self.state
             self._dense.step()
-        for group in self.sparse_groups:
-            for param in group["params"]:
-                self._update_rows(param, group)
-        return None
 
     def _update_rows(self, param: torch.nn.Parameter, group: dict[str, Any]) -> None:
         """Apply a group's row rule to the rows of one table the step touched.

@@ -262,14 +262,20 @@ def _static_rowwise_adagrad(
     group: Mapping[str, Any],
     step: torch.Tensor,
     lr: torch.Tensor,
+    squared_mean: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Row-wise Adagrad on rows ``[U, ...]`` (state ``sum``: ``[U]``); without rows (0-1 dimensions) plain Adagrad."""
+    """Row-wise Adagrad on rows ``[U, ...]`` (state ``sum``: ``[U]``); without rows (0-1 dimensions) plain Adagrad.
+
+    ``squared_mean`` (``[U]``, default: computed from ``grad``) is the mean of every row's squared gradient over
+    its whole row, which a column part of a row takes from all parts
+    (:meth:`~pykeen_bess.tables.optim.StoredTable.row_mean`).
+    """
     if group["maximize"]:
         grad = -grad
     squared = grad * grad
     row_wise = weight.dim() >= 2
     if row_wise:
-        squared = squared.mean(dim=tuple(range(1, grad.dim())))
+        squared = squared_mean if squared_mean is not None else squared.mean(dim=tuple(range(1, grad.dim())))
     squares = state["sum"] + squared
     std = squares.sqrt() + group["eps"]
     if row_wise:

@@ -118,6 +118,8 @@ def make_static_step(
         f" ({padded} with padding, each its own step kind)" if padded else "",
         " (captured as CUDA graphs)" if static.capture else "",
     )
+    if mode is None and static.device.type == "cuda" and static.capture_obstacle is not None:
+        logger.info("BESS: the static step runs uncaptured: %s.", static.capture_obstacle)
     return static
 
 

@@ -6,19 +6,21 @@
 * :data:`fused_rule` is that function compiled by ``torch.compile`` on CUDA (a few kernels instead of
   about ten elementwise passes);
 * :func:`occurrence_groups` numbers a step's distinct rows without a host read (fixed shapes);
-* :class:`StepRows` holds the rows a step updates, with their summed gradients.
+* :class:`StepRows` holds the rows a step updates, with their summed gradients;
+* :class:`StepCounts` holds the step counts on the device.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 __all__ = [
+    "StepCounts",
     "StepRows",
     "fused_rule",
     "gated_rule",
@@ -45,6 +47,7 @@ def gated_rule(
     lr: torch.Tensor,
     ok: torch.Tensor,
     constraint: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    **rule_kwargs: Any,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Apply a rule and a constraint to values ``[U, *]``; return the new values, or the old ones where ``ok`` is False.
 
@@ -58,9 +61,10 @@ def gated_rule(
     :param lr: the learning rate (a 0-dimensional tensor)
     :param ok: whether to apply the step: a 0-dimensional bool tensor, or one per row ``[U]``
     :param constraint: applied to the new values (e.g. a projection to unit norm), or None
+    :param rule_kwargs: passed to the rule (row-wise Adagrad's ``squared_mean`` over whole rows)
     :returns: the values and the state to write
     """
-    new, new_state = rule(old, grad, state, group, step, lr)
+    new, new_state = rule(old, grad, state, group, step, lr, **rule_kwargs)
     if constraint is not None:
         new = constraint(new)
     return _gate(ok, new, old), {name: _gate(ok, value, state[name]) for name, value in new_state.items()}
@@ -124,3 +128,40 @@ class StepRows:
     summed: list[torch.Tensor | None]
     #: the number of occurrences (``M`` before the host-side path keeps each row once): the most rows a step has
     most: int
+
+
+class StepCounts:
+    """The step counts of a static step's parameters as float64 device tensors (a captured step reads them).
+
+    A count starts from the optimizer state's (a host tensor, read when the step is first traced) and is
+    written back into it at the end of every epoch (:meth:`write`).
+    """
+
+    def __init__(self, device: torch.device):
+        """Keep the counts on ``device``."""
+        self.device = device
+        self._counts: dict[int, torch.Tensor] = {}
+        #: the parameters with a step count, and their optimizer state
+        self.counted: list[tuple[torch.Tensor, dict]] = []
+
+    def count(self, param: torch.Tensor, state: dict, ok: torch.Tensor) -> torch.Tensor:
+        """Count a step of ``param`` on the device if ``ok`` (a 0-dimensional bool tensor); return the new count."""
+        key = id(param)
+        if key not in self._counts:
+            if "step" not in state:
+                state["step"] = torch.zeros((), dtype=torch.float32)  # as BessOptimizer counts a table's steps
+            self._counts[key] = torch.full((), float(state["step"]), dtype=torch.float64, device=self.device)
+            self.counted.append((param, state))
+        count = self._counts[key]
+        current = count + 1
+        count.copy_(torch.where(ok, current, count))
+        return current
+
+    def values(self) -> list[torch.Tensor]:
+        """Return the device step counts of the counted parameters (:attr:`counted`'s order)."""
+        return [self._counts[id(param)] for param, _ in self.counted]
+
+    def write(self, counts: Sequence[float]) -> None:
+        """Write the step counts (read from :meth:`values`) into the optimizer's state (at the end of an epoch)."""
+        for (_, state), count in zip(self.counted, counts):
+            state["step"].fill_(count)

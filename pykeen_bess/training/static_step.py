@@ -16,7 +16,9 @@ as one function of fixed shapes and no host synchronisation:
    same function with that kind's (fixed) padding slots left out of the loss and the update;
 2. **rows**: every row this process looks up (heads and tails of its slots of the local blocks,
    the local shards' negatives) is its own leaf (``[N, W]`` per table, duplicates included), so no
-   ``unique`` is needed;
+   ``unique`` is needed; the scheme scores what it makes of them
+   (:meth:`~pykeen_bess.schemes.ExchangeScheme.scored_rows`: the same rows, or with
+   ``exchange="encoding_lookup"`` whole rows assembled from every column part's, fixed shapes);
 3. **scores and loss**: the exchange scheme's own :meth:`~pykeen_bess.schemes.ExchangeScheme.scores`
    (its collectives have fixed shapes: balanced blocks) and the eager step's sub-batch loss, for
    every sub-batch in a fixed loop, so both steps compute the same function;
@@ -27,8 +29,11 @@ as one function of fixed shapes and no host synchronisation:
    on the sums, and the row rule runs on every occurrence with its row's sum; duplicates write
    identical values, so the result is the lazy row-sparse update of the eager step (same rows
    touched, same moments) up to rounding;
-6. **dense update** of the replicated parameters, their gradients summed over the processes, with the
-   user's optimizer's rule, the step counts and learning rates as device tensors;
+6. **dense update** of the replicated parameters, their gradients summed over the processes: on a GPU
+   with the user's optimizer's rule, the step counts and learning rates as device tensors; on the CPU,
+   and wherever no rule reproduces the optimizer (dense updates of the tables, ``sparse_updates=False``,
+   with any optimizer and option), by the user's optimizer itself after a host read of whether the
+   step applies (on a GPU such a step runs uncaptured);
 7. **bookkeeping on the device**: the loss is summed on the device and read once per epoch (every
    step while a callback asks for every step's loss); a step with a non-finite loss writes nothing,
    and neither does any later step of the epoch, so the epoch's end raises
@@ -40,10 +45,9 @@ captured once as a CUDA graph (after two warm-up steps on a side stream) and eve
 the kind is one ``replay()``; elsewhere (and where capturing fails, logged with the reason) the
 same function runs directly.
 
-Where the static step cannot train a configuration (whole rows assembled by ``encoding_lookup``,
-dense updates of the tables, optimizer options without a rule here, row-wise Adagrad over column
-parts on several processes; on a GPU tables in host memory or files, and typed negatives with a
-regularizer other than L2), the loop trains eagerly and logs why (:func:`static_step_obstacle`).
+Where the static step cannot train a configuration (on a GPU tables in host memory or files, and
+typed negatives with a regularizer other than L2), the loop trains eagerly and logs why
+(:func:`static_step_obstacle`); so does a subclass that overrides ``_process_batch``.
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ from ..data.batch import BessBatch, RowGather
 from ..data.sampling import BessSampler, EpochDraws
 from ..schemes import ExchangeScheme
 from ..schemes.lookup import static_indices
-from ..tables.optim import DENSE_REQUIRED_OPTIONS, REQUIRED_OPTIONS, SPARSE_RULES, BessOptimizer
+from ..tables.optim import BessOptimizer
 from ..tables.row_rules import STATIC_RULES
 from .static_plan import DevicePlan, StepKind
 from .static_update import Clipping, StaticUpdate
@@ -122,39 +126,14 @@ def static_step_obstacle(
     :param sampler: the epochs' sampler
     """
     scheme = runner.scheme
-    if tables[0].compute_device.type == "cuda":  # rows in host memory or files would cross to the GPU in the step
-        obstacle = tables.storage.captured_step_obstacle()
-        if obstacle is not None:
-            return obstacle
-    if not isinstance(optimizer, BessOptimizer) or not optimizer.sparse_updates:
-        return "it updates the tables row-sparsely (sparse_updates=False)"
+    if not isinstance(optimizer, BessOptimizer):
+        return f"its optimizer is not a {BessOptimizer.__name__}"
     for group in optimizer.sparse_groups:
         if group["rule"] not in STATIC_RULES:
             return f"it has no row rule {group['rule']!r}"
-    obstacle = scheme.static_step_obstacle(optimizer.sparse_groups[0]["rule"] if optimizer.sparse_groups else None)
-    if obstacle is not None:
-        return obstacle
-    obstacle = _dense_obstacle(optimizer)
-    if obstacle is not None:
-        return obstacle
     typed = sampler.num_candidate_types > 1
     if typed and tables[0].compute_device.type != "cpu" and not scheme.lookup.weighs_on_the_device:
         return "its typed negatives' regularization weights group the rows on the host (a regularizer other than L2)"
-    return None
-
-
-def _dense_obstacle(optimizer: BessOptimizer) -> str | None:
-    """Return why the static step cannot reproduce the dense update of the replicated parameters."""
-    if not optimizer.dense_groups:
-        return None
-    rule = SPARSE_RULES.get(optimizer.optimizer_cls)
-    if rule is None:
-        return f"it has no dense rule for {optimizer.optimizer_cls.__name__}"
-    required_options = {**REQUIRED_OPTIONS[rule], **DENSE_REQUIRED_OPTIONS}
-    for group in optimizer.dense_groups:
-        for key, required in required_options.items():
-            if key in group and group[key] != required:
-                return f"it has no dense rule for {optimizer.optimizer_cls.__name__}({key}={group[key]!r})"
     return None
 
 
@@ -210,8 +189,10 @@ class StaticStep:
         #: the sub-batches, ``(start, stop)`` slots of every block
         self.sub_batches = [(start, min(start + sub, last)) for start in range(first, last, sub)]
         self.offsets = torch.arange(local, device=self.device) * tables[0].sharding.shard_size  # [L]
+        #: the slots of every block whose rows this process looks up (those it scores, or more: see the scheme)
+        self.looked_up_slots = self.scheme.looked_up_slots(b)
         k, blocks_i, blocks_j, m = self.plan.negative_shape
-        slots = last - first
+        slots = self.looked_up_slots[1] - self.looked_up_slots[0]
         sizes = [local * n * slots, local * n * slots, blocks_i * blocks_j * local * m]
         head_index, tail_index, negative_index = torch.arange(sum(sizes), device=self.device).split(sizes)
         #: the index of every role's rows into the step's rows (each occurrence is its own row; the
@@ -237,10 +218,17 @@ class StaticStep:
         self.real = [self._real_rows(kind) for kind in self.plan.kinds]
         self._indices: dict = {}  # device copies of the regularization groups' and valid slots' indices
         self._in_epoch = False  # between load_plan and finish_epoch
+        #: why a CUDA graph cannot capture the step (None: it can): its rows cross from host memory or files
+        #: to the GPU, or the user's optimizer updates the dense groups after a host read
+        self.capture_obstacle = tables.storage.captured_step_obstacle() or (
+            f"the user's optimizer updates the dense groups ({self.update.dense.rule_obstacle})"
+            if self.update.dense.by_the_optimizer
+            else None
+        )
         #: what runs the step: captured as CUDA graphs, or directly
         self.executor: DirectSteps = (
             CapturedSteps(self.step, model, optimizer, self.device)
-            if capture and self.device.type == "cuda"
+            if capture and self.device.type == "cuda" and self.capture_obstacle is None
             else DirectSteps(self.step, self.device)
         )
 
@@ -256,7 +244,7 @@ class StaticStep:
         slot among this process' slots (all blocks' slots when the step shares them), as the eager step has it.
         """
         topology = self.topology
-        first, last = self.slots
+        first, last = self.looked_up_slots
         valid = kind.valid[..., first:last]  # [n(i), n(j), b']
         heads = topology.select_local(valid, 0)
         tails = topology.select_local(valid, 1).transpose(0, 1)
@@ -311,9 +299,9 @@ class StaticStep:
         :returns: the sum of the applied steps' losses, and how many were applied (fewer than run after a
             non-finite loss: that step and the later ones wrote nothing)
         """
-        summary = torch.stack([self.loss_sum, self.applied.to(torch.float64), *self.update.step_counts()])
+        summary = torch.stack([self.loss_sum, self.applied.to(torch.float64), *self.update.step_counts.values()])
         loss_sum, applied, *counts = summary.tolist()
-        self.update.write_step_counts(counts)
+        self.update.step_counts.write(counts)
         self._in_epoch = False
         return loss_sum, int(applied)
 
@@ -343,9 +331,12 @@ class StaticStep:
         runner = self.runner
         with static_indices(self._indices), torch.enable_grad():
             batch = self.plan.batch(kind)
-            gathered = self._gather(batch)
-            leaves = [leaf for leaf, table in zip(gathered.leaves, self.tables) if table.trainable]
-            inputs = [*leaves, *self.update.dense]
+            looked_up = self._gather(batch)
+            leaves = self._trainable(looked_up.leaves)
+            gathered = self.scheme.scored_rows(looked_up)
+            # the sub-batches differentiate by the scored rows; those made of the looked-up rows pass it on once
+            scored = leaves if gathered is looked_up else self._trainable(gathered.leaves)
+            inputs = [*scored, *self.update.dense.parameters]
             weight_step: Any = 0.0 if batch.weights is None else batch.weights.sum(dtype=torch.float64)
             total = torch.zeros((), dtype=torch.float64, device=self.device)
             grads: list[torch.Tensor | None] = [None] * len(inputs)
@@ -360,19 +351,23 @@ class StaticStep:
                 value, own = loss.detach().to(total), own.to(total)
                 total = total + (value - own) * replicated + own
                 runner.post_forward_pass()
+            if scored is not leaves:  # one table after the other (their backward passes may be collectives)
+                for index, (rows, leaf) in enumerate(zip(scored, leaves)):
+                    passed = grads[index]
+                    grads[index] = None if passed is None else torch.autograd.grad(rows, leaf, passed)[0]
         with torch.no_grad():
             step_loss = self.topology.all_reduce(total)
             ok = torch.isfinite(step_loss) & self.healthy
             n_leaves = len(leaves)
-            step_rows = self.update.row_gradients(gathered.rows, leaves, grads[:n_leaves], real, self.max_rows)
+            step_rows = self.update.row_gradients(looked_up.rows, leaves, grads[:n_leaves], real, self.max_rows)
             # the occurrences' values and gradients ([N, W] each) are summed: free them before the update
-            del gathered, leaves, inputs
-            dense, present = self.update.dense_gradients(grads[n_leaves:])
+            del looked_up, gathered, leaves, inputs
+            dense, present = self.update.dense.gradients(grads[n_leaves:])
             del grads
             if self.clipping.clips:
                 self.update.clip(step_rows, dense, self.clipping)
             self.update.rows(step_rows, ok)
-            self.update.dense_parameters(dense, present, ok)
+            self.update.dense.apply(dense, present, ok, step_rows)
             self.update.post_parameter_update()
             self.healthy.copy_(ok)
             self.applied.add_(ok.long())
@@ -381,10 +376,14 @@ class StaticStep:
             self.plan.advance()
         self.last_batch = batch, kind
 
+    def _trainable(self, leaves: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Return the leaves of the trainable tables."""
+        return [leaf for leaf, table in zip(leaves, self.tables) if table.trainable]
+
     def _gather(self, batch: BessBatch) -> RowGather:
         """Look up every row this process uses, one leaf row per occurrence: ``[N, W]`` per table."""
         topology = self.topology
-        first, last = self.slots
+        first, last = self.looked_up_slots
         offsets = self.offsets
         # heads of blocks (l, *), tails of blocks (*, l): the local shards' rows
         head_rows = topology.select_local(batch.heads[..., first:last], 0) + offsets.view(-1, 1, 1)

@@ -20,8 +20,9 @@
   occurrence with its row's summed gradient; all occurrences of a row compute the same new values,
   so their writes agree. Rows only padding slots looked up are left as they are. The result is
   the eager step's lazy row-sparse update (same rows, same moments) up to rounding;
-* **dense**: the replicated parameters with the user's optimizer's rule
-  (:data:`~pykeen_bess.tables.row_rules.DENSE_RULES`), their gradients summed over the processes;
+* **dense**: the replicated parameters, and the tables with ``sparse_updates=False``
+  (:class:`~pykeen_bess.training.dense_update.DenseUpdate`: a device rule on a GPU, the user's
+  optimizer itself on the CPU and wherever no device rule reproduces it);
 * **gated**: every write keeps the old value where ``ok`` is False (a non-finite loss);
 * **fused on a GPU**: a rule, its constraint and the gate are one function
   (:func:`~pykeen_bess.training.static_rules.gated_rule`), which ``torch.compile`` fuses into a few
@@ -29,7 +30,7 @@
   compiling fails (logged once), it runs as written;
 * **step counts and learning rates** are float64 device tensors: the counts start from the
   optimizer state's host counts and are written back into it at the end of every epoch
-  (:meth:`StaticUpdate.write_step_counts`); the learning rates are refreshed per epoch (a scheduler
+  (:class:`~pykeen_bess.training.static_rules.StepCounts`); the learning rates are refreshed per epoch (a scheduler
   changes them between epochs).
 """
 
@@ -44,12 +45,13 @@ import torch
 from pykeen.nn.representation import Embedding
 
 from ..distributed import Topology
-from ..tables.optim import SPARSE_RULES, BessOptimizer
+from ..tables.optim import BessOptimizer
 from ..tables.representation import ShardedEmbedding
-from ..tables.row_rules import DENSE_RULES, STATIC_RULES, state_shapes
+from ..tables.row_rules import STATIC_RULES, WHOLE_ROW_RULES, state_shapes
 from . import static_rules
 from .host_rows import HostRows
-from .static_rules import StepRows, occurrence_groups
+from .dense_update import DenseUpdate
+from .static_rules import StepCounts, StepRows, occurrence_groups
 from .tables import ShardTables
 
 __all__ = [
@@ -98,8 +100,6 @@ class StaticUpdate:
         self.topology = topology
         self.device = tables[0].compute_device
         self.trainable = [table for table in tables if table.trainable]
-        #: the replicated parameters the dense rule updates
-        self.dense = [p for group in optimizer.dense_groups for p in group["params"] if p.requires_grad]
         for group in optimizer.sparse_groups:
             for table in self.trainable:
                 row_state = self._row_state(table)
@@ -109,11 +109,14 @@ class StaticUpdate:
                         row_state[name] = torch.full(shape, fill, dtype=weight.dtype, device=weight.device)
         #: one learning rate per parameter group, read by the step (a captured step reads these tensors)
         self.learning_rates = [torch.zeros((), dtype=torch.float64, device=self.device) for _ in optimizer.param_groups]
-        self._step_counts: dict[int, torch.Tensor] = {}  # the same on the device
+        #: the step counts of the tables and the replicated parameters, on the device
+        self.step_counts = StepCounts(self.device)
         #: the CPU's updates of the step's distinct rows (:attr:`on_the_host`)
         self.host_rows = HostRows(optimizer, self.trainable)
-        #: the parameters with a step count, and their optimizer state
-        self.counted: list[tuple[torch.Tensor, dict]] = []
+        #: the update of the dense groups: the replicated parameters (and the tables with ``sparse_updates=False``)
+        self.dense = DenseUpdate(
+            optimizer, self.trainable, topology, self.step_counts, self.learning_rates, lambda: self.on_the_host
+        )
 
     def refresh_learning_rates(self) -> None:
         """Copy the parameter groups' learning rates into the device tensors the step reads."""
@@ -184,19 +187,6 @@ class StaticUpdate:
         old = [table.read_rows(all_rows) for table in self.trainable]
         return all_rows, all_real, old, summed
 
-    def dense_gradients(self, grads: Sequence[torch.Tensor | None]) -> tuple[list[torch.Tensor | None], Any]:
-        """Sum the replicated parameters' gradients over the processes (one collective per dtype).
-
-        :returns: the gradients (None: no process has one), and whether each parameter has one: None in
-            one process (every gradient that is not None), else a float64 tensor ``[P]`` (> 0: present)
-        """
-        if not self.topology.is_distributed or not self.dense:
-            return list(grads), None
-        present = torch.tensor([grad is not None for grad in grads], dtype=torch.float64, device=self.device)
-        values = [grad if grad is not None else torch.zeros_like(p) for p, grad in zip(self.dense, grads)]
-        present, *summed = self.topology.all_reduce_coalesced([present, *values])
-        return list(summed), present
-
     def clip(self, step_rows: StepRows, dense: list[torch.Tensor | None], clipping: Clipping) -> None:
         """Clip the summed row gradients and the replicated parameters' gradients in place (as the eager step does).
 
@@ -242,11 +232,11 @@ class StaticUpdate:
         :param step_rows: from :meth:`row_gradients`
         :param ok: whether to write (a 0-dimensional bool tensor)
         """
-        if all(grad is None for grad in step_rows.summed):
+        if not self.optimizer.sparse_groups or all(grad is None for grad in step_rows.summed):
             return
         if self.on_the_host:
             counts = [
-                None if summed is None else self._count(table.optimizer_parameter, self._state(table), ok)
+                None if summed is None else self.step_counts.count(table.optimizer_parameter, self._state(table), ok)
                 for table, summed in zip(self.trainable, step_rows.summed)
             ]
             self.host_rows.update(step_rows, bool(ok), counts)
@@ -261,12 +251,15 @@ class StaticUpdate:
                 continue
             param, storage = table.optimizer_parameter, table.storage
             row_state = self._row_state(table)
-            step = self._count(param, self.optimizer.state[param], ok)
+            step = self.step_counts.count(param, self.optimizer.state[param], ok)
             names = list(state_shapes(group["rule"], table.weight.shape, group))
             old_state = {name: storage.read(row_state[name], rows) for name in names}
             constraint = self.optimizer._row_constraints.get(id(param))
+            whole_rows = {}
+            if group["rule"] in WHOLE_ROW_RULES and table.column_part is not None:  # a collective of the parts
+                whole_rows["squared_mean"] = table.row_mean(summed * summed)
             new, new_state = static_rules.fused_rule(
-                self.device, rule, old, summed, old_state, group, step, lr, mask, constraint
+                self.device, rule, old, summed, old_state, group, step, lr, mask, constraint, **whole_rows
             )
             # every occurrence of a row writes the same values; rows in host memory or files are written back
             storage.write(table.weight, rows, new)
@@ -285,37 +278,6 @@ class StaticUpdate:
     def _row_state(self, table: ShardedEmbedding) -> dict[str, Any]:
         """Return the dictionary of a table's row state (the optimizer's state, or the table's own in its tier)."""
         return table.storage.row_state(table, self.optimizer.state[table.optimizer_parameter])
-
-    def dense_parameters(self, grads: list[torch.Tensor | None], present: Any, ok: torch.Tensor) -> None:
-        """Update the replicated parameters with the user's optimizer's rule.
-
-        :param grads: the gradients of :attr:`dense`, in order (None: no gradient)
-        :param present: from :meth:`dense_gradients`: None, or which parameters have a gradient on some process
-        :param ok: whether to write
-        """
-        if not self.dense:
-            return
-        rule = DENSE_RULES[SPARSE_RULES[self.optimizer.optimizer_cls]]
-        params = iter(zip(self.dense, grads, range(len(self.dense))))
-        for index, group in enumerate(self.optimizer.dense_groups):
-            lr = self.learning_rates[index]
-            for param in group["params"]:
-                if not param.requires_grad:
-                    continue
-                _, grad, position = next(params)
-                if grad is None:
-                    continue
-                apply = ok if present is None else ok & (present[position] > 0)
-                state = self._dense_state(param, group)
-                names = [name for name in state if name != "step"]
-                step = self._count(param, state, apply) if "step" in state else lr  # SGD counts no steps
-                old_state = {name: state[name] for name in names}
-                new, new_state = static_rules.fused_rule(
-                    self.device, rule, param.detach(), grad, old_state, group, step, lr, apply
-                )
-                param.copy_(new)
-                for name in names:
-                    state[name].copy_(new_state[name])
 
     def post_parameter_update(self) -> None:
         """Run the model's ``post_parameter_update``, with the constraints of PyKEEN's embeddings applied in place.
@@ -337,43 +299,6 @@ class StaticUpdate:
                 continue
             module.post_parameter_update()
 
-    def _dense_state(self, param: torch.Tensor, group: dict) -> dict:
-        """Return a replicated parameter's optimizer state (created as its optimizer creates it at its first step)."""
-        state = self.optimizer.state[param]
-        rule = SPARSE_RULES[self.optimizer.optimizer_cls]
-        for name, (shape, fill) in state_shapes(rule, param.shape, group).items():
-            if name not in state:
-                state[name] = torch.full(shape, fill, dtype=param.dtype, device=param.device)
-        if "step" not in state and rule != "sgd":
-            # torch.optim's optimizers count in the default scalar dtype, RowwiseAdagrad in float32
-            state["step"] = torch.zeros((), dtype=_scalar_dtype() if rule != "rowwise_adagrad" else torch.float32)
-        return state
-
-    def _count(self, param: torch.Tensor, state: dict, ok: torch.Tensor) -> torch.Tensor:
-        """Count a step of ``param`` on the device (if it is applied); return the count including it.
-
-        The count starts from the optimizer state's (a host tensor, read when the step is first traced).
-        """
-        key = id(param)
-        if key not in self._step_counts:
-            if "step" not in state:
-                state["step"] = torch.zeros((), dtype=torch.float32)  # as BessOptimizer counts a table's steps
-            self._step_counts[key] = torch.full((), float(state["step"]), dtype=torch.float64, device=self.device)
-            self.counted.append((param, state))
-        count = self._step_counts[key]
-        current = count + 1
-        count.copy_(torch.where(ok, current, count))
-        return current
-
-    def step_counts(self) -> list[torch.Tensor]:
-        """Return the device step counts of the counted parameters (:attr:`counted`'s order)."""
-        return [self._step_counts[id(param)] for param, _ in self.counted]
-
-    def write_step_counts(self, counts: Sequence[float]) -> None:
-        """Write the step counts (read from :meth:`step_counts`) into the optimizer's state (at the end of an epoch)."""
-        for (_, state), count in zip(self.counted, counts):
-            state["step"].fill_(count)
-
 
 def _stack_reduce(values: list[torch.Tensor], op: str, zero: torch.Tensor) -> torch.Tensor:
     """Reduce scalars on the device without reading them on the host (``zero`` for none)."""
@@ -381,8 +306,3 @@ def _stack_reduce(values: list[torch.Tensor], op: str, zero: torch.Tensor) -> to
         return zero
     stacked = torch.stack(values)
     return stacked.amax() if op == "max" else stacked.sum()
-
-
-def _scalar_dtype() -> torch.dtype:
-    """Return the dtype of an optimizer's step count (as ``torch.optim`` creates it)."""
-    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32

@@ -237,6 +237,7 @@ def count_static_step_ops(loop: BessTrainingLoop, epoch: int) -> dict[str, Any]:
     counts = {}
     with loop.tables.installed(copy_weights=False):
         static.load_epoch(epoch)
+        static.run(1)  # the first step with these updates creates their device step counts (a host read)
         for kind in static.plan.kinds:
             with DeviceOps(static_step_sources(static)) as ops:
                 static.step(kind)

@@ -126,7 +126,16 @@ def run(name: str, scenario: dict[str, Any], output: pathlib.Path, rank: int) ->
     loop = build_loop(scenario, None, scenario.get("partition", "encoding"))
     first = loop.topology
     before = first.bytes_sent
-    result: dict[str, Any] = dict(step_losses=train(loop, scenario))
+    from pykeen_bess.training.static_update import StaticUpdate
+
+    # the updates a GPU runs (every occurrence with its row's sum, device-tensor rules), forced on the CPU
+    StaticUpdate.host_rules = not scenario.get("device_updates", False)
+    try:
+        result: dict[str, Any] = dict(step_losses=train(loop, scenario))
+    finally:
+        StaticUpdate.host_rules = True
+    result["static_step"] = loop.static is not None
+    result["scheme"] = loop.runner.scheme.get_name() if loop.runner is not None else None
     topology = loop.topology  # exchange="auto" may have chosen the partition at the start of training
     result.update(
         bytes_sent=topology.bytes_sent - (before if topology is first else 0),

@@ -41,6 +41,7 @@ SCENARIOS: dict[int, dict[str, dict[str, Any]]] = {
         "rowwise-complex": dict(model="ComplEx", optimizer="rowwise_adagrad", continue_to=3),
         # dense updates: the parts' squares of every row summed (one all-reduce of a value per row)
         "rowwise-dense": dict(model="DistMult", optimizer="rowwise_adagrad", sparse_updates=False),
+        "rowwise-device": dict(model="DistMult", optimizer="rowwise_adagrad", device_updates=True),
         # the column parts in a storage tier (and the row shards they become)
         "host": dict(model="DistMult", storage="host"),
         "mmap-continued": dict(model="ComplEx", storage="mmap", continue_to=3),
@@ -103,6 +104,7 @@ def test_training_equals_the_one_shard_run(ranks: tuple[int, dict[str, Any]], na
     replicas = scenario.get("replicas", 1)
     for result in per_rank:
         assert result["partition"] == "encoding" and result["replicas"] == replicas
+        assert result["static_step"], result["scheme"]  # every scenario, whole rows looked up too
         assert result["step_losses"] == pytest.approx(losses, rel=1e-10, abs=1e-12)
     parts = sorted(result["column_part"] for result in per_rank)
     assert parts == sorted(list(range(world_size // replicas)) * replicas)  # every part held by its replicas

@@ -1,0 +1,192 @@
+"""The dense side of a static step: the replicated parameters, and the tables with ``sparse_updates=False``.
+
+:class:`DenseUpdate` updates the parameters of the optimizer's dense groups
+(:attr:`~pykeen_bess.tables.optim.BessOptimizer.dense_groups`) inside a static step
+(:mod:`~pykeen_bess.training.static_step`), their gradients summed over the processes, in one of two ways:
+
+* **by a device rule** (on a GPU, where the step is captured): the user's optimizer's rule
+  (:data:`~pykeen_bess.tables.row_rules.DENSE_RULES`: Adam, Adagrad, row-wise Adagrad, SGD) with the
+  step count and learning rate as device tensors, gated by ``ok`` without a host read;
+* **by the user's optimizer itself** (:attr:`DenseUpdate.by_the_optimizer`): on the CPU, where reading
+  ``ok`` costs no synchronisation, and wherever no device rule reproduces the optimizer: tables updated
+  densely (``sparse_updates=False``), any optimizer class and option (AdamW, RMSprop, Adam's
+  ``weight_decay`` or AMSGrad, SGD's momentum). A table's dense gradient ``[R, W]`` is built from its
+  rows' sums (zero elsewhere), as the eager step builds it, and its constraint then applies to the
+  step's real rows. On a GPU such a step runs uncaptured (the read of ``ok`` synchronises).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ..distributed import Topology
+from ..tables.optim import DENSE_REQUIRED_OPTIONS, REQUIRED_OPTIONS, SPARSE_RULES, BessOptimizer
+from ..tables.representation import ShardedEmbedding
+from ..tables.row_rules import DENSE_RULES, state_shapes
+from . import static_rules
+from .static_rules import StepCounts, StepRows
+
+__all__ = [
+    "DenseUpdate",
+    "dense_rule_obstacle",
+]
+
+
+class DenseUpdate:
+    """The update of the dense groups of the loop's optimizer within a static step."""
+
+    def __init__(
+        self,
+        optimizer: BessOptimizer,
+        trainable: Sequence[ShardedEmbedding],
+        topology: Topology,
+        step_counts: StepCounts,
+        learning_rates: Sequence[torch.Tensor],
+        on_the_host: Callable[[], bool],
+    ):
+        """Find the dense groups' parameters and how to update them.
+
+        :param optimizer: the loop's optimizer (its dense groups and state)
+        :param trainable: the trainable shard tables (those in the dense groups are updated here)
+        :param topology: the process topology (the replicated parameters' gradients are summed over it)
+        :param step_counts: the device step counts (the device rules count the parameters' steps there)
+        :param learning_rates: one device learning rate per parameter group of the optimizer
+        :param on_the_host: whether the step runs its updates on the host (the CPU's static step), asked each step
+        """
+        self.optimizer = optimizer
+        self.topology = topology
+        self.step_counts = step_counts
+        self.learning_rates = learning_rates
+        self.on_the_host = on_the_host
+        in_dense_groups = {id(p) for group in optimizer.dense_groups for p in group["params"] if p.requires_grad}
+        #: the trainable tables in the dense groups (``sparse_updates=False``): the user's optimizer updates them whole
+        self.tables = [table for table in trainable if id(table.optimizer_parameter) in in_dense_groups]
+        #: per trainable table (in order), whether it is updated here
+        self.updates_table = [id(table.optimizer_parameter) in in_dense_groups for table in trainable]
+        tables = {id(table.optimizer_parameter) for table in self.tables}
+        #: the replicated parameters (the step differentiates its loss by them)
+        self.parameters = [
+            p for group in optimizer.dense_groups for p in group["params"] if p.requires_grad and id(p) not in tables
+        ]
+        #: why no device rule reproduces the dense groups' update (None: one does)
+        self.rule_obstacle = "dense table updates" if self.tables else dense_rule_obstacle(optimizer)
+
+    @property
+    def by_the_optimizer(self) -> bool:
+        """Whether the user's optimizer itself updates the dense groups (its ``step``), gated by a host read of ``ok``.
+
+        On the CPU always (a host read costs no synchronisation there); elsewhere where no device rule
+        reproduces the optimizer (:attr:`rule_obstacle`), and the step then runs uncaptured.
+        """
+        return self.on_the_host() or self.rule_obstacle is not None
+
+    def gradients(self, grads: Sequence[torch.Tensor | None]) -> tuple[list[torch.Tensor | None], Any]:
+        """Sum the replicated parameters' gradients over the processes (one collective per dtype).
+
+        :returns: the gradients (None: no process has one), and whether each parameter has one: None in
+            one process (every gradient that is not None), else a float64 tensor ``[P]`` (> 0: present)
+        """
+        if not self.topology.is_distributed or not self.parameters:
+            return list(grads), None
+        device = self.learning_rates[0].device
+        present = torch.tensor([grad is not None for grad in grads], dtype=torch.float64, device=device)
+        values = [grad if grad is not None else torch.zeros_like(p) for p, grad in zip(self.parameters, grads)]
+        present, *summed = self.topology.all_reduce_coalesced([present, *values])
+        return list(summed), present
+
+    def apply(self, grads: list[torch.Tensor | None], present: Any, ok: torch.Tensor, step_rows: StepRows) -> None:
+        """Update the replicated parameters (and the tables updated densely) as the user's optimizer does.
+
+        :param grads: the gradients of :attr:`parameters`, in order (None: no gradient)
+        :param present: from :meth:`gradients`: None, or which parameters have a gradient on some process
+        :param ok: whether to write
+        :param step_rows: the step's rows with their summed gradients (the gradients of :attr:`tables`)
+        """
+        if not self.parameters and not self.tables:
+            return
+        if self.by_the_optimizer:
+            self._optimizer_step(grads, present, ok, step_rows)
+            return
+        rule = DENSE_RULES[SPARSE_RULES[self.optimizer.optimizer_cls]]
+        params = iter(zip(grads, range(len(self.parameters))))
+        for index, group in enumerate(self.optimizer.dense_groups):
+            lr = self.learning_rates[index]
+            for param in group["params"]:
+                if not param.requires_grad:
+                    continue
+                grad, position = next(params)
+                if grad is None:
+                    continue
+                apply = ok if present is None else ok & (present[position] > 0)
+                state = self._state(param, group)
+                names = [name for name in state if name != "step"]
+                step = self.step_counts.count(param, state, apply) if "step" in state else lr  # SGD counts no steps
+                old_state = {name: state[name] for name in names}
+                new, new_state = static_rules.fused_rule(
+                    lr.device, rule, param.detach(), grad, old_state, group, step, lr, apply
+                )
+                param.copy_(new)
+                for name in names:
+                    state[name].copy_(new_state[name])
+
+    def _optimizer_step(
+        self, grads: list[torch.Tensor | None], present: Any, ok: torch.Tensor, step_rows: StepRows
+    ) -> None:
+        """Hand the dense groups their gradients and run the user's optimizer (nothing if ``ok`` is False).
+
+        A table updated densely gets the dense gradient ``[R, W]`` of its rows' sums (zero elsewhere, as the eager
+        step builds it); after the update its constraint applies to the step's real rows, as the eager step's.
+        """
+        if not bool(ok):
+            return
+        flags = [True] * len(self.parameters) if present is None else [flag > 0 for flag in present.tolist()]
+        for param, grad, flag in zip(self.parameters, grads, flags):
+            param.grad = grad if flag else None
+        summed_of_tables = [summed for summed, here in zip(step_rows.summed, self.updates_table) if here]
+        for table, summed in zip(self.tables, summed_of_tables):
+            if summed is not None and not self.on_the_host():  # every occurrence carries its row's sum: count one
+                summed = summed * step_rows.first.to(summed.dtype).unsqueeze(1)
+            weight = table.optimizer_parameter
+            weight.grad = None if summed is None else torch.zeros_like(weight).index_add_(0, step_rows.rows, summed)
+        self.optimizer.dense_step()
+        for param in self.parameters:
+            param.grad = None
+        rows = step_rows.rows if step_rows.real is None else step_rows.rows[step_rows.real]
+        for table in self.tables:
+            table.optimizer_parameter.grad = None
+            table.constrain_rows(rows)
+
+    def _state(self, param: torch.Tensor, group: dict) -> dict:
+        """Return a replicated parameter's optimizer state (created as its optimizer creates it at its first step)."""
+        state = self.optimizer.state[param]
+        rule = SPARSE_RULES[self.optimizer.optimizer_cls]
+        for name, (shape, fill) in state_shapes(rule, param.shape, group).items():
+            if name not in state:
+                state[name] = torch.full(shape, fill, dtype=param.dtype, device=param.device)
+        if "step" not in state and rule != "sgd":
+            # torch.optim's optimizers count in the default scalar dtype, RowwiseAdagrad in float32
+            state["step"] = torch.zeros((), dtype=_scalar_dtype() if rule != "rowwise_adagrad" else torch.float32)
+        return state
+
+
+def dense_rule_obstacle(optimizer: BessOptimizer) -> str | None:
+    """Return why no device rule (:data:`~pykeen_bess.tables.row_rules.DENSE_RULES`) reproduces the dense update."""
+    if not optimizer.dense_groups:
+        return None
+    rule = SPARSE_RULES.get(optimizer.optimizer_cls)
+    if rule is None:
+        return f"no device rule for {optimizer.optimizer_cls.__name__}"
+    required_options = {**REQUIRED_OPTIONS[rule], **DENSE_REQUIRED_OPTIONS}
+    for group in optimizer.dense_groups:
+        for key, required in required_options.items():
+            if key in group and group[key] != required:
+                return f"no device rule for {optimizer.optimizer_cls.__name__}({key}={group[key]!r})"
+    return None
+
+
+def _scalar_dtype() -> torch.dtype:
+    """Return the dtype of an optimizer's step count (as ``torch.optim`` creates it)."""
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
