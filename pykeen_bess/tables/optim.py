@@ -34,7 +34,7 @@ unchanged; its parameter groups are the dense groups followed by one group of sh
 
 Each rule is one function of a step's rows ``[U, W]``, their gradient, the rows of the rule's
 state tensors, the hyper-parameters and the step count (module :mod:`pykeen_bess.tables.row_rules`:
-:data:`~pykeen_bess.tables.row_rules.RULES`, state tensors by :func:`state_shapes`).
+:data:`~pykeen_bess.tables.row_rules.RULES`, each a :class:`~pykeen_bess.tables.row_rules.RowRule`).
 :class:`BessOptimizer` reads those rows from the table's storage tier (:mod:`pykeen_bess.storage`:
 the device, host memory or files) as copies the rule may update in place, applies the rule on the
 compute device and writes rows and state back, so every tier runs the same arithmetic. Lazy Adam
@@ -53,13 +53,12 @@ from typing import Any, Protocol
 import torch
 from torch.optim import SGD, Adagrad, Adam, Optimizer, SparseAdam
 
-from .row_rules import RULES, WHOLE_ROW_RULES, _rowwise_adagrad, count_step, state_shapes
+from .row_rules import RULES, count_step, state_shapes
 from ..storage import DeviceStorage, HeldTable, TableStorage
 
 __all__ = [
     "RULES",
     "DENSE_REQUIRED_OPTIONS",
-    "REQUIRED_OPTIONS",
     "SPARSE_RULES",
     "StoredTable",
     "BessOptimizer",
@@ -159,21 +158,23 @@ class RowwiseAdagrad(Optimizer):
                 if param.grad.is_sparse:
                     rows, values = _sparse_rows(param.grad)
                     old = {"sum": state["sum"].index_select(0, rows)}
-                    weight, new = _rowwise_adagrad(param.index_select(0, rows), values, old, group, step, row_mean)
+                    weight, new = RULES["rowwise_adagrad"].update_(
+                        param.index_select(0, rows), values, old, group, step, row_mean
+                    )
                     param.index_copy_(0, rows, weight)
                     state["sum"].index_copy_(0, rows, new["sum"])
                 else:  # complex parameters as their real view: rows of real values
                     grad = torch.view_as_real(param.grad) if param.grad.is_complex() else param.grad
-                    weight, new = _rowwise_adagrad(real, grad, {"sum": state["sum"]}, group, step, row_mean)
+                    rule = RULES["rowwise_adagrad"]
+                    weight, new = rule.update_(real, grad, {"sum": state["sum"]}, group, step, row_mean)
                     real.copy_(weight)
                     state["sum"].copy_(new["sum"])  # in place: a captured step reads this tensor
         return loss
 
 
 #: the one registry of the optimizers BESS updates itself: each supported class's rule, by which the shard tables
-#: are updated row-sparsely (:data:`~pykeen_bess.tables.row_rules.RULES`, on the device
-#: :data:`~pykeen_bess.tables.row_rules.STATIC_RULES`) and the static step updates the replicated parameters
-#: (:data:`~pykeen_bess.tables.row_rules.DENSE_RULES`)
+#: are updated row-sparsely and the captured static step updates the replicated parameters
+#: (:data:`~pykeen_bess.tables.row_rules.RULES`, :func:`~pykeen_bess.tables.row_rules.dense_rule`)
 SPARSE_RULES: dict[type[Optimizer], str] = {
     Adam: "adam",
     SparseAdam: "adam",
@@ -182,15 +183,8 @@ SPARSE_RULES: dict[type[Optimizer], str] = {
     RowwiseAdagrad: "rowwise_adagrad",
 }
 
-#: hyper-parameters that must have these values for a rule (row-sparse, and the static step's dense update)
-REQUIRED_OPTIONS: dict[str, dict[str, Any]] = {
-    "adam": dict(weight_decay=0, amsgrad=False),
-    "adagrad": dict(weight_decay=0),
-    "sgd": dict(momentum=0, weight_decay=0, nesterov=False),
-    "rowwise_adagrad": {},
-}
-
-#: and for the static step's update of the replicated parameters (which differentiates nothing)
+#: the options a captured static step's device rules need of the replicated parameters' optimizer (it differentiates
+#: nothing)
 DENSE_REQUIRED_OPTIONS: dict[str, Any] = dict(differentiable=False)
 
 
@@ -262,9 +256,10 @@ class BessOptimizer(Optimizer):
                     f"{sorted(c.__name__ for c in SPARSE_RULES)}, or pass sparse_updates=False (command line: "
                     f"--dense-updates) to update the entity shard tables densely (slower)."
                 )
-            defaults = dict(_sparse_defaults(optimizer_cls))
-            defaults.update({k: v for k, v in hyperparameters.items() if k in defaults or k in REQUIRED_OPTIONS[rule]})
-            for key, required in REQUIRED_OPTIONS[rule].items():
+            required_options = RULES[rule].required_options
+            defaults = dict(RULES[rule].defaults)
+            defaults.update({k: v for k, v in hyperparameters.items() if k in defaults or k in required_options})
+            for key, required in required_options.items():
                 if key in defaults and defaults.pop(key) != required:
                     raise ValueError(
                         f"{optimizer_cls.__name__}({key}={hyperparameters[key]!r}) has no row-sparse meaning; use "
@@ -345,8 +340,8 @@ class BessOptimizer(Optimizer):
         cached = table.touched_values if table is not None else None
         old = cached if cached is not None else storage.read(weight, rows)
         state_rows = {name: storage.read(row_state[name], rows) for name in shapes}
-        whole_rows = {"row_mean": table.row_mean} if table is not None and rule in WHOLE_ROW_RULES else {}
-        new, new_state = RULES[rule](old, values, state_rows, group, step, **whole_rows)
+        row_mean = table.row_mean if table is not None and RULES[rule].whole_rows else None
+        new, new_state = RULES[rule].update_(old, values, state_rows, group, step, row_mean)
         constraint = self._row_constraints.get(id(param))
         if constraint is not None:
             new = constraint(new)
@@ -357,16 +352,6 @@ class BessOptimizer(Optimizer):
 
 #: reads and writes the rows of parameters the optimizer updates without a shard table
 _PARAMETER_STORAGE = DeviceStorage()
-
-
-def _sparse_defaults(optimizer_cls: type[Optimizer]) -> dict[str, Any]:
-    """Hyper-parameters of the row-sparse rule and their defaults."""
-    rule = SPARSE_RULES[optimizer_cls]
-    if rule == "adam":
-        return dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, maximize=False)
-    if rule in ("adagrad", "rowwise_adagrad"):
-        return dict(lr=1e-2, lr_decay=0, eps=1e-10, initial_accumulator_value=0, maximize=False)
-    return dict(lr=1e-3, maximize=False)
 
 
 def _sparse_rows(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,7 +5,7 @@
 (:mod:`~pykeen_bess.training.static_step`), their gradients summed over the processes, in one of two ways:
 
 * **by a device rule** (on a GPU, where the step is captured): the user's optimizer's rule
-  (:data:`~pykeen_bess.tables.row_rules.DENSE_RULES`: Adam, Adagrad, row-wise Adagrad, SGD) with the
+  (:func:`~pykeen_bess.tables.row_rules.dense_rule`: Adam, Adagrad, row-wise Adagrad, SGD) with the
   step count and learning rate as device tensors, gated by ``ok`` without a host read;
 * **by the user's optimizer itself** (:attr:`DenseUpdate.by_the_optimizer`): on the CPU, where reading
   ``ok`` costs no synchronisation, and wherever no device rule reproduces the optimizer: tables updated
@@ -23,9 +23,9 @@ from typing import Any
 import torch
 
 from ..distributed import Topology
-from ..tables.optim import DENSE_REQUIRED_OPTIONS, REQUIRED_OPTIONS, SPARSE_RULES, BessOptimizer
+from ..tables.optim import DENSE_REQUIRED_OPTIONS, SPARSE_RULES, BessOptimizer
 from ..tables.representation import ShardedEmbedding
-from ..tables.row_rules import DENSE_RULES, state_shapes
+from ..tables.row_rules import RULES, dense_rule, state_shapes
 from . import static_rules
 from .static_rules import StepCounts, StepRows
 
@@ -110,7 +110,7 @@ class DenseUpdate:
         if self.by_the_optimizer:
             self._optimizer_step(grads, present, ok, step_rows)
             return
-        rule = DENSE_RULES[SPARSE_RULES[self.optimizer.optimizer_cls]]
+        rule = dense_rule(SPARSE_RULES[self.optimizer.optimizer_cls]).apply
         params = iter(zip(grads, range(len(self.parameters))))
         for index, group in enumerate(self.optimizer.dense_groups):
             lr = self.learning_rates[index]
@@ -173,13 +173,13 @@ class DenseUpdate:
 
 
 def dense_rule_obstacle(optimizer: BessOptimizer) -> str | None:
-    """Return why no device rule (:data:`~pykeen_bess.tables.row_rules.DENSE_RULES`) reproduces the dense update."""
+    """Return why no device rule (:func:`~pykeen_bess.tables.row_rules.dense_rule`) reproduces the dense update."""
     if not optimizer.dense_groups:
         return None
     rule = SPARSE_RULES.get(optimizer.optimizer_cls)
     if rule is None:
         return f"no device rule for {optimizer.optimizer_cls.__name__}"
-    required_options = {**REQUIRED_OPTIONS[rule], **DENSE_REQUIRED_OPTIONS}
+    required_options = {**RULES[rule].required_options, **DENSE_REQUIRED_OPTIONS}
     for group in optimizer.dense_groups:
         for key, required in required_options.items():
             if key in group and group[key] != required:

@@ -5,7 +5,7 @@ hands the rows to :class:`HostRows` there (:attr:`~pykeen_bess.training.static_u
 
 * **sums**: ``torch.unique`` numbers the step's distinct rows; every table's occurrence gradients
   ``[N, W]`` are summed into ``[U, W]`` and the rows' values read once each;
-* **updates**: the eager step's in-place rules (:data:`~pykeen_bess.tables.row_rules.RULES`: lazy Adam
+* **updates**: the eager step's in-place rules (:meth:`~pykeen_bess.tables.row_rules.RowRule.update_`: lazy Adam
   in PyTorch's fused kernel, one pass, where the device-tensor rule takes about ten and its gate three
   more) on those rows; a step with a non-finite loss writes nothing, and rows only padding slots looked
   up are left out, by indices read on the host;
@@ -24,7 +24,7 @@ import torch
 
 from ..tables.optim import BessOptimizer
 from ..tables.representation import ShardedEmbedding
-from ..tables.row_rules import RULES, WHOLE_ROW_RULES, state_shapes
+from ..tables.row_rules import RULES, state_shapes
 from .static_rules import StepRows
 
 __all__ = ["HostRows"]
@@ -96,8 +96,8 @@ class HostRows:
                 )
                 for name in names
             }
-            whole_rows = {"row_mean": table.row_mean} if rule in WHOLE_ROW_RULES else {}
-            new, new_state = RULES[rule](values, summed, state_rows, group, float(count), **whole_rows)
+            row_mean = table.row_mean if RULES[rule].whole_rows else None
+            new, new_state = RULES[rule].update_(values, summed, state_rows, group, float(count), row_mean)
             constraint = self.optimizer._row_constraints.get(id(param))
             if constraint is not None:
                 new = constraint(new)

@@ -12,7 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from ..tables.optim import SPARSE_RULES, _sparse_defaults, state_shapes
+from ..tables.optim import SPARSE_RULES, state_shapes
+from ..tables.row_rules import RULES
 from ..storage import format_bytes
 
 __all__ = [
@@ -38,7 +39,7 @@ class MemoryPlan:
         """Plan the tables of ``embeddings`` (PyKEEN embeddings) with ``rows_per_table`` rows each."""
         row_bytes = state_row_bytes = tensors = 0
         rule = SPARSE_RULES.get(type(optimizer))
-        group = dict(_sparse_defaults(type(optimizer))) if rule is not None else {}
+        group = dict(RULES[rule].defaults) if rule is not None else {}
         for embedding in embeddings:
             weight = embedding._embeddings.weight
             width, size = int(weight.shape[1]), weight.element_size()

@@ -1,8 +1,8 @@
-"""The rules' side of the static step: the gated, fused rule and the dense optimizers it reproduces.
+"""The rules' side of the static step: the gated, fused rule, the step's rows and its step counts.
 
-* :func:`gated_rule` applies a rule of :data:`~pykeen_bess.tables.row_rules.STATIC_RULES` or
-  :data:`~pykeen_bess.tables.row_rules.DENSE_RULES` and a constraint, keeping the old values where a
-  step is not applied (a non-finite loss, or a padding row);
+* :func:`gated_rule` applies a rule's device form (:meth:`~pykeen_bess.tables.row_rules.RowRule.apply`)
+  and a constraint, keeping the old values where a step is not applied (a non-finite loss, or a
+  padding row);
 * :data:`fused_rule` is that function compiled by ``torch.compile`` on CUDA (a few kernels instead of
   about ten elementwise passes);
 * :func:`occurrence_groups` numbers a step's distinct rows without a host read (fixed shapes);
@@ -51,8 +51,7 @@ def gated_rule(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Apply a rule and a constraint to values ``[U, *]``; return the new values, or the old ones where ``ok`` is False.
 
-    :param rule: a rule of :data:`~pykeen_bess.tables.row_rules.STATIC_RULES` or
-        :data:`~pykeen_bess.tables.row_rules.DENSE_RULES`
+    :param rule: a rule's device form (:meth:`~pykeen_bess.tables.row_rules.RowRule.apply`)
     :param old: the current values
     :param grad: their gradient
     :param state: the rule's state of the values

@@ -64,7 +64,6 @@ from ..data.sampling import BessSampler, EpochDraws
 from ..schemes import ExchangeScheme
 from ..schemes.lookup import static_indices
 from ..tables.optim import BessOptimizer
-from ..tables.row_rules import STATIC_RULES
 from .static_plan import DevicePlan, StepKind
 from .static_update import Clipping, StaticUpdate
 from .step_graphs import CapturedSteps, DirectSteps
@@ -128,9 +127,6 @@ def static_step_obstacle(
     scheme = runner.scheme
     if not isinstance(optimizer, BessOptimizer):
         return f"its optimizer is not a {BessOptimizer.__name__}"
-    for group in optimizer.sparse_groups:
-        if group["rule"] not in STATIC_RULES:
-            return f"it has no row rule {group['rule']!r}"
     typed = sampler.num_candidate_types > 1
     if typed and tables[0].compute_device.type != "cpu" and not scheme.lookup.weighs_on_the_device:
         return "its typed negatives' regularization weights group the rows on the host (a regularizer other than L2)"

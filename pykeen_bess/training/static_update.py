@@ -16,7 +16,7 @@
   kept across steps (:class:`~pykeen_bess.training.host_rows.HostRows`);
 * **clipping** (:meth:`StaticUpdate.clip`): by the global norm over the rows (each row once) and the
   replicated parameters, summed over the shards by one scalar collective, or by value;
-* **rows**: the row rule (:data:`~pykeen_bess.tables.row_rules.STATIC_RULES`) runs on every
+* **rows**: the row rule (:meth:`~pykeen_bess.tables.row_rules.RowRule.apply`) runs on every
   occurrence with its row's summed gradient; all occurrences of a row compute the same new values,
   so their writes agree. Rows only padding slots looked up are left as they are. The result is
   the eager step's lazy row-sparse update (same rows, same moments) up to rounding;
@@ -47,7 +47,7 @@ from pykeen.nn.representation import Embedding
 from ..distributed import Topology
 from ..tables.optim import BessOptimizer
 from ..tables.representation import ShardedEmbedding
-from ..tables.row_rules import STATIC_RULES, WHOLE_ROW_RULES, state_shapes
+from ..tables.row_rules import RULES, state_shapes
 from . import static_rules
 from .host_rows import HostRows
 from .dense_update import DenseUpdate
@@ -245,7 +245,7 @@ class StaticUpdate:
         mask = ok if step_rows.real is None else ok & step_rows.real
         group = self.optimizer.sparse_groups[0]
         lr = self.learning_rates[len(self.optimizer.dense_groups)]
-        rule = STATIC_RULES[group["rule"]]
+        rule = RULES[group["rule"]]
         for table, old, summed in zip(self.trainable, step_rows.old, step_rows.summed):
             if summed is None:
                 continue
@@ -255,11 +255,11 @@ class StaticUpdate:
             names = list(state_shapes(group["rule"], table.weight.shape, group))
             old_state = {name: storage.read(row_state[name], rows) for name in names}
             constraint = self.optimizer._row_constraints.get(id(param))
-            whole_rows = {}
-            if group["rule"] in WHOLE_ROW_RULES and table.column_part is not None:  # a collective of the parts
+            whole_rows: dict[str, torch.Tensor] = {}
+            if rule.whole_rows and table.column_part is not None:  # a collective of the parts
                 whole_rows["squared_mean"] = table.row_mean(summed * summed)
             new, new_state = static_rules.fused_rule(
-                self.device, rule, old, summed, old_state, group, step, lr, mask, constraint, **whole_rows
+                self.device, rule.apply, old, summed, old_state, group, step, lr, mask, constraint, **whole_rows
             )
             # every occurrence of a row writes the same values; rows in host memory or files are written back
             storage.write(table.weight, rows, new)
