@@ -9,8 +9,10 @@ with the static step (captured as CUDA graphs on CUDA) and with the eager step, 
 * the encoding partition (``exchange="encoding"``, four column parts in one process);
 * sub-batches (four per step);
 * a callback that asks for every step's loss (``on_batch``);
+* dense updates (``sparse_updates=False``, AdamW): the user's optimizer updates whole tables after a
+  host read, so the step runs uncaptured; target at least the eager step;
 
-each static step at least 10x its eager step on the same GPU. A machine with one GPU cannot run
+each captured static step at least 10x its eager step on the same GPU. A machine with one GPU cannot run
 replicas (every replica group needs two ranks, and NCCL refuses two ranks on one GPU); and it
 cannot run more than one rank, so a **modelled** row gives the throughput of ``n = 2, 4, 8`` GPUs:
 the measured one-rank step time divided by ``n`` (every rank scores its ``1 / n`` of the blocks)
@@ -64,12 +66,12 @@ def _rate(
         callbacks.append(LossPerStep())
     train_kwargs = {key: kwargs.pop(key) for key in ("sub_batch_size",) if key in kwargs}
     model = DistMult(triples_factory=tf, embedding_dim=dim, random_seed=0).to(device)
+    kwargs.setdefault("optimizer", "adam")
     loop = BessTrainingLoop(
         model=model,
         triples_factory=tf,
         automatic_memory_optimization=False,
         num_negs_per_pos=64,
-        optimizer="adam",
         static_step=static,
         **kwargs,
     )
@@ -141,15 +143,18 @@ def configurations(device: torch.device, rows: list[Row], args: argparse.Namespa
             value=group["static"]["rate"],
         )
     )
-    cases = [
-        ("encoding partition, 4 column parts", dict(num_shards=4, exchange="encoding")),
-        ("sub-batches (4 per step)", dict(num_shards=1, sub_batch_size=128)),
-        ("a callback reading every step's loss", dict(num_shards=1, per_step_callback=True)),
+    cases = [  # (name, loop and train options, whether a GPU captures the step)
+        ("encoding partition, 4 column parts", dict(num_shards=4, exchange="encoding"), True),
+        ("sub-batches (4 per step)", dict(num_shards=1, sub_batch_size=128), True),
+        ("a callback reading every step's loss", dict(num_shards=1, per_step_callback=True), True),
+        # the user's optimizer updates whole tables after a host read: uncaptured on a GPU
+        ("dense updates, AdamW (uncaptured)", dict(num_shards=1, optimizer="adamw", sparse_updates=False), False),
     ]
-    for name, kwargs in cases:
+    for name, kwargs, captures in cases:
         static, _, captured = _rate(tf, args.dim, device, 3, 512, _static_mode(device), **dict(kwargs))
         eager, _, _ = _rate(tf, args.dim, device, 2, 512, False, **dict(kwargs))
         speedup = static / eager
+        gpu = device.type == "cuda"
         rows.append(
             dict(
                 section="configurations",
@@ -157,8 +162,8 @@ def configurations(device: torch.device, rows: list[Row], args: argparse.Namespa
                 contender=name,
                 figure=f"static {static:,.0f}/s, eager {eager:,.0f}/s ({speedup:.1f}x); captured: "
                 f"{'yes' if captured else 'no'}",
-                target=">= 10x eager, captured" if device.type == "cuda" else "",
-                met=speedup >= 10 and captured if device.type == "cuda" else None,
+                target=(">= 10x eager, captured" if captures else ">= eager") if gpu else "",
+                met=(speedup >= 10 and captured if captures else speedup >= 1) if gpu else None,
                 value=static,
             )
         )

@@ -92,7 +92,7 @@ def make_static_step(
             )
         logger.info("BESS: the eager step trains this loop, whose subclass overrides _process_batch.")
         return None
-    obstacle = static_step_obstacle(runner, loop.tables, loop.optimizer, batches.sampler)
+    obstacle = static_step_obstacle(loop.optimizer)
     if obstacle is not None:
         if mode:
             raise ValueError(f"static_step=True: the static step cannot train this configuration: {obstacle}.")

@@ -191,9 +191,9 @@ class BessTrainingLoop(LoopParts):
             logged), True (the static step, or an error says why not) or False (the eager step); see
             :mod:`pykeen_bess.training.static_step`. Process groups, replicas, the encoding partition,
             sub-batches, clipping, loss weights, dropout, per-step callbacks and dense updates (any optimizer,
-            uncaptured on a GPU) run on the static step; the eager step runs for a subclass that overrides
-            ``_process_batch``, and on a GPU for tables in host memory or files and typed negatives with a
-            regularizer other than L2 (the GPU how-to says why)
+            uncaptured on a GPU, as are tables in host memory or files and typed negatives with a regularizer
+            other than L2) run on the static step; the eager step runs for a subclass that overrides
+            ``_process_batch`` (the GPU how-to says why)
         :param kwargs: passed to :class:`pykeen.training.TrainingLoop` (optimizer, lr scheduler,
             result tracker, loss weighter (every positive's weight is passed to the loss as
             ``pos_weights``, see :mod:`pykeen_bess.nn.loss`; default: a typed graph's relation weights), ...)

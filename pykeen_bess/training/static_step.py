@@ -45,9 +45,10 @@ captured once as a CUDA graph (after two warm-up steps on a side stream) and eve
 the kind is one ``replay()``; elsewhere (and where capturing fails, logged with the reason) the
 same function runs directly.
 
-Where the static step cannot train a configuration (on a GPU tables in host memory or files, and
-typed negatives with a regularizer other than L2), the loop trains eagerly and logs why
-(:func:`static_step_obstacle`); so does a subclass that overrides ``_process_batch``.
+Every configuration of the loop runs on the static step; on a GPU a few run it uncaptured
+(:attr:`StaticStep.capture_obstacle`: tables in host memory or files, the user's optimizer on the dense
+groups, typed negatives with a regularizer other than L2). A subclass that overrides
+``_process_batch`` trains with the eager step, which calls that hook on the host for every sub-batch.
 """
 
 from __future__ import annotations
@@ -111,25 +112,17 @@ def per_step_hooks(callbacks: Sequence[TrainingCallback]) -> list[str]:
     return names
 
 
-def static_step_obstacle(
-    runner: StepRunner,
-    tables: ShardTables,
-    optimizer: torch.optim.Optimizer,
-    sampler: BessSampler,
-) -> str | None:
+def static_step_obstacle(optimizer: torch.optim.Optimizer) -> str | None:
     """Return why the static step cannot train this loop (None: it can).
 
-    :param runner: the eager step runner (scheme, loss, tables)
-    :param tables: the shard tables
+    Every configuration of the loop runs on the static step (a few uncaptured on a GPU:
+    :attr:`StaticStep.capture_obstacle`), given the loop's own optimizer; the eager step trains a subclass
+    that overrides ``_process_batch`` (checked by the loop), and ``static_step=False``.
+
     :param optimizer: the loop's optimizer
-    :param sampler: the epochs' sampler
     """
-    scheme = runner.scheme
     if not isinstance(optimizer, BessOptimizer):
         return f"its optimizer is not a {BessOptimizer.__name__}"
-    typed = sampler.num_candidate_types > 1
-    if typed and tables[0].compute_device.type != "cpu" and not scheme.lookup.weighs_on_the_device:
-        return "its typed negatives' regularization weights group the rows on the host (a regularizer other than L2)"
     return None
 
 
@@ -215,11 +208,20 @@ class StaticStep:
         self._indices: dict = {}  # device copies of the regularization groups' and valid slots' indices
         self._in_epoch = False  # between load_plan and finish_epoch
         #: why a CUDA graph cannot capture the step (None: it can): its rows cross from host memory or files
-        #: to the GPU, or the user's optimizer updates the dense groups after a host read
-        self.capture_obstacle = tables.storage.captured_step_obstacle() or (
-            f"the user's optimizer updates the dense groups ({self.update.dense.rule_obstacle})"
-            if self.update.dense.by_the_optimizer
-            else None
+        #: to the GPU, the user's optimizer updates the dense groups after a host read, or typed negatives'
+        #: regularization weights group the rows on the host
+        self.capture_obstacle = (
+            tables.storage.captured_step_obstacle()
+            or (
+                f"the user's optimizer updates the dense groups ({self.update.dense.rule_obstacle})"
+                if self.update.dense.by_the_optimizer
+                else None
+            )
+            or (
+                "its typed negatives' regularization weights group the rows on the host (a regularizer other than L2)"
+                if sampler.num_candidate_types > 1 and not self.scheme.lookup.weighs_on_the_device
+                else None
+            )
         )
         #: what runs the step: captured as CUDA graphs, or directly
         self.executor: DirectSteps = (

@@ -215,21 +215,16 @@ def test_typed_negatives_with_a_regularizer_equal_the_eager_step(
     test_static_step_equals_the_eager_step(typed_graph().training, case, tmp_path)
 
 
-def test_a_gpu_refuses_typed_negatives_with_a_grouping_regularizer(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_typed_negatives_with_a_grouping_regularizer_run_uncaptured(monkeypatch: pytest.MonkeyPatch) -> None:
     """Only L2 keeps a typed step's weights on the device; another regularizer groups them on the host."""
-    from pykeen_bess.training import static_step as module
-
+    monkeypatch.setattr(StaticUpdate, "host_rules", False)  # a GPU's updates
     graph = typed_graph().training
     obstacles = []
     for regularizer_kwargs in (dict(p=2.0), dict(p=3.0)):
         model_kwargs = dict(regularizer="lp", regularizer_kwargs=regularizer_kwargs)
-        loop = make_loop(graph, num_shards=2, negatives="typed_step", static_step=False, model_kwargs=model_kwargs)
+        loop = make_loop(graph, num_shards=2, negatives="typed_step", static_step=None, model_kwargs=model_kwargs)
         loop.train(graph, num_epochs=1, batch_size=32, use_tqdm=False)
-        sampler = loop.make_sampler(loop.partition(graph), 8)
-        assert module.static_step_obstacle(loop.runner, loop.tables, loop.optimizer, sampler) is None  # the CPU
-        with monkeypatch.context() as patch:
-            patch.setattr(type(loop.tables[0]), "compute_device", property(lambda self: torch.device("cuda")))
-            obstacles.append(module.static_step_obstacle(loop.runner, loop.tables, loop.optimizer, sampler))
+        obstacles.append(loop.static.capture_obstacle)
     assert obstacles[0] is None  # L2: the weights stay on the device
     assert obstacles[1] is not None and "regularizer other than L2" in obstacles[1]
 
