@@ -2,7 +2,8 @@
 
 For every layout ``--layouts`` (``SHARDSxREPLICAS``, default 1x1 2x1 4x1 2x2 1x4; the world size
 is their product) and every exchange scheme (the token partition's ``embedding`` and ``score``;
-the encoding partition's ``encoding``, one column part per rank, for layouts without replicas),
+the encoding partition's ``encoding``, one column part per rank, for layouts without replicas;
+``encoding_lookup`` on request: whole rows assembled from the parts),
 one epoch of DistMult (dimension 256, 64 negatives per positive, global batch 512, no entity
 constraint or regularizer) is trained with one process per rank on this machine (gloo on
 loopback; 1x1 means a single process without a process group), on WN18RR and on a generated
@@ -25,6 +26,7 @@ another (e.g. ``git worktree add DIR COMMIT`` of the commit before a change), al
 
 On a GPU machine pass ``--backend nccl``: every rank computes on its own GPU (``LOCAL_RANK``), so
 every layout's world size must be at most the number of GPUs (checked before any rank starts).
+``--dense-updates`` trains every run with ``sparse_updates=False``.
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ import tempfile
 import time
 
 from result_files import commit, paired_columns, write_result
+
+#: the schemes of the encoding partition (one column part per rank; no replicas in these runs)
+COLUMN_SCHEMES = ("encoding", "encoding_lookup")
 
 
 def _peak_rss() -> int:
@@ -53,6 +58,7 @@ def worker(args: argparse.Namespace) -> None:
 
     from pykeen_bess.distributed import init_from_environment
     from pykeen_bess.schemes import EncodingScheme, exchange_cost, query_width, replica_cost
+    from pykeen_bess.schemes.encoding_lookup import EncodingLookupScheme
     from pykeen_bess.training import BessTrainingLoop
 
     torch.set_num_threads(args.threads)
@@ -63,7 +69,7 @@ def worker(args: argparse.Namespace) -> None:
     )
     if args.backend == "nccl":
         model = model.to("cuda")
-    encoding = args.exchange == "encoding"
+    encoding = args.exchange in COLUMN_SCHEMES
     loop = BessTrainingLoop(
         model=model,
         triples_factory=factory,
@@ -72,6 +78,7 @@ def worker(args: argparse.Namespace) -> None:
         exchange=args.exchange,
         num_negs_per_pos=args.negatives,
         optimizer="adam",
+        sparse_updates=not args.dense_updates,
         automatic_memory_optimization=False,
         seed=0,
         num_threads="auto",  # the command line's settings of the process
@@ -92,7 +99,11 @@ def worker(args: argparse.Namespace) -> None:
     steps = len(loop.make_sampler(loop.partition(factory), block_size))
     first, last = topology.replica_slots(block_size)
     entity_width = sum(t.row_width for t in loop.tables)
-    if encoding:  # one block of the whole batch; the backward pass sends nothing
+    if args.exchange == "encoding_lookup":  # whole rows' slices forward, their gradients backward
+        parts = topology.n_column
+        block = -(-args.batch_size // parts**2)
+        predicted = EncodingLookupScheme.cost(parts, block, args.negatives, entity_width, 0, element_size=4)
+    elif encoding:  # one block of the whole batch; the backward pass sends nothing
         predicted = EncodingScheme.batch_cost(topology.n_column, block_size, args.negatives, element_size=4)
     else:
         predicted = 2 * exchange_cost(
@@ -148,6 +159,7 @@ def launch(
     command += ["--world-size", str(world_size), "--shards", str(shards), "--replicas", str(replicas)]
     command += ["--backend", args.backend, "--dim", str(args.dim)]
     command += ["--negatives", str(args.negatives), "--batch-size", str(args.batch_size)]
+    command += ["--dense-updates"] if args.dense_updates else []
     threads = max(1, args.cores // world_size)
     command += ["--threads", str(threads)] + (["--timing-only"] if tree is not None else [])
     env = None if tree is None else dict(PYTHONPATH=str(tree))
@@ -164,7 +176,9 @@ def step_ab(args: argparse.Namespace, layouts: list[tuple[int, int]]) -> list[di
     ``--baseline`` (e.g. a checkout of the commit before a change), those of this tree from this checkout.
     """
     here = pathlib.Path(__file__).resolve().parent.parent
-    settings = [(s, r, e) for s, r in layouts for e in args.exchanges if not (e == "encoding" and (r > 1 or s == 1))]
+    settings = [
+        (s, r, e) for s, r in layouts for e in args.exchanges if not (e in COLUMN_SCHEMES and (r > 1 or s == 1))
+    ]
     throughput: dict[tuple[int, int, str], dict[str, list[float]]] = {
         setting: {"baseline": [], "this": []} for setting in settings
     }
@@ -218,6 +232,9 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--negatives", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=512)
+    parser.add_argument(
+        "--dense-updates", action="store_true", help="update the tables densely (sparse_updates=False), every run"
+    )
     parser.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="threads shared by the ranks")
     parser.add_argument("--output", type=pathlib.Path, help="write the table as a result file (JSON)")
     parser.add_argument(
@@ -269,7 +286,7 @@ def main() -> None:
             args.data = data
             for shards, replicas in layouts:
                 for exchange in args.exchanges:
-                    if exchange == "encoding" and (replicas > 1 or shards == 1):
+                    if exchange in COLUMN_SCHEMES and (replicas > 1 or shards == 1):
                         continue  # one column part per rank, no replicas; 1 x 1 is the token run
                     with tempfile.TemporaryDirectory() as directory:
                         results = launch(args, shards, replicas, exchange, pathlib.Path(directory))

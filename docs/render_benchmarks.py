@@ -338,6 +338,11 @@ RENDERERS: dict[str, tuple[str, str, Callable[[Any, Path], str]]] = {
         "python benchmarks/distributed.py --data DIR --baseline CHECKOUT --output FILE",
         generic,
     ),
+    "distributed-configurations-ab": (
+        "distributed-configurations-ab-cpu.json",
+        "python benchmarks/distributed.py --data DIR --baseline CHECKOUT --exchanges SCHEME --output FILE",
+        generic,
+    ),
     "storage": ("storage-cpu.json", "python benchmarks/storage.py --output FILE", generic),
     "busy": ("busy-cpu.json", "python benchmarks/busy_cpu.py --output FILE", generic),
     "pbg-import": ("pbg-import-cpu.json", "python benchmarks/pbg_import.py --output FILE", generic),
