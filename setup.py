@@ -12,6 +12,13 @@ setup(
     description="BESS (Balanced Entity Sampling and Sharing) training and sharded evaluation for PyKEEN",
     long_description=(HERE / "README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
+    license="MIT",
+    license_files=["LICENSE"],
+    classifiers=[
+        "License :: OSI Approved :: MIT License",
+        "Programming Language :: Python :: 3",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
     packages=find_packages(include=["pykeen_bess", "pykeen_bess.*"]),
     py_modules=["pykeen_bess_autoload"],
     python_requires=">=3.10",
