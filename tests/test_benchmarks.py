@@ -37,7 +37,12 @@ def nations_directory() -> str:
     return str(pathlib.Path(nations.__file__).parent)
 
 
-def run_benchmark(name: str, *arguments: str, timeout: int = 240) -> subprocess.CompletedProcess[str]:
+#: seconds after which a benchmark's run counts as hung: a guard, not a speed check (a loaded 2-core machine runs the
+#: quick runs several times slower than an idle one, and a test must not fail because the machine is busy)
+HANG_GUARD = 1800
+
+
+def run_benchmark(name: str, *arguments: str, timeout: int = HANG_GUARD) -> subprocess.CompletedProcess[str]:
     """Run ``benchmarks/NAME.py`` with ``arguments`` from the repository root, as the README does."""
     return subprocess.run(
         [sys.executable, str(BENCHMARKS / f"{name}.py"), *arguments],
@@ -135,7 +140,7 @@ def test_cuda_without_a_gpu_is_refused():
 )
 def test_scripts_refuse_cuda_without_a_gpu(name: str, arguments: list[str]):
     """Every script that computes refuses a CUDA device it cannot use, with a usage error, before any work."""
-    result = run_benchmark(name, *(nations_directory() if a == "DATA" else a for a in arguments), timeout=60)
+    result = run_benchmark(name, *(nations_directory() if a == "DATA" else a for a in arguments))
     assert result.returncode == 2, result.stderr
     assert "CUDA" in result.stderr or "GPU" in result.stderr
 
@@ -286,7 +291,7 @@ def test_evaluation_rows_from_another_script():
         "'max_rel_diff', 'ranked_again')\n"
         "print(json.dumps([{key: row[key] for key in keys} for row in rows]))\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=HANG_GUARD)
     assert result.returncode == 0, result.stderr
     rows = json.loads(result.stdout.strip().splitlines()[-1])
     assert [(row["name"], row["setting"]) for row in rows] == [

@@ -21,6 +21,9 @@ def test_the_installed_metadata_declares_mit() -> None:
 
 
 def test_the_readme_names_the_license() -> None:
-    assert (ROOT / "README.md").read_text(encoding="utf-8").rstrip().endswith(
-        "License: MIT, like PyKEEN and BESS-KGE ([LICENSE](LICENSE))."
+    assert (
+        (ROOT / "README.md")
+        .read_text(encoding="utf-8")
+        .rstrip()
+        .endswith("License: MIT, like PyKEEN and BESS-KGE ([LICENSE](LICENSE)).")
     )
