@@ -1,9 +1,11 @@
 """pykeen-bess: BESS (Balanced Entity Sampling and Sharing) training and sharded evaluation for PyKEEN.
 
 Importing the package registers its training loop (``"bess"``), evaluator (``"bess"``),
-interactions and models in PyKEEN's resolvers (see :mod:`pykeen_bess.registration`). The public
-names below are imported lazily, so that PyKEEN can load this package from its entry point in the
-middle of its own import without a circular import.
+interactions and models in PyKEEN's resolvers (see :mod:`pykeen_bess.registration`): at once if
+PyKEEN is loaded, else as soon as it is (so ``import pykeen_bess`` alone, as the command line's
+``--help`` does, costs no import of PyKEEN or torch). The public names below are imported lazily,
+so that PyKEEN can load this package from its entry point in the middle of its own import without
+a circular import.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import sys
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -118,17 +119,20 @@ def is_registered() -> bool:
 
 
 def register_when_ready() -> None:
-    """Register now, unless PyKEEN is in the middle of its own import (then: once it has finished).
+    """Register now if PyKEEN is loaded and idle; else as soon as PyKEEN has loaded.
 
     Registering imports PyKEEN's training, evaluation and model modules; doing so while one of
-    them is still being imported would be circular, so in that case the post-import hook of
-    :mod:`pykeen_bess_autoload` registers as soon as they have finished loading.
+    them is still being imported would be circular, and doing so before anything imports PyKEEN
+    would cost every ``import pykeen_bess`` seconds (the command line's ``--help`` and argument
+    errors come before PyKEEN is imported). In both cases the post-import hook of
+    :mod:`pykeen_bess_autoload` registers as soon as a PyKEEN module has finished loading (and a
+    failing lookup in one of PyKEEN's resolvers registers, too).
     """
     import pykeen_bess_autoload
 
     if _registered:
         return
-    if pykeen_bess_autoload.pykeen_idle():
+    if "pykeen" in sys.modules and pykeen_bess_autoload.pykeen_idle():
         register()
     else:
         pykeen_bess_autoload.install_hook()

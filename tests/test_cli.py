@@ -27,6 +27,27 @@ def test_help_is_plain_text() -> None:
         assert "``" not in text and ":mod:" not in text and ":class:" not in text
 
 
+@pytest.mark.parametrize(
+    ("arguments", "status"),
+    [(["--help"], 0), (["train", "--help"], 0), (["pbg", "import", "--help"], 0), (["train", "--exchange", "foo"], 2)],
+)
+def test_help_and_argument_errors_come_before_torch_and_pykeen_are_imported(arguments: list[str], status: int) -> None:
+    """``--help`` and a bad option answer at once: the parser imports neither torch nor PyKEEN (seconds each)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import runpy, sys\n"
+        f"sys.argv = ['pykeen-bess', *{arguments!r}]\n"
+        "try:\n"
+        "    runpy.run_module('pykeen_bess', run_name='__main__')\n"
+        "except SystemExit as exit:\n"
+        "    print('exit', exit.code, 'torch' in sys.modules, 'pykeen' in sys.modules, file=sys.stderr)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.stderr.strip().splitlines()[-1] == f"exit {status} False False", result.stderr
+
+
 def test_lr_help_says_the_default_differs_from_pipeline() -> None:
     train = build_parser()._subparsers._group_actions[0].choices["train"]  # type: ignore[union-attr]
     text = " ".join(train.format_help().split())

@@ -29,7 +29,7 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
-from ..pbg.commands import add_pbg_command, export_pbg, run_pbg
+from .pbg import add_pbg_command, export_pbg, run_pbg
 from .files import UsageError, load_config, load_dataset, run_metadata
 from .options import DEFAULTS, pipeline_kwargs
 

@@ -12,7 +12,7 @@ import pathlib
 from collections.abc import Mapping
 from typing import Any
 
-from ..pbg.commands import use_pbg_graph
+from .pbg import use_pbg_graph
 from .files import UsageError, load_config, load_dataset
 
 __all__ = ["DEFAULTS", "pipeline_kwargs"]

@@ -81,7 +81,7 @@ def use_pbg_graph(settings: dict[str, Any], given: Mapping[str, Any], kwargs: di
     :param given: the flags given explicitly
     :param kwargs: the pipeline's keyword arguments, updated in place
     """
-    from ..cli.files import UsageError
+    from .files import UsageError
 
     if "dataset" in given:
         raise UsageError("Give either --dataset or --pbg.")
@@ -98,15 +98,15 @@ def use_pbg_graph(settings: dict[str, Any], given: Mapping[str, Any], kwargs: di
 
 def export_pbg(result: Any, directory: pathlib.Path) -> None:
     """``train --export-pbg``: write the pipeline's trained model as a PyTorch-BigGraph checkpoint."""
-    from .checkpoint import write_checkpoint
+    from ..pbg.checkpoint import write_checkpoint
 
     write_checkpoint(result.model, result.training, directory, training_loop=result.training_loop)
 
 
 def load_pbg_graph(directory: pathlib.Path, config: pathlib.Path | None) -> Any:
     """Read a PyTorch-BigGraph input directory (:func:`pykeen_bess.pbg.read`) as a typed graph."""
-    from ..cli.files import UsageError
-    from .inputs import read
+    from .files import UsageError
+    from ..pbg.inputs import read
 
     if not directory.is_dir():
         raise UsageError(f"PyTorch-BigGraph input directory {directory} does not exist.")
@@ -119,8 +119,8 @@ def pbg_model_settings(graph: Any, directory: pathlib.Path) -> dict[str, Any]:
     With an ``init_path`` in the config the model starts from that checkpoint's embeddings, as
     PyTorch-BigGraph's training would.
     """
-    from ..cli.files import UsageError
-    from .restore import checkpoint_conversion, initial_model
+    from .files import UsageError
+    from ..pbg.restore import checkpoint_conversion, initial_model
 
     if graph.config is None:
         return {}
@@ -138,12 +138,12 @@ def pbg_model_settings(graph: Any, directory: pathlib.Path) -> dict[str, Any]:
 
 def run_pbg(args: argparse.Namespace) -> str:
     """Run ``pbg import`` or ``pbg export``; return what to print."""
-    from ..cli.files import UsageError
-    from .checkpoint import write_checkpoint
-    from .config import write_config
-    from .conversion import conversion_for_model_name
-    from .inputs import write
-    from .tsv import import_tsv
+    from .files import UsageError
+    from ..pbg.checkpoint import write_checkpoint
+    from ..pbg.config import write_config
+    from ..pbg.conversion import conversion_for_model_name
+    from ..pbg.inputs import write
+    from ..pbg.tsv import import_tsv
 
     if args.action == "import":
         if not 1 <= len(args.files) <= 3:
