@@ -2,8 +2,9 @@
 
 The same work runs with the cores idle and with another process busy-looping on one core (pinned
 to the last usable core with ``sched_setaffinity``), for every ``num_threads`` setting of
-:mod:`pykeen_bess.runtime.threads`: all usable cores (fixed), 1 thread (fixed) and ``"auto"`` (the
-default: measured). The work:
+:mod:`pykeen_bess.runtime.threads`: all usable cores (fixed), 1 thread (fixed) and the default
+(``"auto"``: measured), each otherwise with the loop's and evaluator's defaults, as a ``pipeline()``
+user gets them (the host allocator left alone). The work:
 
 * one epoch of BESS training on WN18RR (DistMult d256, 64 negatives, batch 512, Adam), at ``n = 1``
   and ``n = 4`` logical shards, as in ``benchmarks/training.py``;
@@ -69,8 +70,8 @@ def busy_neighbour(busy: bool) -> Iterator[None]:
         process.wait()
 
 
-def bess_epoch(tf, num_shards: int, num_threads) -> float:
-    """Return positives per second of one BESS epoch."""
+def bess_epoch(tf, num_shards: int, settings: dict) -> float:
+    """Return positives per second of one BESS epoch (``settings``: the loop's thread options, else its defaults)."""
     loop = BessTrainingLoop(
         model=make_model(tf, 256, CPU),
         triples_factory=tf,
@@ -78,17 +79,16 @@ def bess_epoch(tf, num_shards: int, num_threads) -> float:
         num_negs_per_pos=64,
         optimizer="adam",
         automatic_memory_optimization=False,
-        num_threads=num_threads,
-        host_allocator="auto",  # the command line's setting
+        **settings,
     )
     start = time.perf_counter()
     loop.train(tf, num_epochs=1, batch_size=512, use_tqdm=False)
     return tf.num_triples / (time.perf_counter() - start)
 
 
-def evaluation(splits, model, num_threads) -> float:
+def evaluation(splits, model, settings: dict) -> float:
     """Return evaluated test triples per second of a filtered BessEvaluator run (both sides)."""
-    evaluator = BessEvaluator(num_shards=1, num_threads=num_threads, host_allocator="auto")
+    evaluator = BessEvaluator(num_shards=1, **settings)
     kwargs = dict(
         additional_filter_triples=[splits["train"].mapped_triples, splits["valid"].mapped_triples], use_tqdm=False
     )
@@ -113,7 +113,11 @@ def main() -> None:
     tf = load_wn18rr(args.data)
     splits = load_splits(args.data)
     evaluation_model = make_evaluation_model(splits, 256, 0, CPU)
-    settings: list[tuple[str, object]] = [(f"{most} threads", most), ("1 thread", 1), ("auto (default)", "auto")]
+    settings: list[tuple[str, dict]] = [
+        (f"{most} threads", dict(num_threads=most)),
+        ("1 thread", dict(num_threads=1)),
+        ("auto (default)", {}),  # what pipeline() gives
+    ]
     work: dict[str, tuple[str, list[tuple[str, Callable[[], float]]]]] = {
         "BESS training n=1": ("positives/s", [(n, lambda t=t: bess_epoch(tf, 1, t)) for n, t in settings]),
         "BESS training n=4": ("positives/s", [(n, lambda t=t: bess_epoch(tf, 4, t)) for n, t in settings]),
@@ -149,7 +153,8 @@ def main() -> None:
             f'the busy neighbour is `python -c "while True: pass"` pinned to one of {cores} usable cores; one BESS '
             "epoch of DistMult d256, 64 negatives, batch 512, Adam; PyKEEN's stock loop on "
             f"{args.stock_batches} batches after the first 5; "
-            f"the filtered test evaluation (BessEvaluator n = 1); best of {args.repeats} "
+            f"the filtered test evaluation (BessEvaluator n = 1); the loop's and evaluator's defaults but for "
+            f"the threads (the host allocator left alone, as in pipeline()); best of {args.repeats} "
             f"runs per cell; units: " + ", ".join(f"{name} {unit}" for name, unit in units.items())
         )
         table = dict(

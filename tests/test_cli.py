@@ -317,14 +317,15 @@ def test_host_allocator_flag() -> None:
 
 
 def test_command_line_turns_threads_and_allocator_on(tmp_path: pathlib.Path) -> None:
-    """The library leaves the process alone by default; the command line asks for both unless told otherwise."""
+    """The library measures the threads (restored afterwards) but leaves the process-wide allocator alone by default;
+    the command line asks for both unless told otherwise."""
     import inspect
 
     from pykeen_bess import BessEvaluator, BessTrainingLoop
 
     for cls in (BessTrainingLoop, BessEvaluator):
         parameters = inspect.signature(cls.__init__).parameters
-        assert parameters["num_threads"].default is None and parameters["host_allocator"].default is None
+        assert parameters["num_threads"].default == "auto" and parameters["host_allocator"].default is None
     kwargs = pipeline_kwargs(build_parser().parse_args(["train"]))
     for key in ("training_loop_kwargs", "evaluator_kwargs"):
         assert kwargs[key]["num_threads"] == kwargs[key]["host_allocator"] == "auto"

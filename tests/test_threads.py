@@ -137,6 +137,27 @@ def test_resolve_threads(monkeypatch):
             resolve_threads(bad, "cpu")  # type: ignore[arg-type]
 
 
+def test_pipeline_measures_the_threads_by_default(monkeypatch, restore_threads):
+    """``pipeline()`` with the loop and the evaluator gets ``"auto"``: a busy neighbour on a shared CPU is noticed."""
+    from pykeen.pipeline import pipeline
+
+    monkeypatch.setattr("pykeen_bess.runtime.threads.threads_per_process", lambda: 2)
+    before = torch.get_num_threads()
+    result = pipeline(
+        dataset="nations",
+        model="DistMult",
+        model_kwargs=dict(embedding_dim=8),
+        training_loop="bess",
+        evaluator="bess",
+        training_kwargs=dict(num_epochs=1, batch_size=256, use_tqdm=False),
+        evaluation_kwargs=dict(use_tqdm=False),
+        random_seed=0,
+    )
+    assert isinstance(result.training_loop.thread_policy, AdaptiveThreads)
+    assert BessEvaluator().num_threads == "auto"
+    assert torch.get_num_threads() == before  # restored when the work ended
+
+
 def test_usable_cores_respect_the_cgroup_quota(tmp_path, monkeypatch):
     """A CPU quota of 1.5 cores allows 2 threads; no quota leaves the affinity; LOCAL_WORLD_SIZE shares the cores."""
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))

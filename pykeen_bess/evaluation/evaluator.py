@@ -105,7 +105,7 @@ class BessEvaluator(RankBasedEvaluator):
         filtered: bool = True,
         memory_budget: int | None = None,
         process_group: Any = None,
-        num_threads: ThreadsHint = None,
+        num_threads: ThreadsHint = "auto",
         host_allocator: AllocatorHint = None,
         tie_tolerance: float = TIE_TOLERANCE,
         **kwargs: Any,
@@ -123,9 +123,9 @@ class BessEvaluator(RankBasedEvaluator):
             the available memory on the CPU; out-of-memory errors on a GPU)
         :param process_group: the process group of a model sharded over processes (default: the
             default group); unused in one process
-        :param num_threads: intra-op CPU threads of the score blocks (:mod:`pykeen_bess.runtime.threads`): None
-            (default: torch's setting, left alone), ``"auto"`` (measure 1 thread against all of the
-            process's; what the command line uses), or an integer
+        :param num_threads: intra-op CPU threads of the score blocks (:mod:`pykeen_bess.runtime.threads`):
+            ``"auto"`` (default: measure 1 thread against all of the process's; torch's setting is restored
+            afterwards), None (torch's setting, left alone), or an integer
         :param host_allocator: how glibc's allocator serves the score blocks (:mod:`pykeen_bess.runtime.allocator`):
             None (default: leave it alone) or ``"auto"`` (on the CPU: freed blocks stay in the heap for the
             next, a process-wide setting that stays; what the command line uses)

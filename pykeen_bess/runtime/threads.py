@@ -13,7 +13,8 @@ filtered evaluation 1.6x slower (``benchmarks/busy_cpu.py``). With the cores idl
 The policy is one class per choice, resolved from the ``num_threads`` argument of
 :class:`~pykeen_bess.training.BessTrainingLoop` and :class:`~pykeen_bess.evaluation.BessEvaluator`:
 
-* :class:`AdaptiveThreads` (``"auto"`` on the CPU; the command line's default): the work is cut into *units*
+* :class:`AdaptiveThreads` (``"auto"`` on the CPU; the default of the loop, the evaluator and the command
+  line): the work is cut into *units*
   (training steps, evaluation blocks); after a warm-up, units alternate between 1 thread and the
   threads this process may use (:func:`threads_per_process`) for a few rounds, and the faster
   setting by median unit time wins (more threads only if at least 10% faster). The trial is
@@ -25,8 +26,8 @@ The policy is one class per choice, resolved from the ``num_threads`` argument o
   group try the same settings on the same steps; which trials are skipped depends on each
   process' own CPU time.
 * :class:`FixedThreads` (an integer): that many threads while the loop or evaluator works.
-* :class:`KeepThreads` (``None``, the default of the loop and the evaluator; also ``"auto"`` on a
-  GPU, and where only one thread is possible): torch's setting is left alone.
+* :class:`KeepThreads` (``None``; also ``"auto"`` on a GPU, and where only one thread is possible):
+  torch's setting is left alone.
 
 Every policy restores torch's thread count when the work ends. Threads per process start from
 ``torch.get_num_threads()`` (``OMP_NUM_THREADS``, which ``torchrun`` sets to 1 with several

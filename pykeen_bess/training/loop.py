@@ -107,7 +107,7 @@ class BessTrainingLoop(LoopParts):
         storage_kwargs: OptionalKwargs = None,
         negative_sampler: HintOrType[NegativeSampler] = None,
         negative_sampler_kwargs: OptionalKwargs = None,
-        num_threads: ThreadsHint = None,
+        num_threads: ThreadsHint = "auto",
         host_allocator: AllocatorHint = None,
         negatives: str | type[BessSampler] = DEFAULT_NEGATIVES,
         checkpoint_format: str = "pykeen",
@@ -166,9 +166,9 @@ class BessTrainingLoop(LoopParts):
         :param negative_sampler: None or PyKEEN's basic sampler (BESS draws its own negatives)
         :param negative_sampler_kwargs: only ``num_negs_per_pos`` is meaningful (``filterer=None``, PyKEEN's
             "no filtering", is accepted)
-        :param num_threads: intra-op CPU threads (:mod:`pykeen_bess.runtime.threads`): None (default: torch's
-            setting, left alone), ``"auto"`` (measure 1 thread against all of the process's while training;
-            what the command line uses), or an integer
+        :param num_threads: intra-op CPU threads while training (:mod:`pykeen_bess.runtime.threads`): ``"auto"``
+            (default: measure 1 thread against all of the process's, so a busy neighbour on a shared CPU is
+            noticed; torch's setting is restored afterwards), None (torch's setting, left alone), or an integer
         :param host_allocator: None (default: leave the C library's allocator alone) or ``"auto"`` (on the
             CPU: glibc keeps freed blocks for the next step, a process-wide setting that stays;
             :mod:`pykeen_bess.runtime.allocator`; what the command line uses)
