@@ -156,6 +156,10 @@ def run(name: str, scenario: dict[str, Any], output: pathlib.Path, rank: int) ->
     with torch.no_grad():
         result["score_hrt"] = loop.model.score_hrt(dataset.testing.mapped_triples[rank : rank + 4]).detach()
     export_model(loop.model, directory / "model.pt")
+    if scenario.get("count_ops"):  # a further step of every kind, its operators counted (as a GPU would run it)
+        from distributed_worker import count_static_step_ops
+
+        result["static_step_ops"] = count_static_step_ops(loop, scenario.get("num_epochs", 2) + 1)
     torch.save(result, directory / f"rank{rank}.pt")
 
 
