@@ -59,9 +59,10 @@ class HostRows:
             None if grad is None else self._buffer(("summed", i), grad, count, most).zero_().index_add_(0, group, grad)
             for i, grad in enumerate(grads)
         ]
-        old = [
+        old = [  # (the row rules' input; the user's optimizer updates tables in the dense groups whole)
             table.storage.read(table.weight, distinct, out=self._buffer(("old", i), table.weight, count, most))
             for i, table in enumerate(self.trainable)
+            if self.optimizer.sparse_groups
         ]
         first = torch.ones_like(distinct, dtype=torch.bool)
         return StepRows(rows=distinct, first=first, real=real, old=old, summed=summed, most=most)

@@ -121,7 +121,8 @@ class StepRows:
     first: torch.Tensor
     #: shape: ``[M]``, whether an occurrence's row is updated (a real slot or negative looked it up); None: all are
     real: torch.Tensor | None
-    #: per trainable table, shape: ``[M, W]``, the rows' values before the step
+    #: per trainable table, shape: ``[M, W]``, the rows' values before the step (the CPU reads none when the user's
+    #: optimizer updates the tables whole, ``sparse_updates=False``: no row rule needs them)
     old: list[torch.Tensor]
     #: per trainable table, shape: ``[M, W]``, the row's gradient summed over its occurrences (None: no gradient)
     summed: list[torch.Tensor | None]

@@ -235,13 +235,16 @@ def count_static_step_ops(loop: BessTrainingLoop, epoch: int) -> dict[str, Any]:
     assert static is not None, "the loop trained eagerly"
     StaticUpdate.host_rules = False  # what a GPU runs (the CPU's host-side unique would synchronise there)
     counts = {}
-    with loop.tables.installed(copy_weights=False):
-        static.load_epoch(epoch)
-        static.run(1)  # the first step with these updates creates their device step counts (a host read)
-        for kind in static.plan.kinds:
-            with DeviceOps(static_step_sources(static)) as ops:
-                static.step(kind)
-            counts[kind.index] = dict(total=ops.total, synchronising=ops.synchronising)
+    try:
+        with loop.tables.installed(copy_weights=False):
+            static.load_epoch(epoch)
+            static.run(1)  # the first step with these updates creates their device step counts (a host read)
+            for kind in static.plan.kinds:
+                with DeviceOps(static_step_sources(static)) as ops:
+                    static.step(kind)
+                counts[kind.index] = dict(total=ops.total, synchronising=ops.synchronising)
+    finally:
+        StaticUpdate.host_rules = True  # the later scenarios of this process run the CPU's updates again
     return counts
 
 
