@@ -39,6 +39,7 @@ _EXPORTS = {
     "DistributedTopology": "distributed",
     "ShardedEmbedding": "tables.representation",
     "get_scorer": "scoring",
+    "CorruptCheckpointError": "storage.digests",
 }
 
 #: names of earlier releases -> (module, current name); they still work, with a DeprecationWarning
@@ -93,6 +94,7 @@ __all__ = [
     "BessEvaluator",
     "BessSampler",
     "BessTrainingLoop",
+    "CorruptCheckpointError",
     "DistributedTopology",
     "EntitySharding",
     "InterHT",

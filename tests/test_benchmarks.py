@@ -577,6 +577,22 @@ def test_a_step_against_a_baseline_checkout(step_ab_runs, results: pathlib.Path)
     assert (row["layout"], row["exchange"], row["pairs"]) == ("2 x 1", "embedding", 1) and row["this_triples_per_s"] > 0
 
 
+def test_checkpoint_digests_benchmark(tmp_path: pathlib.Path):
+    """checkpoints.py writes each tier's checkpoint with and without digests; its rows have the committed keys."""
+    output = tmp_path / "checkpoints.json"
+    completed = run_benchmark(
+        "checkpoints", "--entities", "3000", "--dim", "8", "--repeats", "1", "--tiers", "device", "mmap",
+        "--directories", str(tmp_path), "--output", str(output),
+    )  # fmt: skip
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    rows = json.loads(output.read_text())["rows"]
+    assert [row["storage"] for row in rows] == ["device", "mmap"]
+    assert all(row["write with digests s"] > 0 and row["write without s"] > 0 and row["verify s"] > 0 for row in rows)
+    committed = json.loads((BENCHMARKS / "results" / "checkpoints-cpu.json").read_text())["rows"]
+    assert list(rows[0]) == list(committed[0])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints.json"]  # its files are removed
+
+
 @pytest.mark.slow
 def test_the_benchmarks_page_renders_the_scripts_result_files(
     results: pathlib.Path,
@@ -602,7 +618,7 @@ def test_the_benchmarks_page_renders_the_scripts_result_files(
             assert "No result file" not in text and "|---|" in text, name
             rendered.add(name)
     # no tiny run: a GPU's sections, measured-only benchmarks, and tables of several --baseline runs in one file
-    unrun = {"gpu-scale-storage", "busy", "pbg-import", "distributed-configurations-ab"}
+    unrun = {"gpu-scale-storage", "busy", "pbg-import", "distributed-configurations-ab", "checkpoints"}
     assert rendered == set(render_benchmarks.RENDERERS) - unrun
     plots = ("training", "training-pbg", "parity", "scale", "evaluation", "distributed", "gpu-h100")
     assert all((tmp_path / "out" / f"{plot}.png").exists() for plot in plots)

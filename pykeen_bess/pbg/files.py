@@ -21,7 +21,8 @@ Checkpoints (one directory):
 * ``config.json`` (:mod:`~pykeen_bess.pbg.config`).
 
 Every file is written under a temporary name and renamed into place, so a crash never leaves a
-partial file under its final name.
+partial file under its final name. The datasets of the checkpoint files carry the CRC-32 of their
+values (attribute ``pykeen_bess_crc32``, which PyTorch-BigGraph ignores), checked when they are read.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import numpy as np
 import torch
 
 from ..storage import fsync
+from ..storage.digests import DIGEST_ATTRIBUTE, crc32_of_array, verify_array
 
 __all__ = [
     "FORMAT_VERSION",
@@ -255,8 +257,26 @@ def _optimizer_blob(state: Mapping[str, Any]) -> np.ndarray:
     return np.frombuffer(buffer.getvalue(), dtype=np.dtype("V1"))
 
 
-def _read_optimizer_blob(dataset: Any) -> dict[str, Any]:
-    return torch.load(io.BytesIO(dataset[...].tobytes()), weights_only=True)
+def _read_optimizer_blob(dataset: Any, path: pathlib.Path) -> dict[str, Any]:
+    return torch.load(io.BytesIO(_verified(dataset, path).tobytes()), weights_only=True)
+
+
+def _digested_dataset(group: Any, name: str, values: np.ndarray) -> Any:
+    """Create a dataset carrying the CRC-32 of its values (:data:`~pykeen_bess.storage.digests.DIGEST_ATTRIBUTE`)."""
+    dataset = group.create_dataset(name, data=values)
+    dataset.attrs[DIGEST_ATTRIBUTE] = np.int64(crc32_of_array(values))
+    return dataset
+
+
+def _verified(dataset: Any, path: pathlib.Path) -> np.ndarray:
+    """Read a dataset, checked against its digest if it has one (PyTorch-BigGraph's own files have none).
+
+    :raises CorruptCheckpointError: naming the file and the dataset
+    """
+    values = np.asarray(dataset[...])
+    expected = dataset.attrs.get(DIGEST_ATTRIBUTE)
+    verify_array(values, None if expected is None else int(expected), path, f"dataset {dataset.name!r}")
+    return values
 
 
 def write_embeddings(
@@ -275,9 +295,9 @@ def write_embeddings(
     :param attrs: informational root attributes (PyTorch-BigGraph's ``iteration/...``)
     """
     with _new_file(path, attrs, sync=True) as file:
-        file.create_dataset("embeddings", data=_floats(rows))
+        _digested_dataset(file, "embeddings", _floats(rows))
         if optimizer_state is not None:
-            file.create_dataset("optimizer/state_dict", data=_optimizer_blob(optimizer_state))
+            _digested_dataset(file, "optimizer/state_dict", _optimizer_blob(optimizer_state))
 
 
 def read_embeddings(path: pathlib.Path) -> tuple[torch.Tensor, dict[str, Any] | None]:
@@ -293,10 +313,12 @@ def read_embeddings(path: pathlib.Path) -> tuple[torch.Tensor, dict[str, Any] | 
         _check_format(file, path)
         if "embeddings" not in file:
             raise ValueError(f"{path} has no 'embeddings' dataset.")
-        rows = torch.from_numpy(np.asarray(file["embeddings"][...]))
+        rows = torch.from_numpy(_verified(file["embeddings"], path))
         if not rows.is_floating_point():
             raise ValueError(f"{path}: embeddings of dtype {rows.dtype} are not floating point.")
-        state = _read_optimizer_blob(file["optimizer/state_dict"]) if "optimizer/state_dict" in file else None
+        state = None
+        if "optimizer/state_dict" in file:
+            state = _read_optimizer_blob(file["optimizer/state_dict"], path)
     if rows.ndim != 2:
         raise ValueError(f"{path}: embeddings must be [count, dimension], not {tuple(rows.shape)}.")
     return rows, state
@@ -319,9 +341,9 @@ def write_model(
     with _new_file(path, attrs, sync=True) as file:
         group = file.create_group("model")
         for name, value in parameters.items():
-            group.create_dataset(name, data=_floats(value)).attrs["state_dict_key"] = _state_dict_key(name)
+            _digested_dataset(group, name, _floats(value)).attrs["state_dict_key"] = _state_dict_key(name)
         if optimizer_state is not None:
-            file.create_dataset("optimizer/state_dict", data=_optimizer_blob(optimizer_state))
+            _digested_dataset(file, "optimizer/state_dict", _optimizer_blob(optimizer_state))
 
 
 def _state_dict_key(name: str) -> str:
@@ -351,7 +373,7 @@ def read_model(path: pathlib.Path) -> dict[str, torch.Tensor]:
 
         def visit(name: str, item: Any) -> None:
             if isinstance(item, h5py.Dataset):
-                parameters[name] = torch.from_numpy(np.asarray(item[...]))
+                parameters[name] = torch.from_numpy(_verified(item, path))
 
         file["model"].visititems(visit)
     return parameters

@@ -7,12 +7,14 @@ import mmap
 import os
 import pathlib
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
+from .digests import crc32_of_file
 from .base import NUMPY_DTYPES, TableStorage, chunk_rows, format_bytes, open_source
 
 __all__ = ["MmapStorage", "advise_random", "advise_will_need", "fsync"]
@@ -96,11 +98,15 @@ class MmapStorage(TableStorage):
 
     def _entry_values(self, tensors: dict[str, torch.Tensor], directory: pathlib.Path | None) -> dict[str, Any]:
         """Name the files' copies in ``directory`` (in a checkpoint), else the live files by path."""
-        files = {
-            key: (self.snapshot(value, directory) if directory is not None else str(self.file_of(value)))
-            for key, value in tensors.items()
+        if directory is None:
+            return {"files": {key: str(self.file_of(value)) for key, value in tensors.items()}, "directory": None}
+        copies = {key: self.snapshot(value, directory) for key, value in tensors.items()}
+        return {
+            "files": {key: name for key, (name, _) in copies.items()},
+            "directory": directory.name,
+            # the CRC-32 of each copy's bytes, checked before a checkpoint is resumed (storage.digests)
+            "digests": {key: digest for key, (_, digest) in copies.items()},
         }
-        return {"files": files, "directory": directory.name if directory is not None else None}
 
     def claim_existing(self, resuming: bool) -> None:
         """Decide about the existing files the tensors were placed beside (see :attr:`defer_existing`).
@@ -156,14 +162,16 @@ class MmapStorage(TableStorage):
             advise_will_need(array, rows.start, rows.stop)
         return super().read_slice(tensor, rows)
 
-    def snapshot(self, tensor: torch.Tensor, directory: pathlib.Path) -> str:
-        """Copy a tensor's file into ``directory`` (flushed and synced first, the copy synced); return its name."""
+    def snapshot(self, tensor: torch.Tensor, directory: pathlib.Path) -> tuple[str, int]:
+        """Copy a tensor's file into ``directory`` (flushed first, the copy synced); return its name and CRC-32."""
         source = self.file_of(tensor)
         self._arrays[_key(tensor)].flush()
         target = pathlib.Path(directory) / source.name
-        shutil.copyfile(source, target)
-        fsync(target)
-        return source.name
+        with ThreadPoolExecutor(1) as pool:  # the digest of the flushed file beside the kernel's copy of it
+            digest = pool.submit(crc32_of_file, source)
+            shutil.copyfile(source, target)
+            fsync(target)
+            return source.name, digest.result()
 
     def restore(self, tensor: torch.Tensor, file: pathlib.Path) -> None:
         """Overwrite a tensor of this tier from a ``.npy`` file, chunk by chunk (the memory map stays valid)."""

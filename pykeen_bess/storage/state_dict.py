@@ -13,8 +13,16 @@ from typing import Any, Protocol
 import torch
 
 from .base import HeldTable, TableStorage
+from .digests import ADVICE, CorruptCheckpointError, crc32_of_file
 
-__all__ = ["EXTERNAL_WEIGHT_KEY", "STORED_TABLE_KEY", "StateDictTable", "add_stored_table", "load_stored_table"]
+__all__ = [
+    "EXTERNAL_WEIGHT_KEY",
+    "STORED_TABLE_KEY",
+    "StateDictTable",
+    "add_stored_table",
+    "load_stored_table",
+    "verify_stored_tables",
+]
 
 
 class StateDictTable(HeldTable, Protocol):
@@ -108,3 +116,24 @@ def load_stored_table(
         else:
             with torch.no_grad():
                 target.copy_(source)
+
+
+def verify_stored_tables(model_state: dict[str, Any], directory: pathlib.Path) -> None:
+    """Check the copies of tables in files that a checkpoint's model state names against their digests.
+
+    :param model_state: the checkpoint's model state dict (its ``*.stored_table`` entries name the copies)
+    :param directory: the checkpoint's folder (the copies are in a directory next to the checkpoint)
+    :raises CorruptCheckpointError: naming the copy whose values differ from what was written
+    :raises FileNotFoundError: if a copy is missing
+    """
+    for key, entry in model_state.items():
+        if not key.endswith(STORED_TABLE_KEY) or not isinstance(entry, dict) or entry.get("directory") is None:
+            continue
+        for name, digest in entry.get("digests", {}).items():
+            file = pathlib.Path(directory) / entry["directory"] / entry["files"][name]
+            if not file.is_file():
+                raise FileNotFoundError(f"The checkpoint's table file {file} is missing.")
+            if crc32_of_file(file) != int(digest):
+                raise CorruptCheckpointError(
+                    f"Checkpoint file {file} is corrupted: it differs from what was written (CRC-32 mismatch). {ADVICE}"
+                )

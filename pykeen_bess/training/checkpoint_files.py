@@ -33,27 +33,28 @@ import os
 import pathlib
 import re
 import shutil
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
-import numpy as np
 import torch
 
 from ..distributed import Topology
-from ..data.sharding import EntitySharding
+from ..storage.digests import verify_torch_file, write_with_digests
+from ..storage.state_dict import verify_stored_tables
 
 __all__ = [
     "POINTER_FORMAT",
     "latest_own_version",
+    "load_verified",
+    "peek_file",
     "pointer_file",
     "pointer_shards",
     "read_pointer",
-    "reshard_rank_state",
-    "reshard_stored_tables",
     "save_distributed_checkpoint",
     "shard_file",
     "stale_tables_directories",
     "tables_directory",
+    "verify_checkpoint",
 ]
 
 logger = logging.getLogger(__name__)
@@ -124,12 +125,47 @@ def latest_own_version(
     return versions[-1] if versions else None
 
 
+def peek_file(path: pathlib.Path) -> Any:
+    """Load a ``torch.save`` file memory-mapped where it can be (tensors are read only when used).
+
+    :raises CorruptCheckpointError: if it cannot be loaded because it differs from what was written
+    """
+    try:
+        try:
+            return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        except RuntimeError:  # not the zip format memory maps need (written with another serialization)
+            return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception:
+        verify_torch_file(path)  # a corrupted file: say so, naming it
+        raise
+
+
+def verify_checkpoint(path: pathlib.Path) -> None:
+    """Check a checkpoint file (and the copies of tables in files it names) against the digests written with them.
+
+    :raises CorruptCheckpointError: naming the file that differs from what was written
+        (:mod:`~pykeen_bess.storage.digests`)
+    """
+    path = pathlib.Path(path)
+    verify_torch_file(path)
+    content = peek_file(path)
+    if isinstance(content, dict) and isinstance(content.get("model_state_dict"), dict):
+        verify_stored_tables(content["model_state_dict"], path.parent)
+
+
+def load_verified(path: pathlib.Path) -> Any:
+    """Return the content of a checkpoint file once :func:`verify_checkpoint` has checked it."""
+    verify_checkpoint(path)
+    return torch.load(path, weights_only=False)
+
+
 def read_pointer(path: pathlib.Path) -> dict[str, Any] | None:
-    """Return the pointer stored at ``path``, or None if ``path`` is not a pointer file."""
+    """Return the pointer stored at ``path`` (checked against its digests), None if ``path`` is not a pointer."""
     if not path.is_file():
         return None
-    content = torch.load(path, weights_only=False)
+    content = peek_file(path)
     if isinstance(content, dict) and content.get("format") == POINTER_FORMAT:
+        verify_torch_file(path)
         return content
     return None
 
@@ -182,7 +218,7 @@ def save_distributed_checkpoint(
     target = shard_file(path, version, shard, n_shard, replica, replicas) if writes else None
     if target is not None:
         temporary = target.with_name(f"{target.name}{TEMPORARY_INFIX}{os.getpid()}")
-        write_rank_file(temporary)
+        write_with_digests(temporary, lambda: write_rank_file(temporary))
         os.replace(temporary, target)
     topology.barrier()
     if topology.is_main_process:
@@ -201,7 +237,7 @@ def save_distributed_checkpoint(
             stopper_dict=dict(stopper_dict or {}),
             sharding=sharding,
         )
-        torch.save(pointer, temporary_pointer)
+        write_with_digests(temporary_pointer, lambda: torch.save(pointer, temporary_pointer))
         os.replace(temporary_pointer, path)
     topology.barrier()
     if after_pointer is not None:
@@ -223,143 +259,3 @@ def _older_files(path: pathlib.Path, version: int) -> list[pathlib.Path]:
         return []
     pattern = re.compile(rf"^{re.escape(path.name)}\.v(\d+)\.rank\d+-of-\d+(?:\.replica\d+-of-\d+)?$")
     return [file for file in path.parent.iterdir() if (m := pattern.match(file.name)) and int(m.group(1)) < version]
-
-
-def reshard_rank_state(
-    path: pathlib.Path,
-    pointer: Mapping[str, Any],
-    sharding: EntitySharding,
-    shard: int,
-    table_keys: list[str],
-    table_param_indices: list[int],
-) -> dict[str, Any]:
-    """Build one shard's checkpoint dictionary for another number of shards from the old shards' files.
-
-    The replicated state is taken from the old shard 0; every entity table (``table_keys`` in the
-    model's state dict) and its row-wise optimizer state (the tensors with one entry or row per
-    table row, e.g. Adam's moments ``[S, D]`` or row-wise Adagrad's sums ``[S]``, of parameters
-    ``table_param_indices`` of the optimizer's state dict) are rebuilt for the shard of the new
-    sharding, reading one old file at a time (the first replica's, if every replica wrote one).
-
-    :param path: the pointer path
-    :param pointer: the pointer (version, number of shards, replicas, retrieval mode)
-    :param sharding: the new sharding (the old one is the same strategy and seed with the checkpoint's shards)
-    :param shard: the shard of the new sharding to build
-    :param table_keys: the state-dict keys of the entity tables
-    :param table_param_indices: the optimizer parameter indices of the entity tables
-    :returns: a PyKEEN checkpoint dictionary for the shard
-    :raises FileNotFoundError: if an old shard's file is missing
-    """
-    old_shards = pointer_shards(pointer)
-    old_sharding = sharding.with_shards(old_shards)
-    new_global = sharding.shard_entities[shard]  # [S_new], -1 for padding
-    state: dict[str, Any] | None = None
-    for old_shard in range(old_shards):
-        file = pointer_file(path, pointer, old_shard, replica=0)
-        if not file.is_file():
-            raise FileNotFoundError(
-                f"Cannot reshard checkpoint {path} from {old_shards} to {sharding.n_shard} shards: {file} is "
-                f"missing (all ranks' files must be in the same, shared directory)."
-            )
-        old = torch.load(file, weights_only=False)
-        old_global = old_sharding.shard_entities[old_shard]  # [S_old]
-        # rows of the new shard held by this old shard: new local row -> old local row
-        position = torch.full((sharding.num_entities,), -1, dtype=torch.long)
-        position[old_global[old_global >= 0]] = torch.nonzero(old_global >= 0).view(-1)
-        real = new_global >= 0
-        source = torch.full_like(new_global, -1)
-        source[real] = position[new_global[real]]
-        take = source >= 0
-        if state is None:
-            # the replicated state of old rank 0, with empty tables of the new shard size
-            state = dict(old)
-            state["model_state_dict"] = dict(old["model_state_dict"])
-            state["optimizer_state_dict"] = dict(old["optimizer_state_dict"])
-            state["optimizer_state_dict"]["state"] = {
-                index: dict(value) for index, value in old["optimizer_state_dict"]["state"].items()
-            }
-            for key in table_keys:
-                width = old["model_state_dict"][key].shape[1]
-                state["model_state_dict"][key] = old["model_state_dict"][key].new_zeros(sharding.shard_size, width)
-            optimizer_state = state["optimizer_state_dict"]["state"]
-            for index in table_param_indices:
-                for name, value in list(optimizer_state.get(index, {}).items()):
-                    if _is_row_state(value, old_sharding.shard_size):
-                        optimizer_state[index][name] = value.new_zeros(sharding.shard_size, *value.shape[1:])
-        for key in table_keys:
-            state["model_state_dict"][key][take] = old["model_state_dict"][key][source[take]]
-        for index in table_param_indices:
-            for name, value in old["optimizer_state_dict"]["state"].get(index, {}).items():
-                if _is_row_state(value, old_sharding.shard_size):
-                    state["optimizer_state_dict"]["state"][index][name][take] = value[source[take]]
-        del old
-    assert state is not None
-    return state
-
-
-def reshard_stored_tables(
-    path: pathlib.Path,
-    pointer: Mapping[str, Any],
-    sharding: EntitySharding,
-    shard: int,
-    tables: Sequence[Any],
-) -> None:
-    """Fill one process' tables kept in host memory or files (and their row state) from another number of shards.
-
-    Reads the old shards' files one at a time (a ``"host"`` table from the file itself, a ``"mmap"``
-    table from its copies next to the file, memory-mapped) and writes the rows of the new shard
-    into the live tables of the tier; padding rows become zero.
-
-    :param path: the pointer path
-    :param pointer: the pointer
-    :param sharding: the new sharding (the old one is the same strategy and seed with the checkpoint's shards)
-    :param shard: the shard of the new sharding this process holds (its tables hold only it)
-    :param tables: the process' :class:`~pykeen_bess.tables.representation.ShardedEmbedding` tables, in the
-        order of the model's entity representations
-    :raises FileNotFoundError: if an old shard's file or table copy is missing
-    :raises ValueError: if the checkpoint's tables were kept in another storage tier
-    """
-    old_shards = pointer_shards(pointer)
-    old_sharding = sharding.with_shards(old_shards)
-    new_global = sharding.shard_entities[shard]
-    real = new_global >= 0
-    with torch.no_grad():
-        for table in tables:
-            table.weight[~real] = 0
-        for old_shard in range(old_shards):
-            file = pointer_file(path, pointer, old_shard, replica=0)
-            if not file.is_file():
-                raise FileNotFoundError(f"Cannot reshard checkpoint {path}: {file} is missing.")
-            old = torch.load(file, weights_only=False)
-            old_global = old_sharding.shard_entities[old_shard]
-            position = torch.full((sharding.num_entities,), -1, dtype=torch.long)
-            position[old_global[old_global >= 0]] = torch.nonzero(old_global >= 0).view(-1)
-            source = torch.full_like(new_global, -1)
-            source[real] = position[new_global[real]]
-            take = (source >= 0).nonzero().view(-1)
-            for index, table in enumerate(tables):
-                entry = old["model_state_dict"].get(f"entity_representations.{index}.stored_table")
-                if entry is None or entry["tier"] != table.storage.name:
-                    written = "device" if entry is None else entry["tier"]
-                    raise ValueError(
-                        f"Checkpoint {path} keeps the entity tables with storage={written!r}; resume it with the "
-                        f"same storage (this run uses storage={table.storage.name!r})."
-                    )
-                targets = {"weight": table.weight, **{f"state.{k}": v for k, v in table.row_state.items()}}
-                for key, target in targets.items():
-                    if "tensors" in entry:
-                        values = entry["tensors"][key][source[take]]
-                    else:
-                        copy = path.parent / entry["directory"] / entry["files"][key]
-                        if not copy.is_file():
-                            raise FileNotFoundError(f"Cannot reshard checkpoint {path}: {copy} is missing.")
-                        values = torch.from_numpy(np.load(copy, mmap_mode="r")[source[take].numpy()])
-                    target[take] = values.to(target.dtype)
-            del old
-    for table in tables:
-        table.storage.flush()
-
-
-def _is_row_state(value: Any, shard_size: int) -> bool:
-    """Whether an optimizer state value holds one entry (or row) per row of a shard table."""
-    return torch.is_tensor(value) and value.ndim >= 1 and value.shape[0] == shard_size

@@ -37,23 +37,25 @@ from pykeen.triples import CoreTriplesFactory
 
 from ..data.sharding import EntitySharding, RandomSharding
 from ..distributed import Topology
+from ..storage.digests import write_with_digests
 from ..tables.representation import ShardedEmbedding
 from .checkpoint_mismatch import describe_mismatch
 from .checkpointed import CheckpointedLoop
 from .column_tables import ColumnShardTables
+from .resharding import ShardFiles, reshard_rank_state, reshard_stored_tables
 from .checkpoint_files import (
     POINTER_FORMAT,
     TEMPORARY_INFIX,
     latest_own_version,
+    peek_file,
     pointer_file,
     pointer_shards,
     read_pointer,
-    reshard_rank_state,
-    reshard_stored_tables,
     save_distributed_checkpoint,
     shard_file,
     stale_tables_directories,
     tables_directory,
+    verify_checkpoint,
 )
 
 __all__ = [
@@ -102,14 +104,63 @@ def check_pointer_sharding(path: pathlib.Path, pointer: Mapping[str, Any], shard
     )
 
 
+def check_pointer(path: pathlib.Path, pointer: Mapping[str, Any], seed: int, sharding: EntitySharding) -> ShardFiles:
+    """Check that a distributed checkpoint can be resharded into this run's sharding; return its files.
+
+    :raises ValueError: if it was written with another seed or sharding (:func:`check_pointer_sharding`)
+    """
+    if int(pointer.get("seed", seed)) != seed:
+        raise ValueError(
+            f"Checkpoint {path} was written with sharding seed {pointer['seed']}, this run uses {seed}: pass "
+            f"seed={pointer['seed']} to resume it."
+        )
+    check_pointer_sharding(path, pointer, sharding)
+    return ShardFiles.of_pointer(path, pointer)
+
+
+def one_process_shards(store: CheckpointStore, path: pathlib.Path) -> int | None:
+    """Return the number of logical shards of the one-process checkpoint at ``path`` if it resumes into this run.
+
+    Its tables hold every shard, ``[k * ceil(N / k), D]``; PyKEEN's checksum (of the model, whose shard
+    tables name their sharding, and of the optimizer) tells which ``k``, and that the rest of the
+    configuration is this run's. None: not such a file (or another configuration: loading it says what differs).
+    """
+    content = peek_checkpoint(path)
+    if content is None or not isinstance(content.get("model_state_dict"), dict) or "checksum" not in content:
+        return None
+    rows = _table_rows(store, content["model_state_dict"])
+    if rows is None:
+        return None
+    loop, sharding = store.loop, store.sharding
+    model, optimizer = str(loop.model), str(loop.optimizer).encode("utf-8")
+    for k in range(1, rows + 1):
+        if k * -(-sharding.num_entities // k) != rows:
+            continue
+        candidate = model.replace(loop.sharding.fingerprint, sharding.with_shards(k).fingerprint)
+        digest = hashlib.md5(candidate.encode("utf-8"))  # the digest PyKEEN checksums with
+        digest.update(optimizer)
+        if digest.hexdigest() == content["checksum"]:
+            return k
+    return None
+
+
+def _table_rows(store: CheckpointStore, model_state: Mapping[str, Any]) -> int | None:
+    """Return the rows of the first entity table in a checkpoint's model state (None: it holds none)."""
+    table_ids = {id(table.weight) for table in store.held_tables()}
+    for name, param in store.loop.model.named_parameters():
+        if id(param) in table_ids and torch.is_tensor(model_state.get(name)):
+            return int(model_state[name].shape[0])
+    for key, entry in model_state.items():
+        if key.endswith(".stored_table") and isinstance(entry, dict):
+            return int(entry["shape"][0])
+    return None
+
+
 def peek_checkpoint(path: pathlib.Path) -> dict[str, Any] | None:
     """Return the dictionary of the checkpoint file at ``path`` memory-mapped (tensors not read), None if none."""
     if not path.is_file():
         return None
-    try:
-        content = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-    except RuntimeError:  # not the zip format memory maps need (written with another serialization)
-        content = torch.load(path, map_location="cpu", weights_only=False)
+    content = peek_file(path)
     return content if isinstance(content, dict) else None
 
 
@@ -136,6 +187,20 @@ class CheckpointStore(ABC):
     def __init__(self, loop: CheckpointedLoop):
         """Serve ``loop`` (a :class:`~pykeen_bess.training.BessTrainingLoop`)."""
         self.loop = loop
+
+    @property
+    def topology(self) -> Topology:
+        """The topology whose shards the files are (the loop's)."""
+        return self.loop.topology
+
+    @property
+    def sharding(self) -> EntitySharding:
+        """The row sharding of the files (the loop's)."""
+        return self.loop.sharding
+
+    def held_tables(self) -> list[ShardedEmbedding]:
+        """Return the tables the model holds while a checkpoint is read (the loop's tables)."""
+        return self.loop.tables.tables
 
     def write_state(
         self,
@@ -166,7 +231,9 @@ class CheckpointStore(ABC):
         """Load PyKEEN's checkpoint dictionary of this process from ``path``.
 
         :raises CheckpointMismatchError: saying what differs (see :func:`describe_mismatch`)
+        :raises CorruptCheckpointError: if the file, or a copy of a table in files, differs from what was written
         """
+        verify_checkpoint(path)  # before anything is read into the loop
         try:
             with self.loop.tables.checkpoint_files(pathlib.Path(path).parent):
                 pykeen_loop = cast(TrainingLoop, self.loop)
@@ -192,6 +259,32 @@ class CheckpointStore(ABC):
             with self.loop.tables.checkpoint_files(file.parent if tables is None else tables):
                 pykeen_loop = cast(TrainingLoop, self.loop)
                 return TrainingLoop._load_state(pykeen_loop, path=file, triples_factory=triples_factory)
+
+    def load_resharded(self, files: ShardFiles, triples_factory: Any) -> Any:
+        """Load a checkpoint whose files hold other shards (another number of them, or another layout).
+
+        The rows of this process' shards (one rank's, or every logical shard of one process) are
+        gathered from the checkpoint's files, one file at a time (:mod:`~pykeen_bess.training.resharding`).
+        """
+        loop = self.loop
+        shards = list(self.topology.local_shards)
+        logger.warning(
+            "Resharding checkpoint %s into shard(s) %s of %d.", files.describe(), shards, self.topology.n_shard
+        )
+        table_ids = {id(table.weight) for table in self.held_tables()}
+        table_keys = [name for name, param in loop.model.named_parameters() if id(param) in table_ids]
+        params = [param for group in loop.optimizer.param_groups for param in group["params"]]
+        table_indices = [index for index, param in enumerate(params) if id(param) in table_ids]
+        if not table_keys:  # tables outside the model: their rows go straight into the tier
+            reshard_stored_tables(files, self.sharding, shards, self.held_tables())
+        state = reshard_rank_state(
+            files, self.sharding, shards, table_keys=table_keys, table_param_indices=table_indices
+        )
+        if not table_keys:
+            model_state = state["model_state_dict"]
+            for key in [key for key in model_state if key.endswith(".stored_table")]:
+                del model_state[key]  # already loaded (the tables of the first file)
+        return self.read_checksummed(state, triples_factory)
 
     @abstractmethod
     def save(
@@ -223,7 +316,9 @@ class FileCheckpointStore(CheckpointStore):
         # tables in files go to a directory named after it, kept only once the checkpoint file is in place
         temporary = path.with_name(f"{path.name}{TEMPORARY_INFIX}{os.getpid()}-{time.time_ns()}")
         try:
-            self.write_state(temporary, stopper, best_epoch_model_file_path, triples_factory)
+            write_with_digests(
+                temporary, lambda: self.write_state(temporary, stopper, best_epoch_model_file_path, triples_factory)
+            )
             os.replace(temporary, path)
         except BaseException:
             shutil.rmtree(tables_directory(temporary), ignore_errors=True)
@@ -237,12 +332,25 @@ class FileCheckpointStore(CheckpointStore):
                     shutil.rmtree(old, ignore_errors=True)
 
     def load(self, path: pathlib.Path, triples_factory: CoreTriplesFactory | None = None) -> Any:  # noqa: D102
-        if read_pointer(pathlib.Path(path)) is not None:
+        path = pathlib.Path(path)
+        pointer = read_pointer(path)
+        if pointer is not None and isinstance(self.loop.tables, ColumnShardTables):
             raise ValueError(
-                f"{path} is a checkpoint of a torch.distributed run; resume it under torchrun (any number of "
-                f"ranks: it is resharded), or load its model with pykeen_bess.distributed.export_model first."
+                f"{path} is a checkpoint of a torch.distributed run; with partition='encoding' resume it under "
+                f"torchrun, or in one process with partition='token' (any number of shards: it is resharded)."
             )
-        return self.read_state(pathlib.Path(path), triples_factory)
+        if pointer is not None:  # a distributed checkpoint: every shard's rows from the ranks' files
+            return self.load_resharded(
+                check_pointer(path, pointer, self.loop.config.seed, self.sharding), triples_factory
+            )
+        try:
+            return self.read_state(path, triples_factory)
+        except CheckpointMismatchError:  # another number of logical shards, otherwise this configuration?
+            columns = isinstance(self.loop.tables, ColumnShardTables)
+            shards = None if columns else one_process_shards(self, path)
+            if shards is None or shards == self.topology.n_shard:
+                raise
+            return self.load_resharded(ShardFiles(path, shards), triples_factory)
 
 
 class RankCheckpointStore(CheckpointStore):
@@ -252,20 +360,6 @@ class RankCheckpointStore(CheckpointStore):
         """Serve ``loop``; ``all_replicas``: every process writes its own file."""
         super().__init__(loop)
         self.all_replicas = all_replicas
-
-    @property
-    def topology(self) -> Topology:
-        """The topology whose shards the files are (the loop's)."""
-        return self.loop.topology
-
-    @property
-    def sharding(self) -> EntitySharding:
-        """The row sharding of the files (the loop's)."""
-        return self.loop.sharding
-
-    def held_tables(self) -> list[ShardedEmbedding]:
-        """Return the tables the model holds while a checkpoint is read (the loop's tables)."""
-        return self.loop.tables.tables
 
     def save(  # noqa: D102
         self,
@@ -312,19 +406,17 @@ class RankCheckpointStore(CheckpointStore):
         path = pathlib.Path(path)
         pointer = read_pointer(path)
         file = self.rank_file(path)
-        if file is not None:
+        one_process = one_process_shards(self, path) if pointer is None and file == path else None
+        if one_process is not None:  # one process' file with logical shards: this rank's rows of it
+            result = self.load_resharded(ShardFiles(path, one_process), triples_factory)
+        elif file is not None:
             result = self.read_state(file, triples_factory)
         elif pointer is None:
             raise FileNotFoundError(f"No checkpoint for shard {self.topology.local_shards[0]} at {path}.")
         else:
-            seed = self.loop.config.seed
-            if int(pointer.get("seed", seed)) != seed:
-                raise ValueError(
-                    f"Checkpoint {path} was written with sharding seed {pointer['seed']}, this run uses {seed}: pass "
-                    f"seed={pointer['seed']} to resume it."
-                )
-            check_pointer_sharding(path, pointer, self.sharding)
-            result = self._load_resharded(path, pointer, triples_factory)
+            result = self.load_resharded(
+                check_pointer(path, pointer, self.loop.config.seed, self.sharding), triples_factory
+            )
         if pointer is not None and pointer.get("retrieval") == "all_replicas":
             self.verify_replicas_agree(path)
         return result
@@ -353,33 +445,6 @@ class RankCheckpointStore(CheckpointStore):
                     f"The replicas of shard {shard} in checkpoint {path} hold different values ({groups}): a replica's "
                     f"file was changed or written by another run."
                 )
-
-    def _load_resharded(self, path: pathlib.Path, pointer: Mapping[str, Any], triples_factory: Any) -> Any:
-        """Load a checkpoint written with another number of shards, resharding the entity tables."""
-        loop = self.loop
-        logger.warning(
-            "Resharding checkpoint %s from %d to %d shards.", path, pointer_shards(pointer), self.topology.n_shard
-        )
-        table_ids = {id(table.weight) for table in self.held_tables()}
-        table_keys = [name for name, param in loop.model.named_parameters() if id(param) in table_ids]
-        params = [param for group in loop.optimizer.param_groups for param in group["params"]]
-        table_indices = [index for index, param in enumerate(params) if id(param) in table_ids]
-        shard = self.topology.local_shards[0]
-        if not table_keys:  # tables outside the model: their rows go straight into the tier
-            reshard_stored_tables(path, pointer, self.sharding, shard, self.held_tables())
-        state = reshard_rank_state(
-            path=path,
-            pointer=pointer,
-            sharding=self.sharding,
-            shard=shard,
-            table_keys=table_keys,
-            table_param_indices=table_indices,
-        )
-        if not table_keys:
-            model_state = state["model_state_dict"]
-            for key in [key for key in model_state if key.endswith(".stored_table")]:
-                del model_state[key]  # already loaded (the tables of the old shard 0)
-        return self.read_checksummed(state, triples_factory)
 
 
 class RowShardCheckpointStore(RankCheckpointStore):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 from typing import Any
@@ -327,7 +328,7 @@ PIPELINE_SCRIPT = pathlib.Path(__file__).with_name("pipeline_script.py")
 
 def run_script(tmp_path: pathlib.Path, name: str, nproc: int | None, **env: str) -> subprocess.CompletedProcess:
     """Run the plain pipeline script under torchrun with ``nproc`` ranks (None: one ordinary process)."""
-    environment = dict(OUTPUT=str(tmp_path / name), CHECKPOINT_DIRECTORY=str(tmp_path / f"{name}-checkpoints"), **env)
+    environment = {"OUTPUT": str(tmp_path / name), "CHECKPOINT_DIRECTORY": str(tmp_path / f"{name}-checkpoints"), **env}
     if nproc is not None:
         return harness.torchrun(nproc, [str(PIPELINE_SCRIPT)], env=environment)
     return subprocess.run(
@@ -381,6 +382,48 @@ def test_an_unmodified_pipeline_script_under_torchrun_resumes_after_a_kill(tmp_p
     result = read_ranks(tmp_path / "resumed", 2)
     assert result[0]["losses"] == pytest.approx(full[0]["losses"], rel=1e-6)
     assert result[0]["metrics"] == pytest.approx(full[0]["metrics"], rel=1e-6, abs=1e-8)
+
+
+def test_checkpoints_move_between_one_process_and_ranks(tmp_path: pathlib.Path) -> None:
+    """A one-process checkpoint with 2 logical shards resumes on 2 ranks, and back, as an uninterrupted run trains.
+
+    Also resharded: the ranks' checkpoint resumes in one process with 4 logical shards.
+    """
+    reference = run_script(tmp_path, "reference", None, NUM_SHARDS="2")
+    assert reference.returncode == 0, reference.stderr
+    expected = read_ranks(tmp_path / "reference", 1)[0]
+
+    # one process stops after the checkpoint of epoch 2; two ranks resume its file
+    forward = dict(CHECKPOINT_DIRECTORY=str(tmp_path / "forward-checkpoints"))
+    stopped = run_script(tmp_path, "forward", None, NUM_SHARDS="2", DIE_AT_EPOCH="3", **forward)
+    assert stopped.returncode != 0 and (tmp_path / "forward-checkpoints" / "run.pt").is_file()
+    resumed = run_script(tmp_path, "forward", 2, LOG="1", **forward)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "(2 logical shards in one process) into shard(s) [1] of 2" in resumed.stderr
+    ranks = read_ranks(tmp_path / "forward", 2)
+    assert [r["distributed"] for r in ranks] == [True, True]
+    assert ranks[0]["losses"] == pytest.approx(expected["losses"], rel=1e-5)
+    assert ranks[0]["metrics"] == pytest.approx(expected["metrics"], rel=1e-5, abs=1e-7)
+
+    # two ranks stop after the checkpoint of epoch 2; one process with 2 logical shards resumes their files
+    backward = dict(CHECKPOINT_DIRECTORY=str(tmp_path / "backward-checkpoints"))
+    stopped = run_script(tmp_path, "backward", 2, DIE_AT_EPOCH="3", DIE_RANK="1", **backward)
+    assert stopped.returncode != 0
+    resharded = tmp_path / "resharded-checkpoints"
+    shutil.copytree(tmp_path / "backward-checkpoints", resharded)
+    resumed = run_script(tmp_path, "backward", None, NUM_SHARDS="2", LOG="1", **backward)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "(2 ranks) into shard(s) [0, 1] of 2" in resumed.stderr
+    local = read_ranks(tmp_path / "backward", 1)[0]
+    assert local["losses"] == pytest.approx(expected["losses"], rel=1e-5)
+    assert local["metrics"] == pytest.approx(expected["metrics"], rel=1e-5, abs=1e-7)
+
+    # and into another number of shards: the two completed epochs are kept, the run goes on
+    resumed = run_script(tmp_path, "resharded", None, NUM_SHARDS="4", CHECKPOINT_DIRECTORY=str(resharded))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    local = read_ranks(tmp_path / "resharded", 1)[0]
+    assert local["num_shards"] == 4 and len(local["losses"]) == 4
+    assert local["losses"][:2] == pytest.approx(expected["losses"][:2], rel=1e-6)
 
 
 def test_hpo_under_torchrun_with_three_ranks(tmp_path: pathlib.Path) -> None:

@@ -323,3 +323,24 @@ def test_tsv_with_too_few_columns(tmp_path: pathlib.Path) -> None:
     path.write_text("a\tr\tb\nc\td\n")
     with pytest.raises(ValueError, match="bad.tsv: not a file of 3"):
         pbg.import_tsv(path)
+
+
+def test_checkpoint_datasets_carry_digests_checked_on_read(tmp_path: pathlib.Path) -> None:
+    """A changed value in an embeddings or model file is refused naming the file; PyTorch-BigGraph's own files pass."""
+    from pykeen_bess import CorruptCheckpointError
+    from pykeen_bess.pbg import files
+
+    rows = torch.randn(30, 4)
+    embeddings, model = tmp_path / "embeddings_all_0.v1.h5", tmp_path / "model.v1.h5"
+    files.write_embeddings(embeddings, rows, {"state": {0: {"step": 0, "sum": torch.ones(30)}}})
+    files.write_model(model, {"relations/0/operator/rhs/diagonal": torch.ones(4)})
+    assert torch.equal(files.read_embeddings(embeddings)[0], rows)
+    assert set(files.read_model(model)) == {"relations/0/operator/rhs/diagonal"}
+    for file, dataset in ((embeddings, "embeddings"), (model, "model/relations/0/operator/rhs/diagonal")):
+        with h5py.File(file, "r+") as h5:
+            h5[dataset][0] = h5[dataset][0] + 1
+        with pytest.raises(CorruptCheckpointError, match=rf"{file.name} is corrupted: dataset '/{dataset}'"):
+            (files.read_embeddings if file is embeddings else files.read_model)(file)
+        with h5py.File(file, "r+") as h5:  # as PyTorch-BigGraph writes it: no digest
+            del h5[dataset].attrs["pykeen_bess_crc32"]
+        (files.read_embeddings if file is embeddings else files.read_model)(file)

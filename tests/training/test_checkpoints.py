@@ -47,8 +47,8 @@ def test_a_new_version_removes_older_versions_of_every_layout(tmp_path: pathlib.
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other.pt.v1.rank0-of-2", "run.pt", "run.pt.v2.rank0-of-1"]
 
 
-def test_a_single_process_refuses_a_distributed_checkpoint_through_pipeline(tmp_path: pathlib.Path) -> None:
-    """pipeline() reads the pointer's random seed, then the loop explains instead of failing with a KeyError."""
+def test_a_single_process_checks_a_distributed_checkpoint_through_pipeline(tmp_path: pathlib.Path) -> None:
+    """pipeline() reads the pointer's random seed, then the loop checks its sharding before reading any row."""
     import pytest
     from pykeen.pipeline import pipeline
 
@@ -60,7 +60,7 @@ def test_a_single_process_refuses_a_distributed_checkpoint_through_pipeline(tmp_
         seed=0,
         random_seed=7,
     )
-    with pytest.raises(ValueError, match="is a checkpoint of a torch.distributed run"):
+    with pytest.raises(ValueError, match="was written with another sharding"):
         pipeline(
             dataset="nations",
             model="DistMult",
@@ -75,7 +75,8 @@ def test_a_single_process_refuses_a_distributed_checkpoint_through_pipeline(tmp_
 def test_resharding_moves_every_row_wise_state(tmp_path: pathlib.Path, new_shards: int) -> None:
     """Tables and per-row optimizer state (Adam's ``[S, D]`` moments, row-wise Adagrad's ``[S]``) move with entities."""
     from pykeen_bess.data.sharding import EntitySharding
-    from pykeen_bess.training.checkpoint_files import reshard_rank_state, shard_file
+    from pykeen_bess.training.checkpoint_files import shard_file
+    from pykeen_bess.training.resharding import ShardFiles, reshard_rank_state
 
     num_entities, seed, path = 10, 3, tmp_path / "ck.pt"
     old = EntitySharding.create(num_entities, 2, seed=seed)
@@ -92,7 +93,8 @@ def test_resharding_moves_every_row_wise_state(tmp_path: pathlib.Path, new_shard
     pointer = dict(version=1, world_size=2, replicas=1, retrieval="one_per_group", seed=seed)
     new = EntitySharding.create(num_entities, new_shards, seed=seed)
     for shard in range(new_shards):
-        state = reshard_rank_state(path, pointer, new, shard, table_keys=["entity"], table_param_indices=[0])
+        files = ShardFiles.of_pointer(path, pointer)
+        state = reshard_rank_state(files, new, [shard], table_keys=["entity"], table_param_indices=[0])
         ids = new.shard_entities[shard]
         real = ids >= 0
         expected = ids[real].to(torch.float64)
@@ -112,9 +114,12 @@ def test_resharding_moves_every_row_wise_state(tmp_path: pathlib.Path, new_shard
         (dict(model=DistMult), "only in this run ['relation_representations.0.regularizer"),
         (dict(lr=0.01), "the optimizer's settings: lr: checkpoint 0.001, this run 0.01."),
         (dict(seed=5), "(balanced shardpairs; resume with training_loop_kwargs=dict(seed=0))"),
-        (dict(num_shards=3), "resume with training_loop_kwargs=dict(num_shards=2)"),
+        (
+            dict(num_shards=4, seed=5),
+            "(balanced shardpairs; resume with training_loop_kwargs=dict(num_shards=2, seed=0))",
+        ),
     ],
-    ids=["dimension", "model", "optimizer", "seed", "shards"],
+    ids=["dimension", "model", "optimizer", "seed", "shards and seed"],
 )
 def test_a_mismatching_checkpoint_says_what_differs(tmp_path: pathlib.Path, change: dict, expected: str) -> None:
     """A checkpoint of another configuration: the error says what differs and what the checkpoint holds."""
@@ -141,3 +146,45 @@ def test_a_mismatching_checkpoint_says_what_differs(tmp_path: pathlib.Path, chan
         train(2, **change)
     assert expected in str(error.value)
     assert "What differs: " in str(error.value)
+
+
+@pytest.mark.parametrize("storage", ["device", "host"])
+def test_a_one_process_checkpoint_reshards_into_another_number_of_logical_shards(
+    tmp_path: pathlib.Path, storage: str
+) -> None:
+    """Two logical shards' checkpoint resumes with four: every entity's row and Adam moments move with it."""
+    from pykeen.datasets import Nations
+    from pykeen.models import TransE
+
+    from pykeen_bess.training import BessTrainingLoop
+
+    factory = Nations().training
+
+    def train(num_shards: int, num_epochs: int) -> BessTrainingLoop:
+        model = TransE(triples_factory=factory, embedding_dim=8, random_seed=num_shards)
+        loop = BessTrainingLoop(
+            model=model, triples_factory=factory, num_shards=num_shards, num_negs_per_pos=8, optimizer="adam",
+            storage=storage, num_threads=1,
+        )  # fmt: skip
+        loop.train(
+            factory, num_epochs=num_epochs, batch_size=256, use_tqdm=False, checkpoint_name="run.pt",
+            checkpoint_directory=tmp_path, checkpoint_frequency=0,
+        )  # fmt: skip
+        return loop
+
+    def rows(loop: BessTrainingLoop) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every entity's row and Adam's second moment, in global entity order."""
+        table = loop.tables[0]
+        state = dict(loop.optimizer.state.get(table.optimizer_parameter, {}), **table.row_state)
+        ids = torch.cat([loop.sharding.shard_entities[shard] for shard in table.local_shards])
+        order = torch.argsort(ids)[(ids < 0).sum() :]
+        return table.weight.detach()[order].clone(), state["exp_avg_sq"].detach()[order].clone()
+
+    written = train(2, 2)
+    expected_rows, expected_moments = rows(written)
+    resumed = train(4, 2)  # both epochs done: nothing trains, the model holds the checkpoint's rows
+    assert resumed.sharding.n_shard == 4 and resumed._epoch == 2
+    assert resumed.losses_per_epochs == written.losses_per_epochs
+    actual_rows, actual_moments = rows(resumed)
+    torch.testing.assert_close(actual_rows, expected_rows, rtol=0, atol=0)
+    torch.testing.assert_close(actual_moments, expected_moments, rtol=0, atol=0)
