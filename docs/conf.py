@@ -44,4 +44,7 @@ napoleon_numpy_docstring = False
 
 html_theme = "sphinx_rtd_theme"
 html_title = "pykeen-bess"
-html_static_path: list[str] = []
+html_static_path = ["_static"]
+html_css_files = ["bess.css"]  # wide tables wrap within the page
+# "--flag" stays two hyphens (a user copies it); quotes and ellipses are still typeset
+smartquotes_action = "qe"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 Row = dict[str, Any]
 
@@ -55,12 +57,19 @@ def provenance(data: dict[str, Any], name: str) -> str:
             parts.append(f"*{label}* {data[key]}")
     text = "; ".join(parts) + ".\n"
     if data.get("command"):
-        text += f"\nCommand: `{data['command']}`\n"
+        text += f"\nCommand: `{shown_command(data['command'])}`\n"
     if data.get("configuration"):
         text += f"\nConfiguration: {data['configuration']}\n"
     if data.get("source"):
-        text += f"\nSource: {data['source']}.\n"
+        text += "\nRecorded before the benchmark wrote result files (no commit was recorded).\n"
     return text
+
+
+def shown_command(command: str) -> str:
+    """A recorded command as a reader runs it: their data directory, baseline checkout and output file."""
+    command = re.sub(r"(?:\.\./)+shared/data/", "DATA/", command)
+    command = re.sub(r"--baseline \S+", "--baseline BASELINE_CHECKOUT", command)
+    return re.sub(r"--output \S+", "--output FILE.json", command)
 
 
 def missing(name: str, script: str) -> str:
@@ -77,13 +86,31 @@ def save(figure: Any, out: Path, name: str) -> str:
     return f"\n![{name}](_generated/{name})\n"
 
 
-def bars(ax: Any, labels: Sequence[str], values: Sequence[float], colors: Sequence[str] | None = None) -> None:
+def bars(
+    ax: Any, labels: Sequence[str], values: Sequence[float], colors: Sequence[str] | None = None, log: bool = False
+) -> None:
     positions = range(len(values))
     ax.barh(list(positions), values, color=colors)
     ax.set_yticks(list(positions), labels)
     ax.invert_yaxis()
     for position, value in zip(positions, values):
         ax.annotate(f" {value:,.0f}", (value, position), va="center", fontsize=8)
+    if log:  # room for the value labels inside the frame
+        ax.set_xscale("log")
+        ax.set_xlim(min(values) / 1.5, max(values) * 6)
+    else:
+        ax.set_xlim(0, max(values, default=1) * 1.25)
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=4))
+    ax.xaxis.set_major_formatter(FuncFormatter(compact))
+    ax.xaxis.set_minor_formatter(FuncFormatter(lambda value, _: ""))
+
+
+def compact(value: float, _: Any = None) -> str:
+    """An axis tick in few characters (``1.5M``, ``250k``), so that ticks do not overlap."""
+    for size, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= size:
+            return f"{value / size:g}{suffix}"
+    return f"{value:g}"
 
 
 # --- one renderer per benchmark: (result file, script that writes it, renderer) ---------------------
@@ -120,8 +147,7 @@ def training(data: dict[str, Any], out: Path) -> str:
             "tab:gray" if "PyKEEN" in row["loop"] else "tab:orange" if "hand" in row["loop"] else "tab:blue"
             for row in mine
         ]
-        bars(ax, labels, [row["positives_per_s"] for row in mine], colors)
-        ax.set_xscale("log")
+        bars(ax, labels, [row["positives_per_s"] for row in mine], colors, log=True)
         ax.set_xlabel("positives per second (log scale)")
         ax.set_title(dataset.split(" (")[0], fontsize=10)
     return text + save(figure, out, "training.png")
@@ -245,8 +271,7 @@ def gpu(data: dict[str, Any], out: Path, name: str, sections: Sequence[str]) -> 
         figure, ax = plt.subplots(figsize=(7, 0.32 * len(training_rows) + 1))
         labels = [f"{row['contender']} | {row['workload'].split(',')[-1].strip()}" for row in training_rows]
         colors = ["tab:gray" if "PyKEEN" in row["contender"] else "tab:blue" for row in training_rows]
-        bars(ax, labels, [row["value"] for row in training_rows], colors)
-        ax.set_xscale("log")
+        bars(ax, labels, [row["value"] for row in training_rows], colors, log=True)
         ax.set_xlabel("triples per second (log scale)")
         ax.set_title(data["device"].split(";")[0], fontsize=10)
         text += save(figure, out, name.replace(".json", ".png"))
@@ -268,7 +293,7 @@ def parity(data: dict[str, Any], out: Path) -> str:
     text = table(rows, columns)
     # the paired difference from one shard, one line per graph, variant and shard count, with the +-0.01 band
     compared = [row for row in rows if row.get("difference") is not None]
-    figure, ax = plt.subplots(figsize=(6.5, 1.5 + 0.18 * len(compared)))
+    figure, ax = plt.subplots(figsize=(8, 1.5 + 0.27 * len(compared)))
     ax.axvspan(-0.01, 0.01, color="tab:green", alpha=0.12, label="within 0.01")
     ax.axvline(0.0, color="gray", linewidth=0.8)
     for index, row in enumerate(compared):
@@ -283,22 +308,22 @@ def parity(data: dict[str, Any], out: Path) -> str:
             color="tab:blue" if row["num_shards"] == 2 else "tab:orange",
         )
     ax.set_yticks(range(len(compared)))
-    ax.set_yticklabels([f"{row['data']}, {row['variant']}, n={row['num_shards']}" for row in compared], fontsize=6)
+    ax.set_yticklabels([f"{row['data']}, {row['variant']}, n={row['num_shards']}" for row in compared], fontsize=9)
     ax.invert_yaxis()
-    ax.set_xlabel("filtered MRR: n shards minus one shard (paired, ± se)", fontsize=8)
-    ax.legend(fontsize=7, loc="lower right")
+    ax.set_xlabel("filtered MRR: n shards minus one shard (paired, ± se)", fontsize=10)
+    ax.legend(fontsize=9, loc="lower right")
     return text + save(figure, out, "parity.png")
 
 
 def generic(data: dict[str, Any], out: Path) -> str:
-    """Every table of a transcribed result file with the columns its rows have."""
+    """Every table of a result file (its ``tables``, or its one table of ``rows``) with the columns its rows have."""
     text = ""
-    for part in data["tables"]:
+    for part in data.get("tables") or [{"title": "", "rows": data["rows"]}]:
         keys = list(dict.fromkeys(key for row in part["rows"] for key in row))
         keys = [key for key in keys if any(row.get(key) is not None for row in part["rows"])]
-        text += f"\n**{part['title']}**\n\n"
+        text += f"\n**{part['title']}**\n\n" if part["title"] else "\n"
         if part.get("command"):
-            text += f"Command: `{part['command']}`\n\n"
+            text += f"Command: `{shown_command(part['command'])}`\n\n"
         text += table(part["rows"], [(key, key.replace("_", " ")) for key in keys])
     if data.get("notes"):
         text += f"\n{data['notes']}\n"
@@ -344,6 +369,7 @@ RENDERERS: dict[str, tuple[str, str, Callable[[Any, Path], str]]] = {
         generic,
     ),
     "storage": ("storage-cpu.json", "python benchmarks/storage.py --output FILE", generic),
+    "checkpoints": ("checkpoints-cpu.json", "python benchmarks/checkpoints.py --output FILE", generic),
     "busy": ("busy-cpu.json", "python benchmarks/busy_cpu.py --output FILE", generic),
     "pbg-import": ("pbg-import-cpu.json", "python benchmarks/pbg_import.py --output FILE", generic),
     "gpu": (

@@ -91,3 +91,45 @@ def test_missing_result_files_give_a_note(tmp_path: pathlib.Path) -> None:
         text = (tmp_path / "out" / f"{name}.md").read_text()
         assert f"No result file `benchmarks/results/{filename}`" in text
     assert (tmp_path / "out" / "bess-blocks.svg").exists()
+
+
+def test_the_cli_reference_keeps_flags_and_metrics_literal() -> None:
+    """Option texts show ``--flag`` as typed (not an en dash) and ``hits@10`` as a metric (not an e-mail link)."""
+    sys.path.insert(0, str(DOCS / "_ext"))
+    try:
+        import bess_docs
+    finally:
+        sys.path.remove(str(DOCS / "_ext"))
+    from pykeen_bess.cli import build_parser
+
+    assert bess_docs.help_cell("a multiple of --num-shards (see --storage-path)") == (
+        "a multiple of ``--num-shards`` (see ``--storage-path``)"
+    )
+    assert bess_docs.help_cell("the validation metric, hits@10") == "the validation metric, ``hits@10``"
+    cells = [row for parser in bess_docs.subcommands(build_parser(), "pykeen-bess")[1:]
+             for _, rows in bess_docs.option_rows(parser[1]) for row in rows]  # fmt: skip
+    texts = " ".join(text for _, _, text in cells)
+    assert " --" not in texts.replace(" ``--", "") and "``--num-shards``" in texts
+    train = dict(bess_docs.subcommands(build_parser(), "pykeen-bess"))["pykeen-bess train"]
+    train_rows = [row for _, rows in bess_docs.option_rows(train) for row in rows]
+    defaults = {flags.split(",")[0].split()[0]: default for flags, default, _ in train_rows}
+    assert defaults["``--dim``"] == "``64``" and defaults["``--epochs``"] == "``100``"  # from "(default: ...)"
+    assert defaults["``--stopper-metric``"] == "``hits@10``"
+    conf = (DOCS / "conf.py").read_text()
+    assert 'smartquotes_action = "qe"' in conf  # Sphinx would turn the "--" of flags in prose into dashes
+
+
+def test_the_benchmarks_page_names_no_paths_of_the_recording_machine() -> None:
+    """Commands on the page read as a reader runs them: their data directory and files, not the recorder's."""
+    sys.path.insert(0, str(DOCS))
+    try:
+        import render_benchmarks
+    finally:
+        sys.path.remove(str(DOCS))
+    shown = render_benchmarks.shown_command(
+        "python benchmarks/training.py --data ../../shared/data/wn18rr --baseline /tmp/base --output /tmp/ab/x.json"
+    )
+    assert shown == "python benchmarks/training.py --data DATA/wn18rr --baseline BASELINE_CHECKOUT --output FILE.json"
+    page = (DOCS / "benchmarks.md").read_text()
+    for phrase in ("shared/data", "/tmp/", "this session", "had shown", "transcribed", "by hand"):
+        assert phrase not in page, phrase

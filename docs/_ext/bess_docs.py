@@ -43,6 +43,12 @@ def escape_cell(text: str) -> str:
     return text.replace("|", "\\|")
 
 
+def help_cell(text: str) -> str:
+    """An option's help as reST: flags and ``name@k`` metrics literal (not dashes, not e-mail links)."""
+    text = escape_cell(text.replace("*", "\\*"))
+    return re.sub(r"(?<![`\w-])(--[a-z][a-z0-9-]*|\w+@\w+)", r"``\1``", text)
+
+
 def list_table(header: list[str], rows: list[list[str]], widths: str) -> list[str]:
     lines = [".. list-table::", "   :header-rows: 1", f"   :widths: {widths}", ""]
     for row in [header, *rows]:
@@ -94,7 +100,11 @@ def option_rows(parser: argparse.ArgumentParser) -> list[tuple[str, list[list[st
             default = action.default
             shown = "" if default in (None, argparse.SUPPRESS, False) else f"``{default}``"
             help_text = (action.help or "").replace("%(default)s", str(default))
-            rows.append([flags, shown, escape_cell(help_text.replace("*", "\\*"))])
+            stated = re.search(r"\s*\(default: ([^()]{1,24})\)", help_text)
+            if not shown and stated:  # the parser's defaults are suppressed (a --config fills them): its text's
+                shown = f"``{stated.group(1).strip()}``"
+                help_text = help_text[: stated.start()] + help_text[stated.end() :]
+            rows.append([flags, shown, help_cell(help_text)])
         if rows:
             groups.append((group.title or "options", rows))
     return groups
