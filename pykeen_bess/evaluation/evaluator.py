@@ -75,6 +75,7 @@ from tqdm.autonotebook import tqdm
 from ..runtime.allocator import AllocatorHint, resolve_allocator
 from ..distributed import ProbeTopology, join_torchrun_group
 from ..runtime.threads import ThreadPolicy, ThreadsHint, resolve_threads
+from ..storage.digests import crc32_of_array
 from ..tables.representation import ShardedEmbedding
 from .checks import check_ids, check_targets, check_triples
 from .counting import TIE_TOLERANCE
@@ -160,13 +161,17 @@ class BessEvaluator(RankBasedEvaluator):
         self._thread_device: torch.device | None = None
         #: ``(batch_size, slice_size)`` of the last evaluation (given or found by the memory search)
         self.last_block_sizes: tuple[int, int] | None = None
-        #: seconds of the last evaluation's stages: ``filter_index`` (building it), ``block_sizes`` (the
-        #: memory search, once per model), ``ranking`` (scoring and counting) and ``metrics`` (PyKEEN's)
+        #: seconds of the last evaluation's stages: ``filter_index`` (building it, or finding it built),
+        #: ``block_sizes`` (the memory search, once per model), ``ranking`` (scoring and counting) and
+        #: ``metrics`` (PyKEEN's)
         self.last_timings: dict[str, float] = {}
         #: per target, the number of queries of the last evaluation that were ranked again (near-ties, NaN)
         self.last_ranked_again: dict[str, int] = {}
         #: the caller's ``additional_filter_triples`` during :meth:`evaluate` (joined into the filter index)
         self._additional_filter_triples: list[torch.Tensor] = []
+        #: the filter index of the last evaluation and what it was built from (digests of the known triples,
+        #: sizes, device): a later evaluation with the same filter (early stopping's) builds nothing
+        self._filter_index: tuple[tuple, FilterIndex] | None = None
         #: block sizes found by the memory search, reused by later evaluations of the same model (the
         #: entries die with the model: a new model can never find an old model's sizes)
         self._block_sizes: weakref.WeakKeyDictionary[Model, dict[tuple, tuple[int, int]]] = weakref.WeakKeyDictionary()
@@ -282,6 +287,25 @@ class BessEvaluator(RankBasedEvaluator):
         finally:
             model.train(was_training)
 
+    def _cached_filter_index(
+        self, known: list[torch.Tensor], num_entities: int, num_relations: int, device: torch.device
+    ) -> FilterIndex:
+        """Return the filter index of the known triples, built once for the same triples, sizes and device.
+
+        The key holds a CRC-32 of every known-triples tensor's values (a few milliseconds for millions of
+        triples), so a changed tensor, even changed in place, builds a new index.
+        """
+        key = (
+            num_entities,
+            num_relations,
+            str(device),
+            tuple((tuple(triples.shape), str(triples.dtype), crc32_of_array(triples)) for triples in known),
+        )
+        if self._filter_index is None or self._filter_index[0] != key:
+            self._filter_index = None  # release the old index before building the new one
+            self._filter_index = key, FilterIndex.from_triples(known, num_entities, num_relations, device=device)
+        return self._filter_index[1]
+
     def _evaluate_sharded(
         self,
         model: ERModel,
@@ -306,7 +330,7 @@ class BessEvaluator(RankBasedEvaluator):
         if self.filtered:
             assert all_pos_triples is not None
             known = [all_pos_triples, *self._additional_filter_triples]
-            index = FilterIndex.from_triples(known, model.num_entities, model.num_real_relations, device=device)
+            index = self._cached_filter_index(known, model.num_entities, model.num_real_relations, device)
         num_triples = mapped_triples.shape[0]
         indexed = time.perf_counter()
         batch_size, slice_size = _block_sizes_for(

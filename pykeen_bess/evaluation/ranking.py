@@ -18,9 +18,12 @@
 3. **Once per evaluation**: the counts are summed over the shards (one collective), and the
    queries to count again are found with one host read each: those with candidates inside the
    band (near-ties, whose comparison may depend on the rounding of the product, see
-   :mod:`~pykeen_bess.evaluation.counting`) and those with non-finite scores. Only they are scored
-   again, in chunks of at most ``B``: near-tie queries as in the first pass (with their excluded
-   pairs masked as NaN) while collecting the candidates inside the band, which are then compared
+   :mod:`~pykeen_bess.evaluation.counting`) and those with non-finite scores. On the CPU the block
+   loop has collected the near-ties' candidates inside the band already (reading sizes costs
+   nothing there), and they are compared by PyKEEN's scores without scoring any query again
+   (:mod:`~pykeen_bess.evaluation.near_ties`). Otherwise they are scored again, in chunks of at
+   most ``B``: near-tie queries as in the first pass (with their excluded pairs masked as NaN)
+   while collecting the candidates inside the band, which are then compared
    by PyKEEN's own scores (:func:`~pykeen_bess.evaluation.counting.pykeen_comparisons`); queries
    with non-finite scores element by element against a dense mask. This stage reads sizes on the
    host a few times per chunk.
@@ -55,12 +58,11 @@ from .counting import (
     band_bounds,
     band_scale,
     count_block,
-    count_exactly,
-    pykeen_comparisons,
     ranks_from_counts,
     subtract_excluded,
 )
 from .excluded import ExcludedPairs
+from .near_ties import band_candidates, rank_again, resolve_collected
 from .filtering import FilterIndex
 from .sharded import Queries, ShardedScoring, feature_norms
 
@@ -74,6 +76,10 @@ __all__ = [
     "rank_target",
     "rank_triples",
 ]
+
+
+#: whether the CPU's block loop collects the near-ties' band candidates (tests turn it off to compare)
+COLLECT_BAND_ON_CPU = True
 
 
 @dataclasses.dataclass(eq=False)
@@ -142,6 +148,8 @@ def count_scored_block(
     start: int,
     pairs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     counts: torch.Tensor,
+    band_pairs: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Score one block and add its counts: the steady state of an evaluation, without host synchronisation.
 
@@ -154,12 +162,19 @@ def count_scored_block(
     :param start: the slice's first column
     :param pairs: the batch's excluded pairs: rows, positions, columns, each of shape ``[P]``
     :param counts: shape: ``[2, B]``, long: ``above`` and ``below``, updated in place
+    :param band_pairs: where a host that reads for free (the CPU) collects the block's candidates inside
+        the band that are not excluded, as ``(rows [m], candidate ids [m])`` (None: not collected; the
+        near-ties are found after the loop and their queries scored again)
+    :param ids: shape: ``[c]``, the slice's candidate ids (with ``band_pairs``)
     :returns: shape: ``[B]``, bool: whether a row held a non-finite score
     """
     lower, upper = band_bounds(true_scores, *band, feature_norms(candidates).amax())
     scores = scoring.scores(queries, candidates)
+    before = counts.clone() if band_pairs is not None else None
     sums = count_block(scores, lower, upper, counts)
     subtract_excluded(scores, lower, upper, counts, *pairs, position=position, start=start)
+    if band_pairs is not None and before is not None and ids is not None:
+        band_pairs.append(band_candidates(scores, lower, upper, counts - before, pairs, position, start, ids))
     return ~torch.isfinite(sums)
 
 
@@ -175,6 +190,7 @@ def rank_batch(
     topology: Topology | None = None,
     threads: ThreadPolicy | None = None,
     max_blocks: int | None = None,
+    band_pairs: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Count one batch of ``B`` queries against every local candidate, on the device.
 
@@ -189,6 +205,7 @@ def rank_batch(
     :param topology: the topology (probes pass a :class:`~pykeen_bess.distributed.ProbeTopology`)
     :param threads: the thread policy; each block (scoring and counting) is one of its units
     :param max_blocks: score only this many blocks (memory probes)
+    :param band_pairs: collects the candidates inside the band (see :func:`count_scored_block`), or None
     :returns: ``above`` / ``below`` counts ``[2, B]``, whether a row held a non-finite score ``[B]``
         and the true scores ``[B]``
     """
@@ -199,12 +216,12 @@ def rank_batch(
     nonfinite = ~torch.isfinite(true_scores)
     blocks = 0
     for position in range(len(scoring.local_shards)):
-        for start, _, candidates in scoring.candidate_blocks(queries.side, position, slice_size, known.device):
+        for start, ids, candidates in scoring.candidate_blocks(queries.side, position, slice_size, known.device):
             if max_blocks is not None and blocks >= max_blocks:
                 return counts, nonfinite, true_scores
             with contextlib.nullcontext() if threads is None else threads.unit():
                 nonfinite |= count_scored_block(
-                    scoring, queries, true_scores, band, candidates, position, start, pairs, counts
+                    scoring, queries, true_scores, band, candidates, position, start, pairs, counts, band_pairs, ids
                 )
             del candidates
             blocks += 1
@@ -234,6 +251,7 @@ def rank_target(
     resolve_ties: bool,
     threads: ThreadPolicy | None = None,
     on_batch: Callable[[int], object] | None = None,
+    collect_band: bool | None = None,
 ) -> TargetRanks:
     """Rank the true entities of all evaluation triples for one target (see the module docstring).
 
@@ -248,6 +266,8 @@ def rank_target(
     :param resolve_ties: compare near-ties by PyKEEN's scores (needs the whole model in this process)
     :param threads: the thread policy of the blocks
     :param on_batch: called with the number of queries after each batch (progress), or None
+    :param collect_band: collect the near-ties' band candidates in the block loop instead of scoring their
+        queries again (default: on the CPU, when near-ties are resolved)
     :returns: the ranks
     """
     topology = scoring.topology
@@ -263,8 +283,15 @@ def rank_target(
     for number in batches:
         owned[number * batch_size : (number + 1) * batch_size] = True
     owned_on_device = owned.to(device)
+    # on the CPU, where reading sizes costs nothing, the first pass collects the band's candidates
+    if collect_band is None:
+        collect_band = device.type == "cpu" and COLLECT_BAND_ON_CPU
+    collected: list[tuple[torch.Tensor, torch.Tensor]] | None = (
+        [] if collect_band and resolve_ties and tolerance > 0 else None
+    )
     for number in sorted(batches):
         rows = slice(number * batch_size, min((number + 1) * batch_size, num_queries))
+        batch_pairs: list[tuple[torch.Tensor, torch.Tensor]] | None = None if collected is None else []
         batch_counts, nonfinite, batch_true = rank_batch(
             scoring,
             target,
@@ -275,7 +302,10 @@ def rank_target(
             slice_size,
             tolerance,
             threads=threads,
+            band_pairs=batch_pairs,
         )
+        if collected is not None and batch_pairs:
+            collected.extend((band_row + rows.start, band_ids) for band_row, band_ids in batch_pairs)
         if true_scores is None:
             true_scores = torch.zeros(num_queries, dtype=batch_true.dtype, device=device)
         counts[:2, rows] = batch_counts
@@ -293,14 +323,18 @@ def rank_target(
     near = owned_on_device & ~nonfinite & (finite - counts[0] - counts[1] > 0)  # candidates inside the band
     nan = torch.zeros_like(larger)
     ranked_again = 0
+    if collected is not None:  # the near-ties' candidates are known: compare them by PyKEEN's scores
+        ranked_again += resolve_collected(
+            scoring, triples, target, near, collected, counts, finite, larger, not_smaller
+        )
     # the host reads of the ranking: which queries to rank again (near-ties need a band of positive width)
     for flagged, exact in ((nonfinite, True), (near, False)):
-        if not exact and tolerance == 0:
+        if not exact and (tolerance == 0 or collected is not None):
             continue
         again = flagged.nonzero().view(-1)
         ranked_again += again.shape[0]
         for chunk in again.split(batch_size):
-            chunk_counts = _rank_again(
+            chunk_counts = rank_again(
                 scoring,
                 triples[chunk],
                 target,
@@ -375,78 +409,3 @@ def rank_triples(
         ranked[number] = {target: values[position, :, rows] for position, target in enumerate(targets)}
     ranked_again = {target: ranks.ranked_again for target, ranks in zip(targets, per_target)}
     return HostRanks(batches=ranked, ranked_again=ranked_again)
-
-
-def _rank_again(
-    scoring: ShardedScoring,
-    triples: torch.Tensor,
-    target: str,
-    queries_index: torch.Tensor,
-    pairs: ExcludedPairs,
-    slice_size: int,
-    tolerance: float,
-    threads: ThreadPolicy | None,
-    finite: torch.Tensor | None,
-) -> torch.Tensor:
-    """Count some queries again, their near-ties (candidates inside the band) by PyKEEN's scores.
-
-    With ``finite`` (queries whose scores were all finite: only near-ties to resolve) the blocks
-    are counted as in the first pass, with the excluded pairs masked as NaN, and the candidates
-    inside the band are collected; otherwise (queries with non-finite scores) every block is
-    counted element by element (:func:`~pykeen_bess.evaluation.counting.count_exactly`).
-
-    :param triples: shape: ``[n, 3]``, the queries' triples
-    :param queries_index: shape: ``[n]``, their global query indices
-    :param tolerance: the band's half width (0: no near-ties to resolve)
-    :param finite: shape: ``[n]``, the number of candidates of each query (all scores finite), or None
-    :returns: shape: ``[4, n]``, long: ``larger``, ``not_smaller``, ``finite``, ``nan``, summed over the shards
-    """
-    heads, relations, tails = triples.unbind(dim=1)
-    known, true = (heads, tails) if target == LABEL_TAIL else (tails, heads)
-    queries = scoring.queries(target, known, relations)
-    true_scores = scoring.true_scores(queries, true)
-    band_parts = band_scale(true_scores, feature_norms(queries.features), tolerance)
-    row, position, column = pairs.of_queries(queries_index, pairs.per_query.shape[0])
-    num_queries = triples.shape[0]
-    # larger (or above), not_smaller (or below), finite, nan; the fast path counts the band in the third row
-    counts = torch.zeros((4, num_queries), dtype=torch.long, device=true_scores.device)
-    band_rows, band_ids = [], []
-    for index in range(len(scoring.local_shards)):
-        for start, ids, candidates in scoring.candidate_blocks(queries.side, index, slice_size, triples.device):
-            with contextlib.nullcontext() if threads is None else threads.unit():
-                lower, upper = band_bounds(true_scores, *band_parts, feature_norms(candidates).amax())
-                scores = scoring.scores(queries, candidates)
-                inside = (position == index) & (column >= start) & (column < start + scores.shape[1])
-                if finite is not None:
-                    scores[row[inside], column[inside] - start] = float("nan")
-                    count_block(scores, lower, upper, counts[:2])
-                    band = (scores >= lower.unsqueeze(1)) & (scores <= upper.unsqueeze(1))
-                else:
-                    excluded = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
-                    excluded[row[inside], column[inside] - start] = True
-                    band = count_exactly(scores, true_scores, lower, upper, excluded, counts)
-                if tolerance > 0:
-                    band_row, band_column = band.nonzero(as_tuple=True)
-                    band_rows.append(band_row)
-                    band_ids.append(ids[band_column])
-                del scores, band
-    if finite is not None:
-        band_count = torch.zeros_like(counts[2])
-        for band_row in band_rows:
-            band_count.index_add_(0, band_row, torch.ones_like(band_row))
-        counts[2] = band_count
-    counts = scoring.topology.shard_all_reduce(counts)
-    if finite is not None:  # above, below and the band's size -> larger, not_smaller outside the band
-        counts[1] = finite - counts[1] - counts[2]
-        counts[2] = finite
-        counts[3] = 0
-    if band_rows:
-        rows = torch.cat(band_rows)
-        order = torch.argsort(rows, stable=True)
-        max_queries = 256 if triples.device.type != "cpu" else 64
-        larger, not_smaller = pykeen_comparisons(
-            scoring.model, target, triples, rows[order], torch.cat(band_ids)[order], max_queries
-        )
-        counts[0] += larger
-        counts[1] += not_smaller
-    return counts

@@ -117,3 +117,27 @@ def test_invalid_side():
     index = FilterIndex.from_triples(torch.tensor([[0, 0, 1]]))
     with pytest.raises(ValueError, match="side"):
         index.filtered("relation", torch.tensor([0]), torch.tensor([0]))
+
+
+def test_a_repeated_evaluation_reuses_the_filter_index_until_the_triples_change() -> None:
+    """Early stopping evaluates the same validation triples again: the second evaluation builds no index."""
+    from unittest import mock
+
+    from pykeen.datasets import Nations
+    from pykeen.models import DistMult
+
+    from pykeen_bess.evaluation import BessEvaluator
+    from pykeen_bess.evaluation.filtering import FilterIndex
+
+    data = Nations()
+    model = DistMult(triples_factory=data.training, embedding_dim=8, random_seed=0)
+    evaluator = BessEvaluator(num_shards=2)
+    training = data.training.mapped_triples.clone()
+    kwargs = dict(additional_filter_triples=[training], use_tqdm=False)
+    with mock.patch.object(FilterIndex, "from_triples", wraps=FilterIndex.from_triples) as built:
+        first = evaluator.evaluate(model, data.validation.mapped_triples, **kwargs).to_flat_dict()
+        second = evaluator.evaluate(model, data.validation.mapped_triples, **kwargs).to_flat_dict()
+        assert built.call_count == 1 and first == second
+        training[0, 2] = (training[0, 2] + 1) % data.num_entities  # changed in place: another filter
+        evaluator.evaluate(model, data.validation.mapped_triples, **kwargs)
+        assert built.call_count == 2

@@ -84,6 +84,22 @@ def test_rounding_of_the_blocks_does_not_change_ranks(nations: Nations, monkeypa
     assert metrics(BessEvaluator(num_shards=2, slice_size=4, tie_tolerance=0), model, nations) != expected
 
 
+@pytest.mark.parametrize(("num_shards", "slice_size"), [(1, None), (3, 5), (2, 4)])
+def test_collected_near_ties_equal_near_ties_scored_again(nations: Nations, monkeypatch, num_shards, slice_size):
+    """The CPU's block loop collects the near-ties' candidates; scoring their queries again finds the same."""
+    from pykeen_bess.evaluation import ranking
+
+    model = twin_model(nations)
+    results = {}
+    for collect in (True, False):
+        monkeypatch.setattr(ranking, "COLLECT_BAND_ON_CPU", collect)
+        evaluator = BessEvaluator(num_shards=num_shards, batch_size=64, slice_size=slice_size)
+        results[collect] = metrics(evaluator, model, nations), dict(evaluator.last_ranked_again)
+    assert results[True] == results[False]
+    assert sum(results[True][1].values()) > 0
+    assert results[True][0] == metrics(RankBasedEvaluator(batch_size=256), model, nations)
+
+
 @pytest.mark.parametrize("value", [-1.0, float("nan"), "16", True])
 def test_bad_tie_tolerance(value):
     """The band's width must be a non-negative number."""

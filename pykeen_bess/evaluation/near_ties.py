@@ -1,0 +1,182 @@
+"""Near-ties: the queries with candidates inside the band, whose comparisons PyKEEN's own scores decide.
+
+After the block loop of :mod:`~pykeen_bess.evaluation.ranking`, a query with candidates inside the
+band around its true score (see :mod:`~pykeen_bess.evaluation.counting`) needs those candidates
+compared by PyKEEN's scores, and a query with non-finite scores an element-by-element count:
+
+* on the CPU, where reading sizes costs nothing, the block loop collects each block's candidates
+  inside the band as it goes (:func:`band_candidates`), and :func:`resolve_collected` compares them,
+  without scoring any query again;
+* elsewhere (and for non-finite scores) :func:`rank_again` scores the flagged queries again, in
+  chunks, collecting the band's candidates (or counting exactly).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from pykeen.typing import LABEL_TAIL
+
+from ..runtime.threads import ThreadPolicy
+from .counting import band_bounds, band_scale, count_block, count_exactly, pykeen_comparisons
+from .excluded import ExcludedPairs
+from .sharded import ShardedScoring, feature_norms
+
+__all__ = ["band_candidates", "rank_again", "resolve_collected"]
+
+
+def band_candidates(
+    scores: torch.Tensor,
+    lower: torch.Tensor,
+    upper: torch.Tensor,
+    block_counts: torch.Tensor,
+    pairs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    position: int,
+    start: int,
+    ids: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return a block's candidates inside the band that are not excluded: ``(rows [m], candidate ids [m])``.
+
+    Only the rows whose block counts leave candidates between ``above`` and ``below`` are compared
+    again (they hold the band's candidates, excluded pairs and NaN scores); the excluded pairs of
+    the block are dropped. Reads sizes on the host: for the CPU, where that costs nothing.
+
+    :param scores: shape: ``[B, k]``
+    :param lower: shape: ``[B]``
+    :param upper: shape: ``[B]``
+    :param block_counts: shape: ``[2, B]``, the block's ``above`` and ``below`` (excluded pairs subtracted)
+    :param pairs: the batch's excluded pairs: rows, positions, columns
+    :param position: the slice's shard position
+    :param start: the slice's first column
+    :param ids: shape: ``[k]``, the slice's candidate ids
+    """
+    width = scores.shape[1]
+    rows = (block_counts.sum(dim=0) < width).nonzero().view(-1)
+    block = scores[rows]
+    row, column = ((block >= lower[rows].unsqueeze(1)) & (block <= upper[rows].unsqueeze(1))).nonzero(as_tuple=True)
+    row = rows[row]
+    excluded_rows, positions, columns = pairs
+    here = (positions == position) & (columns >= start) & (columns < start + width)
+    if row.numel() and bool(here.any()):
+        excluded = excluded_rows[here] * width + (columns[here] - start)
+        keep = ~torch.isin(row * width + column, excluded)
+        row, column = row[keep], column[keep]
+    return row, ids[column]
+
+
+def resolve_collected(
+    scoring: ShardedScoring,
+    triples: torch.Tensor,
+    target: str,
+    near: torch.Tensor,
+    collected: list[tuple[torch.Tensor, torch.Tensor]],
+    counts: torch.Tensor,
+    finite: torch.Tensor,
+    larger: torch.Tensor,
+    not_smaller: torch.Tensor,
+) -> int:
+    """Rank the near-tie queries from the band candidates the first pass collected (the CPU's shortcut).
+
+    A near-tie query's ``above`` and ``below`` are final; its candidates inside the band (``m`` of
+    them) are compared by PyKEEN's scores: ``larger = above + larger_m``, ``not_smaller = finite -
+    below - m + not_smaller_m``, what :func:`rank_again` computes after scoring the query again.
+
+    :param near: shape: ``[Q]``, bool: the queries with candidates inside the band (and finite scores)
+    :param collected: the ``(query indices [m], candidate ids [m])`` of every block
+    :param counts: shape: ``[4, Q]``: ``above``, ``below``, ...
+    :param finite: shape: ``[Q]``, the finite candidates of every query
+    :param larger: shape: ``[Q]``, updated in place for the near-tie queries
+    :param not_smaller: shape: ``[Q]``, updated in place for the near-tie queries
+    :returns: the number of near-tie queries
+    """
+    queries = near.nonzero().view(-1)
+    if not collected or queries.numel() == 0:
+        return 0
+    rows, ids = torch.cat([row for row, _ in collected]), torch.cat([ids for _, ids in collected])
+    keep = near[rows]
+    rows, ids = rows[keep], ids[keep]
+    order = torch.argsort(rows, stable=True)
+    rows, ids = rows[order], ids[order]
+    band = torch.bincount(rows, minlength=near.shape[0])[queries]
+    compared_larger, compared_not_smaller = pykeen_comparisons(
+        scoring.model, target, triples[queries], torch.searchsorted(queries, rows), ids, max_queries=64
+    )
+    larger[queries] = counts[0, queries] + compared_larger
+    not_smaller[queries] = finite[queries] - counts[1, queries] - band + compared_not_smaller
+    return int(queries.numel())
+
+
+def rank_again(
+    scoring: ShardedScoring,
+    triples: torch.Tensor,
+    target: str,
+    queries_index: torch.Tensor,
+    pairs: ExcludedPairs,
+    slice_size: int,
+    tolerance: float,
+    threads: ThreadPolicy | None,
+    finite: torch.Tensor | None,
+) -> torch.Tensor:
+    """Count some queries again, their near-ties (candidates inside the band) by PyKEEN's scores.
+
+    With ``finite`` (queries whose scores were all finite: only near-ties to resolve) the blocks
+    are counted as in the first pass, with the excluded pairs masked as NaN, and the candidates
+    inside the band are collected; otherwise (queries with non-finite scores) every block is
+    counted element by element (:func:`~pykeen_bess.evaluation.counting.count_exactly`).
+
+    :param triples: shape: ``[n, 3]``, the queries' triples
+    :param queries_index: shape: ``[n]``, their global query indices
+    :param tolerance: the band's half width (0: no near-ties to resolve)
+    :param finite: shape: ``[n]``, the number of candidates of each query (all scores finite), or None
+    :returns: shape: ``[4, n]``, long: ``larger``, ``not_smaller``, ``finite``, ``nan``, summed over the shards
+    """
+    heads, relations, tails = triples.unbind(dim=1)
+    known, true = (heads, tails) if target == LABEL_TAIL else (tails, heads)
+    queries = scoring.queries(target, known, relations)
+    true_scores = scoring.true_scores(queries, true)
+    band_parts = band_scale(true_scores, feature_norms(queries.features), tolerance)
+    row, position, column = pairs.of_queries(queries_index, pairs.per_query.shape[0])
+    num_queries = triples.shape[0]
+    # larger (or above), not_smaller (or below), finite, nan; the fast path counts the band in the third row
+    counts = torch.zeros((4, num_queries), dtype=torch.long, device=true_scores.device)
+    band_rows, band_ids = [], []
+    for index in range(len(scoring.local_shards)):
+        for start, ids, candidates in scoring.candidate_blocks(queries.side, index, slice_size, triples.device):
+            with contextlib.nullcontext() if threads is None else threads.unit():
+                lower, upper = band_bounds(true_scores, *band_parts, feature_norms(candidates).amax())
+                scores = scoring.scores(queries, candidates)
+                inside = (position == index) & (column >= start) & (column < start + scores.shape[1])
+                if finite is not None:
+                    scores[row[inside], column[inside] - start] = float("nan")
+                    count_block(scores, lower, upper, counts[:2])
+                    band = (scores >= lower.unsqueeze(1)) & (scores <= upper.unsqueeze(1))
+                else:
+                    excluded = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
+                    excluded[row[inside], column[inside] - start] = True
+                    band = count_exactly(scores, true_scores, lower, upper, excluded, counts)
+                if tolerance > 0:
+                    band_row, band_column = band.nonzero(as_tuple=True)
+                    band_rows.append(band_row)
+                    band_ids.append(ids[band_column])
+                del scores, band
+    if finite is not None:
+        band_count = torch.zeros_like(counts[2])
+        for band_row in band_rows:
+            band_count.index_add_(0, band_row, torch.ones_like(band_row))
+        counts[2] = band_count
+    counts = scoring.topology.shard_all_reduce(counts)
+    if finite is not None:  # above, below and the band's size -> larger, not_smaller outside the band
+        counts[1] = finite - counts[1] - counts[2]
+        counts[2] = finite
+        counts[3] = 0
+    if band_rows:
+        rows = torch.cat(band_rows)
+        order = torch.argsort(rows, stable=True)
+        max_queries = 256 if triples.device.type != "cpu" else 64
+        larger, not_smaller = pykeen_comparisons(
+            scoring.model, target, triples, rows[order], torch.cat(band_ids)[order], max_queries
+        )
+        counts[0] += larger
+        counts[1] += not_smaller
+    return counts
