@@ -75,11 +75,10 @@ from tqdm.autonotebook import tqdm
 from ..runtime.allocator import AllocatorHint, resolve_allocator
 from ..distributed import ProbeTopology, join_torchrun_group
 from ..runtime.threads import ThreadPolicy, ThreadsHint, resolve_threads
-from ..storage.digests import crc32_of_array
 from ..tables.representation import ShardedEmbedding
 from .checks import check_ids, check_targets, check_triples
 from .counting import TIE_TOLERANCE
-from .filtering import FilterIndex
+from .filtering import FilterIndex, FilterIndexCache
 from .ranking import probe_step, rank_triples
 from .sharded import ShardedScoring
 from .sizes import choose_block_sizes
@@ -171,7 +170,7 @@ class BessEvaluator(RankBasedEvaluator):
         self._additional_filter_triples: list[torch.Tensor] = []
         #: the filter index of the last evaluation and what it was built from (digests of the known triples,
         #: sizes, device): a later evaluation with the same filter (early stopping's) builds nothing
-        self._filter_index: tuple[tuple, FilterIndex] | None = None
+        self._filter_index = FilterIndexCache()
         #: block sizes found by the memory search, reused by later evaluations of the same model (the
         #: entries die with the model: a new model can never find an old model's sizes)
         self._block_sizes: weakref.WeakKeyDictionary[Model, dict[tuple, tuple[int, int]]] = weakref.WeakKeyDictionary()
@@ -287,25 +286,6 @@ class BessEvaluator(RankBasedEvaluator):
         finally:
             model.train(was_training)
 
-    def _cached_filter_index(
-        self, known: list[torch.Tensor], num_entities: int, num_relations: int, device: torch.device
-    ) -> FilterIndex:
-        """Return the filter index of the known triples, built once for the same triples, sizes and device.
-
-        The key holds a CRC-32 of every known-triples tensor's values (a few milliseconds for millions of
-        triples), so a changed tensor, even changed in place, builds a new index.
-        """
-        key = (
-            num_entities,
-            num_relations,
-            str(device),
-            tuple((tuple(triples.shape), str(triples.dtype), crc32_of_array(triples)) for triples in known),
-        )
-        if self._filter_index is None or self._filter_index[0] != key:
-            self._filter_index = None  # release the old index before building the new one
-            self._filter_index = key, FilterIndex.from_triples(known, num_entities, num_relations, device=device)
-        return self._filter_index[1]
-
     def _evaluate_sharded(
         self,
         model: ERModel,
@@ -330,7 +310,7 @@ class BessEvaluator(RankBasedEvaluator):
         if self.filtered:
             assert all_pos_triples is not None
             known = [all_pos_triples, *self._additional_filter_triples]
-            index = self._cached_filter_index(known, model.num_entities, model.num_real_relations, device)
+            index = self._filter_index.get(known, model.num_entities, model.num_real_relations, device)
         num_triples = mapped_triples.shape[0]
         indexed = time.perf_counter()
         batch_size, slice_size = _block_sizes_for(

@@ -39,9 +39,12 @@ from typing import Literal
 
 import torch
 
+from ..storage.digests import crc32_of_array
+
 __all__ = [
     "BYTES_PER_TRIPLE",
     "FilterIndex",
+    "FilterIndexCache",
     "SideIndex",
 ]
 
@@ -225,3 +228,31 @@ def _build_side(keys: torch.Tensor, entities: torch.Tensor, num_entities: int, e
         new[1:] = (keys[1:] != keys[:-1]) | (entities[1:] != entities[:-1])
         keys, entities = keys[new], entities[new]
     return SideIndex(keys=keys.contiguous(), entities=entities.to(entity_dtype).contiguous())
+
+
+class FilterIndexCache:
+    """The filter index of the last evaluation, built again only for other known triples, sizes or device.
+
+    Early stopping evaluates the same validation triples every few epochs: the second evaluation
+    builds nothing. The key holds a CRC-32 of every known-triples tensor's values (a few
+    milliseconds for millions of triples), so a tensor changed in place builds a new index.
+    """
+
+    def __init__(self) -> None:
+        """Start empty."""
+        self._entry: tuple[tuple, FilterIndex] | None = None
+
+    def get(
+        self, known: Sequence[torch.Tensor], num_entities: int, num_relations: int, device: torch.device
+    ) -> FilterIndex:
+        """Return the index of the known triples (``[T_i, 3]`` each), built if they, the sizes or the device differ."""
+        key = (
+            num_entities,
+            num_relations,
+            str(device),
+            tuple((tuple(triples.shape), str(triples.dtype), crc32_of_array(triples)) for triples in known),
+        )
+        if self._entry is None or self._entry[0] != key:
+            self._entry = None  # release the old index before building the new one
+            self._entry = key, FilterIndex.from_triples(list(known), num_entities, num_relations, device=device)
+        return self._entry[1]
