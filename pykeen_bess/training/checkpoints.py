@@ -334,11 +334,6 @@ class FileCheckpointStore(CheckpointStore):
     def load(self, path: pathlib.Path, triples_factory: CoreTriplesFactory | None = None) -> Any:  # noqa: D102
         path = pathlib.Path(path)
         pointer = read_pointer(path)
-        if pointer is not None and isinstance(self.loop.tables, ColumnShardTables):
-            raise ValueError(
-                f"{path} is a checkpoint of a torch.distributed run; with partition='encoding' resume it under "
-                f"torchrun, or in one process with partition='token' (any number of shards: it is resharded)."
-            )
         if pointer is not None:  # a distributed checkpoint: every shard's rows from the ranks' files
             return self.load_resharded(
                 check_pointer(path, pointer, self.loop.config.seed, self.sharding), triples_factory
@@ -346,8 +341,7 @@ class FileCheckpointStore(CheckpointStore):
         try:
             return self.read_state(path, triples_factory)
         except CheckpointMismatchError:  # another number of logical shards, otherwise this configuration?
-            columns = isinstance(self.loop.tables, ColumnShardTables)
-            shards = None if columns else one_process_shards(self, path)
+            shards = one_process_shards(self, path)
             if shards is None or shards == self.topology.n_shard:
                 raise
             return self.load_resharded(ShardFiles(path, shards), triples_factory)
