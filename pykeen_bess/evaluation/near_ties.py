@@ -30,7 +30,7 @@ def band_candidates(
     scores: torch.Tensor,
     lower: torch.Tensor,
     upper: torch.Tensor,
-    block_counts: torch.Tensor,
+    others: torch.Tensor,
     pairs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     position: int,
     start: int,
@@ -38,21 +38,23 @@ def band_candidates(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Return a block's candidates inside the band that are not excluded: ``(rows [m], candidate ids [m])``.
 
-    Only the rows whose block counts leave candidates between ``above`` and ``below`` are compared
-    again (they hold the band's candidates, excluded pairs and NaN scores); the excluded pairs of
-    the block are dropped. Reads sizes on the host: for the CPU, where that costs nothing.
+    Only the rows with entries in the band other than their excluded pairs (``others > 0``: the
+    band's candidates, and NaN scores, which are neither above nor below) are compared again; the
+    excluded pairs of the block are dropped. Reads sizes on the host: for the CPU, where that costs
+    nothing.
 
     :param scores: shape: ``[B, k]``
     :param lower: shape: ``[B]``
     :param upper: shape: ``[B]``
-    :param block_counts: shape: ``[2, B]``, the block's ``above`` and ``below`` (excluded pairs subtracted)
+    :param others: shape: ``[B]``, the block's entries per row that are neither above nor below nor
+        excluded
     :param pairs: the batch's excluded pairs: rows, positions, columns
     :param position: the slice's shard position
     :param start: the slice's first column
     :param ids: shape: ``[k]``, the slice's candidate ids
     """
     width = scores.shape[1]
-    rows = (block_counts.sum(dim=0) < width).nonzero().view(-1)
+    rows = (others > 0).nonzero().view(-1)
     block = scores[rows]
     row, column = ((block >= lower[rows].unsqueeze(1)) & (block <= upper[rows].unsqueeze(1))).nonzero(as_tuple=True)
     row = rows[row]

@@ -35,7 +35,8 @@ ranks (:meth:`HostRanks.gather_replicas`), and they are laid out as PyKEEN's
 :class:`~pykeen.evaluation.RankBasedEvaluator` collects them (:meth:`HostRanks.append_to`).
 
 Memory: the excluded-pair table (``3 * 8 * num_batches * P`` bytes), ``[4, Q]`` counts and
-``[Q]`` true scores per target, and per step one ``[B, k]`` score block with its comparisons
+``[Q]`` true scores per target, one ``[B, k']`` score buffer every block is written into
+(:class:`BlockBuffer`) and per step the block's comparisons
 (:mod:`~pykeen_bess.evaluation.counting`); counting again scores blocks of at most ``B`` of the
 flagged queries with boolean ``[B, k]`` band (and mask) tensors, and PyKEEN scores at most 256
 queries (64 on the CPU) against their true entities and near-ties at a time.
@@ -54,6 +55,7 @@ from pykeen.typing import LABEL_TAIL, RANK_OPTIMISTIC, RANK_PESSIMISTIC, RANK_RE
 
 from ..distributed import Topology
 from ..runtime.threads import ThreadPolicy
+from ..scoring.base import SCORE_ROW_ALIGNMENT
 from .counting import (
     band_bounds,
     band_scale,
@@ -67,6 +69,7 @@ from .filtering import FilterIndex
 from .sharded import Queries, ShardedScoring, feature_norms
 
 __all__ = [
+    "BlockBuffer",
     "ExcludedPairs",
     "HostRanks",
     "TargetRanks",
@@ -80,6 +83,29 @@ __all__ = [
 
 #: whether the CPU's block loop collects the near-ties' band candidates (tests turn it off to compare)
 COLLECT_BAND_ON_CPU = True
+
+
+class BlockBuffer:
+    """The score blocks' memory of one target's ranking: one ``[B, k']`` tensor, written by every block.
+
+    ``k'`` is the slice size rounded up to :data:`~pykeen_bess.scoring.base.SCORE_ROW_ALIGNMENT` (rows
+    of an aligned stride; a shorter last slice writes a narrower view). Allocated on first use, in
+    the dtype and on the device of the scores; a block is a view of it, so it is dead once the next
+    block is scored (the block loop holds one block at a time). Reusing it spares the allocation per
+    block and, on the CPU, the kernel clearing a fresh block's pages before the product writes them.
+    """
+
+    def __init__(self, batch_size: int, slice_size: int):
+        """Hold blocks of up to ``batch_size`` queries against ``slice_size`` candidates."""
+        self.shape = (batch_size, -(-slice_size // SCORE_ROW_ALIGNMENT) * SCORE_ROW_ALIGNMENT)
+        self._tensor: torch.Tensor | None = None
+
+    def of(self, like: torch.Tensor) -> torch.Tensor:
+        """Return the buffer in the dtype and on the device of ``like`` (allocated on first use)."""
+        tensor = self._tensor
+        if tensor is None or tensor.dtype != like.dtype or tensor.device != like.device:
+            tensor = self._tensor = torch.empty(self.shape, dtype=like.dtype, device=like.device)
+        return tensor
 
 
 @dataclasses.dataclass(eq=False)
@@ -150,6 +176,7 @@ def count_scored_block(
     counts: torch.Tensor,
     band_pairs: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     ids: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Score one block and add its counts: the steady state of an evaluation, without host synchronisation.
 
@@ -166,15 +193,20 @@ def count_scored_block(
         the band that are not excluded, as ``(rows [m], candidate ids [m])`` (None: not collected; the
         near-ties are found after the loop and their queries scored again)
     :param ids: shape: ``[c]``, the slice's candidate ids (with ``band_pairs``)
+    :param out: the evaluation's score buffer (:class:`BlockBuffer`), which the block may be written into
     :returns: shape: ``[B]``, bool: whether a row held a non-finite score
     """
     lower, upper = band_bounds(true_scores, *band, feature_norms(candidates).amax())
-    scores = scoring.scores(queries, candidates)
-    before = counts.clone() if band_pairs is not None else None
+    scores = scoring.scores(queries, candidates, out=out)
+    collect = band_pairs is not None and ids is not None
+    before = counts.clone() if collect else None
+    excluded = torch.zeros_like(counts[0]) if collect else None
     sums = count_block(scores, lower, upper, counts)
-    subtract_excluded(scores, lower, upper, counts, *pairs, position=position, start=start)
-    if band_pairs is not None and before is not None and ids is not None:
-        band_pairs.append(band_candidates(scores, lower, upper, counts - before, pairs, position, start, ids))
+    subtract_excluded(scores, lower, upper, counts, *pairs, position=position, start=start, in_block=excluded)
+    if band_pairs is not None and before is not None and excluded is not None and ids is not None:
+        # the entries neither above nor below that are not excluded: the band's candidates (and NaN scores)
+        others = scores.shape[1] - (counts - before).sum(dim=0) - excluded
+        band_pairs.append(band_candidates(scores, lower, upper, others, pairs, position, start, ids))
     return ~torch.isfinite(sums)
 
 
@@ -191,6 +223,7 @@ def rank_batch(
     threads: ThreadPolicy | None = None,
     max_blocks: int | None = None,
     band_pairs: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    buffer: BlockBuffer | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Count one batch of ``B`` queries against every local candidate, on the device.
 
@@ -206,6 +239,7 @@ def rank_batch(
     :param threads: the thread policy; each block (scoring and counting) is one of its units
     :param max_blocks: score only this many blocks (memory probes)
     :param band_pairs: collects the candidates inside the band (see :func:`count_scored_block`), or None
+    :param buffer: the evaluation's score buffer, reused by every block (None: a new tensor per block)
     :returns: ``above`` / ``below`` counts ``[2, B]``, whether a row held a non-finite score ``[B]``
         and the true scores ``[B]``
     """
@@ -214,6 +248,7 @@ def rank_batch(
     band = band_scale(true_scores, feature_norms(queries.features), tolerance)
     counts = torch.zeros((2, known.shape[0]), dtype=torch.long, device=true_scores.device)
     nonfinite = ~torch.isfinite(true_scores)
+    out = None if buffer is None else buffer.of(true_scores)
     blocks = 0
     for position in range(len(scoring.local_shards)):
         for start, ids, candidates in scoring.candidate_blocks(queries.side, position, slice_size, known.device):
@@ -221,7 +256,18 @@ def rank_batch(
                 return counts, nonfinite, true_scores
             with contextlib.nullcontext() if threads is None else threads.unit():
                 nonfinite |= count_scored_block(
-                    scoring, queries, true_scores, band, candidates, position, start, pairs, counts, band_pairs, ids
+                    scoring,
+                    queries,
+                    true_scores,
+                    band,
+                    candidates,
+                    position,
+                    start,
+                    pairs,
+                    counts,
+                    band_pairs,
+                    ids,
+                    out,
                 )
             del candidates
             blocks += 1
@@ -289,6 +335,7 @@ def rank_target(
     collected: list[tuple[torch.Tensor, torch.Tensor]] | None = (
         [] if collect_band and resolve_ties and tolerance > 0 else None
     )
+    buffer = BlockBuffer(batch_size, slice_size)
     for number in sorted(batches):
         rows = slice(number * batch_size, min((number + 1) * batch_size, num_queries))
         batch_pairs: list[tuple[torch.Tensor, torch.Tensor]] | None = None if collected is None else []
@@ -303,6 +350,7 @@ def rank_target(
             tolerance,
             threads=threads,
             band_pairs=batch_pairs,
+            buffer=buffer,
         )
         if collected is not None and batch_pairs:
             collected.extend((band_row + rows.start, band_ids) for band_row, band_ids in batch_pairs)
@@ -332,6 +380,8 @@ def rank_target(
         if not exact and (tolerance == 0 or collected is not None):
             continue
         again = flagged.nonzero().view(-1)
+        if again.numel() == 0:  # (split would yield one empty chunk, scored against every block)
+            continue
         ranked_again += again.shape[0]
         for chunk in again.split(batch_size):
             chunk_counts = rank_again(

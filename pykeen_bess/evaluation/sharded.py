@@ -371,9 +371,15 @@ class ShardedScoring:
                 if max_blocks is not None and blocks >= max_blocks:
                     return
 
-    def scores(self, queries: Queries, candidates: torch.Tensor) -> torch.Tensor:
-        """Score all queries against a slice of candidates: ``[B, q] x [k, c] -> [B, k]``."""
-        return self._finish(self.scorer.score(queries.side, queries.features, candidates))
+    def scores(self, queries: Queries, candidates: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Score all queries against a slice of candidates: ``[B, q] x [k, c] -> [B, k]``.
+
+        :param out: a ``[B', k']`` buffer (``B' >= B``, ``k' >= k``) the scorer may write the scores into
+            (:meth:`~pykeen_bess.scoring.SharedCandidateScorer.score_into`), or None
+        """
+        if out is None:
+            return self._finish(self.scorer.score(queries.side, queries.features, candidates))
+        return self._finish(self.scorer.score_into(queries.side, queries.features, candidates, out))
 
     def _finish(self, scores: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(scores) if self.model.predict_with_sigmoid else scores

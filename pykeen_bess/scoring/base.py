@@ -116,6 +116,20 @@ class SharedCandidateScorer(ABC):
         :returns: shape: ``[*B, b, k]``
         """
 
+    def score_into(self, side: Side, query: torch.Tensor, candidates: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """:meth:`score` 2-D queries against 2-D candidates, written into ``out`` where the scorer can.
+
+        Scorers whose scores are one matrix product write them into ``out`` (no allocation per block;
+        the evaluator reuses one buffer for all its blocks); the others return :meth:`score`.
+
+        :param side: the predicted side
+        :param query: shape: ``[b, q]``
+        :param candidates: shape: ``[k, c]``
+        :param out: shape: ``[b', k']`` with ``b' >= b`` and ``k' >= k``, contiguous, of the query's dtype and device
+        :returns: shape: ``[b, k]`` (a view of ``out`` if written there)
+        """
+        return self.score(side, query, candidates)
+
     def score_candidates(self, side: Side, e: Any, r: Any, candidate: Any) -> torch.Tensor:
         """Score queries against shared candidates from representations (convenience).
 
@@ -132,8 +146,12 @@ class SharedCandidateScorer(ABC):
 SCORE_ROW_ALIGNMENT = 64
 
 
-def matmul_scores(query: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+def matmul_scores(query: torch.Tensor, candidates: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Compute ``[*B, b, q] @ [*B, k, q]^T -> [*B, b, k]`` with broadcasting batch dimensions.
+
+    With ``out`` (2-D operands without gradients; a contiguous ``[b', k']`` buffer, ``b' >= b``, ``k' >= k``,
+    of their dtype and device) the product is written into ``out[:b, :k]`` (rows of stride ``k'``)
+    and that view returned: no allocation, and on the CPU no fresh pages for the kernel to clear.
 
     Without gradients, a 2-D product on the CPU with ``k >= SCORE_ROW_ALIGNMENT`` candidates that
     are not a multiple of it is written into rows padded to the next multiple (the result is a
@@ -141,6 +159,19 @@ def matmul_scores(query: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor
     about half speed (``[2000, 256] x [256, 3627]``: 50 GFLOP/s on one thread; 95 into rows of 3,648).
     """
     k = candidates.shape[-2]
+    if (
+        out is not None
+        and query.dim() == 2
+        and candidates.dim() == 2
+        and out.dim() == 2
+        and out.is_contiguous()
+        and out.shape[0] >= query.shape[0]
+        and out.shape[1] >= k
+        and out.dtype == query.dtype == candidates.dtype
+        and out.device == query.device
+        and not (torch.is_grad_enabled() and (query.requires_grad or candidates.requires_grad))
+    ):
+        return torch.mm(query, candidates.t(), out=out[: query.shape[0], :k])
     if (
         query.dim() == 2
         and candidates.dim() == 2

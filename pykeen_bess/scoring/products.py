@@ -36,6 +36,12 @@ class InnerProductScorer(SharedCandidateScorer, ABC):
         check_side(side)
         return matmul_scores(query, candidates)
 
+    def score_into(  # noqa: D102
+        self, side: Side, query: torch.Tensor, candidates: torch.Tensor, out: torch.Tensor
+    ) -> torch.Tensor:
+        check_side(side)
+        return matmul_scores(query, candidates, out=out)
+
 
 __all__ = [
     "CPScorer",

@@ -63,6 +63,17 @@ def test_excluded_pairs_equal_masking():
     masked[rows[inside], columns[inside] - 10] = float("nan")
     expected = torch.stack([(masked > upper.unsqueeze(1)).sum(1), (masked < lower.unsqueeze(1)).sum(1)])
     assert torch.equal(counts, expected)
+    # the pairs of this block per row, for the band's collection
+    again = torch.zeros((2, 50), dtype=torch.long)
+    in_block = torch.zeros(50, dtype=torch.long)
+    subtract_excluded(block, lower, upper, again, rows, positions, columns, position=1, start=10, in_block=in_block)
+    values = block[rows[inside], columns[inside] - 10]
+    pair_rows = rows[inside]
+    above = torch.bincount(pair_rows[values > upper[pair_rows]], minlength=50)
+    below = torch.bincount(pair_rows[values < lower[pair_rows]], minlength=50)
+    assert torch.equal(again, -torch.stack([above, below]))
+    assert torch.equal(in_block, torch.bincount(pair_rows, minlength=50))
+    assert in_block.sum() > 0 and above.sum() > 0 and below.sum() > 0
 
 
 def test_count_exactly():

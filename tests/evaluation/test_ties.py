@@ -75,8 +75,8 @@ def test_rounding_of_the_blocks_does_not_change_ranks(nations: Nations, monkeypa
     assert expected["both.optimistic.arithmetic_mean_rank"] < expected["both.pessimistic.arithmetic_mean_rank"] - 1
     scores = ShardedScoring.scores
 
-    def rounded_up(self, queries, candidates):
-        block = scores(self, queries, candidates)
+    def rounded_up(self, queries, candidates, out=None):
+        block = scores(self, queries, candidates, out=out)
         return torch.where(block == 0, block, torch.nextafter(block, torch.full_like(block, float("inf"))))
 
     monkeypatch.setattr(ShardedScoring, "scores", rounded_up)
@@ -98,6 +98,29 @@ def test_collected_near_ties_equal_near_ties_scored_again(nations: Nations, monk
     assert results[True] == results[False]
     assert sum(results[True][1].values()) > 0
     assert results[True][0] == metrics(RankBasedEvaluator(batch_size=256), model, nations)
+
+
+def test_block_loop_revisits_only_rows_with_band_candidates(nations: Nations, monkeypatch):
+    """A row is searched for band candidates only if it has some that are not excluded (the true entity, filtered)."""
+    from pykeen_bess.evaluation import ranking
+
+    searched = []
+
+    def recording(scores, lower, upper, others, *args):
+        rows, ids = near_ties.band_candidates(scores, lower, upper, others, *args)
+        searched.append(((others > 0).nonzero().view(-1), rows))
+        return rows, ids
+
+    from pykeen_bess.evaluation import near_ties
+
+    monkeypatch.setattr(ranking, "band_candidates", recording)
+    model = twin_model(nations)
+    assert metrics(BessEvaluator(num_shards=2, slice_size=7), model, nations) == metrics(
+        RankBasedEvaluator(batch_size=256), model, nations
+    )
+    assert sum(flagged.numel() for flagged, _ in searched) > 0
+    for flagged, found in searched:  # every searched row holds a candidate (no NaN scores here)
+        assert torch.equal(flagged, torch.unique(found))
 
 
 @pytest.mark.parametrize("value", [-1.0, float("nan"), "16", True])

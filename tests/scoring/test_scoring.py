@@ -645,6 +645,47 @@ def test_matmul_scores_pad_odd_rows_without_gradients(k: int) -> None:
     torch.testing.assert_close(scores, expected, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("k", [5, 64, 100])
+def test_matmul_scores_into_a_buffer(k: int) -> None:
+    """With ``out`` the scores are a view of the buffer (its row stride), equal to the product; else it is ignored."""
+    generator = torch.Generator().manual_seed(k)
+    query, candidates = torch.randn(7, 16, generator=generator), torch.randn(k, 16, generator=generator)
+    expected = query @ candidates.t()
+    buffer = torch.full((9, 128), float("nan"))
+    with torch.no_grad():
+        scores = _scoring_base.matmul_scores(query, candidates, out=buffer)
+    assert scores.data_ptr() == buffer.data_ptr() and scores.stride() == (128, 1)
+    torch.testing.assert_close(scores, expected, rtol=1e-6, atol=1e-6)
+    assert torch.isnan(buffer[7:]).all() and torch.isnan(buffer[:, k:]).all()
+    # too small, another dtype, or gradients needed: a new tensor
+    for out in (torch.empty(6, 128), torch.empty(9, k - 1), torch.empty(9, 128, dtype=torch.float64)):
+        with torch.no_grad():
+            other = _scoring_base.matmul_scores(query, candidates, out=out)
+        assert other.data_ptr() != out.data_ptr()
+        torch.testing.assert_close(other, expected, rtol=1e-6, atol=1e-6)
+    query.requires_grad_(True)
+    scores = _scoring_base.matmul_scores(query, candidates, out=buffer)
+    assert scores.requires_grad and scores.data_ptr() != buffer.data_ptr()
+
+
+def test_score_into_writes_products_and_scores_others() -> None:
+    """Inner-product scorers write into the buffer; the others (an L1 distance) return their scores."""
+    from pykeen.nn.modules import DistMultInteraction, TransEInteraction
+
+    from pykeen_bess.scoring import get_scorer
+
+    generator = torch.Generator().manual_seed(0)
+    query, candidates = torch.randn(4, 8, generator=generator), torch.randn(6, 8, generator=generator)
+    buffer = torch.empty(4, 64)
+    for interaction in (DistMultInteraction(), TransEInteraction(p=1)):
+        scorer = get_scorer(interaction)
+        with torch.no_grad():
+            expected = scorer.score("tail", query, candidates)
+            scores = scorer.score_into("tail", query, candidates, buffer)
+        torch.testing.assert_close(scores, expected)
+        assert (scores.data_ptr() == buffer.data_ptr()) == isinstance(interaction, DistMultInteraction)
+
+
 def test_l1_distances_as_a_broadcast_reduction_equal_cdist_forward_and_backward() -> None:
     """The form the GPU path compiles (a fused reduction) is ``torch.cdist(p=1)``, gradients included."""
     from pykeen_bess.scoring.distances import _pairwise_l1, l1_distances
