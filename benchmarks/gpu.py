@@ -412,7 +412,9 @@ def evaluation(device: torch.device, rows: list[Row], args: argparse.Namespace) 
         figure = f"{row['seconds']:.3f} s"
         if speedup is not None:
             figure += f", {speedup:.1f}x PyKEEN"
-        figure += f", {row['percent_of_matmul']:.0f}% of the matmul rate"
+        figure += f", {row['percent_of_matmul']:.0f}% of the matmul rate, {row['x_one_product']:.2f}x one product"
+        if bess and "first_seconds" in row:
+            figure += f", first evaluation {row['first_seconds']:.3f} s"
         if bess and equal is not None:
             figure += f"; metrics {'equal' if equal else 'NOT equal'} (max rel. difference {row['max_rel_diff']:.1e})"
         rows.append(

@@ -15,7 +15,8 @@ held out). Then, for each shard count in ``--shards`` (default ``1,4``), the sta
 5. *epoch*: one epoch of training (``--negatives`` 256 per positive, ``--batch-size`` 4096, Adam),
    or its first ``--steps`` steps (throughput extrapolated, marked in the table);
 6. *evaluation*: a filtered evaluation of the ``--test`` triples (both sides) against all
-   entities, filtered by the training triples (BessEvaluator with the loop's sharding).
+   entities, filtered by the training triples (BessEvaluator with the loop's sharding); its
+   note gives the time per query and the evaluator's stages.
 
 For each stage the table gives the wall time, the peak resident memory of the process during the
 stage (sampled every 5 ms by a background thread, so probes that reset the kernel's high-water
@@ -222,8 +223,9 @@ def run(args: argparse.Namespace, triples: torch.Tensor, num_shards: int) -> lis
         result = evaluator.evaluate(
             model, test, additional_filter_triples=[train.mapped_triples], use_tqdm=not args.quiet
         )
+        per_query = sum(evaluator.last_timings.values()) / (2 * args.test)
         record.note = (
-            f"({2 * args.test:,} queries x {args.entities:,} entities, MRR "
+            f"({2 * args.test:,} queries x {args.entities:,} entities, {1000 * per_query:.1f} ms per query, MRR "
             f"{result.get_metric('both.realistic.inverse_harmonic_mean_rank'):.4f}; "
             + ", ".join(f"{k} {v:.1f} s" for k, v in evaluator.last_timings.items())
             + ")"

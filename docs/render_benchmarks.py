@@ -247,6 +247,8 @@ def evaluation(data: Any, out: Path) -> str:
         ("speedup", "speed-up vs PyKEEN best"),
         ("gflops", "effective GFLOP/s"),
         ("percent_of_matmul", "% of matmul rate"),
+        ("x_one_product", "x one product"),
+        ("first_seconds", "first evaluation (s)"),
     ]
     text = table(rows, columns)
     datasets = list(dict.fromkeys(row["dataset"] for row in rows))

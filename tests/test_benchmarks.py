@@ -268,7 +268,7 @@ def evaluation_run(results: pathlib.Path) -> tuple[str, list[list[str]]]:
 def test_evaluation_benchmark_metrics_equal_pykeen(evaluation_run, results: pathlib.Path):
     """Both evaluators on both datasets; every BessEvaluator row's metrics equal PyKEEN's."""
     output, rows = evaluation_run
-    rows = [row for row in table_rows(output) if row[1] != "matmul alone"]
+    rows = [row for row in table_rows(output) if row[1] not in ("matmul alone", "one product")]
     assert [(row[1], row[2]) for row in rows] == [
         ("PyKEEN RankBasedEvaluator", "batch_size=64"),
         ("BessEvaluator", "n=1"),
@@ -279,6 +279,8 @@ def test_evaluation_benchmark_metrics_equal_pykeen(evaluation_run, results: path
     written = result_file(results / "evaluation-cpu.json", "evaluation", (*keys, "rate", "percent_of_matmul"))
     assert [(row["name"], row["setting"]) for row in written["rows"]] == [(row[1], row[2]) for row in rows]
     assert all(row["metrics_equal"] is True and len(row["metrics"]) == 225 for row in written["rows"])
+    assert all(row["x_one_product"] > 0 and row["first_seconds"] > 0 for row in written["rows"])
+    assert sum(row[1] == "one product" for row in table_rows(output)) == 2
 
 
 def test_evaluation_rows_from_another_script():

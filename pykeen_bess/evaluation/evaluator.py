@@ -78,6 +78,7 @@ from ..runtime.threads import ThreadPolicy, ThreadsHint, resolve_threads
 from ..tables.representation import ShardedEmbedding
 from .checks import check_ids, check_targets, check_triples
 from .counting import TIE_TOLERANCE
+from .excluded import ExcludedPairsCache
 from .filtering import FilterIndex, FilterIndexCache
 from .ranking import probe_step, rank_triples
 from .sharded import ShardedScoring
@@ -171,6 +172,7 @@ class BessEvaluator(RankBasedEvaluator):
         #: the filter index of the last evaluation and what it was built from (digests of the known triples,
         #: sizes, device): a later evaluation with the same filter (early stopping's) builds nothing
         self._filter_index = FilterIndexCache()
+        self._excluded_pairs = ExcludedPairsCache()
         #: block sizes found by the memory search, reused by later evaluations of the same model (the
         #: entries die with the model: a new model can never find an old model's sizes)
         self._block_sizes: weakref.WeakKeyDictionary[Model, dict[tuple, tuple[int, int]]] = weakref.WeakKeyDictionary()
@@ -359,6 +361,7 @@ class BessEvaluator(RankBasedEvaluator):
                 resolve_ties=resolve_ties,
                 threads=self.thread_policy,
                 on_batch=progress.update,
+                pairs_cache=self._excluded_pairs,
             )
         self.last_ranked_again = ranked.ranked_again
         ranked.gather_replicas(topology)

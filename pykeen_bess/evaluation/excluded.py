@@ -21,11 +21,13 @@ from typing import cast
 
 import torch
 
+from ..storage.digests import crc32_of_array
 from .filtering import FilterIndex, FilterSide
 from .sharded import ShardedScoring
 
 __all__ = [
     "ExcludedPairs",
+    "ExcludedPairsCache",
 ]
 
 
@@ -115,3 +117,52 @@ class ExcludedPairs:
         row = member[self.query]
         keep = (row >= 0) & (self.position >= 0)
         return row[keep], self.position[keep], self.column[keep]
+
+
+class ExcludedPairsCache:
+    """The excluded pairs of the last evaluation's targets, built again only when what they depend on changes.
+
+    Early stopping ranks the same validation triples every few epochs: the second evaluation finds
+    every target's pairs here and builds nothing. The pairs depend on the filter index (the same
+    object: :class:`~pykeen_bess.evaluation.filtering.FilterIndexCache` keeps it), the evaluation
+    triples and the batch size, and on where each entity is a candidate (the local shards' columns);
+    the key holds CRC-32 digests of the triples and of those id tables, so a tensor changed in place
+    builds new pairs.
+    """
+
+    def __init__(self) -> None:
+        """Start empty."""
+        self._index: FilterIndex | None = None
+        self._key: tuple | None = None
+        self._pairs: dict[str, ExcludedPairs] = {}
+        #: the number of targets whose pairs were built (not found) since the cache was created
+        self.builds = 0
+
+    def get(
+        self,
+        scoring: ShardedScoring,
+        index: FilterIndex | None,
+        target: str,
+        triples: torch.Tensor,
+        batch_size: int,
+    ) -> ExcludedPairs:
+        """Return the pairs of ``target`` for the evaluation triples ``[Q, 3]`` (see :meth:`ExcludedPairs.build`)."""
+        tables = scoring.device_tables(triples.device)
+        key = (
+            str(triples.device),
+            tuple(triples.shape),
+            crc32_of_array(triples),
+            batch_size,
+            crc32_of_array(tables.entity_column),
+            crc32_of_array(tables.entity_position),
+        )
+        if key != self._key or index is not self._index:
+            self._index, self._key, self._pairs = index, key, {}
+        pairs = self._pairs.get(target)
+        if pairs is None:
+            heads, relations, tails = triples.unbind(dim=1)
+            known, true = (heads, tails) if target == "tail" else (tails, heads)
+            pairs = ExcludedPairs.build(scoring, index, target, known, relations, true, batch_size)
+            self._pairs[target] = pairs
+            self.builds += 1
+        return pairs

@@ -63,7 +63,7 @@ from .counting import (
     ranks_from_counts,
     subtract_excluded,
 )
-from .excluded import ExcludedPairs
+from .excluded import ExcludedPairs, ExcludedPairsCache
 from .near_ties import band_candidates, rank_again, resolve_collected
 from .filtering import FilterIndex
 from .sharded import Queries, ShardedScoring, feature_norms
@@ -298,6 +298,7 @@ def rank_target(
     threads: ThreadPolicy | None = None,
     on_batch: Callable[[int], object] | None = None,
     collect_band: bool | None = None,
+    pairs_cache: ExcludedPairsCache | None = None,
 ) -> TargetRanks:
     """Rank the true entities of all evaluation triples for one target (see the module docstring).
 
@@ -314,6 +315,7 @@ def rank_target(
     :param on_batch: called with the number of queries after each batch (progress), or None
     :param collect_band: collect the near-ties' band candidates in the block loop instead of scoring their
         queries again (default: on the CPU, when near-ties are resolved)
+    :param pairs_cache: where the excluded pairs of an earlier evaluation are kept (None: built here)
     :returns: the ranks
     """
     topology = scoring.topology
@@ -321,7 +323,10 @@ def rank_target(
     device = triples.device
     heads, relations, tails = triples.unbind(dim=1)
     known, true = (heads, tails) if target == LABEL_TAIL else (tails, heads)
-    pairs = ExcludedPairs.build(scoring, index, target, known, relations, true, batch_size)
+    if pairs_cache is None:
+        pairs = ExcludedPairs.build(scoring, index, target, known, relations, true, batch_size)
+    else:
+        pairs = pairs_cache.get(scoring, index, target, triples, batch_size)
     # above, below, excluded local candidates, rows with non-finite scores
     counts = torch.zeros((4, num_queries), dtype=torch.long, device=device)
     true_scores: torch.Tensor | None = None
@@ -412,6 +417,7 @@ def rank_triples(
     resolve_ties: bool,
     threads: ThreadPolicy | None = None,
     on_batch: Callable[[int], object] | None = None,
+    pairs_cache: ExcludedPairsCache | None = None,
 ) -> HostRanks:
     """Rank the true entities of all evaluation triples for every target and copy the ranks to the host.
 
@@ -429,6 +435,7 @@ def rank_triples(
     :param resolve_ties: compare near-ties by PyKEEN's scores (see :func:`rank_target`)
     :param threads: the thread policy of the blocks
     :param on_batch: called with the number of queries after each batch (progress), or None
+    :param pairs_cache: where the excluded pairs of an earlier evaluation are kept (None: built here)
     :returns: the ranks of the batches ranked by this process, on the host
     """
     topology = scoring.topology
@@ -448,6 +455,7 @@ def rank_triples(
             resolve_ties=resolve_ties,
             threads=threads,
             on_batch=on_batch,
+            pairs_cache=pairs_cache,
         )
         for target in targets
     ]

@@ -394,6 +394,40 @@ def test_mid_training_evaluation_reads_shard_tables(monkeypatch):
     assert 0 < result.metric_results.get_metric("mrr") <= 1
 
 
+def test_early_stopping_builds_the_filter_and_the_excluded_pairs_once(monkeypatch):
+    """pipeline(evaluator="bess", stopper="early"): checks after the first build nothing; the final test builds."""
+    from pykeen_bess.evaluation.excluded import ExcludedPairs
+    from pykeen_bess.evaluation.filtering import FilterIndex
+
+    calls = {"index": 0, "pairs": 0}
+    from_triples, build = FilterIndex.from_triples, ExcludedPairs.build
+
+    def counted_index(*args, **kwargs):
+        calls["index"] += 1
+        return from_triples(*args, **kwargs)
+
+    def counted_pairs(*args, **kwargs):
+        calls["pairs"] += 1
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(FilterIndex, "from_triples", counted_index)
+    monkeypatch.setattr(ExcludedPairs, "build", counted_pairs)
+    result = pipeline(
+        dataset="nations",
+        model="DistMult",
+        training_loop="bess",
+        evaluator="bess",
+        training_kwargs={"num_epochs": 4, "use_tqdm": False},
+        evaluator_kwargs={"num_shards": 2},
+        stopper="early",
+        stopper_kwargs={"frequency": 1, "patience": 10},
+        random_seed=0,
+    )
+    assert len(result.stopper.results) == 4
+    # the 4 validation checks: one index, two targets' pairs; the final test evaluation: one more of each
+    assert calls == {"index": 2, "pairs": 4}
+
+
 def test_hpo_pipeline():
     """The evaluator class works in hpo_pipeline()."""
     from pykeen.hpo import hpo_pipeline

@@ -120,13 +120,18 @@ def test_invalid_side():
 
 
 def test_a_repeated_evaluation_reuses_the_filter_index_until_the_triples_change() -> None:
-    """Early stopping evaluates the same validation triples again: the second evaluation builds no index."""
+    """Early stopping evaluates the same validation triples again: the second evaluation builds nothing.
+
+    Neither the filter index nor the excluded pairs of either target; other known triples, other
+    evaluation triples or another sharding build them again.
+    """
     from unittest import mock
 
     from pykeen.datasets import Nations
     from pykeen.models import DistMult
 
     from pykeen_bess.evaluation import BessEvaluator
+    from pykeen_bess.evaluation.excluded import ExcludedPairs
     from pykeen_bess.evaluation.filtering import FilterIndex
 
     data = Nations()
@@ -134,10 +139,19 @@ def test_a_repeated_evaluation_reuses_the_filter_index_until_the_triples_change(
     evaluator = BessEvaluator(num_shards=2)
     training = data.training.mapped_triples.clone()
     kwargs = dict(additional_filter_triples=[training], use_tqdm=False)
-    with mock.patch.object(FilterIndex, "from_triples", wraps=FilterIndex.from_triples) as built:
+    with (
+        mock.patch.object(FilterIndex, "from_triples", wraps=FilterIndex.from_triples) as built,
+        mock.patch.object(ExcludedPairs, "build", wraps=ExcludedPairs.build) as pairs,
+    ):
         first = evaluator.evaluate(model, data.validation.mapped_triples, **kwargs).to_flat_dict()
+        assert (built.call_count, pairs.call_count) == (1, 2)
         second = evaluator.evaluate(model, data.validation.mapped_triples, **kwargs).to_flat_dict()
-        assert built.call_count == 1 and first == second
+        assert (built.call_count, pairs.call_count) == (1, 2) and first == second
         training[0, 2] = (training[0, 2] + 1) % data.num_entities  # changed in place: another filter
         evaluator.evaluate(model, data.validation.mapped_triples, **kwargs)
-        assert built.call_count == 2
+        assert (built.call_count, pairs.call_count) == (2, 4)
+        evaluator.evaluate(model, data.testing.mapped_triples, **kwargs)  # other evaluation triples (filtered too)
+        assert (built.call_count, pairs.call_count) == (3, 6)
+        evaluator.num_shards = 3  # another sharding: the same filter index, other candidate columns
+        evaluator.evaluate(model, data.testing.mapped_triples, **kwargs)
+        assert (built.call_count, pairs.call_count) == (3, 8)
