@@ -1,7 +1,7 @@
 """Replica groups: which rank holds which shard, when shards are replicated for data parallelism.
 
 A world of ``W`` ranks trains ``n`` entity shards, each held by ``R = W / n`` replicas. Following
-the communication groups of seed 004 (Graphcore's ``CommGroupType``), the *replica groups* are the
+Graphcore's communication groups (``CommGroupType``), the *replica groups* are the
 sets of ranks holding the same shard (the same variable value):
 
 ========================= ========== ============================================================

@@ -1,7 +1,7 @@
 """Collective token lookup: the rows of any entities from a table sharded over processes.
 
 A model trained under a process group keeps its entity tables sharded: each rank holds the rows
-of its shard (seed 001's *token* strategy). To score arbitrary triples (``model.score_hrt``,
+of its shard (the *token* strategy). To score arbitrary triples (``model.score_hrt``,
 ``predict_target``, the entity representation itself), every rank of a shard group asks for the
 rows of its own entity ids, which differ from rank to rank, and all ranks answer each other's
 requests in the same collective. Two variants, one class each, give the same rows and gradients:
@@ -9,7 +9,7 @@ requests in the same collective. Two variants, one class each, give the same row
 * :class:`RoutedTokenLookup` (``"routed"``, the default): the ids go to their owners and the rows
   come back, two all-to-alls with a different number of rows per pair of ranks
   (:meth:`~pykeen_bess.distributed.Topology.all_to_all_uneven`); only requested rows move.
-* :class:`GatheredTokenLookup` (``"gathered"``): seed 001's static-shape form; the ids are
+* :class:`GatheredTokenLookup` (``"gathered"``): the static-shape form; the ids are
   all-gathered (padded to the longest request), every rank looks up the rows it owns with the
   others masked to zero, and a reduce-scatter sums each rank's rows
   (:meth:`~pykeen_bess.distributed.Topology.reduce_scatter`); every rank sends ``n - 1`` times
@@ -134,7 +134,7 @@ class RoutedTokenLookup(TokenLookup):
 
 
 class GatheredTokenLookup(TokenLookup):
-    """Seed 001's static-shape lookup: all-gather the ids, masked local lookup, reduce-scatter of the rows."""
+    """The static-shape lookup: all-gather the ids, masked local lookup, reduce-scatter of the rows."""
 
     name = "gathered"
 

@@ -75,7 +75,7 @@ DEFAULTS: dict[str, Any] = dict(
     distributed_init_method=None,
     distributed_tree_init_order=True,
 )
-#: keys of the pre-release layout (seed 003) and their PyTorch-BigGraph 1.0 names
+#: keys of PyTorch-BigGraph's pre-release layout and their PyTorch-BigGraph 1.0 names
 LEGACY_KEYS = {"outdir": "checkpoint_path", "load_path": "init_path"}
 #: the required top-level keys
 REQUIRED = ("entities", "relations", "dimension", "entity_path", "edge_paths", "checkpoint_path")
@@ -102,7 +102,7 @@ def normalize_config(config: Mapping[str, Any], source: str = "the config") -> d
         unknown entity types
     """
     config = {_snake(key): copy.deepcopy(value) for key, value in config.items()}
-    for old, new in LEGACY_KEYS.items():  # the pre-release layout's names (seed 003)
+    for old, new in LEGACY_KEYS.items():  # the pre-release layout's names
         if old in config and new not in config:
             config[new] = config.pop(old)
     missing = [key for key in REQUIRED if key not in config]

@@ -1,6 +1,6 @@
 """PyTorch-BigGraph input directories: :func:`read` and :func:`write` a typed graph.
 
-:func:`read` imports a PyTorch-BigGraph 1.0 input directory (or the pre-release layout of seed 003,
+:func:`read` imports a PyTorch-BigGraph 1.0 input directory (or its pre-release layout,
 :mod:`~pykeen_bess.pbg.legacy`): the entity types and partitions of the config and the count files,
 the names, the relation types, and one split per edge path. Large inputs are read bucket by bucket
 in chunks of edges and mapped to global ids with vectorised arithmetic (no per-edge Python): the
@@ -151,7 +151,7 @@ def read(
     """Read a PyTorch-BigGraph input: entity types and partitions, relation types, edge paths.
 
     PyTorch-BigGraph 1.0's files (``entity_count_{type}_{part}.txt``, ``edges_{l}_{r}.h5`` with
-    ``format_version = 1``) and the pre-release layout of seed 003 (``entity_count_*.pt``, 1-based
+    ``format_version = 1``) and the pre-release layout (``entity_count_*.pt``, 1-based
     partitions and offsets) are detected and read alike.
 
     :param path: the entity path (default: the config's ``entity_path``)

@@ -1,4 +1,4 @@
-"""The pre-release PyTorch-BigGraph layout of seed 003, read as a legacy import.
+"""PyTorch-BigGraph's pre-release input layout (count files as ``.pt``, 1-based partitions), read as a legacy import.
 
 PyTorch-BigGraph 1.0 cannot read it; this module can. The layout differs from 1.0's in:
 

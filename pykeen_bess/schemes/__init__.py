@@ -11,7 +11,7 @@ costs in bytes (:meth:`ExchangeScheme.negative_cost`):
   :mod:`pykeen_bess.tables.encoding`): every process holds columns of all rows and scores its columns of
   the whole batch; one all-reduce of partial scores, no row moves (column-separable interactions);
 * :class:`EncodingLookupScheme` (``exchange="encoding_lookup"``, the encoding partition): whole rows
-  are assembled from the column parts (seed 001's encoding lookup) and every part scores its
+  are assembled from the column parts (an encoding lookup) and every part scores its
   share of the slots; any interaction.
 
 ``exchange="auto"`` picks the registered scheme that sends the fewest bytes per step

@@ -1,8 +1,8 @@
-"""The encoding lookup: whole rows assembled from column parts (seed 001's encoding strategy), for any interaction.
+"""The encoding lookup: whole rows assembled from column parts (the encoding strategy), for any interaction.
 
 With the encoding (column) partition every process holds all entities with ``d / c`` of their
 coordinates. Interactions that are not column-separable (RESCAL, TransR, ...) need whole rows.
-:class:`EncodingLookupScheme` assembles them as seed 001's encoding lookup does: every part
+:class:`EncodingLookupScheme` assembles them as an encoding lookup does: every part
 looks up the requested rows in its columns and one all-to-all sends each requester the column
 slices of its rows, which it concatenates (the ids need no all-gather: every process draws the
 same plan, so it knows every part's requests). The ``B`` slots of the step's one block are split

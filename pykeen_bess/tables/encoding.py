@@ -1,6 +1,6 @@
 """The encoding (column) partition: every process holds all entities, ``d / c`` coordinates of each.
 
-Seed 001's *encoding strategy* splits the coordinates of every row over ``c`` column parts instead
+The *encoding strategy* of host-embedding designs splits the coordinates of every row over ``c`` column parts instead
 of splitting the rows (the *token strategy*, BESS's shards). For an interaction whose score is
 ``g(sum_i f(h_i, r_i, t_i))`` over coordinates ``i`` ("column-separable"), every part scores its
 coordinates, one sum over the parts gives the full score

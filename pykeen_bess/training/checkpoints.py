@@ -4,7 +4,7 @@
   temporary file of this process and renamed over the old one, so a crash while writing keeps the
   previous checkpoint. Resuming continues identically (same losses as an uninterrupted run).
 * :class:`RankCheckpointStore` (a process group): versioned files per shard and a pointer written
-  last (:mod:`~pykeen_bess.training.checkpoint_files`), in one of the two retrieval modes of seed 004:
+  last (:mod:`~pykeen_bess.training.checkpoint_files`), in one of the two retrieval modes of replica groups:
   ``"one_per_group"`` (the first replica of each shard writes its file; resumable on any numbers of
   shards and replicas) or ``"all_replicas"`` (every process writes its own file; resuming checks that
   the replicas of each shard hold the same values). Resuming on the same number of shards loads each

@@ -127,8 +127,8 @@ class BessTrainingLoop(LoopParts):
             (gather queries, move negative scores), ``"encoding"`` (the encoding partition's: sum
             partial scores of column parts), a scheme class, or ``"auto"`` (the partition's scheme
             that moves the fewest bytes per step)
-        :param partition: how the entity tables are split over the ``num_shards`` parts (seed 001's
-            strategies): ``"token"`` (rows: BESS's shards; default) or ``"encoding"`` (columns: every
+        :param partition: how the entity tables are split over the ``num_shards`` parts (the
+            host-embedding strategies): ``"token"`` (rows: BESS's shards; default) or ``"encoding"`` (columns: every
             part holds ``d / num_shards`` coordinates of all entities, every process sees the whole
             batch; column-separable interactions only, see :mod:`pykeen_bess.tables.encoding`). Default:
             what ``exchange`` implies
