@@ -343,6 +343,20 @@ def distributed(data: dict[str, Any], out: Path) -> str:
     return text + save(figure, out, "distributed.png")
 
 
+def evaluation_summary(data: Any, out: Path) -> str:
+    """BessEvaluator's rows only, for the evaluation how-to: wall times, speed-ups, the one-product ratio."""
+    rows = [dict(row) for row in (data if isinstance(data, list) else data["rows"]) if row["name"].startswith("Bess")]
+    columns = [
+        ("dataset", "dataset"),
+        ("setting", "BessEvaluator"),
+        ("seconds", "wall time (s)"),
+        ("first_seconds", "first evaluation (s)"),
+        ("speedup", "speed-up vs PyKEEN best"),
+        ("x_one_product", "x one product"),
+    ]
+    return table(rows, columns)
+
+
 RENDERERS: dict[str, tuple[str, str, Callable[[Any, Path], str]]] = {
     "training": ("training-cpu.json", "python benchmarks/training.py --output FILE", training),
     "training-pbg": (
@@ -354,6 +368,11 @@ RENDERERS: dict[str, tuple[str, str, Callable[[Any, Path], str]]] = {
     "quality": ("quality-cpu.json", "python benchmarks/quality.py --output FILE", quality),
     "scale": ("scale-cpu.json", "python benchmarks/scale.py --output FILE", scale),
     "evaluation": ("evaluation-cpu.json", "python benchmarks/evaluation.py --output FILE", evaluation),
+    "evaluation-summary": (
+        "evaluation-cpu.json",
+        "python benchmarks/evaluation.py --output FILE",
+        evaluation_summary,
+    ),
     "distributed": ("distributed-cpu.json", "python benchmarks/distributed.py --output FILE", distributed),
     "training-step-ab": (
         "training-step-ab-cpu.json",
