@@ -135,8 +135,6 @@ class ExcludedPairsCache:
         self._index: FilterIndex | None = None
         self._key: tuple | None = None
         self._pairs: dict[str, ExcludedPairs] = {}
-        #: the number of targets whose pairs were built (not found) since the cache was created
-        self.builds = 0
 
     def get(
         self,
@@ -164,5 +162,4 @@ class ExcludedPairsCache:
             known, true = (heads, tails) if target == "tail" else (tails, heads)
             pairs = ExcludedPairs.build(scoring, index, target, known, relations, true, batch_size)
             self._pairs[target] = pairs
-            self.builds += 1
         return pairs
