@@ -7,7 +7,8 @@ scalar from such a tensor on the host (``item``, ``bool``, ``int``, ``float``: t
 sampling plan (built on the CPU by design) are not followed.
 
 :class:`DeviceOps` counts every operator of a block of code and, among them, the synchronising
-ones (:data:`SYNCHRONISING`) whose inputs derive from the given tensors (the static step's).
+ones (:data:`SYNCHRONISING`) whose inputs derive from the given tensors (the static step's), and
+the host-to-device copies a GPU would make (a CUDA graph cannot capture a copy from pageable memory).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import traceback
 from collections.abc import Iterable
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -83,9 +85,25 @@ class DeviceOps(TorchDispatchMode):
     def __init__(self, sources: Iterable[torch.Tensor]) -> None:
         super().__init__()
         self.ops: collections.Counter = collections.Counter()
+        #: the synchronising operators and host-to-device copies, each with the line that made it
         self.synchronising: list[str] = []
         self._alive = list(sources)
         self._tracked = {id(t) for t in self._alive}
+        self._copies = _HostToDevice(self)
+
+    def __enter__(self) -> DeviceOps:
+        self._copies.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc) -> None:
+        super().__exit__(*exc)
+        self._copies.__exit__(*exc)
+
+    def _track(self, out) -> None:
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor) and id(tensor) not in self._tracked:
+                self._tracked.add(id(tensor))
+                self._alive.append(tensor)
 
     @property
     def total(self) -> int:
@@ -102,10 +120,45 @@ class DeviceOps(TorchDispatchMode):
             self.synchronising.append(f"{name} at {frame.filename}:{frame.lineno}" if frame else name)
         out = func(*args, **(kwargs or {}))
         if tracked:
-            for tensor in tree_leaves(out):
-                if isinstance(tensor, torch.Tensor) and id(tensor) not in self._tracked:
-                    self._tracked.add(id(tensor))
-                    self._alive.append(tensor)
+            self._track(out)
+        return out
+
+
+#: the functions that create a tensor (on the device when they are given one)
+_FACTORIES = {torch.zeros, torch.ones, torch.empty, torch.full, torch.arange, torch.tensor, torch.as_tensor}
+
+
+def _line() -> str:
+    frame = next((f for f in reversed(traceback.extract_stack()) if "pykeen_bess" in f.filename), None)
+    return f"{frame.filename}:{frame.lineno}" if frame else "?"
+
+
+class _HostToDevice(TorchFunctionMode):
+    """The host-to-device copies of :class:`DeviceOps`: a tensor not derived from its sources sent to a device.
+
+    On the CPU such a copy is no operator at all (``to`` returns the tensor itself), so it is seen where
+    Python asks for it: ``to``/``cuda`` with a device (or a tensor of the sources), and ``copy_`` into a
+    source from another tensor. A factory given a device makes a device tensor (followed from then on).
+    """
+
+    def __init__(self, ops: DeviceOps) -> None:
+        super().__init__()
+        self.ops = ops
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        tracked = self.ops._tracked
+        if func in _FACTORIES and kwargs.get("device") is not None:
+            self.ops._track(out)
+        elif func in (torch.Tensor.to, torch.Tensor.cuda) and id(args[0]) not in tracked:
+            target = [a for a in (*args[1:], kwargs.get("device")) if isinstance(a, (torch.device, str))]
+            target += [a for a in (*args[1:], kwargs.get("other")) if isinstance(a, torch.Tensor) and id(a) in tracked]
+            if target or func is torch.Tensor.cuda:
+                self.ops.synchronising.append(f"host-to-device copy ({func.__name__}) at {_line()}")
+                self.ops._track(out)
+        elif func is torch.Tensor.copy_ and id(args[0]) in tracked and id(args[1]) not in tracked:
+            self.ops.synchronising.append(f"host-to-device copy (copy_) at {_line()}")
         return out
 
 

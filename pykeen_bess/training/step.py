@@ -265,7 +265,9 @@ class StepRunner:
         share = (stop - start) / batch.block_size * self.topology.n_local / self.topology.n_shard * replicated
         extra = self.collect_regularization_term() * share
         loss = (loss + extra).sum()  # regularizer terms have shape [1]
-        own = torch.as_tensor(extra + scores.replicated_regularization).sum().detach()
+        own = extra + scores.replicated_regularization
+        # a Python number is filled in on the loss' device (no host-to-device copy: a CUDA graph captures it)
+        own = own.sum().detach() if torch.is_tensor(own) else torch.full((), own, dtype=loss.dtype, device=loss.device)
         return loss, own
 
 
