@@ -26,8 +26,7 @@ from ..distributed import Topology
 from ..tables.optim import DENSE_REQUIRED_OPTIONS, SPARSE_RULES, BessOptimizer
 from ..tables.representation import ShardedEmbedding
 from ..tables.row_rules import RULES, dense_rule, state_shapes
-from . import static_rules
-from .static_rules import StepCounts, StepRows
+from .static_rules import FusedRule, StepCounts, StepRows
 
 __all__ = [
     "DenseUpdate",
@@ -46,6 +45,7 @@ class DenseUpdate:
         step_counts: StepCounts,
         learning_rates: Sequence[torch.Tensor],
         on_the_host: Callable[[], bool],
+        fused: FusedRule,
     ):
         """Find the dense groups' parameters and how to update them.
 
@@ -55,12 +55,14 @@ class DenseUpdate:
         :param step_counts: the device step counts (the device rules count the parameters' steps there)
         :param learning_rates: one device learning rate per parameter group of the optimizer
         :param on_the_host: whether the step runs its updates on the host (the CPU's static step), asked each step
+        :param fused: the step's gated rule (compiled on CUDA)
         """
         self.optimizer = optimizer
         self.topology = topology
         self.step_counts = step_counts
         self.learning_rates = learning_rates
         self.on_the_host = on_the_host
+        self.fused = fused
         in_dense_groups = {id(p) for group in optimizer.dense_groups for p in group["params"] if p.requires_grad}
         #: the trainable tables in the dense groups (``sparse_updates=False``): the user's optimizer updates them whole
         self.tables = [table for table in trainable if id(table.optimizer_parameter) in in_dense_groups]
@@ -125,9 +127,7 @@ class DenseUpdate:
                 names = [name for name in state if name != "step"]
                 step = self.step_counts.count(param, state, apply) if "step" in state else lr  # SGD counts no steps
                 old_state = {name: state[name] for name in names}
-                new, new_state = static_rules.fused_rule(
-                    lr.device, rule, param.detach(), grad, old_state, group, step, lr, apply
-                )
+                new, new_state = self.fused(lr.device, rule, param.detach(), grad, old_state, group, step, lr, apply)
                 param.copy_(new)
                 for name in names:
                     state[name].copy_(new_state[name])

@@ -3,8 +3,8 @@
 * :func:`gated_rule` applies a rule's device form (:meth:`~pykeen_bess.tables.row_rules.RowRule.apply`)
   and a constraint, keeping the old values where a step is not applied (a non-finite loss, or a
   padding row);
-* :data:`fused_rule` is that function compiled by ``torch.compile`` on CUDA (a few kernels instead of
-  about ten elementwise passes);
+* :class:`FusedRule` is that function compiled by ``torch.compile`` on CUDA (a few kernels instead of
+  about ten elementwise passes), one per static step;
 * :func:`occurrence_groups` numbers a step's distinct rows without a host read (fixed shapes);
 * :class:`StepRows` holds the rows a step updates, with their summed gradients;
 * :class:`StepCounts` holds the step counts on the device.
@@ -14,15 +14,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 __all__ = [
+    "FusedRule",
     "StepCounts",
     "StepRows",
-    "fused_rule",
     "gated_rule",
     "occurrence_groups",
 ]
@@ -69,8 +70,15 @@ def gated_rule(
     return _gate(ok, new, old), {name: _gate(ok, value, state[name]) for name, value in new_state.items()}
 
 
-class _Fused:
-    """:func:`gated_rule` compiled by ``torch.compile`` on CUDA; as written elsewhere, or once compiling failed."""
+class FusedRule:
+    """:func:`gated_rule` compiled by ``torch.compile`` on CUDA; as written elsewhere, or once compiling failed.
+
+    Every instance (one per static step) compiles its own copy of the function. ``torch.compile`` keeps
+    its compiled variants on a function's code object, one per rule, hyper-parameters (Python numbers
+    in the parameter group: betas, eps) and shapes, up to a limit (8 by default) beyond which the
+    function runs uncompiled: one process that trains many models (an HPO study's trials, a benchmark)
+    would reach it with a shared function. A copy's variants die with its step.
+    """
 
     #: compile on every device (tests compile on the CPU)
     everywhere = False
@@ -80,10 +88,11 @@ class _Fused:
         self.failed = False
 
     def __call__(self, device: torch.device, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Apply :func:`gated_rule` to ``args`` (compiled on CUDA, where values live on ``device``)."""
         if self.failed or (device.type != "cuda" and not self.everywhere):
             return gated_rule(*args, **kwargs)
         if self.compiled is None:
-            self.compiled = torch.compile(gated_rule)
+            self.compiled = torch.compile(_own_copy(gated_rule))
         try:
             return self.compiled(*args, **kwargs)
         except Exception as error:  # noqa: BLE001 - a compiler failure falls back to the same function, uncompiled
@@ -92,8 +101,14 @@ class _Fused:
             return gated_rule(*args, **kwargs)
 
 
-#: the fused rule of the static steps (one compiled function, specialised per rule and shapes by its guards)
-fused_rule = _Fused()
+def _own_copy(function: Callable) -> Callable:
+    """Return ``function`` with a code object of its own (where ``torch.compile`` keeps what it compiled)."""
+    code = function.__code__.replace()
+    globals_, defaults, closure = function.__globals__, function.__defaults__, function.__closure__
+    copy = types.FunctionType(code, globals_, function.__name__, defaults, closure)
+    copy.__kwdefaults__ = function.__kwdefaults__
+    copy.__qualname__ = function.__qualname__
+    return copy
 
 
 def occurrence_groups(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -48,10 +48,9 @@ from ..distributed import Topology
 from ..tables.optim import BessOptimizer
 from ..tables.representation import ShardedEmbedding
 from ..tables.row_rules import RULES, state_shapes
-from . import static_rules
 from .host_rows import HostRows
 from .dense_update import DenseUpdate
-from .static_rules import StepCounts, StepRows, occurrence_groups
+from .static_rules import FusedRule, StepCounts, StepRows, occurrence_groups
 from .tables import ShardTables
 
 __all__ = [
@@ -111,11 +110,19 @@ class StaticUpdate:
         self.learning_rates = [torch.zeros((), dtype=torch.float64, device=self.device) for _ in optimizer.param_groups]
         #: the step counts of the tables and the replicated parameters, on the device
         self.step_counts = StepCounts(self.device)
+        #: the gated rule, compiled for this step's rules on CUDA (its compiled variants die with the step)
+        self.fused = FusedRule()
         #: the CPU's updates of the step's distinct rows (:attr:`on_the_host`)
         self.host_rows = HostRows(optimizer, self.trainable)
         #: the update of the dense groups: the replicated parameters (and the tables with ``sparse_updates=False``)
         self.dense = DenseUpdate(
-            optimizer, self.trainable, topology, self.step_counts, self.learning_rates, lambda: self.on_the_host
+            optimizer,
+            self.trainable,
+            topology,
+            self.step_counts,
+            self.learning_rates,
+            lambda: self.on_the_host,
+            self.fused,
         )
 
     def refresh_learning_rates(self) -> None:
@@ -258,7 +265,7 @@ class StaticUpdate:
             whole_rows: dict[str, torch.Tensor] = {}
             if rule.whole_rows and table.column_part is not None:  # a collective of the parts
                 whole_rows["squared_mean"] = table.row_mean(summed * summed)
-            new, new_state = static_rules.fused_rule(
+            new, new_state = self.fused(
                 self.device, rule.apply, old, summed, old_state, group, step, lr, mask, constraint, **whole_rows
             )
             # every occurrence of a row writes the same values; rows in host memory or files are written back
@@ -269,7 +276,7 @@ class StaticUpdate:
     @property
     def on_the_host(self) -> bool:
         """Whether the rows are updated by the host-side path (:attr:`host_rules` on the CPU)."""
-        return self.device.type == "cpu" and self.host_rules and not static_rules.fused_rule.everywhere
+        return self.device.type == "cpu" and self.host_rules and not self.fused.everywhere
 
     def _state(self, table: ShardedEmbedding) -> dict[str, Any]:
         """Return the optimizer's state of a table's parameter (its step count)."""
