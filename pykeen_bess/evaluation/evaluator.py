@@ -78,6 +78,7 @@ from ..runtime.threads import ThreadPolicy, ThreadsHint, resolve_threads
 from ..tables.representation import ShardedEmbedding
 from .checks import check_ids, check_targets, check_triples
 from .counting import TIE_TOLERANCE
+from .coefficients import CoefficientCache
 from .excluded import ExcludedPairsCache
 from .filtering import FilterIndex, FilterIndexCache
 from .ranking import probe_step, rank_triples
@@ -161,9 +162,9 @@ class BessEvaluator(RankBasedEvaluator):
         self._thread_device: torch.device | None = None
         #: ``(batch_size, slice_size)`` of the last evaluation (given or found by the memory search)
         self.last_block_sizes: tuple[int, int] | None = None
-        #: seconds of the last evaluation's stages: ``filter_index`` (building it, or finding it built),
-        #: ``block_sizes`` (the memory search, once per model), ``ranking`` (scoring and counting) and
-        #: ``metrics`` (PyKEEN's)
+        #: seconds of the last evaluation's stages: ``setup`` (PyKEEN's argument handling and the sharded
+        #: scoring's set-up), ``filter_index`` (building it, or finding it built), ``block_sizes`` (the memory
+        #: search, once per model), ``ranking`` (scoring and counting) and ``metrics`` (PyKEEN's)
         self.last_timings: dict[str, float] = {}
         #: per target, the number of queries of the last evaluation that were ranked again (near-ties, NaN)
         self.last_ranked_again: dict[str, int] = {}
@@ -173,6 +174,9 @@ class BessEvaluator(RankBasedEvaluator):
         #: sizes, device): a later evaluation with the same filter (early stopping's) builds nothing
         self._filter_index = FilterIndexCache()
         self._excluded_pairs = ExcludedPairsCache()
+        #: the adjusted metrics' coefficients by candidate counts (the same at every evaluation of the same triples)
+        self._coefficients = CoefficientCache()
+        self._entered: float | None = None  # when :meth:`evaluate` was called
         #: block sizes found by the memory search, reused by later evaluations of the same model (the
         #: entries die with the model: a new model can never find an old model's sizes)
         self._block_sizes: weakref.WeakKeyDictionary[Model, dict[tuple, tuple[int, int]]] = weakref.WeakKeyDictionary()
@@ -203,6 +207,7 @@ class BessEvaluator(RankBasedEvaluator):
         :raises ValueError: for triples that do not belong to the model, empty inputs or invalid sizes
         :raises NotImplementedError: for relation prediction or inductive models
         """
+        self._entered = time.perf_counter()
         targets = check_targets(targets)
         if not isinstance(model, ERModel):
             raise TypeError(f"BessEvaluator needs a pykeen.models.ERModel, not {type(model).__name__}.")
@@ -378,6 +383,7 @@ class BessEvaluator(RankBasedEvaluator):
         result = self.finalize()
         finished = time.perf_counter()
         self.last_timings = {
+            "setup": 0.0 if self._entered is None else started - self._entered,
             "filter_index": indexed - started,
             "block_sizes": sized - indexed,
             "ranking": ranked_at - sized,
@@ -385,6 +391,15 @@ class BessEvaluator(RankBasedEvaluator):
         }
         logger.info("BESS evaluation timings (seconds): %s", self.last_timings)
         return result
+
+    def finalize(self) -> RankBasedMetricResults:
+        """PyKEEN's metrics of the collected ranks (:meth:`pykeen.evaluation.RankBasedEvaluator.finalize`).
+
+        The adjusted metrics' coefficients come from :class:`~pykeen_bess.evaluation.coefficients.CoefficientCache`:
+        computed once per array of candidate counts, and not again when the same triples are evaluated again.
+        """
+        with self._coefficients.applied(self.metrics):
+            return super().finalize()
 
 
 class _DropRecords(logging.Filter):

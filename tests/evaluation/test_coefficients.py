@@ -1,0 +1,66 @@
+"""The adjusted metrics' coefficients kept across evaluations: every metric identical to PyKEEN's."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from pykeen.evaluation import RankBasedEvaluator
+from pykeen.metrics.ranking import DerivedRankBasedMetric
+from pykeen.typing import RANK_OPTIMISTIC, RANK_PESSIMISTIC, RANK_REALISTIC
+
+from pykeen_bess.evaluation import BessEvaluator
+
+
+def fill(evaluator: RankBasedEvaluator, seed: int, num_entities: int = 500, per_side: int = 300) -> None:
+    """Give the evaluator random ranks and filtered candidate counts of both sides (as an evaluation leaves them)."""
+    generator = np.random.default_rng(seed)
+    for side in ("head", "tail"):
+        candidates = generator.integers(num_entities - 40, num_entities + 1, per_side)
+        optimistic = generator.integers(1, candidates + 1)
+        pessimistic = np.minimum(optimistic + generator.integers(0, 3, per_side), candidates)
+        ranks = {RANK_OPTIMISTIC: optimistic, RANK_PESSIMISTIC: pessimistic}
+        ranks[RANK_REALISTIC] = (optimistic + pessimistic) / 2
+        for rank_type, values in ranks.items():
+            evaluator.ranks[side, rank_type].append(values.astype(float))
+        evaluator.num_candidates[side].append(candidates)
+    evaluator.num_entities = num_entities
+
+
+def same(expected: dict, actual: dict) -> bool:
+    assert expected.keys() == actual.keys()
+    return all(a == b or (math.isnan(a) and math.isnan(b)) for a, b in zip(expected.values(), actual.values()))
+
+
+def test_kept_coefficients_give_pykeen_metrics_exactly() -> None:
+    """First and repeated evaluations equal PyKEEN's finalize bit for bit; a repeat computes no coefficient."""
+    reference, evaluator = RankBasedEvaluator(), BessEvaluator()
+    derived = sum(isinstance(metric, DerivedRankBasedMetric) for metric in evaluator.metrics)
+    assert derived > 0
+    fill(reference, seed=0)
+    fill(evaluator, seed=0)
+    expected = reference.finalize().to_flat_dict()
+    assert same(expected, evaluator.finalize().to_flat_dict())
+    cache = evaluator._coefficients
+    # three arrays of candidate counts (head, tail, both), each computed once for all three rank types
+    assert cache.computed == 3 * derived
+    fill(evaluator, seed=0)  # the same candidate counts (another evaluation of the same triples)
+    assert same(expected, evaluator.finalize().to_flat_dict())
+    assert cache.computed == 3 * derived
+    # the metric objects are PyKEEN's own again outside the evaluator's finalize
+    assert all("get_coefficients" not in vars(metric) for metric in evaluator.metrics)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_other_candidate_counts_compute_their_own_coefficients(seed: int) -> None:
+    """Other candidate counts (another filter, other triples) are not served an earlier evaluation's coefficients."""
+    evaluator = BessEvaluator()
+    fill(evaluator, seed=0)
+    evaluator.finalize()
+    computed = evaluator._coefficients.computed
+    reference = RankBasedEvaluator()
+    fill(reference, seed=seed)
+    fill(evaluator, seed=seed)
+    assert same(reference.finalize().to_flat_dict(), evaluator.finalize().to_flat_dict())
+    assert evaluator._coefficients.computed > computed
