@@ -171,6 +171,40 @@ def timed_runs(
     }
 
 
+def profiled_run(
+    evaluator: Evaluator, model: DistMult, splits: Mapping[str, CoreTriplesFactory], top: int = 6
+) -> dict[str, Any]:
+    """One more evaluation under ``torch.profiler``: its kernels, host synchronisations and busiest host operators.
+
+    Returns ``seconds`` (under the profiler), ``kernels`` and ``syncs`` (counts), ``device_busy`` (the fraction
+    of the wall time some device activity ran; None on the CPU) and ``host_ops`` (the ``top`` operators by
+    their own host time, milliseconds and calls).
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    device = model.device
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        seconds = run(evaluator, model, splits, None)["seconds"]
+    intervals, kernels, syncs = [], 0, 0
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            intervals.append((event.time_range.start, event.time_range.end))
+            kernels += 1
+        elif "Synchronize" in event.name or event.name == "cudaMemcpy":
+            syncs += 1
+    busy = None
+    if intervals:
+        covered, end = 0.0, -math.inf
+        for start, stop in sorted(intervals):
+            covered += max(0.0, stop - max(start, end))
+            end = max(end, stop)
+        busy = covered / 1e6 / seconds
+    averages = sorted(prof.key_averages(), key=lambda event: event.self_cpu_time_total, reverse=True)
+    host_ops = [(event.key, event.self_cpu_time_total / 1e3, event.count) for event in averages[:top]]
+    return dict(seconds=seconds, kernels=kernels, syncs=syncs, device_busy=busy, host_ops=host_ops)
+
+
 def compare(expected: Mapping[str, float], actual: Mapping[str, float], rtol: float) -> tuple[bool, int, float]:
     """Return whether all keys match (within ``rtol``), how many are equal and the largest relative difference."""
     if set(expected) != set(actual):
@@ -251,6 +285,7 @@ def benchmark_dataset(
     warmup: bool = True,
     rtol: float = 0.0,
     log: Callable[[str], None] = print,
+    profile: bool = False,
 ) -> list[dict[str, Any]]:
     """Run every evaluator on one dataset and the matmul reference; return one row per evaluator.
 
@@ -261,7 +296,8 @@ def benchmark_dataset(
     ``bit_identical`` (how many keys are identical), ``max_rel_diff``, ``first_seconds`` (the untimed
     first run: a new evaluator's first evaluation), ``one_product_seconds`` and ``x_one_product`` (the
     wall time over one ``[Q, d] x [d, E]`` product, all the arithmetic in one call); BESS rows also ``timings``,
-    ``ranking_percent_of_matmul``, ``block_sizes`` and ``ranked_again`` (queries ranked again per target).
+    ``ranking_percent_of_matmul``, ``block_sizes`` and ``ranked_again`` (queries ranked again per target), and
+    with ``profile`` a ``profile`` of one more evaluation (:func:`profiled_run`).
     """
     model = make_model(splits, dim, train_epochs, device)
     test = splits["test"]
@@ -286,6 +322,8 @@ def benchmark_dataset(
             block_sizes=evaluator.last_block_sizes,
             ranked_again=evaluator.last_ranked_again,
         )
+        if profile:
+            outcome["profile"] = profiled_run(evaluator, model, splits)
         rows.append(dict(dataset=name, name="BessEvaluator", setting=f"n={num_shards}", **outcome))
         log(
             f"  BESS n={num_shards}: {outcome['seconds']:.4f} s (block sizes {evaluator.last_block_sizes}, "
@@ -332,6 +370,7 @@ def evaluation_rows(
     warmup: bool = True,
     rtol: float = 0.0,
     log: Callable[[str], None] | None = print,
+    profile: bool = False,
 ) -> list[dict[str, Any]]:
     """Time PyKEEN's RankBasedEvaluator and BessEvaluator on the same models and device; return the rows.
 
@@ -378,6 +417,7 @@ def evaluation_rows(
                 warmup=warmup,
                 rtol=rtol,
                 log=log or (lambda line: None),
+                profile=profile,
             )
         )
     return rows

@@ -265,6 +265,8 @@ def evaluation(data: Any, out: Path) -> str:
 
 def gpu(data: dict[str, Any], out: Path, name: str, sections: Sequence[str]) -> str:
     rows = [row for row in data["rows"] if row["section"] in sections]
+    if not rows:
+        return f"The run on {data['device']} measured no {' or '.join(sections)} rows.\n"
     text = f"Device: **{data['device']}**.\n\n" + table(
         rows, [("section", "part"), ("workload", "workload"), ("contender", "contender"), ("figure", "figure")]
     )
@@ -394,14 +396,19 @@ RENDERERS: dict[str, tuple[str, str, Callable[[Any, Path], str]]] = {
     "busy": ("busy-cpu.json", "python benchmarks/busy_cpu.py --output FILE", generic),
     "pbg-import": ("pbg-import-cpu.json", "python benchmarks/pbg_import.py --output FILE", generic),
     "gpu": (
-        "gpu-h100.json",
-        "python benchmarks/gpu.py --output benchmarks/results/gpu-h100.json",
-        lambda data, out: gpu(data, out, "gpu-h100.json", ("training", "evaluation", "profile")),
+        "gpu-h200.json",
+        "python benchmarks/gpu.py --eval-data DATA/wn18rr --output benchmarks/results/gpu-h200.json",
+        lambda data, out: gpu(data, out, "gpu-h200.json", ("check", "training", "profile", "evaluation")),
+    ),
+    "gpu-configurations": (
+        "gpu-h200.json",
+        "python benchmarks/gpu.py --eval-data DATA/wn18rr --output benchmarks/results/gpu-h200.json",
+        lambda data, out: gpu(data, out, "gpu-h200-configurations.json", ("configurations",)),
     ),
     "gpu-scale-storage": (
-        "gpu-h100-scale-storage.json",
-        "python benchmarks/gpu.py --sections scale storage --output FILE",
-        lambda data, out: gpu(data, out, "gpu-h100-scale-storage.json", ("scale", "storage")),
+        "gpu-h200.json",
+        "python benchmarks/gpu.py --eval-data DATA/wn18rr --output benchmarks/results/gpu-h200.json",
+        lambda data, out: gpu(data, out, "gpu-h200-scale-storage.json", ("scale", "storage")),
     ),
 }
 
