@@ -82,13 +82,16 @@ class DeviceOps(TorchDispatchMode):
     followed: reading them costs no device synchronisation.
     """
 
-    def __init__(self, sources: Iterable[torch.Tensor]) -> None:
+    def __init__(self, sources: Iterable[torch.Tensor], host: Iterable[torch.Tensor] = ()) -> None:
+        """Follow ``sources`` (device tensors in a GPU run); ``host`` are tensors in host memory, never to be read."""
         super().__init__()
         self.ops: collections.Counter = collections.Counter()
         #: the synchronising operators and host-to-device copies, each with the line that made it
         self.synchronising: list[str] = []
         self._alive = list(sources)
         self._tracked = {id(t) for t in self._alive}
+        # by memory: a view (``detach()``) of a host tensor is a new tensor object
+        self._host_memory = {t.untyped_storage().data_ptr() for t in host}
         self._copies = _HostToDevice(self)
 
     def __enter__(self) -> DeviceOps:
@@ -115,6 +118,8 @@ class DeviceOps(TorchDispatchMode):
         self.ops[name] += 1
         inputs = [t for t in tree_leaves((args, kwargs or {})) if isinstance(t, torch.Tensor)]
         tracked = any(id(t) in self._tracked for t in inputs)
+        if any(t.untyped_storage().data_ptr() in self._host_memory for t in inputs if t.device.type == "cpu"):
+            self.synchronising.append(f"{name} of a host tensor at {_line()}")
         if tracked and name in SYNCHRONISING:
             frame = next((f for f in reversed(traceback.extract_stack()) if "pykeen_bess" in f.filename), None)
             self.synchronising.append(f"{name} at {frame.filename}:{frame.lineno}" if frame else name)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -11,6 +11,7 @@ from pykeen.typing import LABEL_HEAD, LABEL_RELATION, LABEL_TAIL
 
 __all__ = [
     "ENTITY_TARGETS",
+    "check_filter_triples",
     "check_ids",
     "check_targets",
     "check_triples",
@@ -87,3 +88,14 @@ def check_ids(ids: Iterable[int] | torch.Tensor, upper: int, name: str) -> torch
     if int(unique.min()) < 0 or int(unique.max()) >= upper:
         raise ValueError(f"{name} contains ids outside [0, {upper}).")
     return unique
+
+
+def check_filter_triples(
+    triples: torch.Tensor | Sequence[torch.Tensor], num_entities: int, num_relations: int
+) -> list[torch.Tensor]:
+    """Return ``additional_filter_triples`` (one tensor or several) as a list of checked ``[T, 3]`` tensors."""
+    parts = [triples] if torch.is_tensor(triples) else list(triples)
+    return [
+        check_triples(part, num_entities, num_relations, "additional_filter_triples", allow_empty=True)
+        for part in parts
+    ]

@@ -76,7 +76,7 @@ from ..runtime.allocator import AllocatorHint, resolve_allocator
 from ..distributed import ProbeTopology, join_torchrun_group
 from ..runtime.threads import ThreadPolicy, ThreadsHint, resolve_threads
 from ..tables.representation import ShardedEmbedding
-from .checks import check_ids, check_targets, check_triples
+from .checks import check_filter_triples, check_ids, check_targets, check_triples
 from .counting import TIE_TOLERANCE
 from .coefficients import CoefficientCache
 from .excluded import ExcludedPairsCache
@@ -215,19 +215,12 @@ class BessEvaluator(RankBasedEvaluator):
         mapped_triples = check_triples(mapped_triples, model.num_entities, num_relations, "mapped_triples")
         given = additional_filter_triples is not None
         if additional_filter_triples is not None:
-            extra = (
-                [additional_filter_triples]
-                if torch.is_tensor(additional_filter_triples)
-                else list(additional_filter_triples)
-            )
-            extra = [
-                check_triples(t, model.num_entities, num_relations, "additional_filter_triples", allow_empty=True)
-                for t in extra
-            ]
             # PyKEEN would deduplicate all known triples with ``unique(dim=0)`` on the host (seconds for a few
             # hundred thousand rows, a few milliseconds even for the evaluation triples alone); the filter index
             # deduplicates them itself, so PyKEEN gets none (and its warning about none given is dropped)
-            self._additional_filter_triples = extra
+            self._additional_filter_triples = check_filter_triples(
+                additional_filter_triples, model.num_entities, num_relations
+            )
             additional_filter_triples = None
         if restrict_entities_to is not None:
             # PyKEEN's checks compare with Python sets: pass plain ints
@@ -393,11 +386,7 @@ class BessEvaluator(RankBasedEvaluator):
         return result
 
     def finalize(self) -> RankBasedMetricResults:
-        """PyKEEN's metrics of the collected ranks (:meth:`pykeen.evaluation.RankBasedEvaluator.finalize`).
-
-        The adjusted metrics' coefficients come from :class:`~pykeen_bess.evaluation.coefficients.CoefficientCache`:
-        computed once per array of candidate counts, and not again when the same triples are evaluated again.
-        """
+        """Return PyKEEN's metrics of the ranks, the adjusted ones' coefficients kept (:mod:`.coefficients`)."""
         with self._coefficients.applied(self.metrics):
             return super().finalize()
 

@@ -12,8 +12,8 @@ and, for the row-sparse optimizer rules, its per-row state:
              of the model (as before storage tiers existed)
 ``"host"``   :class:`HostStorage`: in host memory, not parameters of the model (``model.to``
              does not move them); each step gathers its unique rows to the compute device and
-             writes the updated rows and state back. On CUDA the rows pass through pinned,
-             double-buffered staging buffers.
+             writes the updated rows and state back. On CUDA the static step stages its
+             rows into fixed device buffers around every step (:mod:`.staging`)
 ``"mmap"``   :class:`MmapStorage`: in ``.npy`` memory maps under ``storage_path``, one file per
              table and state tensor; the operating system pages rows in and out, so tables
              may exceed the machine's memory (resident memory is the page cache, not the

@@ -45,9 +45,13 @@ captured once as a CUDA graph (after two warm-up steps on a side stream) and eve
 the kind is one ``replay()``; elsewhere (and where capturing fails, logged with the reason) the
 same function runs directly.
 
-Every configuration of the loop runs on the static step; on a GPU a few run it uncaptured
-(:attr:`StaticStep.capture_obstacle`: tables in host memory or files, the user's optimizer on the dense
-groups, typed negatives with a regularizer other than L2). A subclass that overrides
+Tables in host memory or files are read and written through a
+:class:`~pykeen_bess.storage.staging.RowAccess`: on a GPU every step's rows are staged into fixed device
+buffers before the step and written back after it (:class:`~pykeen_bess.storage.staging.StagedRows`), so
+the step itself reads device memory only. Every configuration of the loop runs on the static step; on a
+GPU a few run it uncaptured (:attr:`StaticStep.capture_obstacle`: the user's optimizer on the dense
+groups, typed negatives with a regularizer other than L2, host or file tables with replicas or the
+encoding partition). A subclass that overrides
 ``_process_batch`` trains with the eager step, which calls that hook on the host for every sub-batch.
 """
 
@@ -64,6 +68,7 @@ from ..data.batch import BessBatch, RowGather
 from ..data.sampling import BessSampler, EpochDraws
 from ..schemes import ExchangeScheme
 from ..schemes.lookup import static_indices
+from ..storage.staging import RowAccess, StagedRows, StagedTensor, TierRows
 from ..tables.optim import BessOptimizer
 from .static_plan import DevicePlan, StepKind
 from .static_update import Clipping, StaticUpdate
@@ -126,6 +131,45 @@ def static_step_obstacle(optimizer: torch.optim.Optimizer) -> str | None:
     return None
 
 
+def row_access(
+    tables: ShardTables,
+    topology: Any,
+    optimizer: BessOptimizer,
+    most: int,
+    stage_rows: bool | None,
+    tensors: Callable[[], Sequence[StagedTensor]],
+) -> RowAccess:
+    """Return how a static step reads and writes its tables' rows: staged around each step, or from the tiers.
+
+    Staging (:class:`~pykeen_bess.storage.staging.StagedRows`) applies to whole rows in a tier other than the
+    device's, updated row by row by one process per shard: not to the encoding partition's column parts,
+    replicas (the rows of the other replicas are known only inside the step) or tables the user's optimizer
+    updates whole (``sparse_updates=False``).
+
+    :param stage_rows: True: stage (or raise why not); None: stage where the tier's rows would cross to a GPU
+    :raises ValueError: if ``stage_rows`` is True and the configuration cannot stage
+    """
+    device = tables[0].compute_device
+    obstacle = (
+        "the tables are in the device tier"
+        if tables.storage.captured_step_obstacle() is None
+        else "the encoding partition's column parts"
+        if any(table.column_part is not None for table in tables)
+        else "replicas"
+        if topology.replicas > 1
+        else "dense updates of the tables (sparse_updates=False)"
+        if not optimizer.sparse_groups
+        else None
+    )
+    if stage_rows is None:
+        stage_rows = device.type == "cuda" and obstacle is None
+    if not stage_rows:
+        return TierRows()
+    if obstacle is not None:
+        raise ValueError(f"A static step cannot stage its rows with {obstacle}.")
+    return StagedRows(tensors, tables[0].weight.shape[0], most, device)
+
+
 class StaticStep:
     """The steps of BESS epochs as one static function on the device (see the module docstring)."""
 
@@ -140,6 +184,7 @@ class StaticStep:
         capture: bool,
         sub_block_size: int | None = None,
         clipping: Clipping | None = None,
+        stage_rows: bool | None = None,
     ):
         """Prepare the step for the sampler's blocks; nothing runs yet.
 
@@ -152,6 +197,8 @@ class StaticStep:
         :param capture: capture the step as a CUDA graph (on CUDA only)
         :param sub_block_size: slots per block and sub-batch (default: the whole block)
         :param clipping: gradient clipping (default: none)
+        :param stage_rows: stage every step's rows in device buffers (:class:`~pykeen_bess.storage.staging.StagedRows`);
+            None: for tables in host memory or files on a GPU, where it lets a CUDA graph capture the step
         """
         self.scheme: ExchangeScheme = runner.scheme
         self.topology = runner.topology
@@ -194,8 +241,10 @@ class StaticStep:
         #: the rows a replica looks up at most (replicas all-gather that many)
         part = -(-b // topology.replicas)
         self.max_rows = 2 * local * n * part + sizes[2]
+        #: how the step reads and writes its tables' rows (staged in device buffers for a host or file tier on a GPU)
+        self.rows_io = row_access(tables, topology, optimizer, self.max_rows, stage_rows, self._staged_tensors)
         #: the updates, on the optimizer's state
-        self.update = StaticUpdate(optimizer, tables, model, topology)
+        self.update = StaticUpdate(optimizer, tables, model, topology, self.rows_io)
         self.healthy = torch.ones((), dtype=torch.bool, device=self.device)
         self.applied = torch.zeros((), dtype=torch.long, device=self.device)
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -208,10 +257,10 @@ class StaticStep:
         self._indices: dict = {}  # device copies of the regularization groups' and valid slots' indices
         self._in_epoch = False  # between load_plan and finish_epoch
         #: why a CUDA graph cannot capture the step (None: it can): its rows cross from host memory or files
-        #: to the GPU, the user's optimizer updates the dense groups after a host read, or typed negatives'
-        #: regularization weights group the rows on the host
+        #: to the GPU inside the step (not staged), the user's optimizer updates the dense groups after a host
+        #: read, or typed negatives' regularization weights group the rows on the host
         self.capture_obstacle = (
-            tables.storage.captured_step_obstacle()
+            (None if self.rows_io.staged else tables.storage.captured_step_obstacle())
             or (
                 f"the user's optimizer updates the dense groups ({self.update.dense.rule_obstacle})"
                 if self.update.dense.by_the_optimizer
@@ -284,8 +333,12 @@ class StaticStep:
         """
         start = self.plan.position
         self.plan.take(steps)
+        rows_io = self.rows_io
         for index in range(start, start + steps):
-            self.executor.run(self.plan.kind_of(index))
+            kind = self.plan.kind_of(index)
+            rows_io.stage(lambda: self._step_rows(self.plan.batch(kind)))  # noqa: B023 - called at once
+            self.executor.run(kind)
+            rows_io.write_back()
             if progress is not None:
                 progress.update(1)
             if after_step is not None:
@@ -380,6 +433,23 @@ class StaticStep:
 
     def _gather(self, batch: BessBatch) -> RowGather:
         """Look up every row this process uses, one leaf row per occurrence: ``[N, W]`` per table."""
+        rows = self._step_rows(batch)  # each table's tier (or the staged rows) reads them to the compute device
+        leaves = [self.rows_io.read(t.storage, t.weight, rows).requires_grad_(t.trainable) for t in self.tables]
+        heads, tails, negatives_index = self.role_index
+        first, _ = self.looked_up_slots
+        return RowGather(
+            rows=rows,
+            leaves=leaves,
+            heads=heads,
+            tails=tails,
+            negatives=negatives_index,
+            first_real=0,
+            first_slot=first,
+            in_role_order=len(self.sub_batches) == 1,
+        )
+
+    def _step_rows(self, batch: BessBatch) -> torch.Tensor:
+        """Return the flat local row ``[N]`` of every occurrence the step looks up (heads, tails, negatives)."""
         topology = self.topology
         first, last = self.looked_up_slots
         offsets = self.offsets
@@ -392,17 +462,9 @@ class StaticStep:
         negative_rows = topology.select_local(negatives, 0) + offsets.view(-1, 1, 1, 1)
         # the negatives in the order the scores look them up, [n(i), n(j), L(k), m]
         negative_rows = negative_rows.permute(1, 2, 0, 3)
-        rows = torch.cat([head_rows.reshape(-1), tail_rows.reshape(-1), negative_rows.reshape(-1)])
-        # each table's storage tier reads the rows to the compute device
-        leaves = [table.read_rows(rows).requires_grad_(table.trainable) for table in self.tables]
-        heads, tails, negatives_index = self.role_index
-        return RowGather(
-            rows=rows,
-            leaves=leaves,
-            heads=heads,
-            tails=tails,
-            negatives=negatives_index,
-            first_real=0,
-            first_slot=first,
-            in_role_order=len(self.sub_batches) == 1,
-        )
+        return torch.cat([head_rows.reshape(-1), tail_rows.reshape(-1), negative_rows.reshape(-1)])
+
+    def _staged_tensors(self) -> list[StagedTensor]:
+        """Return the tensors a staged step reads: every table's weight, and the trainable tables' row state."""
+        weights = [(table.storage, table.weight, table.trainable) for table in self.tables]
+        return weights + self.update.row_state_tensors()

@@ -50,6 +50,7 @@ from ..tables.representation import ShardedEmbedding
 from ..tables.row_rules import RULES, state_shapes
 from .host_rows import HostRows
 from .dense_update import DenseUpdate
+from ..storage.staging import RowAccess, TierRows
 from .static_rules import FusedRule, StepCounts, StepRows, occurrence_groups
 from .tables import ShardTables
 
@@ -85,14 +86,24 @@ class StaticUpdate:
     #: there); False: the fixed shapes, device-tensor rules and gates a GPU runs
     host_rules = True
 
-    def __init__(self, optimizer: BessOptimizer, tables: ShardTables, model: Any, topology: Topology):
+    def __init__(
+        self,
+        optimizer: BessOptimizer,
+        tables: ShardTables,
+        model: Any,
+        topology: Topology,
+        rows_io: RowAccess | None = None,
+    ):
         """Bind to the optimizer; create the tables' missing row state as the optimizer would at its first step.
 
         :param optimizer: the loop's optimizer (its state tensors are updated in place)
         :param tables: the shard tables
         :param model: the model (``post_parameter_update`` runs after every update)
         :param topology: the process topology (replicas' and processes' gradient sums, clipping norms)
+        :param rows_io: how the rows and their state are read and written (default: each table's tier)
         """
+        #: how the rows and their state are read and written (each table's tier, or the step's staged rows)
+        self.rows_io = rows_io or TierRows()
         self.optimizer = optimizer
         self.tables = tables
         self.model = model
@@ -191,7 +202,7 @@ class StaticUpdate:
                 grad = torch.cat([grad, grad.new_zeros((pad, grad.shape[1]))])
             summed.append(topology.replica_all_gather(grad).reshape(-1, grad.shape[1]))
         all_rows, all_real = gathered
-        old = [table.read_rows(all_rows) for table in self.trainable]
+        old = [self.rows_io.read(table.storage, table.weight, all_rows) for table in self.trainable]
         return all_rows, all_real, old, summed
 
     def clip(self, step_rows: StepRows, dense: list[torch.Tensor | None], clipping: Clipping) -> None:
@@ -260,7 +271,7 @@ class StaticUpdate:
             row_state = self._row_state(table)
             step = self.step_counts.count(param, self.optimizer.state[param], ok)
             names = list(state_shapes(group["rule"], table.weight.shape, group))
-            old_state = {name: storage.read(row_state[name], rows) for name in names}
+            old_state = {name: self.rows_io.read(storage, row_state[name], rows) for name in names}
             constraint = self.optimizer._row_constraints.get(id(param))
             whole_rows: dict[str, torch.Tensor] = {}
             if rule.whole_rows and table.column_part is not None:  # a collective of the parts
@@ -269,14 +280,24 @@ class StaticUpdate:
                 self.device, rule.apply, old, summed, old_state, group, step, lr, mask, constraint, **whole_rows
             )
             # every occurrence of a row writes the same values; rows in host memory or files are written back
-            storage.write(table.weight, rows, new)
+            self.rows_io.write(storage, table.weight, rows, new)
             for name in names:
-                storage.write(row_state[name], rows, new_state[name])
+                self.rows_io.write(storage, row_state[name], rows, new_state[name])
 
     @property
     def on_the_host(self) -> bool:
         """Whether the rows are updated by the host-side path (:attr:`host_rules` on the CPU)."""
-        return self.device.type == "cpu" and self.host_rules and not self.fused.everywhere
+        return self.device.type == "cpu" and self.host_rules and not self.fused.everywhere and not self.rows_io.staged
+
+    def row_state_tensors(self) -> list[tuple[Any, torch.Tensor, bool]]:
+        """Return the trainable tables' row state tensors, each with its tier (all written by the update)."""
+        tensors = []
+        for group in self.optimizer.sparse_groups:
+            for table in self.trainable:
+                row_state = self._row_state(table)
+                for name in state_shapes(group["rule"], table.weight.shape, group):
+                    tensors.append((table.storage, row_state[name], True))
+        return tensors
 
     def _state(self, table: ShardedEmbedding) -> dict[str, Any]:
         """Return the optimizer's state of a table's parameter (its step count)."""

@@ -511,3 +511,78 @@ def test_compiled_updates_equal_the_eager_step(factory: CoreTriplesFactory, monk
     assert static == pytest.approx(eager, rel=1e-9)
     for actual, expected in zip(static_parameters, eager_parameters):
         torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("storage", ["host", "mmap"])
+def test_a_staged_step_reads_no_host_memory(
+    factory: CoreTriplesFactory, storage: str, monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path
+) -> None:
+    """Tables in host memory or files with staged rows: the step reads only device buffers (a CUDA graph captures it).
+
+    The step's rows are staged into fixed buffers before it and written back after it; inside the step no
+    operator reads a tensor of the tier, none synchronises, nothing is copied from the host.
+    """
+    monkeypatch.setattr(StaticUpdate, "host_rules", False)  # what a GPU runs
+    options = dict(storage_path=str(tmp_path)) if storage == "mmap" else {}
+    loop = make_loop(factory, num_shards=2, storage=storage, **options)
+    loop.train(factory, num_epochs=1, batch_size=64, use_tqdm=False)
+    with loop.tables.installed(copy_weights=False):
+        static = _static_step(loop, factory, 16, stage_rows=True)
+        assert static.rows_io.staged and static.capture_obstacle is None
+        host = [tensor for _, tensor, _ in static._staged_tensors()]
+        host_memory = {tensor.untyped_storage().data_ptr() for tensor in host}
+        kind = static.plan.kinds[0]
+        static.load_epoch(2)
+        static.run(1)  # the first run creates the cached device indices and the step counts
+        static.rows_io.stage(lambda: static._step_rows(static.plan.batch(kind)))
+        sources = [t for t in static_step_sources(static) if t.untyped_storage().data_ptr() not in host_memory]
+        with DeviceOps([*sources, *static.rows_io._device, static.rows_io.slot_of], host=host) as ops:
+            static.step(kind)
+        static.rows_io.write_back()
+    assert ops.synchronising == [], "\n".join(ops.synchronising)
+    assert 0 < ops.total <= 420, ops.ops.most_common(10)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(num_shards=1),
+        dict(num_shards=4, negatives="block"),
+        dict(num_shards=2, optimizer="adagrad", optimizer_kwargs=dict(lr=0.1, lr_decay=0.01)),
+        dict(num_shards=2, optimizer="rowwise_adagrad"),
+        dict(num_shards=2, model_cls=TransE),
+        dict(num_shards=2, train_kwargs=dict(sub_batch_size=16)),
+    ],
+)
+@pytest.mark.parametrize("storage", ["host", "mmap"])
+def test_staged_rows_train_as_the_device_tier(
+    factory: CoreTriplesFactory, storage: str, case: dict, monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path
+) -> None:
+    """Tables in host memory or files, their rows staged around every step (as on a GPU): the device tier's run.
+
+    Both run the device form of the row rules (as a GPU does); float64, so the losses and tables are equal
+    to rounding, and the staged run's tier holds the final tables.
+    """
+    from pykeen_bess.training import static_step
+
+    monkeypatch.setattr(StaticUpdate, "host_rules", False)
+    device_loop, device_losses, _ = train(factory, static_step=True, **case)
+    forced = static_step.row_access
+    monkeypatch.setattr(static_step, "row_access", lambda *args: forced(*args[:4], True, args[5]))
+    options = dict(storage=storage) | (dict(storage_path=str(tmp_path)) if storage == "mmap" else {})
+    loop, staged_losses, _ = train(factory, static_step=True, **case, **options)
+    assert loop.static is not None and loop.static.rows_io.staged
+    assert staged_losses == pytest.approx(device_losses, rel=1e-12)
+    torch.testing.assert_close(loop.tables[0].full_table(), device_loop.tables[0].full_table(), rtol=1e-12, atol=1e-14)
+    relations = [model.relation_representations[0]._embeddings.weight for model in (loop.model, device_loop.model)]
+    torch.testing.assert_close(*relations, rtol=1e-12, atol=1e-14)
+
+
+def test_staging_what_cannot_be_staged_is_refused(factory: CoreTriplesFactory) -> None:
+    """Rows in the device tier (or replicated, or column parts) are not staged; asking for it says why."""
+    loop = make_loop(factory, num_shards=2)
+    loop.train(factory, num_epochs=1, batch_size=64, use_tqdm=False)
+    with loop.tables.installed(copy_weights=False):
+        assert not _static_step(loop, factory, 16).rows_io.staged  # automatic: the CPU reads its tiers directly
+        with pytest.raises(ValueError, match="device tier"):
+            _static_step(loop, factory, 16, stage_rows=True)
