@@ -511,6 +511,7 @@ def main() -> None:  # noqa: C901  # one branch per section, run in order
         args.batch_sizes, args.stock_batches = [256, 64], 5
         args.scale_entities, args.scale_triples = 2_000, 20_000
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("pykeen").setLevel(logging.WARNING)  # PyKEEN's modules log every representation at INFO
     device = args.device
     heading = f"{describe(device)}; torch {torch.__version__}, Python {platform.python_version()}"
     print(heading, flush=True)

@@ -10,23 +10,27 @@ A static step whose tables live in such a tier therefore reads and writes its ro
   state), a device buffer of the most rows a step looks up, and a row-to-slot map on the device.
   Around each step, outside the step function:
 
-  1. :meth:`StagedRows.stage` takes the step's rows (computed on the device from the epoch's plan
-     and read to the host: one synchronisation per step), finds the distinct rows, reads them from
-     the tier into pinned host buffers and copies them to the device buffers, and maps every
-     distinct row to its slot;
+  1. :meth:`StagedRows.stage` copies the step's distinct rows, read from the tiers into pinned host
+     buffers, to the device buffers and maps every distinct row to its slot; then it computes the
+     next step's rows (on the device, from the epoch's plan: one synchronisation per step) and has a
+     worker thread read them from the tiers into the other set of host buffers while this step runs;
   2. inside the step (captured or not), :meth:`StagedRows.read` and :meth:`StagedRows.write` index
      the device buffers through the map: the step sees device memory of a fixed size only;
-  3. :meth:`StagedRows.write_back` copies the written buffers' rows back (one synchronisation) and
-     writes them to the tier.
+  3. :meth:`StagedRows.write_back` copies the written rows back to host buffers (waiting for the step)
+     and has the worker write them to the tiers.
 
-  The next step is staged only after the write-back, so rows that consecutive steps share are read
-  with their latest values. Staging and write-back are synchronous here; the device buffers hold
-  ``N`` rows per tensor (``N``: the step's occurrences), not the tables.
+  **Hazards.** The worker runs in order: the writes of step ``t`` before the read of step ``t + 2``,
+  so a step reads every row the steps before the last wrote. Rows that step ``t + 1`` shares with
+  step ``t`` were read before ``t`` wrote them: they are forwarded from ``t``'s written values before
+  they go to the device. :meth:`StagedRows.flush` waits for the tiers' writes (at an epoch's end,
+  and before per-step callbacks). The device buffers hold ``N`` rows per tensor (``N``: the step's
+  occurrences), the host buffers four times that, not the tables.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -52,11 +56,18 @@ class RowAccess:
         """Write ``values`` ``[U, *]`` to rows ``[U]`` of a tensor of a tier (duplicate rows carry equal values)."""
         raise NotImplementedError
 
-    def stage(self, step_rows: Callable[[], torch.Tensor]) -> None:
-        """Before a step: make its rows readable inside the step (``step_rows()``: its local row ids ``[N]``)."""
+    def stage(self, step_rows: Callable[[], torch.Tensor], next_rows: Callable[[], torch.Tensor] | None = None) -> None:
+        """Before a step: make its rows readable inside the step.
+
+        :param step_rows: returns the step's local row ids ``[N]`` (on the compute device)
+        :param next_rows: returns the next step's (the one staged next, if it follows at once), or None
+        """
 
     def write_back(self) -> None:
-        """After a step: write what it wrote to the tables' tiers."""
+        """After a step: have what it wrote written to the tables' tiers (:meth:`flush` waits for it)."""
+
+    def flush(self) -> None:
+        """Wait until the tables' tiers hold every step's writes (before anything else reads them)."""
 
 
 class TierRows(RowAccess):
@@ -86,7 +97,7 @@ class StagedRows(RowAccess):
         """Prepare the buffers; nothing is staged yet.
 
         :param tensors: returns the staged tensors with their tiers, and whether the step writes each (asked
-            at every :meth:`stage`: a checkpoint's load may replace a tier's tensors)
+            before every step: a checkpoint's load may replace a tier's tensors)
         :param num_rows: the rows of the tables (the row-to-slot map's size)
         :param most: the most rows a step looks up (occurrences, duplicates included)
         :param device: the compute device
@@ -94,36 +105,52 @@ class StagedRows(RowAccess):
         self.tensors = tensors
         self.most = most
         self.device = device
-        pin = device.type == "cuda"
+        self._pin = device.type == "cuda"
         #: shape: ``[R]``, the slot of every distinct row of the staged step (others: stale)
         self.slot_of = torch.zeros(num_rows, dtype=torch.long, device=device)
         self._slots = torch.arange(most, dtype=torch.long, device=device)
-        self._distinct_host = torch.empty(most, dtype=torch.long, pin_memory=pin)
+        self._distinct_host = torch.empty(most, dtype=torch.long, pin_memory=self._pin)
         self._distinct = torch.empty(most, dtype=torch.long, device=device)
         self._device: list[torch.Tensor] = []  # per staged tensor: [most, *]
-        self._host: list[torch.Tensor] = []  # per staged tensor: [most, *], pinned on CUDA
+        # two sets of host buffers (pinned on CUDA) per staged tensor, used by every other step: the rows
+        # read from the tier (the next step's are read while a step runs), and the rows a step wrote
+        self._read: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        self._written: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         self._position: dict[int, int] = {}  # id(tensor) -> its buffers
         self._staged: list[StagedTensor] = []
-        self._count = 0
-        self._pin = pin
+        self._turn = 0  # the set of host buffers of the current step
+        self._rows = torch.empty(0, dtype=torch.long)  # the current step's distinct rows (sorted)
+        self._next: Future | None = None  # the next step's rows, being read into the other set
+        self._previous: tuple[torch.Tensor, int] | None = None  # the last step's rows and its written set
+        self._pending: Future | None = None  # the last write to the tiers
+        self._worker: ThreadPoolExecutor | None = None
 
-    def stage(self, step_rows: Callable[[], torch.Tensor]) -> None:  # noqa: D102
-        with torch.no_grad():
-            distinct = torch.unique(step_rows().cpu())
-        count = distinct.numel()
-        if count > self.most:
-            raise ValueError(f"A step looks up {count} distinct rows, more than the {self.most} staged.")
-        self._count = count
-        self._staged = list(self.tensors())
-        self._bind([tensor for _, tensor, _ in self._staged])
+    def stage(  # noqa: D102
+        self, step_rows: Callable[[], torch.Tensor], next_rows: Callable[[], torch.Tensor] | None = None
+    ) -> None:
+        worker = self._worker or ThreadPoolExecutor(max_workers=1, thread_name_prefix="bess-staging")
+        self._worker = worker
+        turn = self._turn
+        if self._next is None:  # the first step of a run of steps: read now (after the tiers' last writes)
+            self._staged = list(self.tensors())
+            self._bind([tensor for _, tensor, _ in self._staged])
+            self._next = worker.submit(self._read_rows, self._distinct_rows(step_rows), turn, self._staged)
+        rows = self._next.result()
+        count = rows.numel()
+        self._forward(rows, turn)
         host_rows = self._distinct_host[:count]
-        host_rows.copy_(distinct)
+        host_rows.copy_(rows)
         device_rows = self._distinct[:count]
         device_rows.copy_(host_rows, non_blocking=True)
         self.slot_of.index_copy_(0, device_rows, self._slots[:count])
-        for position, (storage, tensor, _) in enumerate(self._staged):
-            staged = storage.read(tensor, distinct, out=self._host[position][:count])
-            self._device[position][:count].copy_(staged, non_blocking=True)
+        for position, buffer in enumerate(self._device):
+            buffer[:count].copy_(self._read[turn][position][:count], non_blocking=True)
+        self._rows = rows
+        # the next step's rows are read on the worker while this step runs (after this step's writes
+        # are queued there: rows both steps use are forwarded from this step's written values instead)
+        self._next = None
+        if next_rows is not None:
+            self._next = worker.submit(self._read_rows, self._distinct_rows(next_rows), 1 - turn, self._staged)
 
     def read(self, storage: TableStorage, tensor: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:  # noqa: D102
         return self._device[self._position[id(tensor)]].index_select(0, self.slot_of.index_select(0, rows))
@@ -135,12 +162,60 @@ class StagedRows(RowAccess):
         buffer.index_copy_(0, self.slot_of.index_select(0, rows), values.to(buffer.dtype))
 
     def write_back(self) -> None:  # noqa: D102
-        count, distinct = self._count, self._distinct_host[: self._count]
-        for position, (storage, tensor, written) in enumerate(self._staged):
+        turn, rows = self._turn, self._rows
+        count = rows.numel()
+        for position, (_, _, written) in enumerate(self._staged):
+            if written:  # (waits for the step)
+                self._written[turn][position][:count].copy_(self._device[position][:count])
+        assert self._worker is not None
+        self._pending = self._worker.submit(self._write_rows, rows, turn, self._staged)
+        self._previous = (rows, turn)
+        self._turn = 1 - turn
+
+    def flush(self) -> None:
+        """Wait until every step's rows are written to the tiers, and forget a read of a next step."""
+        if self._next is not None:
+            self._next.result()
+            self._next = None
+        if self._pending is not None:
+            self._pending.result()
+            self._pending = None
+        self._previous = None
+
+    def _distinct_rows(self, step_rows: Callable[[], torch.Tensor]) -> torch.Tensor:
+        with torch.no_grad():
+            rows = torch.unique(step_rows().cpu())
+        if rows.numel() > self.most:
+            raise ValueError(f"A step looks up {rows.numel()} distinct rows, more than the {self.most} staged.")
+        return rows
+
+    def _read_rows(self, rows: torch.Tensor, turn: int, staged: Sequence[StagedTensor]) -> torch.Tensor:
+        """On the worker: read the rows of every staged tensor from its tier into the host buffers of ``turn``."""
+        for position, (storage, tensor, _) in enumerate(staged):
+            storage.read(tensor, rows, out=self._read[turn][position][: rows.numel()])
+        return rows
+
+    def _write_rows(self, rows: torch.Tensor, turn: int, staged: Sequence[StagedTensor]) -> None:
+        """On the worker: write the written rows of ``turn``'s host buffers to the tiers."""
+        for position, (storage, tensor, written) in enumerate(staged):
             if written:
-                host = self._host[position][:count]
-                host.copy_(self._device[position][:count])  # waits for the step
-                storage.write(tensor, distinct, host)
+                storage.write(tensor, rows, self._written[turn][position][: rows.numel()])
+
+    def _forward(self, rows: torch.Tensor, turn: int) -> None:
+        """Replace the read values of rows the last step also used by what it wrote (read before its write)."""
+        if self._previous is None:
+            return
+        previous, written_turn = self._previous
+        if previous.numel() == 0 or rows.numel() == 0:
+            return
+        at = torch.searchsorted(previous, rows).clamp_(max=previous.numel() - 1)
+        shared = (previous[at] == rows).nonzero().view(-1)
+        if shared.numel() == 0:
+            return
+        source = at[shared]
+        for position, (_, _, written) in enumerate(self._staged):
+            if written:
+                self._read[turn][position][shared] = self._written[written_turn][position][source]
 
     def _bind(self, tensors: Sequence[torch.Tensor]) -> None:
         """Find (or make, at the first step) every staged tensor's buffers; their memory never changes after."""
@@ -148,7 +223,8 @@ class StagedRows(RowAccess):
             for tensor in tensors:
                 shape = (self.most, *tensor.shape[1:])
                 self._device.append(torch.empty(shape, dtype=tensor.dtype, device=self.device))
-                self._host.append(torch.empty(shape, dtype=tensor.dtype, pin_memory=self._pin))
+                for buffers in (*self._read, *self._written):
+                    buffers.append(torch.empty(shape, dtype=tensor.dtype, pin_memory=self._pin))
         elif len(tensors) != len(self._device) or any(
             tensor.shape[1:] != buffer.shape[1:] or tensor.dtype != buffer.dtype
             for tensor, buffer in zip(tensors, self._device)

@@ -147,6 +147,7 @@ def static_steps(
         with unit():
             static.run(1, progress)
         if callback is not None:
+            static.rows_io.flush()  # a callback may read the tables: their tiers hold this step's rows
             loss = float(static.last_loss)
             if not math.isfinite(loss):
                 raise NonFiniteLossError(_non_finite(epoch, index, num_steps, f"The loss is non-finite ({loss})"))

@@ -183,14 +183,16 @@ class DevicePlan:
         """The steps of the loaded epoch handed out so far (the next step's index)."""
         return self._position
 
-    def batch(self, kind: StepKind) -> BessBatch:
+    def batch(self, kind: StepKind, ahead: int = 0) -> BessBatch:
         """Return the current step's plan as a batch of device tensors (heads, relations, tails ``[n, n, b]``).
 
-        :param kind: the current step's kind (its padding slots read their shardpair's first triple)
+        :param kind: the step's kind (its padding slots read their shardpair's first triple)
+        :param ahead: the plan of a later step: the one ``ahead`` steps after the current (its kind given)
         """
         n, b = self.n, self.b
+        step = self.step_index if not ahead else self.step_index + ahead
         # slot t of block p is the triple at position pair_offset[p] + step * b + t of the epoch's order
-        in_order = self.pair_offsets + self.step_index * b
+        in_order = self.pair_offsets + step * b
         if kind.device_valid is not None and kind.fallback is not None:  # a padded kind
             in_order = torch.where(kind.device_valid, in_order, kind.fallback)
         positions = self.buffers["order"].index_select(0, in_order.view(-1))
@@ -209,7 +211,7 @@ class DevicePlan:
             tails=tails,
             valid=kind.valid,
             positions=positions.view(n, n, b),
-            negatives=self.buffers["negatives"].index_select(0, self.step_index)[0],
+            negatives=self.buffers["negatives"].index_select(0, step)[0],
             num_head_corrupted=self.sampler.num_head_corrupted,
             epoch=0,
             step=0,

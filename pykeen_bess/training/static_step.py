@@ -328,7 +328,8 @@ class StaticStep:
 
         :param steps: at most the loaded epoch's steps not yet run
         :param progress: a progress bar, advanced per step (no synchronisation)
-        :param after_step: called with the step's index (0-based) after each step (it may read the step's loss)
+        :param after_step: called with the step's index (0-based) after each step (it may read the step's loss,
+            and the tables: staged rows are written back first)
         :raises ValueError: for more steps than the loaded epoch has left
         """
         start = self.plan.position
@@ -336,12 +337,17 @@ class StaticStep:
         rows_io = self.rows_io
         for index in range(start, start + steps):
             kind = self.plan.kind_of(index)
-            rows_io.stage(lambda: self._step_rows(self.plan.batch(kind)))  # noqa: B023 - called at once
+            following = self.plan.kind_of(index + 1) if index + 1 < self.num_steps else None
+            rows_io.stage(
+                lambda: self._step_rows(self.plan.batch(kind)),  # noqa: B023 - called at once
+                None if following is None else lambda: self._step_rows(self.plan.batch(following, ahead=1)),  # noqa: B023
+            )
             self.executor.run(kind)
             rows_io.write_back()
             if progress is not None:
                 progress.update(1)
             if after_step is not None:
+                rows_io.flush()
                 after_step(index)
 
     def finish_epoch(self) -> tuple[float, int]:
@@ -350,6 +356,7 @@ class StaticStep:
         :returns: the sum of the applied steps' losses, and how many were applied (fewer than run after a
             non-finite loss: that step and the later ones wrote nothing)
         """
+        self.rows_io.flush()  # the tables' tiers hold every step's rows before anything reads them
         summary = torch.stack([self.loss_sum, self.applied.to(torch.float64), *self.update.step_counts.values()])
         loss_sum, applied, *counts = summary.tolist()
         self.update.step_counts.write(counts)
@@ -449,22 +456,31 @@ class StaticStep:
         )
 
     def _step_rows(self, batch: BessBatch) -> torch.Tensor:
-        """Return the flat local row ``[N]`` of every occurrence the step looks up (heads, tails, negatives)."""
-        topology = self.topology
-        first, last = self.looked_up_slots
-        offsets = self.offsets
-        # heads of blocks (l, *), tails of blocks (*, l): the local shards' rows
-        head_rows = topology.select_local(batch.heads[..., first:last], 0) + offsets.view(-1, 1, 1)
-        tail_rows = topology.select_local(batch.tails[..., first:last], 1).transpose(0, 1) + offsets.view(-1, 1, 1)
-        negatives = batch.negatives
-        if batch.shared_negatives:  # one set for all blocks: [n(k), 1, 1, m]
-            negatives = negatives[:, :1, :1]
-        negative_rows = topology.select_local(negatives, 0) + offsets.view(-1, 1, 1, 1)
-        # the negatives in the order the scores look them up, [n(i), n(j), L(k), m]
-        negative_rows = negative_rows.permute(1, 2, 0, 3)
-        return torch.cat([head_rows.reshape(-1), tail_rows.reshape(-1), negative_rows.reshape(-1)])
+        """Return the flat local row ``[N]`` of every occurrence the step looks up (:func:`looked_up_rows`)."""
+        return looked_up_rows(batch, self.topology, self.looked_up_slots, self.offsets)
 
     def _staged_tensors(self) -> list[StagedTensor]:
         """Return the tensors a staged step reads: every table's weight, and the trainable tables' row state."""
         weights = [(table.storage, table.weight, table.trainable) for table in self.tables]
         return weights + self.update.row_state_tensors()
+
+
+def looked_up_rows(batch: BessBatch, topology: Any, slots: tuple[int, int], offsets: torch.Tensor) -> torch.Tensor:
+    """Return the flat local row ``[N]`` of every occurrence a step looks up: heads, tails, negatives.
+
+    :param batch: the step's plan (heads and tails ``[n, n, b]``)
+    :param topology: the process topology (its local shards)
+    :param slots: the slots ``(first, last)`` of every block whose rows this process looks up
+    :param offsets: shape: ``[L]``, the first row of every local shard in the tables
+    :returns: the heads of blocks ``(l, *)`` ``[L, n, b']``, the tails of blocks ``(*, l)`` ``[L, n, b']`` and the
+        negatives in the order the scores look them up ``[n(i), n(j), L(k), m]``, flattened and concatenated
+    """
+    first, last = slots
+    head_rows = topology.select_local(batch.heads[..., first:last], 0) + offsets.view(-1, 1, 1)
+    tail_rows = topology.select_local(batch.tails[..., first:last], 1).transpose(0, 1) + offsets.view(-1, 1, 1)
+    negatives = batch.negatives
+    if batch.shared_negatives:  # one set for all blocks: [n(k), 1, 1, m]
+        negatives = negatives[:, :1, :1]
+    negative_rows = topology.select_local(negatives, 0) + offsets.view(-1, 1, 1, 1)
+    negative_rows = negative_rows.permute(1, 2, 0, 3)
+    return torch.cat([head_rows.reshape(-1), tail_rows.reshape(-1), negative_rows.reshape(-1)])
