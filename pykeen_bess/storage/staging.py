@@ -34,7 +34,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from .base import TableStorage
+from .base import TableStorage, format_bytes
 
 __all__ = ["RowAccess", "StagedRows", "TierRows"]
 
@@ -68,6 +68,10 @@ class RowAccess:
 
     def flush(self) -> None:
         """Wait until the tables' tiers hold every step's writes (before anything else reads them)."""
+
+    def describe(self) -> str:
+        """Say how the step reaches its rows (for the log)."""
+        return "every step's rows read from and written to the tables' tiers directly"
 
 
 class TierRows(RowAccess):
@@ -124,6 +128,21 @@ class StagedRows(RowAccess):
         self._previous: tuple[torch.Tensor, int] | None = None  # the last step's rows and its written set
         self._pending: Future | None = None  # the last write to the tiers
         self._worker: ThreadPoolExecutor | None = None
+
+    def buffer_bytes(self) -> tuple[int, int]:
+        """Return the bytes of the device buffers (with the row-to-slot map) and of the pinned host buffers."""
+        row_bytes = sum(tensor[:1].numel() * tensor.element_size() for _, tensor, _ in self.tensors())
+        device = self.most * row_bytes + self.slot_of.numel() * self.slot_of.element_size()
+        return device, 4 * self.most * row_bytes
+
+    def describe(self) -> str:
+        """Say what staging holds where (for the log's memory plan)."""
+        device, host = self.buffer_bytes()
+        return (
+            f"every step's rows (at most {self.most:,}) staged on {self.device} in {format_bytes(device)} of "
+            f"buffers, through {format_bytes(host)} of host buffers{' (pinned)' if self._pin else ''} (two steps, "
+            f"read and written)"
+        )
 
     def stage(  # noqa: D102
         self, step_rows: Callable[[], torch.Tensor], next_rows: Callable[[], torch.Tensor] | None = None

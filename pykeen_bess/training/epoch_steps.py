@@ -120,6 +120,8 @@ def make_static_step(
     )
     if mode is None and static.device.type == "cuda" and static.capture_obstacle is not None:
         logger.info("BESS: the static step runs uncaptured: %s.", static.capture_obstacle)
+    if static.rows_io.staged:
+        logger.info("BESS: %s.", static.rows_io.describe())
     return static
 
 

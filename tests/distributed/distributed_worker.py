@@ -8,11 +8,13 @@ trains, evaluates and writes what the test compares to ``{output}/rank{r}.pt``; 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import pathlib
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -138,6 +140,20 @@ def build_loop(config: dict[str, Any], factory: CoreTriplesFactory) -> BessTrain
     )
 
 
+@contextlib.contextmanager
+def staged_rows(stage: bool) -> Iterator[None]:
+    """Have the loops built meanwhile stage their rows around every step (what a GPU does with host tables)."""
+    from pykeen_bess.training import static_step
+
+    built = static_step.row_access
+    if stage:
+        static_step.row_access = lambda *args: built(*args[:4], True, args[5])
+    try:
+        yield
+    finally:
+        static_step.row_access = built
+
+
 def run(config: dict[str, Any], output: pathlib.Path, rank: int) -> None:
     """Train (and evaluate, export) one scenario as this rank; write ``{output}/rank{r}.pt``."""
     output.mkdir(parents=True, exist_ok=True)
@@ -151,18 +167,19 @@ def run(config: dict[str, Any], output: pathlib.Path, rank: int) -> None:
     result: dict[str, Any] = {}
     try:
         loop = build_loop(config, factory)
-        losses = loop.train(
-            factory,
-            num_epochs=config["num_epochs"],
-            batch_size=config["batch_size"],
-            sub_batch_size=config.get("sub_batch_size"),
-            use_tqdm=False,
-            callbacks=recorder,
-            checkpoint_directory=config.get("checkpoint_directory"),
-            checkpoint_name=config.get("checkpoint_name"),
-            checkpoint_frequency=0 if config.get("checkpoint_name") else None,
-            gradient_clipping_max_norm=config.get("gradient_clipping_max_norm"),
-        )
+        with staged_rows(config.get("stage_rows", False)):  # the static step is made in train()
+            losses = loop.train(
+                factory,
+                num_epochs=config["num_epochs"],
+                batch_size=config["batch_size"],
+                sub_batch_size=config.get("sub_batch_size"),
+                use_tqdm=False,
+                callbacks=recorder,
+                checkpoint_directory=config.get("checkpoint_directory"),
+                checkpoint_name=config.get("checkpoint_name"),
+                checkpoint_frequency=0 if config.get("checkpoint_name") else None,
+                gradient_clipping_max_norm=config.get("gradient_clipping_max_norm"),
+            )
     except Exception as error:
         result["error"] = f"{type(error).__name__}: {error}"
         torch.save(result, output / f"rank{rank}.pt")
@@ -196,6 +213,7 @@ def run(config: dict[str, Any], output: pathlib.Path, rank: int) -> None:
         global_ids=table.sharding.shard_entities[shard].clone(),
         relation=loop.model.relation_representations[0]._embeddings.weight.detach().clone(),
         entity_parameter_numel=sum(p.numel() for r in loop.model.entity_representations for p in r.parameters()),
+        staged=loop.static is not None and loop.static.rows_io.staged,
     )
     if config.get("extra_parameter"):
         result["extra"] = loop.model.extra.detach().clone()

@@ -99,6 +99,8 @@ SCENARIOS = {
         # the eager step over ranks (what trains the configurations the static step cannot)
         eager=dict(BASE, exchange="embedding", static_step=False, sub_batch_size=8),
         clipping=dict(BASE, exchange="score", gradient_clipping_max_norm=0.05, count_ops=True),
+        # tables in host memory, every step's rows staged into buffers around it (what a GPU does)
+        staged_host=dict(BASE, exchange="score", storage="host", stage_rows=True),
         # TransE's gradients are piecewise constant: a rounding difference flips signs and the runs drift apart
         transe=dict(BASE, model="TransE", loss="marginranking", float32=True, negatives="step", num_epochs=8),
     ),
@@ -186,6 +188,22 @@ def test_step_shared_negatives_on_ranks_equal_logical_shards(
 def test_eager_and_clipped_steps_on_ranks_equal_logical_shards(two_ranks: dict[str, Any], scenario: str) -> None:
     """The eager step over ranks (sub-batches), and the static step with clipping by the global norm."""
     check_equals_local_reference(two_ranks[scenario], SCENARIOS[2][scenario], 2)
+
+
+def test_staged_host_tables_on_ranks_equal_logical_shards(two_ranks: dict[str, Any]) -> None:
+    """Host tables whose rows every rank stages around its steps (as on a GPU) train as one process does.
+
+    The reference: host tables in one process with two logical shards, on the eager step.
+    """
+    config = SCENARIOS[2]["staged_host"]
+    loop, epoch_losses, step_losses, _ = local_reference(config, 2)
+    results = two_ranks["staged_host"]
+    for result in results:
+        assert result["staged"]
+        assert result["step_losses"] == pytest.approx(step_losses, rel=1e-9)
+        assert result["epoch_losses"] == pytest.approx(epoch_losses, rel=1e-9)
+        torch.testing.assert_close(result["relation"], loop.model.relation_representations[0]._embeddings.weight)
+    torch.testing.assert_close(assemble(results, loop.model.num_entities), loop.tables[0].full_table())
 
 
 def test_transe_on_two_ranks_equals_two_logical_shards_bitwise(two_ranks: dict[str, Any]) -> None:
