@@ -126,7 +126,7 @@ class StagedRows(RowAccess):
         self._rows = torch.empty(0, dtype=torch.long)  # the current step's distinct rows (sorted)
         self._next: Future | None = None  # the next step's rows, being read into the other set
         self._previous: tuple[torch.Tensor, int] | None = None  # the last step's rows and its written set
-        self._pending: Future | None = None  # the last write to the tiers
+        self._writes: list[Future] = []  # the writes to the tiers not yet seen done
         self._worker: ThreadPoolExecutor | None = None
 
     def buffer_bytes(self) -> tuple[int, int]:
@@ -187,19 +187,24 @@ class StagedRows(RowAccess):
             if written:  # (waits for the step)
                 self._written[turn][position][:count].copy_(self._device[position][:count])
         assert self._worker is not None
-        self._pending = self._worker.submit(self._write_rows, rows, turn, self._staged)
+        done = [write for write in self._writes if write.done()]
+        self._writes = [write for write in self._writes if not write.done()]
+        for write in done:
+            write.result()  # raises what a write to the tiers raised
+        self._writes.append(self._worker.submit(self._write_rows, rows, turn, self._staged))
         self._previous = (rows, turn)
         self._turn = 1 - turn
 
     def flush(self) -> None:
-        """Wait until every step's rows are written to the tiers, and forget a read of a next step."""
-        if self._next is not None:
-            self._next.result()
-            self._next = None
-        if self._pending is not None:
-            self._pending.result()
-            self._pending = None
-        self._previous = None
+        """Wait until every step's rows are written to the tiers, and forget a read of a next step.
+
+        :raises Exception: what the worker raised reading or writing (the state is reset first)
+        """
+        futures = [self._next, *self._writes]
+        self._next, self._writes, self._previous = None, [], None
+        for future in futures:
+            if future is not None:
+                future.result()
 
     def _distinct_rows(self, step_rows: Callable[[], torch.Tensor]) -> torch.Tensor:
         with torch.no_grad():

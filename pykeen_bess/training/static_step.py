@@ -375,6 +375,10 @@ class StaticStep:
         if self._in_epoch:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
+            try:
+                self.rows_io.flush()
+            except Exception:  # the failure being handled is the one to report
+                logger.warning("BESS: writing the staged rows back failed as well.", exc_info=True)
             self.finish_epoch()
 
     # -- the step ----------------------------------------------------------------------------------

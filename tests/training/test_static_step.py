@@ -590,3 +590,28 @@ def test_staging_what_cannot_be_staged_is_refused(factory: CoreTriplesFactory) -
         assert not _static_step(loop, factory, 16).rows_io.staged  # automatic: the CPU reads its tiers directly
         with pytest.raises(ValueError, match="device tier"):
             _static_step(loop, factory, 16, stage_rows=True)
+
+
+def test_a_failing_write_to_the_tier_fails_the_training(
+    factory: CoreTriplesFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write of staged rows to the tier that raises on the worker thread fails the training with its error."""
+    from pykeen_bess.storage.host import HostStorage
+    from pykeen_bess.training import static_step
+
+    forced = static_step.row_access
+    monkeypatch.setattr(static_step, "row_access", lambda *args: forced(*args[:4], True, args[5]))
+    monkeypatch.setattr(StaticUpdate, "host_rules", False)
+    written = HostStorage.write
+    calls = []
+
+    def failing(self, tensor, rows, values):
+        calls.append(rows.numel())
+        if len(calls) > 7:  # after a few steps (a step writes the weights and each row state tensor)
+            raise OSError("the tier's disk is gone")
+        written(self, tensor, rows, values)
+
+    monkeypatch.setattr(HostStorage, "write", failing)
+    loop = make_loop(factory, num_shards=2, storage="host")
+    with pytest.raises(OSError, match="disk is gone"):
+        loop.train(factory, num_epochs=2, batch_size=64, use_tqdm=False)
