@@ -276,8 +276,33 @@ def train_with_checkpoints(loop: BessTrainingLoop, factory: CoreTriplesFactory, 
     return recorder.losses
 
 
+@pytest.fixture(params=[False, True], ids=["direct", "staged"])
+def staged(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> tuple[bool, list[bool]]:
+    """Run the static step's rows directly from the tiers, or staged around every step (what a GPU does).
+
+    :returns: whether staging is asked for, and for every static step made outside the device tier whether it
+        stages
+    """
+    made: list[bool] = []
+    if request.param:
+        from pykeen_bess.training import static_step
+
+        forced = static_step.row_access
+
+        def stage_outside_the_device(tables, topology, optimizer, most, _, tensors):
+            outside = tables.storage.captured_step_obstacle() is not None  # the device tier is read directly
+            access = forced(tables, topology, optimizer, most, True if outside else None, tensors)
+            if outside:
+                made.append(access.staged)
+            return access
+
+        monkeypatch.setattr(static_step, "row_access", stage_outside_the_device)
+    return request.param, made
+
+
 @pytest.mark.parametrize("tier", TIERS)
-def test_checkpoints_resume_identically(nations, tmp_path, tier) -> None:
+def test_checkpoints_resume_identically(nations, tmp_path, tier, staged) -> None:
+    """A run checkpointed after an epoch and resumed equals the run in one go (also with staged rows)."""
     factory = factory_of(nations)
     (tmp_path / "a").mkdir()
     full = train(make_loop(factory, tier, tmp_path / "a"), factory)
@@ -296,6 +321,8 @@ def test_checkpoints_resume_identically(nations, tmp_path, tier) -> None:
         assert sorted(entry["files"].values()) == sorted(p.name for p in copies.iterdir())
     rest = train_with_checkpoints(make_loop(factory, tier, storage_dir), factory, 2, path)
     assert first + rest == full
+    wanted, made = staged
+    assert made == ([True] * 3 if wanted and tier != "device" else [])
     if tier == "mmap":  # one version of the copies is kept
         assert len([p for p in path.iterdir() if p.name.startswith("run.pt.tables-")]) == 1
 
@@ -606,8 +633,11 @@ def test_a_tier_restores_a_tensor_from_a_checkpoints_file(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("tier", ["host", "mmap"])
-def test_early_stopping_restores_the_best_epoch_of_every_tier(nations, tmp_path, tier) -> None:
-    """PyKEEN's stopper keeps the best epoch's state dict: tables in files go in by value, not as the live files."""
+def test_early_stopping_restores_the_best_epoch_of_every_tier(nations, tmp_path, tier, staged) -> None:
+    """PyKEEN's stopper keeps the best epoch's state dict: tables in files go in by value, not as the live files.
+
+    Also with the rows staged around every step: the tiers hold every step's rows when the stopper evaluates.
+    """
     from pykeen.stoppers import EarlyStopper
 
     factory = factory_of(nations)
@@ -628,6 +658,8 @@ def test_early_stopping_restores_the_best_epoch_of_every_tier(nations, tmp_path,
         assert stopper.stopped and stopper.best_epoch < len(stopper.results)  # an earlier epoch is restored
         models[name] = loop.model.entity_representations[0](torch.arange(factory.num_entities)).detach().clone()
     torch.testing.assert_close(models[tier], models["device"], rtol=1e-6, atol=1e-7)
+    wanted, made = staged
+    assert made == ([True] if wanted else [])
 
 
 @pytest.mark.parametrize("tier", ["device", "host", "mmap"])
