@@ -7,15 +7,17 @@ A static step whose tables live in such a tier therefore reads and writes its ro
 * :class:`TierRows` reads and writes each table's tier directly: the device tier, and every tier on
   the CPU (where the tier's memory is the compute device's);
 * :class:`StagedRows` keeps, per staged tensor (every table's weight and the trainable tables' row
-  state), a device buffer of the most rows a step looks up, and a row-to-slot map on the device.
+  state), a device buffer of the most rows a step looks up, and the slot of every occurrence the step
+  looks up (``[N]``, on the device: nothing the size of the tables).
   Around each step, outside the step function:
 
   1. :meth:`StagedRows.stage` copies the step's distinct rows, read from the tiers into pinned host
-     buffers, to the device buffers and maps every distinct row to its slot; then it computes the
+     buffers, to the device buffers, and its occurrences' slots among them; then it computes the
      next step's rows (on the device, from the epoch's plan: one synchronisation per step) and has a
      worker thread read them from the tiers into the other set of host buffers while this step runs;
   2. inside the step (captured or not), :meth:`StagedRows.read` and :meth:`StagedRows.write` index
-     the device buffers through the map: the step sees device memory of a fixed size only;
+     the device buffers by the occurrences' slots (the step computes its occurrences in the same order):
+     the step sees device memory of a fixed size only;
   3. :meth:`StagedRows.write_back` copies the written rows back to host buffers (waiting for the step)
      and has the worker write them to the tiers.
 
@@ -40,6 +42,8 @@ __all__ = ["RowAccess", "StagedRows", "TierRows"]
 
 #: a tensor a step reads (a table's weight or row state tensor), with its tier and whether the step writes it
 StagedTensor = tuple[TableStorage, torch.Tensor, bool]
+#: a step's distinct rows ``[U]`` (sorted) and the slot among them of every occurrence ``[N]``
+Staged = tuple[torch.Tensor, torch.Tensor]
 
 
 class RowAccess:
@@ -94,7 +98,6 @@ class StagedRows(RowAccess):
     def __init__(
         self,
         tensors: Callable[[], Sequence[StagedTensor]],
-        num_rows: int,
         most: int,
         device: torch.device,
     ):
@@ -102,7 +105,6 @@ class StagedRows(RowAccess):
 
         :param tensors: returns the staged tensors with their tiers, and whether the step writes each (asked
             before every step: a checkpoint's load may replace a tier's tensors)
-        :param num_rows: the rows of the tables (the row-to-slot map's size)
         :param most: the most rows a step looks up (occurrences, duplicates included)
         :param device: the compute device
         """
@@ -110,11 +112,10 @@ class StagedRows(RowAccess):
         self.most = most
         self.device = device
         self._pin = device.type == "cuda"
-        #: shape: ``[R]``, the slot of every distinct row of the staged step (others: stale)
-        self.slot_of = torch.zeros(num_rows, dtype=torch.long, device=device)
-        self._slots = torch.arange(most, dtype=torch.long, device=device)
-        self._distinct_host = torch.empty(most, dtype=torch.long, pin_memory=self._pin)
-        self._distinct = torch.empty(most, dtype=torch.long, device=device)
+        #: shape: ``[N]``, the slot (in the device buffers) of every occurrence the staged step looks up
+        self.slots = torch.zeros(most, dtype=torch.long, device=device)
+        self._slots_host = torch.empty(most, dtype=torch.long, pin_memory=self._pin)
+        self._occurrences = 0  # the step's occurrences (N: the same every step)
         self._device: list[torch.Tensor] = []  # per staged tensor: [most, *]
         # two sets of host buffers (pinned on CUDA) per staged tensor, used by every other step: the rows
         # read from the tier (the next step's are read while a step runs), and the rows a step wrote
@@ -130,9 +131,9 @@ class StagedRows(RowAccess):
         self._worker: ThreadPoolExecutor | None = None
 
     def buffer_bytes(self) -> tuple[int, int]:
-        """Return the bytes of the device buffers (with the row-to-slot map) and of the pinned host buffers."""
+        """Return the bytes of the device buffers (with the occurrences' slots) and of the pinned host buffers."""
         row_bytes = sum(tensor[:1].numel() * tensor.element_size() for _, tensor, _ in self.tensors())
-        device = self.most * row_bytes + self.slot_of.numel() * self.slot_of.element_size()
+        device = self.most * (row_bytes + self.slots.element_size())
         return device, 4 * self.most * row_bytes
 
     def describe(self) -> str:
@@ -154,14 +155,15 @@ class StagedRows(RowAccess):
             self._staged = list(self.tensors())
             self._bind([tensor for _, tensor, _ in self._staged])
             self._next = worker.submit(self._read_rows, self._distinct_rows(step_rows), turn, self._staged)
-        rows = self._next.result()
-        count = rows.numel()
+        rows, slots = self._next.result()
+        count, occurrences = rows.numel(), slots.numel()
+        if self._occurrences and occurrences != self._occurrences:
+            raise RuntimeError(f"A step looks up {occurrences} rows, the steps before {self._occurrences}.")
+        self._occurrences = occurrences
         self._forward(rows, turn)
-        host_rows = self._distinct_host[:count]
-        host_rows.copy_(rows)
-        device_rows = self._distinct[:count]
-        device_rows.copy_(host_rows, non_blocking=True)
-        self.slot_of.index_copy_(0, device_rows, self._slots[:count])
+        host_slots = self._slots_host[:occurrences]
+        host_slots.copy_(slots)
+        self.slots[:occurrences].copy_(host_slots, non_blocking=True)
         for position, buffer in enumerate(self._device):
             buffer[:count].copy_(self._read[turn][position][:count], non_blocking=True)
         self._rows = rows
@@ -171,14 +173,22 @@ class StagedRows(RowAccess):
         if next_rows is not None:
             self._next = worker.submit(self._read_rows, self._distinct_rows(next_rows), 1 - turn, self._staged)
 
-    def read(self, storage: TableStorage, tensor: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:  # noqa: D102
-        return self._device[self._position[id(tensor)]].index_select(0, self.slot_of.index_select(0, rows))
+    def read(self, storage: TableStorage, tensor: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Return the staged values of the step's occurrences ``rows`` ``[N]`` (the rows staged, in their order)."""
+        return self._device[self._position[id(tensor)]].index_select(0, self._slots_of(rows))
 
-    def write(  # noqa: D102
-        self, storage: TableStorage, tensor: torch.Tensor, rows: torch.Tensor, values: torch.Tensor
-    ) -> None:
+    def write(self, storage: TableStorage, tensor: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
+        """Write ``values`` ``[N, *]`` of the step's occurrences ``rows`` ``[N]`` to the staged buffer."""
         buffer = self._device[self._position[id(tensor)]]
-        buffer.index_copy_(0, self.slot_of.index_select(0, rows), values.to(buffer.dtype))
+        buffer.index_copy_(0, self._slots_of(rows), values.to(buffer.dtype))
+
+    def _slots_of(self, rows: torch.Tensor) -> torch.Tensor:
+        """Return the slots of the step's occurrences (``rows``: the staged step's occurrences, in their order)."""
+        if rows.numel() != self._occurrences:
+            raise RuntimeError(
+                f"Staged rows are read and written by the step's occurrences ({self._occurrences}), not {rows.numel()}."
+            )
+        return self.slots[: self._occurrences]
 
     def write_back(self) -> None:  # noqa: D102
         turn, rows = self._turn, self._rows
@@ -206,18 +216,20 @@ class StagedRows(RowAccess):
             if future is not None:
                 future.result()
 
-    def _distinct_rows(self, step_rows: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def _distinct_rows(self, step_rows: Callable[[], torch.Tensor]) -> Staged:
+        """Return a step's distinct rows (sorted) and every occurrence's slot among them."""
         with torch.no_grad():
-            rows = torch.unique(step_rows().cpu())
-        if rows.numel() > self.most:
-            raise ValueError(f"A step looks up {rows.numel()} distinct rows, more than the {self.most} staged.")
-        return rows
+            rows, slots = torch.unique(step_rows().cpu(), return_inverse=True)
+        if slots.numel() > self.most:
+            raise ValueError(f"A step looks up {slots.numel()} rows, more than the {self.most} staged.")
+        return rows, slots
 
-    def _read_rows(self, rows: torch.Tensor, turn: int, staged: Sequence[StagedTensor]) -> torch.Tensor:
+    def _read_rows(self, step: Staged, turn: int, staged: Sequence[StagedTensor]) -> Staged:
         """On the worker: read the rows of every staged tensor from its tier into the host buffers of ``turn``."""
+        rows = step[0]
         for position, (storage, tensor, _) in enumerate(staged):
             storage.read(tensor, rows, out=self._read[turn][position][: rows.numel()])
-        return rows
+        return step
 
     def _write_rows(self, rows: torch.Tensor, turn: int, staged: Sequence[StagedTensor]) -> None:
         """On the worker: write the written rows of ``turn``'s host buffers to the tiers."""

@@ -167,7 +167,7 @@ def row_access(
         return TierRows()
     if obstacle is not None:
         raise ValueError(f"A static step cannot stage its rows with {obstacle}.")
-    return StagedRows(tensors, tables[0].weight.shape[0], most, device)
+    return StagedRows(tensors, most, device)
 
 
 class StaticStep:

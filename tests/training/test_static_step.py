@@ -536,7 +536,7 @@ def test_a_staged_step_reads_no_host_memory(
         static.run(1)  # the first run creates the cached device indices and the step counts
         static.rows_io.stage(lambda: static._step_rows(static.plan.batch(kind)))
         sources = [t for t in static_step_sources(static) if t.untyped_storage().data_ptr() not in host_memory]
-        with DeviceOps([*sources, *static.rows_io._device, static.rows_io.slot_of], host=host) as ops:
+        with DeviceOps([*sources, *static.rows_io._device, static.rows_io.slots], host=host) as ops:
             static.step(kind)
         static.rows_io.write_back()
     assert ops.synchronising == [], "\n".join(ops.synchronising)
@@ -615,3 +615,24 @@ def test_a_failing_write_to_the_tier_fails_the_training(
     loop = make_loop(factory, num_shards=2, storage="host")
     with pytest.raises(OSError, match="disk is gone"):
         loop.train(factory, num_epochs=2, batch_size=64, use_tqdm=False)
+
+
+def test_staged_device_memory_does_not_grow_with_the_tables() -> None:
+    """What staging keeps on the device (buffers and slots) depends on the step's rows, not on the tables' size."""
+    from pykeen_bess.storage.host import HostStorage
+    from pykeen_bess.storage.staging import StagedRows
+
+    storage = HostStorage()
+    held = {}
+    for num_rows in (100, 100_000):
+        weight, state = torch.randn(num_rows, 8), torch.zeros(num_rows, 8)
+        staged = StagedRows(lambda w=weight, s=state: [(storage, w, True), (storage, s, True)], 64, torch.device("cpu"))
+        occurrences = torch.randint(num_rows, (64,), generator=torch.Generator().manual_seed(0))
+        staged.stage(lambda o=occurrences: o)
+        torch.testing.assert_close(staged.read(storage, weight, occurrences), weight[occurrences])
+        staged.write_back()
+        staged.flush()
+        device = [*staged._device, staged.slots]
+        held[num_rows] = sum(tensor.numel() * tensor.element_size() for tensor in device)
+        assert held[num_rows] == staged.buffer_bytes()[0]
+    assert held[100] == held[100_000] == 64 * (2 * 8 * 4 + 8)
