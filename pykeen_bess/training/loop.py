@@ -113,6 +113,7 @@ class BessTrainingLoop(LoopParts):
         checkpoint_format: str = "pykeen",
         sharding: str | ShardingStrategy | None = None,
         static_step: bool | None = None,
+        device: str | torch.device | None = None,
         **kwargs: Any,
     ) -> None:
         """Create the loop; every configuration error is raised here, before training starts.
@@ -190,10 +191,15 @@ class BessTrainingLoop(LoopParts):
             captured as a CUDA graph on a GPU, wherever the configuration allows; else the eager step, the reason
             logged), True (the static step, or an error says why not) or False (the eager step); see
             :mod:`pykeen_bess.training.static_step`. Process groups, replicas, the encoding partition,
-            sub-batches, clipping, loss weights, dropout, per-step callbacks and dense updates (any optimizer,
-            uncaptured on a GPU, as are tables in host memory or files and typed negatives with a regularizer
-            other than L2) run on the static step; the eager step runs for a subclass that overrides
-            ``_process_batch`` (the GPU how-to says why)
+            sub-batches, clipping, loss weights, dropout, per-step callbacks, tables in host memory or files
+            (their rows staged into device buffers around every step on a GPU) and dense updates (any optimizer,
+            uncaptured on a GPU, as are typed negatives with a regularizer other than L2, and host or file tables
+            with replicas or the encoding partition) run on the static step; the eager step runs for a subclass
+            that overrides ``_process_batch`` (the GPU how-to says why)
+        :param device: where a model built on the meta device is materialised (every parameter but its entity
+            tables, which ``storage`` holds) and computes, e.g. ``"cuda"`` for tables in host memory or files
+            bigger than the GPU; None: the CPU. A model built on a real device computes there (giving another
+            device is an error)
         :param kwargs: passed to :class:`pykeen.training.TrainingLoop` (optimizer, lr scheduler,
             result tracker, loss weighter (every positive's weight is passed to the loss as
             ``pos_weights``, see :mod:`pykeen_bess.nn.loss`; default: a typed graph's relation weights), ...)
@@ -210,7 +216,9 @@ class BessTrainingLoop(LoopParts):
         table_storage = make_storage(storage, storage_path, storage_kwargs)
         table_storage.defer_existing_files()  # files of an earlier run: kept until train() knows if it resumes
         if any(parameter.is_meta for parameter in model.parameters()):  # built without its full tables
-            materialize(model, table_storage)
+            materialize(model, table_storage, torch.device(device or "cpu"))
+        elif device is not None and not _same_device(torch.device(device), model.device):
+            raise ValueError(f"device={device!r} is for a model built on the meta device, not one on {model.device}.")
         # the optimizer the base class built (or the pipeline passed) defines class and hyper-parameters
         self.optimizer_cls = type(self.optimizer)
         self.optimizer_kwargs = optimizer_hyperparameters(self.optimizer)
@@ -307,3 +315,8 @@ class BessTrainingLoop(LoopParts):
         """Return the balanced batches of the epochs (``batch_size`` positives per step, a multiple of ``n ** 2``)."""
         block_size = batch_size // self.topology.n_shard**2
         return EpochBatches(self.make_sampler(self.partition(triples_factory), block_size), first_epoch=self._epoch + 1)
+
+
+def _same_device(requested: torch.device, actual: torch.device) -> bool:
+    """Whether ``actual`` is the ``requested`` device (``"cuda"`` names every CUDA device)."""
+    return requested.type == actual.type and requested.index in (None, actual.index)

@@ -48,8 +48,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-def materialize(model: torch.nn.Module, storage: TableStorage) -> None:
-    """Give a model built on the meta device real parameters on the CPU, except its full entity tables.
+def materialize(model: torch.nn.Module, storage: TableStorage, device: torch.device) -> None:
+    """Give a model built on the meta device real parameters on ``device``, except its full entity tables.
 
     Building the model under ``with torch.device("meta"):`` keeps PyKEEN's constructor from
     allocating and initialising the full entity tables. Here the entity embeddings keep a
@@ -73,8 +73,8 @@ def materialize(model: torch.nn.Module, storage: TableStorage) -> None:
             continue
         weight = embedding._embeddings.weight
         weight.data = torch.empty(0, weight.shape[1], dtype=weight.dtype, device="meta")
-    model.to_empty(device="cpu")
-    logger.info("Materialised the meta-device model on the CPU (its entity tables live in storage=%r).", storage.name)
+    model.to_empty(device=device)
+    logger.info("Materialised the meta-device model on %s (its entity tables are in storage=%r).", device, storage.name)
 
 
 class ShardTables:

@@ -565,6 +565,7 @@ def test_a_model_built_on_the_meta_device_trains_with_stored_tables(nations, tmp
             model=model,
             triples_factory=factory,
             storage=tier,
+            device="cpu",  # where the parameters but the entity tables are materialised (default: the CPU)
             num_shards=3,
             num_negs_per_pos=6,
             seed=3,
@@ -586,6 +587,10 @@ def test_a_model_built_on_the_meta_device_trains_with_stored_tables(nations, tmp
         model = DistMult(triples_factory=factory, embedding_dim=8, random_seed=0)  # a regularizer with a weight
     with pytest.raises(ValueError, match="buffers"):
         BessTrainingLoop(model=model, triples_factory=factory, storage="host")
+    built = DistMult(triples_factory=factory, embedding_dim=8, random_seed=0)  # on the CPU: computes there
+    with pytest.raises(ValueError, match="meta device"):
+        BessTrainingLoop(model=built, triples_factory=factory, storage="host", device="cuda")
+    assert BessTrainingLoop(model=built, triples_factory=factory, storage="host", device="cpu").model is built
 
 
 def test_the_memory_search_runs_with_stored_tables(nations, tmp_path) -> None:
