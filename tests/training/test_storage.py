@@ -414,6 +414,66 @@ def test_a_kill_during_a_checkpoint_keeps_the_previous_one_loadable(nations, tmp
     assert rest == full[len(full) - len(rest) :]
 
 
+KILLED_WRITE_BACK = textwrap.dedent(
+    """
+    import os, sys, pathlib
+    sys.path.insert(0, {tests!r})
+    from training.test_storage import factory_of, make_loop
+    from pykeen.datasets import Nations
+    from pykeen_bess.storage import MmapStorage
+    from pykeen_bess.training import static_step
+    from pykeen_bess.training.static_update import StaticUpdate
+
+    forced = static_step.row_access
+    static_step.row_access = lambda *args: forced(*args[:4], True, args[5])
+    StaticUpdate.host_rules = False
+    write = MmapStorage.write
+    calls = []
+    def dying_write(self, tensor, rows, values):
+        calls.append(1)
+        if len(calls) > {writes}:  # a write-back of the second epoch, on the worker thread
+            os._exit(9)
+        return write(self, tensor, rows, values)
+    MmapStorage.write = dying_write
+    factory = factory_of(Nations())
+    loop = make_loop(factory, "mmap", pathlib.Path({storage!r}))
+    loop.train(factory, num_epochs=2, batch_size=72, use_tqdm=False, checkpoint_directory={checkpoints!r},
+               checkpoint_name="run.pt", checkpoint_frequency=0)
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_kill_during_a_staged_write_back_loses_nothing(nations, tmp_path, monkeypatch) -> None:
+    """Staged rows (as on a GPU) written back to files by the worker: a kill -9 in the middle of an epoch's
+    write-backs leaves the last checkpoint whole, and resuming from it trains as the run that was not killed."""
+    from pykeen_bess.training import static_step
+    from pykeen_bess.training.static_update import StaticUpdate
+
+    forced = static_step.row_access
+    monkeypatch.setattr(static_step, "row_access", lambda *args: forced(*args[:4], True, args[5]))
+    monkeypatch.setattr(StaticUpdate, "host_rules", False)
+    factory = factory_of(nations)
+    (tmp_path / "full").mkdir()
+    full = train(make_loop(factory, "mmap", tmp_path / "full"), factory)
+    steps = len(full) // 2  # per epoch; a step writes the weights and Adam's two moments
+    storage, checkpoints = tmp_path / "storage", tmp_path / "checkpoints"
+    storage.mkdir()
+    checkpoints.mkdir()
+    script = KILLED_WRITE_BACK.format(
+        tests=str(pathlib.Path(__file__).parents[1]),
+        storage=str(storage),
+        checkpoints=str(checkpoints),
+        writes=3 * steps + 3 * (steps // 2),  # half way through the second epoch
+    )
+    process = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert process.returncode == 9, process.stderr[-3000:]
+    loop = make_loop(factory, "mmap", storage)
+    rest = train_with_checkpoints(loop, factory, 2, checkpoints)
+    assert loop._epoch == 2 and loop.static is not None and loop.static.rows_io.staged
+    assert rest == full[len(full) - len(rest) :]
+
+
 class _Usage:
     def __init__(self, free: int) -> None:
         self.free = free
