@@ -5,6 +5,8 @@
 * ``slow`` marks tests that start other processes (gloo ranks, torchrun, fresh interpreters) or run
   notebooks; ``pytest -m "not slow"`` runs the fast part alone.
 * CI fails when fewer tests ran than expected (a broken collection is not a pass).
+* torch's optimizers accept ``capturable=True`` on the CPU (:mod:`capturable`): the tests of a GPU's
+  static step run the capturable form of the user's optimizer there.
 """
 
 from __future__ import annotations
@@ -16,6 +18,10 @@ import sys
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
+
+from capturable import allow_capturable_on_the_cpu
+
+allow_capturable_on_the_cpu()
 
 #: environment variable with the least number of tests that must have run and passed (set by .ci/run)
 MIN_TESTS_VARIABLE = "PYKEEN_BESS_MIN_TESTS"

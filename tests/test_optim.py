@@ -231,13 +231,12 @@ _GROUPS = {
 }
 
 
-@pytest.mark.parametrize("dense", [False, True], ids=["row", "dense"])
 @pytest.mark.parametrize("name", sorted(_GROUPS))
-def test_a_rules_in_place_and_device_forms_agree(name: str, dense: bool) -> None:
+def test_a_rules_in_place_and_device_forms_agree(name: str) -> None:
     """``update_`` (host step counts, in place) and ``apply`` (device tensors, new tensors) compute one update."""
-    from pykeen_bess.tables.row_rules import RULES, dense_rule
+    from pykeen_bess.tables.row_rules import RULES
 
-    rule = dense_rule(name) if dense else RULES[name]
+    rule = RULES[name]
     group = _GROUPS[name]
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(5, 3, dtype=torch.float64, generator=generator)
@@ -253,24 +252,3 @@ def test_a_rules_in_place_and_device_forms_agree(name: str, dense: bool) -> None
         torch.testing.assert_close(device[0], in_place[0], rtol=1e-12, atol=1e-12)
         for key in state:
             torch.testing.assert_close(device[1][key], in_place[1][key], rtol=1e-12, atol=1e-12)
-
-
-@pytest.mark.parametrize("fused", [True, False])
-def test_the_dense_adam_rule_is_torchs_adam(monkeypatch, fused: bool) -> None:
-    """Adam's dense form adds ``eps`` after the bias correction, as ``torch.optim.Adam`` does (fused kernel or not)."""
-    from pykeen_bess import row_rules
-
-    if fused and not row_rules._has_fused_adam("cpu"):
-        pytest.skip("this torch has no fused Adam kernel for the CPU")
-    monkeypatch.setitem(row_rules._FUSED_ADAM, "cpu", fused)
-    group = _GROUPS["adam"]
-    parameter = torch.nn.Parameter(torch.randn(4, 3, dtype=torch.float64))
-    reference = torch.optim.Adam([parameter], lr=group["lr"], betas=group["betas"], eps=group["eps"])
-    weight = parameter.detach().clone()
-    state = {"exp_avg": torch.zeros_like(weight), "exp_avg_sq": torch.zeros_like(weight)}
-    for step in range(1, 5):
-        grad = torch.randn(4, 3, dtype=torch.float64)
-        parameter.grad = grad.clone()
-        reference.step()
-        weight, state = row_rules.dense_rule("adam").update_(weight, grad, state, group, step)
-    torch.testing.assert_close(weight, parameter.detach(), rtol=1e-12, atol=1e-12)

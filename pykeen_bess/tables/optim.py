@@ -173,8 +173,8 @@ class RowwiseAdagrad(Optimizer):
 
 
 #: the one registry of the optimizers BESS updates itself: each supported class's rule, by which the shard tables
-#: are updated row-sparsely and the captured static step updates the replicated parameters
-#: (:data:`~pykeen_bess.tables.row_rules.RULES`, :func:`~pykeen_bess.tables.row_rules.dense_rule`)
+#: are updated row-sparsely (:data:`~pykeen_bess.tables.row_rules.RULES`); a captured static step also updates the
+#: replicated parameters by it where torch has no capturable form of the optimizer (Adagrad, SGD, row-wise Adagrad)
 SPARSE_RULES: dict[type[Optimizer], str] = {
     Adam: "adam",
     SparseAdam: "adam",
@@ -183,8 +183,7 @@ SPARSE_RULES: dict[type[Optimizer], str] = {
     RowwiseAdagrad: "rowwise_adagrad",
 }
 
-#: the options a captured static step's device rules need of the replicated parameters' optimizer (it differentiates
-#: nothing)
+#: the options a captured static step needs of the replicated parameters' optimizer (it differentiates nothing)
 DENSE_REQUIRED_OPTIONS: dict[str, Any] = dict(differentiable=False)
 
 

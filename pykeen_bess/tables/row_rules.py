@@ -13,9 +13,11 @@ so the same rule updates a table on the device, in host memory or in files
   caller decides whether to write the result (a step with a non-finite loss writes nothing).
 
 :data:`RULES` is the one registry, by name (:data:`~pykeen_bess.tables.optim.SPARSE_RULES` maps
-the optimizer classes to these names); :func:`dense_rule` returns the rule as ``torch.optim``'s own
-optimizer applies it to a dense parameter (Adam adds ``eps`` after the bias correction there, the
-lazy row rule before it). A new optimizer is one new subclass here plus its registry entries.
+the optimizer classes to these names). The replicated parameters are not updated by these rules but by
+the user's ``torch.optim`` optimizer itself (in its capturable form on a GPU, see
+:mod:`~pykeen_bess.training.dense_update`), except for the optimizers torch has no capturable form of
+(Adagrad, SGD, row-wise Adagrad), whose rules are the same on a whole tensor. A new optimizer is one new
+subclass here plus its registry entries.
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ __all__ = [
     "RULES",
     "RowRule",
     "count_step",
-    "dense_rule",
     "state_shapes",
 ]
 
@@ -102,16 +103,11 @@ class RowRule(ABC):
 class AdamRule(RowRule):
     """Lazy Adam (``torch.optim.SparseAdam``): a row's moments change only in the steps that touch it.
 
-    The bias correction uses the global step count. ``lazy=False`` is ``torch.optim.Adam`` on a dense
-    parameter (no weight decay, no AMSGrad), which adds ``eps`` after the bias correction, not before.
+    The bias correction uses the global step count.
     """
 
     defaults = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, maximize=False)
     required_options = dict(weight_decay=0, amsgrad=False)
-
-    def __init__(self, lazy: bool = True):
-        """Choose where ``eps`` is added: before the bias correction (lazy, SparseAdam) or after it (Adam)."""
-        self.lazy = lazy
 
     def state_shapes(self, shape: Sequence[int], group: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], float]]:
         return {"exp_avg": (tuple(shape), 0.0), "exp_avg_sq": (tuple(shape), 0.0)}
@@ -144,7 +140,7 @@ class AdamRule(RowRule):
                 beta1=beta1,
                 beta2=beta2,
                 weight_decay=0.0,
-                eps=group["eps"] / math.sqrt(bias_correction2) if self.lazy else group["eps"],
+                eps=group["eps"] / math.sqrt(bias_correction2),
                 amsgrad=False,
                 maximize=group["maximize"],
             )
@@ -154,8 +150,7 @@ class AdamRule(RowRule):
         exp_avg = exp_avg.lerp_(grad, 1 - beta1)
         exp_avg_sq = exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         step_size = group["lr"] * math.sqrt(bias_correction2) / (1 - beta1**step)
-        eps = group["eps"] if self.lazy else group["eps"] * math.sqrt(bias_correction2)
-        weight = weight.addcdiv_(exp_avg, exp_avg_sq.sqrt().add_(eps), value=-step_size)
+        weight = weight.addcdiv_(exp_avg, exp_avg_sq.sqrt().add_(group["eps"]), value=-step_size)
         return weight, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
 
     def apply(
@@ -175,13 +170,9 @@ class AdamRule(RowRule):
             "exp_avg": torch.lerp(state["exp_avg"], grad, 1 - beta1),
             "exp_avg_sq": torch.addcmul(state["exp_avg_sq"] * beta2, grad, grad, value=1 - beta2),
         }
-        if self.lazy:
-            step_size = lr * torch.sqrt(1 - beta2**step) / (1 - beta1**step)
-            update = moments["exp_avg"] / (moments["exp_avg_sq"].sqrt() + group["eps"])
-            return weight - step_size.to(weight.dtype) * update, moments
-        step_size = lr / (1 - beta1**step)
-        denominator = moments["exp_avg_sq"].sqrt() / torch.sqrt(1 - beta2**step).to(weight.dtype) + group["eps"]
-        return weight - step_size.to(weight.dtype) * (moments["exp_avg"] / denominator), moments
+        step_size = lr * torch.sqrt(1 - beta2**step) / (1 - beta1**step)
+        update = moments["exp_avg"] / (moments["exp_avg_sq"].sqrt() + group["eps"])
+        return weight - step_size.to(weight.dtype) * update, moments
 
 
 def _fused_adam_applies(*tensors: torch.Tensor) -> bool:
@@ -363,17 +354,6 @@ RULES: dict[str, RowRule] = {
     "sgd": SGDRule(),
     "rowwise_adagrad": RowwiseAdagradRule(),
 }
-
-#: torch.optim.Adam's own (dense) form of the Adam rule
-_DENSE_ADAM = AdamRule(lazy=False)
-
-
-def dense_rule(name: str) -> RowRule:
-    """Return a rule as ``torch.optim``'s own optimizer applies it to a dense parameter.
-
-    Adam adds ``eps`` after the bias correction there; the other rules are their row rules.
-    """
-    return _DENSE_ADAM if name == "adam" else RULES[name]
 
 
 def state_shapes(rule: str, shape: Sequence[int], group: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], float]]:

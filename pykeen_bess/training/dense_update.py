@@ -2,22 +2,31 @@
 
 :class:`DenseUpdate` updates the parameters of the optimizer's dense groups
 (:attr:`~pykeen_bess.tables.optim.BessOptimizer.dense_groups`) inside a static step
-(:mod:`~pykeen_bess.training.static_step`), their gradients summed over the processes, in one of two ways:
+(:mod:`~pykeen_bess.training.static_step`), their gradients summed over the processes, in one of three ways:
 
-* **by a device rule** (on a GPU, where the step is captured): the user's optimizer's rule
-  (:func:`~pykeen_bess.tables.row_rules.dense_rule`: Adam, Adagrad, row-wise Adagrad, SGD) with the
-  step count and learning rate as device tensors, gated by ``ok`` without a host read;
+* **by the user's optimizer in its capturable form** (:attr:`DenseUpdate.capturable`, on a GPU, for every
+  ``torch.optim`` class with a ``capturable`` option: Adam, AdamW, RMSprop, ...): its own ``step`` with
+  ``capturable=True`` and the learning rate as a device tensor, both set for the call only, so that its step
+  count stays on the device and nothing reads the host. A step with a non-finite loss (``ok`` False) must
+  write nothing: the parameters and their state are copied before and kept where ``ok`` is False (the
+  replicated parameters are small). The first step of a parameter creates its state and reads ``ok`` on the
+  host (a warm-up step, before a graph is captured);
+* **by a device rule** (on a GPU, for the optimizers torch has no capturable form of: Adagrad, SGD,
+  row-wise Adagrad): the row rule (:data:`~pykeen_bess.tables.row_rules.RULES`) applied to the whole tensor,
+  with the step count and learning rate as device tensors, gated by ``ok`` without a host read;
 * **by the user's optimizer itself** (:attr:`DenseUpdate.by_the_optimizer`): on the CPU, where reading
-  ``ok`` costs no synchronisation, and wherever no device rule reproduces the optimizer: tables updated
-  densely (``sparse_updates=False``), any optimizer class and option (AdamW, RMSprop, Adam's
-  ``weight_decay`` or AMSGrad, SGD's momentum). A table's dense gradient ``[R, W]`` is built from its
-  rows' sums (zero elsewhere), as the eager step builds it, and its constraint then applies to the
-  step's real rows. On a GPU such a step runs uncaptured (the read of ``ok`` synchronises).
+  ``ok`` costs no synchronisation, and where neither of the above reproduces the update: tables updated
+  densely (``sparse_updates=False``; undoing a non-finite step would copy the whole table and its state
+  every step) and options of the optimizers without a capturable form (SGD's momentum, Adagrad's weight
+  decay). A table's dense gradient ``[R, W]`` is built from its rows' sums (zero elsewhere), as the eager
+  step builds it, and its constraint then applies to the step's real rows. On a GPU such a step runs
+  uncaptured (the read of ``ok`` synchronises).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -25,12 +34,13 @@ import torch
 from ..distributed import Topology
 from ..tables.optim import DENSE_REQUIRED_OPTIONS, SPARSE_RULES, BessOptimizer
 from ..tables.representation import ShardedEmbedding
-from ..tables.row_rules import RULES, dense_rule, state_shapes
+from ..tables.row_rules import RULES, state_shapes
 from .static_rules import FusedRule, StepCounts, StepRows
 
 __all__ = [
     "DenseUpdate",
     "dense_rule_obstacle",
+    "has_capturable_form",
 ]
 
 
@@ -73,8 +83,12 @@ class DenseUpdate:
         self.parameters = [
             p for group in optimizer.dense_groups for p in group["params"] if p.requires_grad and id(p) not in tables
         ]
-        #: why no device rule reproduces the dense groups' update (None: one does)
-        self.rule_obstacle = "dense table updates" if self.tables else dense_rule_obstacle(optimizer)
+        #: whether the user's optimizer updates the replicated parameters in its capturable form (off the CPU)
+        self.capturable = not self.tables and has_capturable_form(optimizer)
+        #: why neither the capturable form nor a device rule reproduces the dense groups' update (None: one does)
+        self.rule_obstacle = (
+            "dense table updates" if self.tables else None if self.capturable else dense_rule_obstacle(optimizer)
+        )
 
     @property
     def by_the_optimizer(self) -> bool:
@@ -112,7 +126,10 @@ class DenseUpdate:
         if self.by_the_optimizer:
             self._optimizer_step(grads, present, ok, step_rows)
             return
-        rule = dense_rule(SPARSE_RULES[self.optimizer.optimizer_cls]).apply
+        if self.capturable:
+            self._capturable_step(grads, present, ok, step_rows)
+            return
+        rule = RULES[SPARSE_RULES[self.optimizer.optimizer_cls]].apply
         params = iter(zip(grads, range(len(self.parameters))))
         for index, group in enumerate(self.optimizer.dense_groups):
             lr = self.learning_rates[index]
@@ -131,6 +148,58 @@ class DenseUpdate:
                 param.copy_(new)
                 for name in names:
                     state[name].copy_(new_state[name])
+
+    def _capturable_step(
+        self, grads: list[torch.Tensor | None], present: Any, ok: torch.Tensor, step_rows: StepRows
+    ) -> None:
+        """Run the user's optimizer in its capturable form, then keep the old values where ``ok`` is False.
+
+        A parameter without state yet (its first step) has it created by this call: then ``ok`` is read on the
+        host instead (:meth:`_optimizer_step`), as only a warm-up step, before any capture, can be a first step.
+        """
+        state = self.optimizer.state
+        if any(grad is not None and not state.get(param) for param, grad in zip(self.parameters, grads)):
+            with self._capturable_groups():
+                self._optimizer_step(grads, present, ok, step_rows)
+            return
+        kept: list[tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]] = []
+        for position, (param, grad) in enumerate(zip(self.parameters, grads)):
+            if grad is None:
+                continue
+            param_state = state[param]
+            step = param_state.get("step")
+            if torch.is_tensor(step) and step.device != param.device:  # a state loaded on the host
+                param_state["step"] = step.to(param.device)
+            tensors = [param.detach(), *(value for value in param_state.values() if torch.is_tensor(value))]
+            apply = ok if present is None else ok & (present[position] > 0)
+            kept.append((apply, tensors, [tensor.clone() for tensor in tensors]))
+            param.grad = grad
+        with self._capturable_groups():
+            self.optimizer.dense_step()
+        for param in self.parameters:
+            param.grad = None
+        for apply, tensors, old in kept:
+            for tensor, value in zip(tensors, old):
+                tensor.copy_(torch.where(apply, tensor, value))
+
+    @contextlib.contextmanager
+    def _capturable_groups(self) -> Iterator[None]:
+        """Within the block, the dense groups are capturable and their learning rates the device tensors.
+
+        A captured graph keeps what the call computed with: the device learning rates (refreshed every epoch)
+        instead of the numbers a scheduler sets, and the step counts in the state on the device.
+        """
+        groups = self.optimizer.dense_groups
+        saved = [(group["lr"], group["capturable"]) for group in groups]
+        try:
+            for group, lr in zip(groups, self.learning_rates):
+                dtype = next((p.dtype for p in group["params"] if p.is_floating_point()), lr.dtype)
+                group["lr"] = lr.to(dtype)
+                group["capturable"] = not group.get("fused")  # (fused kernels keep their step on the device)
+            yield
+        finally:
+            for group, (lr, capturable) in zip(groups, saved):
+                group["lr"], group["capturable"] = lr, capturable
 
     def _optimizer_step(
         self, grads: list[torch.Tensor | None], present: Any, ok: torch.Tensor, step_rows: StepRows
@@ -172,8 +241,14 @@ class DenseUpdate:
         return state
 
 
+def has_capturable_form(optimizer: BessOptimizer) -> bool:
+    """Whether the dense groups' ``torch.optim`` class has a capturable form (a ``capturable`` option) for them."""
+    groups = optimizer.dense_groups
+    return bool(groups) and all("capturable" in group and not group.get("differentiable") for group in groups)
+
+
 def dense_rule_obstacle(optimizer: BessOptimizer) -> str | None:
-    """Return why no device rule (:func:`~pykeen_bess.tables.row_rules.dense_rule`) reproduces the dense update."""
+    """Return why no device rule (:data:`~pykeen_bess.tables.row_rules.RULES`) reproduces the dense update."""
     if not optimizer.dense_groups:
         return None
     rule = SPARSE_RULES.get(optimizer.optimizer_cls)

@@ -21,8 +21,9 @@
   so their writes agree. Rows only padding slots looked up are left as they are. The result is
   the eager step's lazy row-sparse update (same rows, same moments) up to rounding;
 * **dense**: the replicated parameters, and the tables with ``sparse_updates=False``
-  (:class:`~pykeen_bess.training.dense_update.DenseUpdate`: a device rule on a GPU, the user's
-  optimizer itself on the CPU and wherever no device rule reproduces it);
+  (:class:`~pykeen_bess.training.dense_update.DenseUpdate`: on a GPU the user's optimizer in its
+  capturable form, or the row rule of one torch has no capturable form of; the user's optimizer itself
+  on the CPU and for the tables);
 * **gated**: every write keeps the old value where ``ok`` is False (a non-finite loss);
 * **fused on a GPU**: a rule, its constraint and the gate are one function
   (:func:`~pykeen_bess.training.static_rules.gated_rule`), which ``torch.compile`` fuses into a few

@@ -245,6 +245,7 @@ def run(config: dict[str, Any], output: pathlib.Path, rank: int) -> None:
 def count_static_step_ops(loop: BessTrainingLoop, epoch: int) -> dict[str, Any]:
     """Run a further step of every kind of the loop's static step; count its operators and synchronising ones."""
     sys.path.insert(0, str(pathlib.Path(__file__).parent.parent))
+    from capturable import allow_capturable_on_the_cpu
     from host_reads import DeviceOps, static_step_sources
 
     from pykeen_bess.training.static_update import StaticUpdate
@@ -252,6 +253,7 @@ def count_static_step_ops(loop: BessTrainingLoop, epoch: int) -> dict[str, Any]:
     static = loop.static
     assert static is not None, "the loop trained eagerly"
     StaticUpdate.host_rules = False  # what a GPU runs (the CPU's host-side unique would synchronise there)
+    allow_capturable_on_the_cpu()  # (a GPU's optimizers run in their capturable form)
     counts = {}
     try:
         with loop.tables.installed(copy_weights=False):

@@ -130,6 +130,11 @@ def run(name: str, scenario: dict[str, Any], output: pathlib.Path, rank: int) ->
 
     # the updates a GPU runs (every occurrence with its row's sum, device-tensor rules), forced on the CPU
     StaticUpdate.host_rules = not scenario.get("device_updates", False)
+    if not StaticUpdate.host_rules:  # (and the optimizers' capturable form)
+        sys.path.insert(0, str(pathlib.Path(__file__).parent.parent))
+        from capturable import allow_capturable_on_the_cpu
+
+        allow_capturable_on_the_cpu()
     try:
         result: dict[str, Any] = dict(step_losses=train(loop, scenario))
     finally:
