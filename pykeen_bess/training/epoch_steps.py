@@ -110,6 +110,7 @@ def make_static_step(
         capture=mode is None,
         sub_block_size=sub_block_size,
         clipping=clipping,
+        memory_budget=loop.settings.memory_budget,
     )
     padded = len(static.plan.kinds) - 1
     logger.info(

@@ -155,7 +155,10 @@ class BessTrainingLoop(LoopParts):
         :param checkpoint_retrieval: ``"one_per_group"`` (one file per shard, written by its first
             replica; resumable on any numbers of shards and replicas) or ``"all_replicas"`` (every
             process writes its own file; resuming checks that the replicas agree)
-        :param memory_budget: bytes a CPU memory probe may use (default: half the available memory)
+        :param memory_budget: bytes the compute device may use: the peak of a memory probe (default: half the
+            available memory on the CPU; on a GPU, out-of-memory errors decide), and, with tables in host memory or
+            files staged on a GPU, the staging buffers with the replicated parameters and their optimizer state
+            (default: a quarter of the GPU's free memory for the buffers); see the storage how-to
         :param storage: where the process keeps its shard tables and optimizer state (:mod:`pykeen_bess.storage`):
             ``"device"`` (default), ``"host"`` (host memory; each step moves its rows to the device and back),
             ``"mmap"`` (``.npy`` memory maps under ``storage_path``) or a :class:`~pykeen_bess.storage.TableStorage`

@@ -24,6 +24,7 @@ __all__ = [
     "StepProbe",
     "StepSizes",
     "block_size_for",
+    "resident_bytes",
 ]
 
 #: runs one step's forward and backward over ``(partition, block_size, sub_block_size, label_smoothing, topology)``
@@ -31,6 +32,11 @@ __all__ = [
 StepProbe = Callable[[ShardPairPartition, int, int, float, Topology], None]
 
 logger = logging.getLogger(__name__)
+
+
+def resident_bytes(model: torch.nn.Module, device: torch.device) -> int:
+    """Return the bytes of a model's parameters on ``device`` with two optimizer state tensors each (at most)."""
+    return 3 * sum(p.numel() * p.element_size() for p in model.parameters() if p.device == device)
 
 
 def block_size_for(batch_size: int, n_shard: int) -> int:

@@ -28,6 +28,7 @@ each per triple), the loss weights (with a loss weighter) and every step's negat
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
@@ -183,14 +184,16 @@ class DevicePlan:
         """The steps of the loaded epoch handed out so far (the next step's index)."""
         return self._position
 
-    def batch(self, kind: StepKind, ahead: int = 0) -> BessBatch:
+    def batch(self, kind: StepKind, at: int | None = None) -> BessBatch:
         """Return the current step's plan as a batch of device tensors (heads, relations, tails ``[n, n, b]``).
 
         :param kind: the step's kind (its padding slots read their shardpair's first triple)
-        :param ahead: the plan of a later step: the one ``ahead`` steps after the current (its kind given)
+        :param at: the plan of another step of the loaded epoch, by its index (its kind given), instead of the
+            step at the device step counter
         """
         n, b = self.n, self.b
-        step = self.step_index if not ahead else self.step_index + ahead
+        step: Any = self.step_index if at is None else at
+        negatives = self.buffers["negatives"]
         # slot t of block p is the triple at position pair_offset[p] + step * b + t of the epoch's order
         in_order = self.pair_offsets + step * b
         if kind.device_valid is not None and kind.fallback is not None:  # a padded kind
@@ -211,7 +214,7 @@ class DevicePlan:
             tails=tails,
             valid=kind.valid,
             positions=positions.view(n, n, b),
-            negatives=self.buffers["negatives"].index_select(0, step)[0],
+            negatives=negatives[at] if at is not None else negatives.index_select(0, step)[0],
             num_head_corrupted=self.sampler.num_head_corrupted,
             epoch=0,
             step=0,

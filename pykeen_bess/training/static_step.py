@@ -70,6 +70,7 @@ from ..schemes import ExchangeScheme
 from ..schemes.lookup import static_indices
 from ..storage.staging import RowAccess, StagedRows, StagedTensor, TierRows
 from ..tables.optim import BessOptimizer
+from .sizes import resident_bytes
 from .static_plan import DevicePlan, StepKind
 from .static_update import Clipping, StaticUpdate
 from .step_graphs import CapturedSteps, DirectSteps
@@ -138,6 +139,7 @@ def row_access(
     most: int,
     stage_rows: bool | None,
     tensors: Callable[[], Sequence[StagedTensor]],
+    budget: int | None = None,
 ) -> RowAccess:
     """Return how a static step reads and writes its tables' rows: staged around each step, or from the tiers.
 
@@ -147,6 +149,7 @@ def row_access(
     updates whole (``sparse_updates=False``).
 
     :param stage_rows: True: stage (or raise why not); None: stage where the tier's rows would cross to a GPU
+    :param budget: the bytes the staging buffers may take on the device (None: see ``StagedRows``)
     :raises ValueError: if ``stage_rows`` is True and the configuration cannot stage
     """
     device = tables[0].compute_device
@@ -167,7 +170,7 @@ def row_access(
         return TierRows()
     if obstacle is not None:
         raise ValueError(f"A static step cannot stage its rows with {obstacle}.")
-    return StagedRows(tensors, most, device)
+    return StagedRows(tensors, most, device, budget)
 
 
 class StaticStep:
@@ -185,6 +188,7 @@ class StaticStep:
         sub_block_size: int | None = None,
         clipping: Clipping | None = None,
         stage_rows: bool | None = None,
+        memory_budget: int | None = None,
     ):
         """Prepare the step for the sampler's blocks; nothing runs yet.
 
@@ -199,6 +203,7 @@ class StaticStep:
         :param clipping: gradient clipping (default: none)
         :param stage_rows: stage every step's rows in device buffers (:class:`~pykeen_bess.storage.staging.StagedRows`);
             None: for tables in host memory or files on a GPU, where it lets a CUDA graph capture the step
+        :param memory_budget: the device's bytes for staging and the replicated parameters (None: see StagedRows)
         """
         self.scheme: ExchangeScheme = runner.scheme
         self.topology = runner.topology
@@ -242,7 +247,8 @@ class StaticStep:
         part = -(-b // topology.replicas)
         self.max_rows = 2 * local * n * part + sizes[2]
         #: how the step reads and writes its tables' rows (staged in device buffers for a host or file tier on a GPU)
-        self.rows_io = row_access(tables, topology, optimizer, self.max_rows, stage_rows, self._staged_tensors)
+        budget = memory_budget and memory_budget - resident_bytes(model, self.device)
+        self.rows_io = row_access(tables, topology, optimizer, self.max_rows, stage_rows, self._staged_tensors, budget)
         #: the updates, on the optimizer's state
         self.update = StaticUpdate(optimizer, tables, model, topology, self.rows_io)
         self.healthy = torch.ones((), dtype=torch.bool, device=self.device)
@@ -315,6 +321,7 @@ class StaticStep:
         self.applied.zero_()
         self.healthy.fill_(True)
         self.update.refresh_learning_rates()  # a scheduler changes them between epochs
+        self.rows_io.start_epoch()
         self._in_epoch = True
 
     def load_epoch(self, epoch: int) -> EpochDraws:
@@ -336,13 +343,8 @@ class StaticStep:
         self.plan.take(steps)
         rows_io = self.rows_io
         for index in range(start, start + steps):
-            kind = self.plan.kind_of(index)
-            following = self.plan.kind_of(index + 1) if index + 1 < self.num_steps else None
-            rows_io.stage(
-                lambda: self._step_rows(self.plan.batch(kind)),  # noqa: B023 - called at once
-                None if following is None else lambda: self._step_rows(self.plan.batch(following, ahead=1)),  # noqa: B023
-            )
-            self.executor.run(kind)
+            rows_io.stage(index, self._rows_of_steps, self.num_steps)
+            self.executor.run(self.plan.kind_of(index))
             rows_io.write_back()
             if progress is not None:
                 progress.update(1)
@@ -462,6 +464,10 @@ class StaticStep:
     def _step_rows(self, batch: BessBatch) -> torch.Tensor:
         """Return the flat local row ``[N]`` of every occurrence the step looks up (:func:`looked_up_rows`)."""
         return looked_up_rows(batch, self.topology, self.looked_up_slots, self.offsets)
+
+    def _rows_of_steps(self, start: int, stop: int) -> torch.Tensor:
+        """Return the looked-up rows of steps ``start`` to ``stop - 1`` of the loaded epoch, ``[stop - start, N]``."""
+        return torch.stack([self._step_rows(self.plan.batch(self.plan.kind_of(i), at=i)) for i in range(start, stop)])
 
     def _staged_tensors(self) -> list[StagedTensor]:
         """Return the tensors a staged step reads: every table's weight, and the trainable tables' row state."""

@@ -547,7 +547,7 @@ def test_a_staged_step_reads_no_host_memory(
         kind = static.plan.kinds[0]
         static.load_epoch(2)
         static.run(1)  # the first run creates the cached device indices and the step counts
-        static.rows_io.stage(lambda: static._step_rows(static.plan.batch(kind)))
+        static.rows_io.stage(1, static._rows_of_steps, static.num_steps)
         sources = [t for t in static_step_sources(static) if t.untyped_storage().data_ptr() not in host_memory]
         with DeviceOps([*sources, *static.rows_io._device, static.rows_io.slots], host=host) as ops:
             static.step(kind)
@@ -593,6 +593,33 @@ def test_staged_rows_train_as_the_device_tier(
     torch.testing.assert_close(loop.tables[0].full_table(), device_loop.tables[0].full_table(), rtol=1e-12, atol=1e-14)
     relations = [model.relation_representations[0]._embeddings.weight for model in (loop.model, device_loop.model)]
     torch.testing.assert_close(*relations, rtol=1e-12, atol=1e-14)
+
+
+def test_staged_host_buffers_wait_for_slow_writes(factory: CoreTriplesFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tier slower than the steps: the steps wait for it, and train as with the device tier.
+
+    The written rows of every other step share host buffers: a step reuses them only after the worker read its
+    own rows, which it does after writing those of the step two before (the worker runs in order).
+    """
+    import time
+
+    from pykeen_bess.storage.host import HostStorage
+    from pykeen_bess.training import static_step
+
+    monkeypatch.setattr(StaticUpdate, "host_rules", False)
+    _, device_losses, device_parameters = train(factory, static_step=True, num_shards=2, epochs=2)
+    forced = static_step.row_access
+    monkeypatch.setattr(static_step, "row_access", lambda *args: forced(*args[:4], True, args[5]))
+    written = HostStorage.write
+
+    def slow(self, tensor, rows, values):
+        time.sleep(0.002)
+        written(self, tensor, rows, values)
+
+    monkeypatch.setattr(HostStorage, "write", slow)
+    loop, losses, _ = train(factory, static_step=True, num_shards=2, epochs=2, storage="host")
+    assert loop.static is not None and loop.static.rows_io.staged
+    assert losses == pytest.approx(device_losses, rel=1e-12)
 
 
 def test_staging_what_cannot_be_staged_is_refused(factory: CoreTriplesFactory) -> None:
@@ -641,11 +668,12 @@ def test_staged_device_memory_does_not_grow_with_the_tables() -> None:
         weight, state = torch.randn(num_rows, 8), torch.zeros(num_rows, 8)
         staged = StagedRows(lambda w=weight, s=state: [(storage, w, True), (storage, s, True)], 64, torch.device("cpu"))
         occurrences = torch.randint(num_rows, (64,), generator=torch.Generator().manual_seed(0))
-        staged.stage(lambda o=occurrences: o)
+        staged.stage(0, lambda start, stop, o=occurrences: o.expand(stop - start, -1), 1)
         torch.testing.assert_close(staged.read(storage, weight, occurrences), weight[occurrences])
         staged.write_back()
         staged.flush()
-        device = [*staged._device, staged.slots]
+        device = [*staged._device, *staged._incoming, staged.slots, staged._incoming_indices]
         held[num_rows] = sum(tensor.numel() * tensor.element_size() for tensor in device)
-        assert held[num_rows] == staged.buffer_bytes()[0]
-    assert held[100] == held[100_000] == 64 * (2 * 8 * 4 + 8)
+        assert staged.depth == 2 and held[num_rows] <= staged.buffer_bytes()[0]
+    # two sets of 64 rows of two tensors of width 8 (float32), the occurrences' slots, the incoming indices
+    assert held[100] == held[100_000] == 2 * 64 * (2 * 8 * 4) + 64 * 8 + 3 * 64 * 8

@@ -290,9 +290,9 @@ def staged(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> t
 
         forced = static_step.row_access
 
-        def stage_outside_the_device(tables, topology, optimizer, most, _, tensors):
+        def stage_outside_the_device(tables, topology, optimizer, most, _, tensors, budget=None):
             outside = tables.storage.captured_step_obstacle() is not None  # the device tier is read directly
-            access = forced(tables, topology, optimizer, most, True if outside else None, tensors)
+            access = forced(tables, topology, optimizer, most, True if outside else None, tensors, budget)
             if outside:
                 made.append(access.staged)
             return access
@@ -747,3 +747,49 @@ def test_a_read_into_a_buffer_equals_a_fresh_read(tier: str, tmp_path: pathlib.P
     assert values.data_ptr() == buffer.data_ptr()  # into the buffer, no new tensor
     assert torch.equal(buffer[4:], torch.full((2, 3), -1.0))
     assert storage.traffic.bytes_read == 2 * read_bytes
+
+
+def _random_graph(num_entities: int, num_triples: int) -> CoreTriplesFactory:
+    generator = torch.Generator().manual_seed(0)
+    heads, tails = (torch.randint(num_entities, (num_triples,), generator=generator) for _ in range(2))
+    relations = torch.randint(4, (num_triples,), generator=generator)
+    triples = torch.stack([heads, relations, tails], dim=1)
+    return CoreTriplesFactory.create(mapped_triples=triples, num_entities=num_entities, num_relations=4)
+
+
+@pytest.mark.parametrize("tier", ["host", "mmap"])
+def test_staged_tables_larger_than_the_memory_budget_train(tmp_path, tier, monkeypatch) -> None:
+    """Tables (with Adam's state) twice the memory budget train staged, the device holding less than the budget.
+
+    The budget decides the staging depth: two device buffer sets where they fit with room for the forwarded
+    rows, one where only that fits, and an error before any step where not even that does.
+    """
+    from pykeen_bess.training import static_step
+    from pykeen_bess.training.sizes import resident_bytes
+    from pykeen_bess.training.static_update import StaticUpdate
+
+    forced = static_step.row_access
+    monkeypatch.setattr(static_step, "row_access", lambda *args: forced(*args[:4], True, *args[5:]))
+    monkeypatch.setattr(StaticUpdate, "host_rules", False)
+    factory = _random_graph(20_000, 3_000)
+    table_bytes = 3 * 20_000 * 8 * 4  # the weights and Adam's two moments (float32, d=8)
+    depths = {}
+    for name, budget in {"two sets": table_bytes // 2, "one set": None, "none": 1_000}.items():
+        if budget is None:  # room for the buffer set and the forwarded rows only
+            budget = 2 * depths["set_bytes"] + 3 * depths["resident"] + 64
+        (tmp_path / name).mkdir()
+        loop = make_loop(factory, tier, tmp_path / name, num_shards=2, memory_budget=budget)
+        if name == "none":
+            with pytest.raises(MemoryError, match="Staging a step's rows takes"):
+                loop.train(factory, num_epochs=1, batch_size=64, use_tqdm=False)
+            continue
+        loop.train(factory, num_epochs=1, batch_size=64, use_tqdm=False)
+        staged = loop.static.rows_io
+        assert staged.staged and budget < table_bytes
+        resident = resident_bytes(loop.model, torch.device("cpu")) // 3
+        on_device = [*staged._device, *staged._incoming, staged.slots, staged._incoming_indices]
+        held = sum(tensor.numel() * tensor.element_size() for tensor in on_device)
+        assert held <= staged.buffer_bytes()[0] and held + 3 * resident <= budget
+        depths[name] = staged.depth
+        depths["set_bytes"], depths["resident"] = staged.set_bytes(), resident
+    assert depths["two sets"] == 2 and depths["one set"] == 1
