@@ -203,7 +203,11 @@ class StagedRows(RowAccess):
         return (max(1, self.depth) + 1) * one, host
 
     def describe(self) -> str:
-        """Say what staging holds where (for the log's memory plan)."""
+        """Say what staging holds where (for the log's memory plan; the depth is chosen here if not yet).
+
+        :raises MemoryError: if not even one set of buffers fits the budget (before any step)
+        """
+        self.depth = self.depth or self.choose_depth()
         device, host = self.buffer_bytes()
         ahead = (
             "the next step's rows copied in while a step runs"
@@ -359,10 +363,10 @@ class StagedRows(RowAccess):
         indices[2, : shared[1].numel()] = shared[1]
         for position, (storage, tensor, _) in enumerate(self._staged):
             storage.read(tensor, rows, out=self._read[turn][position][: rows.numel()])
-        ready = self._copy_in(turn, rows.numel(), slots.numel()) if self.depth == 2 else None
+        ready = self._copy_in(turn, rows.numel()) if self.depth == 2 else None
         return _Read(step, rows, slots, shared, ready)
 
-    def _copy_in(self, turn: int, count: int, occurrences: int) -> Any:
+    def _copy_in(self, turn: int, count: int) -> Any:
         """On the worker (depth 2): copy a step's rows and indices to the incoming buffers; return when they are there.
 
         On a GPU the copies run on the side stream, after the device has copied the incoming buffers' last
@@ -374,9 +378,8 @@ class StagedRows(RowAccess):
                 self._side.wait_event(self._incoming_free)
             for position, buffer in enumerate(self._incoming):
                 buffer[:count].copy_(self._read[turn][position][:count], non_blocking=True)
-            self._incoming_indices[:, : max(count, occurrences)].copy_(
-                self._indices[turn][:, : max(count, occurrences)], non_blocking=True
-            )
+            # whole (a contiguous pinned tensor: a column slice would be copied through pageable memory)
+            self._incoming_indices.copy_(self._indices[turn], non_blocking=True)
             ready = None
             if self._side is not None:
                 ready = torch.cuda.Event()
@@ -402,7 +405,7 @@ class StagedRows(RowAccess):
     def _bind(self, tensors: Sequence[torch.Tensor]) -> None:
         """Find (or make, at the first step) every staged tensor's buffers; their memory never changes after."""
         if not self._device:
-            self.depth = self.choose_depth()
+            self.depth = self.depth or self.choose_depth()
             for tensor in tensors:
                 shape = (self.most, *tensor.shape[1:])
                 self._device.append(torch.empty(shape, dtype=tensor.dtype, device=self.device))

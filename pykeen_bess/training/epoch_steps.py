@@ -121,7 +121,7 @@ def make_static_step(
     )
     if mode is None and static.device.type == "cuda" and static.capture_obstacle is not None:
         logger.info("BESS: the static step runs uncaptured: %s.", static.capture_obstacle)
-    if static.rows_io.staged:
+    if static.rows_io.staged:  # (chooses the staging depth: a budget too small for it raises here)
         logger.info("BESS: %s.", static.rows_io.describe())
     return static
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import pathlib
 import re
@@ -758,7 +759,7 @@ def _random_graph(num_entities: int, num_triples: int) -> CoreTriplesFactory:
 
 
 @pytest.mark.parametrize("tier", ["host", "mmap"])
-def test_staged_tables_larger_than_the_memory_budget_train(tmp_path, tier, monkeypatch) -> None:
+def test_staged_tables_larger_than_the_memory_budget_train(tmp_path, tier, monkeypatch, caplog) -> None:
     """Tables (with Adam's state) twice the memory budget train staged, the device holding less than the budget.
 
     The budget decides the staging depth: two device buffer sets where they fit with room for the forwarded
@@ -783,8 +784,10 @@ def test_staged_tables_larger_than_the_memory_budget_train(tmp_path, tier, monke
             with pytest.raises(MemoryError, match="Staging a step's rows takes"):
                 loop.train(factory, num_epochs=1, batch_size=64, use_tqdm=False)
             continue
-        loop.train(factory, num_epochs=1, batch_size=64, use_tqdm=False)
+        with caplog.at_level(logging.INFO, logger="pykeen_bess"):
+            loop.train(factory, num_epochs=1, batch_size=64, use_tqdm=False)
         staged = loop.static.rows_io
+        assert f"({staged.depth} set(s) of" in caplog.text  # the log's memory plan states the depth
         assert staged.staged and budget < table_bytes
         resident = resident_bytes(loop.model, torch.device("cpu")) // 3
         on_device = [*staged._device, *staged._incoming, staged.slots, staged._incoming_indices]
