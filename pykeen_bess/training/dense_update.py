@@ -26,6 +26,7 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -196,7 +197,9 @@ class DenseUpdate:
                 dtype = next((p.dtype for p in group["params"] if p.is_floating_point()), lr.dtype)
                 group["lr"] = lr.to(dtype)
                 group["capturable"] = not group.get("fused")  # (fused kernels keep their step on the device)
-            yield
+            with warnings.catch_warnings():  # torch's advice for a capturable step run uncaptured (a warm-up step)
+                warnings.filterwarnings("ignore", message="This instance was constructed with capturable=True")
+                yield
         finally:
             for group, (lr, capturable) in zip(groups, saved):
                 group["lr"], group["capturable"] = lr, capturable
