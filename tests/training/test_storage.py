@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import pathlib
@@ -796,3 +797,73 @@ def test_staged_tables_larger_than_the_memory_budget_train(tmp_path, tier, monke
         depths[name] = staged.depth
         depths["set_bytes"], depths["resident"] = staged.set_bytes(), resident
     assert depths["two sets"] == 2 and depths["one set"] == 1
+
+
+class _Event:
+    """A stand-in for ``torch.cuda.Event``: it must be recorded before anything waits for it."""
+
+    def __init__(self, log: list[str]) -> None:
+        self.log, self.recorded = log, False
+
+    def record(self, stream: Any = None) -> None:
+        self.recorded = True
+        self.log.append(f"record on {getattr(stream, 'name', 'the current stream')}")
+
+    def synchronize(self) -> None:
+        assert self.recorded, "a thread waits for an event never recorded"
+        self.log.append("host waits")
+
+
+class _Stream:
+    """A stand-in for ``torch.cuda.Stream``."""
+
+    def __init__(self, log: list[str], name: str) -> None:
+        self.log, self.name = log, name
+
+    def wait_event(self, event: _Event) -> None:
+        assert event.recorded, "a stream waits for an event never recorded"
+        self.log.append(f"{self.name} waits")
+
+
+@pytest.mark.parametrize("free", [8 * 2**30, 300 * 2**10], ids=["two-sets", "one-set"])
+def test_the_staging_of_a_gpu_runs_with_its_streams_and_events(nations, tmp_path, monkeypatch, free: int) -> None:
+    """The CUDA-only part of staging (pinned buffers, side stream, events), its CUDA calls replaced by stand-ins.
+
+    The copies are synchronous on the CPU, so this checks the calls' order (every wait after its record) and
+    that the staged run equals the device tier's, at both depths (the free memory decides).
+    """
+    from pykeen_bess.storage import staging
+    from pykeen_bess.training import static_step
+    from pykeen_bess.training.static_update import StaticUpdate
+
+    log: list[str] = []
+    main = _Stream(log, "the main stream")
+    monkeypatch.setattr(torch.cuda, "Event", lambda: _Event(log))
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _Stream(log, "the side stream"))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 16 * 2**30))
+    empty = torch.empty
+    monkeypatch.setattr(staging.torch, "empty", lambda *args, pin_memory=False, **kwargs: empty(*args, **kwargs))
+    made = staging.StagedRows.__init__
+
+    def as_on_a_gpu(self, *args, **kwargs):
+        made(self, *args, **kwargs)
+        self._cuda = True  # pinned buffers, the side stream and events, as on CUDA
+
+    monkeypatch.setattr(staging.StagedRows, "__init__", as_on_a_gpu)
+    forced = static_step.row_access
+    monkeypatch.setattr(static_step, "row_access", lambda *args: forced(*args[:4], None, *args[5:]))
+    monkeypatch.setattr(StaticUpdate, "host_rules", False)
+    factory = factory_of(nations)
+    with default_dtype(torch.float64):
+        device_losses = train(make_loop(factory, "device", tmp_path), factory)
+        monkeypatch.setattr(static_step, "row_access", lambda *args: forced(*args[:4], True, *args[5:]))
+        loop = make_loop(factory, "host", tmp_path)
+        losses = train(loop, factory)
+    staged = loop.static.rows_io
+    assert staged.staged and staged.depth == (2 if free > 2**20 else 1)
+    assert losses == pytest.approx(device_losses, rel=1e-12)
+    side = [entry for entry in log if "side stream" in entry]
+    assert bool(side) == (staged.depth == 2)  # the incoming copies run on the side stream at depth 2 only
+    assert "host waits" in log
