@@ -372,14 +372,30 @@ def test_resuming_with_another_storage_is_refused(nations, tmp_path) -> None:
         train_with_checkpoints(make_loop(factory, "device", tmp_path), factory, 2, tmp_path)
 
 
-KILLED_CHECKPOINT = textwrap.dedent(
+def killed_run(dying: str) -> str:
+    """Return a script that trains the mmap tier 2 epochs with checkpoints, after ``dying``'s patch kills it.
+
+    The script's ``{tests}``, ``{storage}``, ``{checkpoints}`` (and ``dying``'s own fields) are filled by
+    ``str.format``; ``dying`` replaces a method so that the process exits with ``os._exit(9)`` part way.
     """
+    head = """
     import os, sys, pathlib
     sys.path.insert(0, {tests!r})
     from training.test_storage import factory_of, make_loop
     from pykeen.datasets import Nations
     from pykeen_bess.storage import MmapStorage
+    """
+    tail = """
+    factory = factory_of(Nations())
+    loop = make_loop(factory, "mmap", pathlib.Path({storage!r}))
+    loop.train(factory, num_epochs=2, batch_size=72, use_tqdm=False, checkpoint_directory={checkpoints!r},
+               checkpoint_name="run.pt", checkpoint_frequency=0)
+    """
+    return textwrap.dedent(head) + textwrap.dedent(dying) + textwrap.dedent(tail)
 
+
+KILLED_CHECKPOINT = killed_run(
+    """
     snapshot = MmapStorage.snapshot
     calls = []
     def dying_snapshot(self, tensor, directory):
@@ -388,10 +404,6 @@ KILLED_CHECKPOINT = textwrap.dedent(
             os._exit(9)
         return snapshot(self, tensor, directory)
     MmapStorage.snapshot = dying_snapshot
-    factory = factory_of(Nations())
-    loop = make_loop(factory, "mmap", pathlib.Path({storage!r}))
-    loop.train(factory, num_epochs=2, batch_size=72, use_tqdm=False, checkpoint_directory={checkpoints!r},
-               checkpoint_name="run.pt", checkpoint_frequency=0)
     """
 )
 
@@ -417,20 +429,15 @@ def test_a_kill_during_a_checkpoint_keeps_the_previous_one_loadable(nations, tmp
     assert rest == full[len(full) - len(rest) :]
 
 
-KILLED_WRITE_BACK = textwrap.dedent(
+KILLED_WRITE_BACK = killed_run(
     """
-    import os, sys, pathlib
-    sys.path.insert(0, {tests!r})
-    from training.test_storage import factory_of, make_loop
-    from pykeen.datasets import Nations
-    from pykeen_bess.storage import MmapStorage
     from pykeen_bess.training import static_step
     from pykeen_bess.training.static_update import StaticUpdate
+    from capturable import allow_capturable_on_the_cpu
 
     forced = static_step.row_access
     static_step.row_access = lambda *args: forced(*args[:4], True, args[5])
     StaticUpdate.host_rules = False
-    from capturable import allow_capturable_on_the_cpu
     allow_capturable_on_the_cpu()
     write = MmapStorage.write
     calls = []
@@ -440,10 +447,6 @@ KILLED_WRITE_BACK = textwrap.dedent(
             os._exit(9)
         return write(self, tensor, rows, values)
     MmapStorage.write = dying_write
-    factory = factory_of(Nations())
-    loop = make_loop(factory, "mmap", pathlib.Path({storage!r}))
-    loop.train(factory, num_epochs=2, batch_size=72, use_tqdm=False, checkpoint_directory={checkpoints!r},
-               checkpoint_name="run.pt", checkpoint_frequency=0)
     """
 )
 
