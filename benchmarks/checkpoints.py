@@ -5,7 +5,7 @@ For each storage tier (``--tiers``, default device mmap) one process builds Dist
 trains one epoch on a few triples so that the optimizer holds its state, and then writes the
 checkpoint ``--repeats`` times with the digests (as every checkpoint is written) and, alternately,
 without them (torch's record digests turned off, the ``.npy`` copies' digests skipped), and times
-the check a resume runs first (:func:`pykeen_bess.training.checkpoint_files.verify_checkpoint`)
+the check a resume runs first (:func:`pykeen_bess.training.checkpoints.files.verify_checkpoint`)
 against loading the file. Each write starts after ``os.sync()``, so that the previous write's pages
 are not flushed during it. It reports the median wall time of each and the ratio of the write
 times, and the same for the process's CPU time (``time.process_time``, every thread's), which other
@@ -59,7 +59,7 @@ def measure(tier: str, entities: int, dim: int, repeats: int, directory: pathlib
     from pykeen.triples import CoreTriplesFactory
 
     from pykeen_bess import BessTrainingLoop
-    from pykeen_bess.training.checkpoint_files import verify_checkpoint
+    from pykeen_bess.training.checkpoints.files import verify_checkpoint
 
     generator = torch.Generator().manual_seed(0)
     triples = torch.stack(

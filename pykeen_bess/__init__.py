@@ -66,6 +66,37 @@ _MOVED_MODULES.update(
         f"{__name__}.mapped_files": f"{__name__}.storage.files",
     }
 )
+# training/ by concern: its set-up, steps and checkpoints as sub-packages, the table sets in tables/
+_MOVED_MODULES.update(
+    {
+        f"{__name__}.training.{old}": f"{__name__}.{new}"
+        for old, new in {
+            "config": "training.setup.config",
+            "settings": "training.setup.settings",
+            "assembly": "training.setup.assembly",
+            "partitions": "training.setup.partitions",
+            "sizes": "training.setup.sizes",
+            "step": "training.steps.runner",
+            "static_step": "training.steps.static_step",
+            "static_plan": "training.steps.device_plan",
+            "static_update": "training.steps.static_update",
+            "static_rules": "training.steps.static_rules",
+            "step_graphs": "training.steps.executors",
+            "dense_update": "training.steps.dense_update",
+            "host_rows": "training.steps.host_rows",
+            "checkpoint_files": "training.checkpoints.files",
+            "checkpoint_mismatch": "training.checkpoints.mismatch",
+            "checkpointed": "training.checkpoints.checkpointed",
+            "pbg_checkpoints": "training.checkpoints.pbg",
+            "resharding": "training.checkpoints.resharding",
+            "plan": "tables.memory_plan",
+            "table_setup": "tables.creation",
+            "tables": "tables.shard_tables",
+            "column_tables": "tables.column_tables",
+            "lent_rows": "tables.lent_rows",
+        }.items()
+    }
+)
 
 
 class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):

@@ -150,7 +150,7 @@ def test_a_checkpoint_from_before_the_sharding_check_resumes_with_the_random_sha
 
 
 def test_resharding_checks_the_sharding_the_files_were_written_with(tmp_path: pathlib.Path) -> None:
-    from pykeen_bess.training.checkpoints import check_pointer_sharding
+    from pykeen_bess.training.checkpoints.stores import check_pointer_sharding
 
     triples = hub_graph(num_entities=300, num_triples=2000)
     balanced = EntitySharding.create(300, 4, seed=1, strategy=BalancedSharding.from_triples(triples))

@@ -139,8 +139,8 @@ def test_the_import_graph_finds_a_cycle() -> None:
     graph = _import_graph()
     assert "pykeen_bess.training.loop" in graph["pykeen_bess.training"]
     assert "pykeen_bess.storage.base" in graph["pykeen_bess.storage.device"]
-    assert "pykeen_bess.training.parts" in graph["pykeen_bess.training.assembly"]  # annotations only
-    assert "pykeen_bess.training.parts" not in _import_graph(type_checking=False)["pykeen_bess.training.assembly"]
+    assert "pykeen_bess.training.parts" in graph["pykeen_bess.training.setup.assembly"]  # annotations only
+    assert "pykeen_bess.training.parts" not in _import_graph(type_checking=False)["pykeen_bess.training.setup.assembly"]
 
 
 def test_the_package_has_no_import_cycles() -> None:

@@ -185,7 +185,7 @@ class BessSampler:
     def draw_epoch(self, epoch: int, steps: int) -> EpochDraws:
         """Draw what the epoch's first ``steps`` steps are made of, without ordering the triples on the host.
 
-        A static step (:mod:`pykeen_bess.training.static_step`) sorts the keys on its device and takes every
+        A static step (:mod:`pykeen_bess.training.steps.static_step`) sorts the keys on its device and takes every
         step's triples from there; :meth:`remaining_steps` then draws the rest of the epoch as :meth:`epoch`
         would. Together they give the batches of :meth:`epoch`.
 
@@ -214,7 +214,7 @@ class BessSampler:
 
         Shardpair ``p`` fills its blocks up to step ``floor(count_p / b) - 1``, so the steps without
         any padding slot are exactly the first ``full_steps`` of an epoch; the rest (if any) hold
-        padding. A static step (:mod:`pykeen_bess.training.static_step`) runs the full steps.
+        padding. A static step (:mod:`pykeen_bess.training.steps.static_step`) runs the full steps.
         """
         return min(int((self._counts // self.block_size).min()), len(self))
 

@@ -105,7 +105,7 @@ def replica_cost(
 ) -> int:
     """Return the bytes one process sends to its replicas per step to sum its shard's gradients (at most).
 
-    With row-sparse updates the static step (:mod:`~pykeen_bess.training.static_step`) all-gathers
+    With row-sparse updates the static step (:mod:`~pykeen_bess.training.steps.static_step`) all-gathers
     every row it looked up, duplicates included (a fixed number per step: no host read), its id (8
     bytes), whether a real slot looked it up (1 byte) and its gradient (``D`` values) to the ``R - 1``
     other replicas: ``2 n b'`` heads and tails of its ``b'`` slots in the ``n`` blocks of its row and

@@ -13,7 +13,7 @@ after all sub-batches sends the whole rows' gradients back the same way, where t
 into their columns (one all-to-all per table each way and step). Relations are replicated; their
 gradients are summed over the processes as usual.
 
-The static step (:mod:`~pykeen_bess.training.static_step`) does the same with fixed shapes
+The static step (:mod:`~pykeen_bess.training.steps.static_step`) does the same with fixed shapes
 (:meth:`EncodingLookupScheme.scored_rows`): every part looks up the rows of all the replica's slots and
 the negatives in its columns, one row per occurrence (no ``unique``); every part's request is the
 heads and tails of its share of the slots (padded to the largest share) and the negatives; one

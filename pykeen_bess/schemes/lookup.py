@@ -377,7 +377,7 @@ def _device_weights(weights: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return store[key]
 
 
-#: while a static step is traced (:mod:`pykeen_bess.training.static_step`): the device copies of the
+#: while a static step is traced (:mod:`pykeen_bess.training.steps.static_step`): the device copies of the
 #: row groups' indices, by content, so that a captured step reads them from device memory
 _STATIC_INDICES: contextvars.ContextVar[dict | None] = contextvars.ContextVar("static_indices", default=None)
 

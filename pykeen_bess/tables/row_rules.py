@@ -6,7 +6,7 @@ so the same rule updates a table on the device, in host memory or in files
 (:mod:`pykeen_bess.storage`). Each rule has two forms of the same arithmetic:
 
 * :meth:`RowRule.update_`, **in place** with the step count a Python number: the eager step's
-  optimizer and the CPU's static step (:mod:`~pykeen_bess.training.host_rows`) read rows into
+  optimizer and the CPU's static step (:mod:`~pykeen_bess.training.steps.host_rows`) read rows into
   copies the rule may update; lazy Adam runs as one pass of PyTorch's fused Adam kernel there;
 * :meth:`RowRule.apply`, **new tensors** with the step count and learning rate as 0-dimensional
   device tensors: a captured step (a CUDA graph) bakes every Python number into the graph, and the
@@ -15,7 +15,7 @@ so the same rule updates a table on the device, in host memory or in files
 :data:`RULES` is the one registry, by name (:data:`~pykeen_bess.tables.optim.SPARSE_RULES` maps
 the optimizer classes to these names). The replicated parameters are not updated by these rules but by
 the user's ``torch.optim`` optimizer itself (in its capturable form on a GPU, see
-:mod:`~pykeen_bess.training.dense_update`), except for the optimizers torch has no capturable form of
+:mod:`~pykeen_bess.training.steps.dense_update`), except for the optimizers torch has no capturable form of
 (Adagrad, SGD, row-wise Adagrad), whose rules are the same on a whole tensor. A new optimizer is one new
 subclass here plus its registry entries.
 """

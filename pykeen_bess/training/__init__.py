@@ -1,32 +1,20 @@
 """Stage 7 of the pipeline: training, :class:`BessTrainingLoop` and the parts it is made of.
 
-* :mod:`~pykeen_bess.training.config`: the validated, frozen settings of a run and the checks that
-  run before any work starts (models, sizes, seeds, triples), and the comparison of all ranks'
-  settings at the start of training;
-* :mod:`~pykeen_bess.training.settings`: the loop's arguments (``LoopSettings``) and the immutable
-  ``TrainingSetup`` that :mod:`~pykeen_bess.training.assembly` builds from them for a partition;
-* :mod:`~pykeen_bess.training.partitions`: the token (rows) and encoding (columns) partitions as
-  strategies: what differs between them when a run is assembled;
-* :mod:`~pykeen_bess.training.tables`: the model's entity embeddings as shard tables while training
-  (written back afterwards in one process, kept sharded under a process group);
-* :mod:`~pykeen_bess.training.step`: one step (forward and backward over sub-batches, the gradient
-  hand-off, the replicated reduction) and the optimizer step composed of training callbacks
-  (global-norm clipping): the eager step;
-* :mod:`~pykeen_bess.training.static_step`: the static step of fixed shapes a GPU replays as one CUDA
-  graph, over the device-side plan (:mod:`~pykeen_bess.training.static_plan`) and the optimizer's
-  updates on the device (:mod:`~pykeen_bess.training.static_update`, their rules in
-  :mod:`~pykeen_bess.training.static_rules`; on the CPU the distinct rows' updates in
-  :mod:`~pykeen_bess.training.host_rows`);
-* :mod:`~pykeen_bess.training.sizes`: block sizes and the automatic memory search;
-* :mod:`~pykeen_bess.training.checkpoints`: checkpoint stores (one atomic file, or versioned rank
-  files with resharding), which see the loop through :mod:`~pykeen_bess.training.checkpointed`;
+* :mod:`~pykeen_bess.training.loop` and :mod:`~pykeen_bess.training.parts`: :class:`BessTrainingLoop`,
+  which builds its parts (its setup, optimizer, sampler, scheme and step runner) and trains;
+  :mod:`~pykeen_bess.training.hooks`: PyKEEN's hooks of the loop;
 * :mod:`~pykeen_bess.training.epochs`: the epochs (the loop's ``_train``, PyKEEN's structure with its
-  differences named), over the eager and static steps of :mod:`~pykeen_bess.training.epoch_steps`;
-* :mod:`~pykeen_bess.training.parts` and :mod:`~pykeen_bess.training.loop`: :class:`BessTrainingLoop`,
-  which builds them (its setup, optimizer, sampler, scheme and step runner) and trains.
+  differences named), over the steps of :mod:`~pykeen_bess.training.epoch_steps`;
+* :mod:`pykeen_bess.training.setup`: the validated settings of a run, the checks before any work, the
+  partitions as strategies, block sizes, and the set-up assembled from them;
+* :mod:`pykeen_bess.training.steps`: the step of fixed shapes (a GPU replays it as one CUDA graph),
+  its plan on the device, its updates, and the executors that run it;
+* :mod:`pykeen_bess.training.checkpoints`: checkpoint stores, their files and resharding.
+
+The table sets a run trains (shard tables, column parts) are in :mod:`pykeen_bess.tables`.
 """
 
-from .config import SUPPORTED_MODEL_EXAMPLES, BessConfig, UnsupportedModelError
+from .setup.config import SUPPORTED_MODEL_EXAMPLES, BessConfig, UnsupportedModelError
 from .loop import BessTrainingLoop
 
 __all__ = [

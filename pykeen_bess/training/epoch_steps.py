@@ -1,7 +1,7 @@
 """The steps of an epoch: the static step, the eager step and the plans of the coming epochs.
 
 :func:`make_static_step` decides whether the steps of the epochs run as the static step
-(:mod:`~pykeen_bess.training.static_step`, wherever the configuration allows) and
+(:mod:`~pykeen_bess.training.steps.static_step`, wherever the configuration allows) and
 :func:`static_steps` runs an epoch of them; :func:`eager_step` runs one step of the configurations
 it cannot train (forward and backward over its sub-batches, the loss summed over the sub-batches
 and the processes and checked, the gradients handed to the tables, then the callbacks with the
@@ -25,9 +25,9 @@ from pykeen.training.training_loop import NonFiniteLossError
 from ..data.batch import BessBatch
 from ..tables.optim import BessOptimizer
 from ..data.sampling import BessSampler, EpochDraws
-from .static_step import StaticStep, static_step_obstacle
-from .static_update import Clipping
-from .step import StepRunner
+from .steps.static_step import StaticStep, static_step_obstacle
+from .steps.static_update import Clipping
+from .steps.runner import StepRunner
 
 if TYPE_CHECKING:
     from .loop import BessTrainingLoop

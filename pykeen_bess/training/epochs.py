@@ -71,12 +71,12 @@ from pykeen.triples import CoreTriplesFactory
 from tqdm.autonotebook import tqdm, trange
 
 from ..data.partition import ShardPairPartition
-from .config import run_configuration, verify_same_configuration
+from .setup.config import run_configuration, verify_same_configuration
 from .epoch_steps import EpochBatches, EpochPlans, eager_step, make_static_step, static_steps
-from .sizes import block_size_for
-from .static_step import StaticStep, per_step_hooks
-from .static_update import Clipping
-from .step import BessOptimizerCallback, GlobalNormClippingCallback, StepRunner, ValueClippingCallback
+from .setup.sizes import block_size_for
+from .steps.static_step import StaticStep, per_step_hooks
+from .steps.static_update import Clipping
+from .steps.runner import BessOptimizerCallback, GlobalNormClippingCallback, StepRunner, ValueClippingCallback
 
 if TYPE_CHECKING:
     from .loop import BessTrainingLoop

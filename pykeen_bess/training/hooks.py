@@ -33,13 +33,13 @@ from ..data.batch import BessBatch
 from ..distributed import Topology
 from ..scoring import SharedCandidateScorer
 from ..data.sharding import EntitySharding
-from .checkpoints import CheckpointStore
-from .config import BessConfig
-from .plan import MemoryPlan
-from .settings import LoopSettings, TrainingSetup
-from .sizes import StepSizes
-from .step import StepRunner
-from .tables import ShardTables
+from .checkpoints.stores import CheckpointStore
+from .setup.config import BessConfig
+from ..tables.memory_plan import MemoryPlan
+from .setup.settings import LoopSettings, TrainingSetup
+from .setup.sizes import StepSizes
+from .steps.runner import StepRunner
+from ..tables.shard_tables import ShardTables
 
 __all__ = ["UNCALLED_HOOKS", "PyKEENHooks", "asks_evaluation_loss"]
 
@@ -53,7 +53,7 @@ class PyKEENHooks(SLCWATrainingLoop):
 
     #: the constructor's arguments the setup is built from
     settings: LoopSettings
-    #: the parts of the run for the current partition (see :func:`~pykeen_bess.training.assembly.assemble`)
+    #: the parts of the run for the current partition (see :func:`~pykeen_bess.training.setup.assembly.assemble`)
     setup: TrainingSetup
     #: the step runner of the current (or last) training
     runner: StepRunner | None

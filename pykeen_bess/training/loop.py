@@ -2,9 +2,9 @@
 
 The loop is a :class:`pykeen.training.SLCWATrainingLoop` (so ``pipeline()`` hands it the negative
 sampler kwargs) assembled from the parts of this subpackage: the validated settings
-(:mod:`~pykeen_bess.training.config`), the shard tables (:mod:`~pykeen_bess.training.tables`), the
-step (:mod:`~pykeen_bess.training.step`), the step sizes (:mod:`~pykeen_bess.training.sizes`) and
-the checkpoint store (:mod:`~pykeen_bess.training.checkpoints`), over one process topology
+(:mod:`~pykeen_bess.training.setup.config`), the shard tables (:mod:`~pykeen_bess.tables.shard_tables`), the
+step (:mod:`~pykeen_bess.training.steps.runner`), the step sizes (:mod:`~pykeen_bess.training.setup.sizes`) and
+the checkpoint store (:mod:`~pykeen_bess.training.checkpoints.stores`), over one process topology
 (:mod:`pykeen_bess.distributed`).
 """
 
@@ -30,8 +30,8 @@ from ..schemes import ExchangeScheme
 from ..data.sharding import ShardingStrategy
 from ..storage import TableStorage, make_storage
 from ..runtime.threads import ThreadsHint, resolve_threads
-from .pbg_checkpoints import PbgCheckpointStore, prepare_pbg_checkpoint
-from .config import (
+from .checkpoints.pbg import PbgCheckpointStore, prepare_pbg_checkpoint
+from .setup.config import (
     check_train_arguments,
     check_model,
     check_triples_fit_model,
@@ -42,16 +42,16 @@ from .config import (
 from .epochs import EpochBatches, run_epochs
 from .hooks import asks_evaluation_loss
 from .parts import LoopParts
-from .static_step import StaticStep, check_static_step
-from .step import StepRunner
-from .settings import LoopSettings
-from .assembly import (
+from .steps.static_step import StaticStep, check_static_step
+from .steps.runner import StepRunner
+from .setup.settings import LoopSettings
+from .setup.assembly import (
     adopt_checkpoint_seed,
     graph_loss_weighter,
     checkpoint_path,
     choose_partition,
 )
-from .tables import materialize
+from ..tables.shard_tables import materialize
 
 __all__ = [
     "BessTrainingLoop",
@@ -186,14 +186,14 @@ class BessTrainingLoop(LoopParts):
         :param checkpoint_format: ``"pykeen"`` (default: PyKEEN's checkpoint file, or versioned files per
             shard under a process group) or ``"pbg"`` (PyTorch-BigGraph's checkpoint layout in the
             checkpoint file's directory: shard ``k`` is partition ``k`` of every entity type; see
-            :class:`~pykeen_bess.training.checkpoints.PbgCheckpointStore`)
+            :class:`~pykeen_bess.training.checkpoints.stores.PbgCheckpointStore`)
         :param sharding: ``"balanced"`` (default: every shardpair holds about ``T / n ** 2`` triples, see
             :mod:`pykeen_bess.data.balancing`), ``"random"`` or a :class:`~pykeen_bess.data.sharding.ShardingStrategy`
             (typed graphs: by type); a checkpoint resumes only with the sharding it was written with
         :param static_step: None (default: every step runs as the static step, one function of fixed shapes,
             captured as a CUDA graph on a GPU, wherever the configuration allows; else the eager step, the reason
             logged), True (the static step, or an error says why not) or False (the eager step); see
-            :mod:`pykeen_bess.training.static_step`. Process groups, replicas, the encoding partition,
+            :mod:`pykeen_bess.training.steps.static_step`. Process groups, replicas, the encoding partition,
             sub-batches, clipping, loss weights, dropout, per-step callbacks, tables in host memory or files
             (their rows staged into device buffers around every step on a GPU) and dense updates (any optimizer,
             uncaptured on a GPU, as are typed negatives with a regularizer other than L2, and host or file tables

@@ -1,7 +1,7 @@
 """The parts of :class:`~pykeen_bess.training.BessTrainingLoop`: its setup, optimizer, sampler, scheme and steps.
 
 :class:`LoopParts` builds what a run is made of from the loop's settings: the setup of a partition
-(:meth:`~LoopParts.reassemble`, see :func:`~pykeen_bess.training.assembly.assemble`), the optimizer
+(:meth:`~LoopParts.reassemble`, see :func:`~pykeen_bess.training.setup.assembly.assemble`), the optimizer
 of its shard tables, the triples by shardpair, the sampler of balanced batches, the exchange scheme
 and the step runner, and the memory probe the step sizes use.
 """
@@ -19,9 +19,9 @@ from ..tables.optim import BessOptimizer
 from ..data.partition import ShardPairPartition
 from ..data.sampling import BessSampler
 from ..schemes import ExchangeScheme
-from .assembly import assemble, make_sampler, make_scheme
+from .setup.assembly import assemble, make_sampler, make_scheme
 from .hooks import PyKEENHooks
-from .step import StepRunner, held_terms
+from .steps.runner import StepRunner, held_terms
 
 __all__ = ["LoopParts"]
 

@@ -143,7 +143,7 @@ def build_loop(config: dict[str, Any], factory: CoreTriplesFactory) -> BessTrain
 @contextlib.contextmanager
 def staged_rows(stage: bool) -> Iterator[None]:
     """Have the loops built meanwhile stage their rows around every step (what a GPU does with host tables)."""
-    from pykeen_bess.training import static_step
+    from pykeen_bess.training.steps import static_step
 
     built = static_step.row_access
     if stage:
@@ -248,7 +248,7 @@ def count_static_step_ops(loop: BessTrainingLoop, epoch: int) -> dict[str, Any]:
     from capturable import allow_capturable_on_the_cpu
     from host_reads import DeviceOps, static_step_sources
 
-    from pykeen_bess.training.static_update import StaticUpdate
+    from pykeen_bess.training.steps.static_update import StaticUpdate
 
     static = loop.static
     assert static is not None, "the loop trained eagerly"

@@ -126,7 +126,7 @@ def run(name: str, scenario: dict[str, Any], output: pathlib.Path, rank: int) ->
     loop = build_loop(scenario, None, scenario.get("partition", "encoding"))
     first = loop.topology
     before = first.bytes_sent
-    from pykeen_bess.training.static_update import StaticUpdate
+    from pykeen_bess.training.steps.static_update import StaticUpdate
 
     # the updates a GPU runs (every occurrence with its row's sum, device-tensor rules), forced on the CPU
     StaticUpdate.host_rules = not scenario.get("device_updates", False)

@@ -14,7 +14,7 @@ from pykeen.pipeline.api import PipelineResult
 
 from pykeen_bess.tables.representation import ShardedEmbedding
 from pykeen_bess.data.sharding import EntitySharding
-from pykeen_bess.training.tables import DistributedShardTables
+from pykeen_bess.tables.shard_tables import DistributedShardTables
 
 
 def partial_result() -> PipelineResult:

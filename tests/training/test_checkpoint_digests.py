@@ -13,7 +13,7 @@ from pykeen.pipeline import pipeline
 from pykeen_bess import CorruptCheckpointError
 from pykeen_bess.distributed import LocalTopology
 from pykeen_bess.storage.digests import crc32_of_array, verify_array, verify_torch_file
-from pykeen_bess.training.checkpoint_files import read_pointer, save_distributed_checkpoint
+from pykeen_bess.training.checkpoints.files import read_pointer, save_distributed_checkpoint
 
 
 def run(directory: pathlib.Path, epochs: int, storage: str = "device", **loop_kwargs):
@@ -114,7 +114,7 @@ def test_a_corrupted_rank_file_or_pointer_is_refused(tmp_path: pathlib.Path) -> 
         torch.save({"epoch": 1, "table": torch.randn(500, 8)}, file)
 
     save_distributed_checkpoint(path, LocalTopology(1), write, epoch=1, seed=0)
-    from pykeen_bess.training.checkpoint_files import load_verified
+    from pykeen_bess.training.checkpoints.files import load_verified
 
     rank_file = tmp_path / "run.pt.v1.rank0-of-1"
     assert load_verified(rank_file)["epoch"] == 1

@@ -10,7 +10,7 @@ from pykeen.models import DistMult
 from pykeen.stoppers import EarlyStopper
 
 from pykeen_bess.distributed import LocalTopology
-from pykeen_bess.training.checkpoint_files import read_pointer, save_distributed_checkpoint
+from pykeen_bess.training.checkpoints.files import read_pointer, save_distributed_checkpoint
 
 
 def test_the_pointer_holds_what_pipeline_and_stoppers_read(tmp_path: pathlib.Path) -> None:
@@ -75,8 +75,8 @@ def test_a_single_process_checks_a_distributed_checkpoint_through_pipeline(tmp_p
 def test_resharding_moves_every_row_wise_state(tmp_path: pathlib.Path, new_shards: int) -> None:
     """Tables and per-row optimizer state (Adam's ``[S, D]`` moments, row-wise Adagrad's ``[S]``) move with entities."""
     from pykeen_bess.data.sharding import EntitySharding
-    from pykeen_bess.training.checkpoint_files import shard_file
-    from pykeen_bess.training.resharding import ShardFiles, reshard_rank_state
+    from pykeen_bess.training.checkpoints.files import shard_file
+    from pykeen_bess.training.checkpoints.resharding import ShardFiles, reshard_rank_state
 
     num_entities, seed, path = 10, 3, tmp_path / "ck.pt"
     old = EntitySharding.create(num_entities, 2, seed=seed)

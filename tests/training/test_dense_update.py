@@ -1,6 +1,6 @@
 """The replicated parameters' update in a static step: the user's optimizer in its capturable form (a GPU's).
 
-On a GPU, :class:`~pykeen_bess.training.dense_update.DenseUpdate` runs the user's ``torch.optim`` optimizer
+On a GPU, :class:`~pykeen_bess.training.steps.dense_update.DenseUpdate` runs the user's ``torch.optim`` optimizer
 with ``capturable=True`` and the learning rate as a device tensor, and keeps the old values where the step's
 loss was not finite. These tests run that form on the CPU (``tests/capturable.py``) in float64.
 """
@@ -12,8 +12,8 @@ import torch
 
 from pykeen_bess.distributed import LocalTopology
 from pykeen_bess.tables.optim import BessOptimizer, RowwiseAdagrad
-from pykeen_bess.training.dense_update import DenseUpdate
-from pykeen_bess.training.static_rules import FusedRule, StepCounts, StepRows
+from pykeen_bess.training.steps.dense_update import DenseUpdate
+from pykeen_bess.training.steps.static_rules import FusedRule, StepCounts, StepRows
 
 
 @pytest.fixture(autouse=True)

@@ -272,7 +272,7 @@ def test_costs_and_auto_choice() -> None:
 def test_auto_chooses_among_all_schemes_by_bytes(nations: Nations, caplog: pytest.LogCaptureFixture) -> None:
     """Wide rows and small batches: the encoding partition (equal to one shard); narrow rows: a token scheme."""
     wide = dict(model_kwargs=dict(embedding_dim=64), batch_size=16, epochs=1)
-    with caplog.at_level(logging.INFO, logger="pykeen_bess.training.assembly"):
+    with caplog.at_level(logging.INFO, logger="pykeen_bess.training.setup.assembly"):
         losses, model, loop = train(nations, "DistMult", 2, None, exchange="auto", **wide)
     assert loop.config.partition == "encoding" and loop.topology.n_column == 2
     assert (
@@ -288,12 +288,12 @@ def test_auto_chooses_among_all_schemes_by_bytes(nations: Nations, caplog: pytes
     assert loop.config.partition == "token"
     # not separable: partial scores are no candidate, whole rows assembled from the parts are
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="pykeen_bess.training.assembly"):
+    with caplog.at_level(logging.INFO, logger="pykeen_bess.training.setup.assembly"):
         _, _, loop = train(nations, "RESCAL", 2, None, exchange="auto", model_kwargs=dict(embedding_dim=8), epochs=1)
     assert loop.config.partition == "token" and "encoding_lookup" in caplog.text and "encoding " not in caplog.text
     # where the encoding partition does not apply, the log says why
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="pykeen_bess.training.assembly"):
+    with caplog.at_level(logging.INFO, logger="pykeen_bess.training.setup.assembly"):
         _, _, loop = train(nations, "DistMult", 2, None, exchange="auto", model_kwargs=dict(embedding_dim=1), epochs=1)
     assert loop.config.partition == "token"
     assert "encoding not applicable: The encoding partition splits the 1 coordinates" in caplog.text

@@ -6,10 +6,10 @@ import pytest
 
 from pykeen_bess.distributed import LocalTopology
 from pykeen_bess.storage import DeviceStorage, HostStorage
-from pykeen_bess.training.checkpoints import RankCheckpointStore
-from pykeen_bess.training.config import PARTITIONS
-from pykeen_bess.training.partitions import EncodingPartition, TokenPartition, partition_resolver
-from pykeen_bess.training.tables import LocalShardTables, StoredShardTables
+from pykeen_bess.training.checkpoints.stores import RankCheckpointStore
+from pykeen_bess.training.setup.config import PARTITIONS
+from pykeen_bess.training.setup.partitions import EncodingPartition, TokenPartition, partition_resolver
+from pykeen_bess.tables.shard_tables import LocalShardTables, StoredShardTables
 
 
 def test_partitions_resolve_by_name() -> None:

@@ -25,9 +25,9 @@ from pykeen.triples.weights import RelationLossWeighter
 from pykeen.triples import CoreTriplesFactory
 
 from pykeen_bess.training import BessTrainingLoop
-from pykeen_bess.training.static_step import StaticStep
-from pykeen_bess.training.static_rules import occurrence_groups
-from pykeen_bess.training.static_update import Clipping, StaticUpdate
+from pykeen_bess.training.steps.static_step import StaticStep
+from pykeen_bess.training.steps.static_rules import occurrence_groups
+from pykeen_bess.training.steps.static_update import Clipping, StaticUpdate
 
 
 @pytest.fixture(scope="module")
@@ -510,7 +510,7 @@ def test_compiled_updates_equal_the_eager_step(factory: CoreTriplesFactory, monk
     it equals the plain one to rounding).
     """
     case = dict(num_shards=2, model_cls=TransE)
-    from pykeen_bess.training import static_rules
+    from pykeen_bess.training.steps import static_rules
 
     with default_dtype(torch.float64):
         _, eager, eager_parameters = train(factory, static_step=False, epochs=2, **case)
@@ -580,7 +580,7 @@ def test_staged_rows_train_as_the_device_tier(
     step's rows, read from the tier while a step runs, must get that step's writes (without forwarding
     them every case here fails).
     """
-    from pykeen_bess.training import static_step
+    from pykeen_bess.training.steps import static_step
 
     monkeypatch.setattr(StaticUpdate, "host_rules", False)
     device_loop, device_losses, _ = train(factory, static_step=True, **case)
@@ -604,7 +604,7 @@ def test_staged_host_buffers_wait_for_slow_writes(factory: CoreTriplesFactory, m
     import time
 
     from pykeen_bess.storage.host import HostStorage
-    from pykeen_bess.training import static_step
+    from pykeen_bess.training.steps import static_step
 
     monkeypatch.setattr(StaticUpdate, "host_rules", False)
     _, device_losses, device_parameters = train(factory, static_step=True, num_shards=2, epochs=2)
@@ -637,7 +637,7 @@ def test_a_failing_write_to_the_tier_fails_the_training(
 ) -> None:
     """A write of staged rows to the tier that raises on the worker thread fails the training with its error."""
     from pykeen_bess.storage.host import HostStorage
-    from pykeen_bess.training import static_step
+    from pykeen_bess.training.steps import static_step
 
     forced = static_step.row_access
     monkeypatch.setattr(static_step, "row_access", lambda *args: forced(*args[:4], True, args[5]))

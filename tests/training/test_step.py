@@ -48,7 +48,7 @@ def test_a_step_reads_only_its_loss_on_the_host(
     are computed from the sampling plan on the CPU (the eager step) or from device buffers (the static
     step) instead.
     """
-    from pykeen_bess.training.static_update import StaticUpdate
+    from pykeen_bess.training.steps.static_update import StaticUpdate
 
     monkeypatch.setattr(StaticUpdate, "host_rules", False)
     model = DistMult(triples_factory=factory, embedding_dim=8, random_seed=0)

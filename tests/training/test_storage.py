@@ -189,7 +189,7 @@ def test_static_step_traffic_is_every_looked_up_row(
     A GPU's updates (fixed shapes) then move every looked-up row and its state once each way; the CPU's
     updates read the step's distinct rows and their state again, and write those back once each.
     """
-    from pykeen_bess.training.static_update import StaticUpdate
+    from pykeen_bess.training.steps.static_update import StaticUpdate
 
     monkeypatch.setattr(StaticUpdate, "host_rules", host_rules)
     factory = factory_of(nations)
@@ -288,7 +288,7 @@ def staged(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> t
     """
     made: list[bool] = []
     if request.param:
-        from pykeen_bess.training import static_step
+        from pykeen_bess.training.steps import static_step
 
         forced = static_step.row_access
 
@@ -431,8 +431,8 @@ def test_a_kill_during_a_checkpoint_keeps_the_previous_one_loadable(nations, tmp
 
 KILLED_WRITE_BACK = killed_run(
     """
-    from pykeen_bess.training import static_step
-    from pykeen_bess.training.static_update import StaticUpdate
+    from pykeen_bess.training.steps import static_step
+    from pykeen_bess.training.steps.static_update import StaticUpdate
     from capturable import allow_capturable_on_the_cpu
 
     forced = static_step.row_access
@@ -455,8 +455,8 @@ KILLED_WRITE_BACK = killed_run(
 def test_a_kill_during_a_staged_write_back_loses_nothing(nations, tmp_path, monkeypatch) -> None:
     """Staged rows (as on a GPU) written back to files by the worker: a kill -9 in the middle of an epoch's
     write-backs leaves the last checkpoint whole, and resuming from it trains as the run that was not killed."""
-    from pykeen_bess.training import static_step
-    from pykeen_bess.training.static_update import StaticUpdate
+    from pykeen_bess.training.steps import static_step
+    from pykeen_bess.training.steps.static_update import StaticUpdate
 
     forced = static_step.row_access
     monkeypatch.setattr(static_step, "row_access", lambda *args: forced(*args[:4], True, args[5]))
@@ -769,9 +769,9 @@ def test_staged_tables_larger_than_the_memory_budget_train(tmp_path, tier, monke
     The budget decides the staging depth: two device buffer sets where they fit with room for the forwarded
     rows, one where only that fits, and an error before any step where not even that does.
     """
-    from pykeen_bess.training import static_step
-    from pykeen_bess.training.sizes import resident_bytes
-    from pykeen_bess.training.static_update import StaticUpdate
+    from pykeen_bess.training.steps import static_step
+    from pykeen_bess.training.setup.sizes import resident_bytes
+    from pykeen_bess.training.steps.static_update import StaticUpdate
 
     forced = static_step.row_access
     monkeypatch.setattr(static_step, "row_access", lambda *args: forced(*args[:4], True, *args[5:]))
@@ -836,8 +836,8 @@ def test_the_staging_of_a_gpu_runs_with_its_streams_and_events(nations, tmp_path
     that the staged run equals the device tier's, at both depths (the free memory decides).
     """
     from pykeen_bess.storage import staging
-    from pykeen_bess.training import static_step
-    from pykeen_bess.training.static_update import StaticUpdate
+    from pykeen_bess.training.steps import static_step
+    from pykeen_bess.training.steps.static_update import StaticUpdate
 
     log: list[str] = []
     main = _Stream(log, "the main stream")

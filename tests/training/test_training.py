@@ -360,7 +360,7 @@ def test_memory_search_chooses_a_batch_size_and_falls_back_to_sub_batching(
     small_factory: CoreTriplesFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Probes that 'run out of memory' above 8 slots per block shrink batches, then sub-batches."""
-    from pykeen_bess.training.sizes import StepSizes
+    from pykeen_bess.training.setup.sizes import StepSizes
 
     original = StepSizes.probe
     probed = []

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..data.sharding import EntitySharding, RandomSharding
+from ...data.sharding import EntitySharding, RandomSharding
 from .checkpointed import CheckpointedLoop
 
 __all__ = ["describe_mismatch"]
@@ -95,7 +95,7 @@ def _find_sharding(loop: CheckpointedLoop, state: Mapping[str, Any]) -> tuple[st
 
     :returns: the sharding's description and the loop arguments that build it, None if none matched
     """
-    from ..data.sharding import resolve_sharding
+    from ...data.sharding import resolve_sharding
 
     checksum = state.get("checksum")
     current = loop.sharding

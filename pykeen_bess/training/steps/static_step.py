@@ -1,6 +1,6 @@
 """The static step: a whole BESS step with fixed shapes and no host read, replayed as one CUDA graph on a GPU.
 
-The eager step (:class:`~pykeen_bess.training.step.StepRunner` and the optimizer callback) builds
+The eager step (:class:`~pykeen_bess.training.steps.runner.StepRunner` and the optimizer callback) builds
 each step's plan on the host, deduplicates the step's rows into a data-dependent number of rows and
 reads the loss on the host every step. On a GPU that is hundreds of small host-side operations
 around a fraction of a millisecond of device work. :class:`StaticStep` runs every step of an epoch
@@ -12,7 +12,7 @@ as one function of fixed shapes and no host synchronisation:
    thread, pinned), they are copied once (asynchronously) and the triples are sorted on the device
    (``argsort(pair + keys)``, the sampler's order); a step takes its slots' triples from the order
    at a device step counter, so the batches are those of the eager step. The padded steps at the
-   end of an epoch are steps of their own :class:`~pykeen_bess.training.static_plan.StepKind`: the
+   end of an epoch are steps of their own :class:`~pykeen_bess.training.steps.device_plan.StepKind`: the
    same function with that kind's (fixed) padding slots left out of the loss and the update;
 2. **rows**: every row this process looks up (heads and tails of its slots of the local blocks,
    the local shards' negatives) is its own leaf (``[N, W]`` per table, duplicates included), so no
@@ -24,7 +24,7 @@ as one function of fixed shapes and no host synchronisation:
    every sub-batch in a fixed loop, so both steps compute the same function;
 4. **gradients**: ``torch.autograd.grad`` for the leaves and the replicated parameters, summed over
    the sub-batches; the step's loss is summed over the processes (one scalar collective);
-5. **row update** (:mod:`~pykeen_bess.training.static_update`): the occurrences of a row are
+5. **row update** (:mod:`~pykeen_bess.training.steps.static_update`): the occurrences of a row are
    summed (over the replicas of the shard, too) by sorting the step's rows, gradient clipping acts
    on the sums, and the row rule runs on every occurrence with its row's sum; duplicates write
    identical values, so the result is the lazy row-sparse update of the eager step (same rows
@@ -40,7 +40,7 @@ as one function of fixed shapes and no host synchronisation:
    :class:`~pykeen.training.training_loop.NonFiniteLossError` with the parameters as they were
    before that step (as the eager step does).
 
-Two executors run the step (:mod:`~pykeen_bess.training.step_graphs`): on CUDA every step kind is
+Two executors run the step (:mod:`~pykeen_bess.training.steps.executors`): on CUDA every step kind is
 captured once as a CUDA graph (after two warm-up steps on a side stream) and every further step of
 the kind is one ``replay()``; elsewhere (and where capturing fails, logged with the reason) the
 same function runs directly.
@@ -64,18 +64,18 @@ from typing import Any
 import torch
 from pykeen.training.callbacks import TrainingCallback
 
-from ..data.batch import BessBatch, RowGather
-from ..data.sampling import BessSampler, EpochDraws
-from ..schemes import ExchangeScheme
-from ..schemes.lookup import static_indices
-from ..storage.staging import RowAccess, StagedRows, StagedTensor, TierRows
-from ..tables.optim import BessOptimizer
-from .sizes import resident_bytes
-from .static_plan import DevicePlan, StepKind
+from ...data.batch import BessBatch, RowGather
+from ...data.sampling import BessSampler, EpochDraws
+from ...schemes import ExchangeScheme
+from ...schemes.lookup import static_indices
+from ...storage.staging import RowAccess, StagedRows, StagedTensor, TierRows
+from ...tables.optim import BessOptimizer
+from ..setup.sizes import resident_bytes
+from .device_plan import DevicePlan, StepKind
 from .static_update import Clipping, StaticUpdate
-from .step_graphs import CapturedSteps, DirectSteps
-from .step import BessOptimizerCallback, StepRunner
-from .tables import ShardTables
+from .executors import CapturedSteps, DirectSteps
+from .runner import BessOptimizerCallback, StepRunner
+from ...tables.shard_tables import ShardTables
 
 __all__ = [
     "STATIC_STEP_MODES",

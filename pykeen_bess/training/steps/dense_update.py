@@ -2,7 +2,7 @@
 
 :class:`DenseUpdate` updates the parameters of the optimizer's dense groups
 (:attr:`~pykeen_bess.tables.optim.BessOptimizer.dense_groups`) inside a static step
-(:mod:`~pykeen_bess.training.static_step`), their gradients summed over the processes, in one of three ways:
+(:mod:`~pykeen_bess.training.steps.static_step`), their gradients summed over the processes, in one of three ways:
 
 * **by the user's optimizer in its capturable form** (:attr:`DenseUpdate.capturable`, on a GPU, for every
   ``torch.optim`` class with a ``capturable`` option: Adam, AdamW, RMSprop, ...): its own ``step`` with
@@ -32,10 +32,10 @@ from typing import Any
 
 import torch
 
-from ..distributed import Topology
-from ..tables.optim import DENSE_REQUIRED_OPTIONS, SPARSE_RULES, BessOptimizer
-from ..tables.representation import ShardedEmbedding
-from ..tables.row_rules import RULES, state_shapes
+from ...distributed import Topology
+from ...tables.optim import DENSE_REQUIRED_OPTIONS, SPARSE_RULES, BessOptimizer
+from ...tables.representation import ShardedEmbedding
+from ...tables.row_rules import RULES, state_shapes
 from .static_rules import FusedRule, StepCounts, StepRows
 
 __all__ = [

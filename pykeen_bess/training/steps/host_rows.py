@@ -1,7 +1,7 @@
 """The CPU's updates of a static step's rows: the step's distinct rows, found on the host, updated once each.
 
-On the CPU reading a value costs no synchronisation, so :class:`~pykeen_bess.training.static_update.StaticUpdate`
-hands the rows to :class:`HostRows` there (:attr:`~pykeen_bess.training.static_update.StaticUpdate.host_rules`):
+On the CPU reading a value costs no synchronisation, so :class:`~pykeen_bess.training.steps.static_update.StaticUpdate`
+hands the rows to :class:`HostRows` there (:attr:`~pykeen_bess.training.steps.static_update.StaticUpdate.host_rules`):
 
 * **sums**: ``torch.unique`` numbers the step's distinct rows; every table's occurrence gradients
   ``[N, W]`` are summed into ``[U, W]`` and the rows' values read once each;
@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from ..tables.optim import BessOptimizer
-from ..tables.representation import ShardedEmbedding
-from ..tables.row_rules import RULES, state_shapes
+from ...tables.optim import BessOptimizer
+from ...tables.representation import ShardedEmbedding
+from ...tables.row_rules import RULES, state_shapes
 from .static_rules import StepRows
 
 __all__ = ["HostRows"]

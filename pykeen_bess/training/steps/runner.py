@@ -17,7 +17,7 @@ This *eager* step builds its plan on the host and deduplicates the step's rows i
 data-dependent number of rows; on a GPU it copies the plan's indices to the device every step (from
 pageable memory, which synchronises) and reads the loss on the host. It is the step of the CPU,
 of process groups and of the configurations the static step does not cover; on a GPU the full
-steps of an epoch otherwise run as :mod:`~pykeen_bess.training.static_step`.
+steps of an epoch otherwise run as :mod:`~pykeen_bess.training.steps.static_step`.
 """
 
 from __future__ import annotations
@@ -33,12 +33,12 @@ from pykeen.models.nbase import _NewAbstractModel
 from pykeen.regularizers import Regularizer
 from pykeen.training.callbacks import TrainingCallback
 
-from ..data.batch import BessBatch, RowGather
-from ..distributed import Topology
-from ..nn.loss import block_loss
-from ..tables.optim import row_sparse_grad
-from ..schemes import ExchangeScheme
-from .tables import ShardTables
+from ...data.batch import BessBatch, RowGather
+from ...distributed import Topology
+from ...nn.loss import block_loss
+from ...tables.optim import row_sparse_grad
+from ...schemes import ExchangeScheme
+from ...tables.shard_tables import ShardTables
 
 __all__ = [
     "BessOptimizerCallback",

@@ -3,13 +3,13 @@
 :class:`ShardTables` creates one :class:`~pykeen_bess.tables.representation.ShardedEmbedding` per entity
 embedding of the model and swaps them in for training (:meth:`ShardTables.installed`, a context
 manager). What happens afterwards is the one thing that differs between the back ends, chosen once
-(:func:`~pykeen_bess.training.table_setup.create_tables`):
+(:func:`~pykeen_bess.tables.creation.create_tables`):
 
 * :class:`LocalShardTables` (one process holds every shard): the tables are written back into the
   original embeddings, so the trained model is an ordinary PyKEEN model;
 * :class:`DistributedShardTables` (each process holds some shards): no process holds the full
   table, so the model stays sharded (see :mod:`pykeen_bess.distributed.export`);
-* :class:`~pykeen_bess.training.column_tables.ColumnShardTables` (each process holds a column part
+* :class:`~pykeen_bess.tables.column_tables.ColumnShardTables` (each process holds a column part
   of every row, the encoding partition): after training the parts become row shards;
 * :class:`StoredShardTables` (one process holds every shard, in host memory or files,
   :mod:`pykeen_bess.storage`): the tables stay in their tier and in the model, which answers
@@ -32,8 +32,8 @@ from pykeen.models import ERModel
 from pykeen.nn.representation import Embedding
 
 from ..distributed import Topology
-from ..tables.optim import BessOptimizer
-from ..tables.representation import ShardedEmbedding, constrain_all_rows
+from .optim import BessOptimizer
+from .representation import ShardedEmbedding, constrain_all_rows
 from ..data.sharding import EntitySharding
 from ..storage import DeviceStorage, TableStorage
 
@@ -230,7 +230,7 @@ class ShardTables:
     ) -> Iterator[list[ShardedEmbedding]]:
         """While the block runs, the model holds the tables as row shards: these tables already are.
 
-        (:class:`~pykeen_bess.training.column_tables.ColumnShardTables` lends the model row shards
+        (:class:`~pykeen_bess.tables.column_tables.ColumnShardTables` lends the model row shards
         made from its column parts; the arguments are its.)
 
         :yields: the tables

@@ -20,31 +20,31 @@ import torch
 from pykeen.constants import PYKEEN_CHECKPOINTS
 from pykeen.triples.weights import RelationLossWeighter, loss_weighter_resolver
 
-from ..distributed import Topology
-from ..tables.encoding import ColumnSplit, check_encoding_model
-from ..nn.loss import partition_weights, weight_convention
-from ..schemes import AUTO, ExchangeScheme, choose_scheme, query_width, scheme_resolver
-from ..scoring import get_scorer
-from ..data.partition import ShardPairPartition
-from ..data.sampling import BessSampler, TypedBessSampler
-from ..data.sharding import EntitySharding, resolve_sharding
-from .checkpoints import (
+from ...distributed import Topology
+from ...tables.encoding import ColumnSplit, check_encoding_model
+from ...nn.loss import partition_weights, weight_convention
+from ...schemes import AUTO, ExchangeScheme, choose_scheme, query_width, scheme_resolver
+from ...scoring import get_scorer
+from ...data.partition import ShardPairPartition
+from ...data.sampling import BessSampler, TypedBessSampler
+from ...data.sharding import EntitySharding, resolve_sharding
+from ..checkpoints.stores import (
     CHECKPOINT_FORMATS,
     CHECKPOINT_RETRIEVALS,
     CheckpointStore,
     FileCheckpointStore,
     checkpoint_seed,
 )
-from .pbg_checkpoints import PbgCheckpointStore
+from ..checkpoints.pbg import PbgCheckpointStore
 from .config import BessConfig
 from .settings import LoopSettings, TrainingSetup
 from .sizes import StepSizes
 from .partitions import TablePartition, partition_resolver
-from .table_setup import create_tables
-from .tables import ShardTables
+from ...tables.creation import create_tables
+from ...tables.shard_tables import ShardTables
 
 if TYPE_CHECKING:
-    from .parts import LoopParts
+    from ..parts import LoopParts
 
 __all__ = [
     "adopt_checkpoint_seed",
@@ -194,7 +194,7 @@ def make_checkpoint_store(
                     f"have no partitions. Build a typed graph with {topology.n_shard} partitions: "
                     f"pykeen_bess.pbg.TypedGraph.from_factories(training, ..., num_partitions={topology.n_shard})."
                 )
-            from ..pbg.graph import TypedGraph
+            from ...pbg.graph import TypedGraph
 
             schema = TypedGraph.from_factories(settings.factory).schema
         return PbgCheckpointStore(loop, schema, settings.factory, topology, sharding, all_replicas=all_replicas)
@@ -373,7 +373,7 @@ def adopt_checkpoint_seed(loop: LoopParts, train_kwargs: dict[str, Any]) -> None
 
     A loop without an explicit ``seed`` derives it from the model's random seed; PyKEEN restores
     everything from a checkpoint, whatever the new model's seed. So the seed the checkpoint
-    records (see :func:`~pykeen_bess.training.checkpoints.checkpoint_seed`) wins: the loop is
+    records (see :func:`~pykeen_bess.training.checkpoints.stores.checkpoint_seed`) wins: the loop is
     assembled again with it (new tables, whose values the checkpoint then replaces), and resuming
     continues as the uninterrupted run would. An explicit ``seed`` is kept (a checkpoint of another
     seed then does not match, and the error says so).

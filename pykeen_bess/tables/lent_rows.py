@@ -1,7 +1,7 @@
 """Row shards lent to the model while the encoding partition's column parts train over processes.
 
 While a checkpoint is written or read, and while an early stopper evaluates, the model and the
-optimizer of a run with :class:`~pykeen_bess.training.column_tables.ColumnShardTables` hold the row
+optimizer of a run with :class:`~pykeen_bess.tables.column_tables.ColumnShardTables` hold the row
 shards of a token-partitioned run over the same processes (:func:`lend_row_shards`), in the
 tables' storage tier: the stopper sees the model as it is after training, and PyKEEN's checkpoint
 dictionary of a process is the token partition's (so its files resume with either partition).
@@ -23,9 +23,9 @@ import torch
 
 from ..data.sharding import EntitySharding
 from ..distributed import Topology
-from ..tables.encoding import ColumnSplit, columns_from_rows, columns_of_rows, rows_of_columns
-from ..tables.representation import ShardedEmbedding
-from .tables import ShardTables
+from .encoding import ColumnSplit, columns_from_rows, columns_of_rows, rows_of_columns
+from .representation import ShardedEmbedding
+from .shard_tables import ShardTables
 
 if TYPE_CHECKING:
     from .column_tables import ColumnShardTables

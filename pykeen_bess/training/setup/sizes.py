@@ -16,9 +16,9 @@ from collections.abc import Callable
 
 import torch
 
-from ..distributed import ProbeTopology, Topology
-from ..runtime.memory import available_memory, fits_in_memory, search_largest
-from ..data.partition import ShardPairPartition
+from ...distributed import ProbeTopology, Topology
+from ...runtime.memory import available_memory, fits_in_memory, search_largest
+from ...data.partition import ShardPairPartition
 
 __all__ = [
     "StepProbe",

@@ -38,9 +38,9 @@ from typing import Any
 
 import torch
 
-from ..distributed import Topology
-from ..storage.digests import verify_torch_file, write_with_digests
-from ..storage.state_dict import verify_stored_tables
+from ...distributed import Topology
+from ...storage.digests import verify_torch_file, write_with_digests
+from ...storage.state_dict import verify_stored_tables
 
 __all__ = [
     "POINTER_FORMAT",

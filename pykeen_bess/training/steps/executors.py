@@ -1,6 +1,6 @@
 """The executors of the static step: run it directly, or capture it as CUDA graphs and replay them.
 
-The static step (:mod:`~pykeen_bess.training.static_step`) is one function of a step kind with
+The static step (:mod:`~pykeen_bess.training.steps.static_step`) is one function of a step kind with
 fixed shapes and no host read. :class:`DirectSteps` runs it as it is (the CPU; on CUDA on a side
 stream). :class:`CapturedSteps` captures every step kind once as a CUDA graph
 (:class:`torch.cuda.CUDAGraph`, after :attr:`~CapturedSteps.warmup_steps` real steps of the kind on a
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from pykeen.regularizers import Regularizer
 
-from .static_plan import StepKind
+from .device_plan import StepKind
 
 __all__ = [
     "CapturedSteps",

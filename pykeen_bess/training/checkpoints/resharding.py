@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..data.sharding import EntitySharding
-from .checkpoint_files import load_verified, pointer_file, pointer_shards
+from ...data.sharding import EntitySharding
+from .files import load_verified, pointer_file, pointer_shards
 
 __all__ = ["ShardFiles", "reshard_rank_state", "reshard_stored_tables"]
 

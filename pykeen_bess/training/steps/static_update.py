@@ -1,19 +1,19 @@
 """The optimizer side of a static step: gradients summed per row, clipping, row and dense updates.
 
 :class:`StaticUpdate` applies the optimizer's rules inside a static step
-(:mod:`~pykeen_bess.training.static_step`) on the very state tensors of the loop's
+(:mod:`~pykeen_bess.training.steps.static_step`) on the very state tensors of the loop's
 :class:`~pykeen_bess.tables.optim.BessOptimizer`, in place, so that its ``state_dict``
 (checkpoints) sees the optimizer as the eager step leaves it:
 
 * **rows summed without a host read**: a step's ``N`` looked-up rows arrive with one gradient per
-  occurrence ``[N, W]``. :func:`~pykeen_bess.training.static_rules.occurrence_groups` sorts the
+  occurrence ``[N, W]``. :func:`~pykeen_bess.training.steps.static_rules.occurrence_groups` sorts the
   rows (fixed size ``N``) and numbers their distinct values; ``index_add_`` sums the occurrences of
   every row into its group, and every occurrence reads its row's sum back (:class:`StepRows`). With
   replicas the occurrences of all replicas of the shard are all-gathered first (a fixed size per
   replica), so every replica sums the same occurrences and updates the union of their rows, as the
   eager step's replica sum does. On the CPU (:attr:`StaticUpdate.host_rules`) the distinct rows are
   found on the host instead and updated once each, by the eager step's in-place rules, in buffers
-  kept across steps (:class:`~pykeen_bess.training.host_rows.HostRows`);
+  kept across steps (:class:`~pykeen_bess.training.steps.host_rows.HostRows`);
 * **clipping** (:meth:`StaticUpdate.clip`): by the global norm over the rows (each row once) and the
   replicated parameters, summed over the shards by one scalar collective, or by value;
 * **rows**: the row rule (:meth:`~pykeen_bess.tables.row_rules.RowRule.apply`) runs on every
@@ -21,18 +21,18 @@
   so their writes agree. Rows only padding slots looked up are left as they are. The result is
   the eager step's lazy row-sparse update (same rows, same moments) up to rounding;
 * **dense**: the replicated parameters, and the tables with ``sparse_updates=False``
-  (:class:`~pykeen_bess.training.dense_update.DenseUpdate`: on a GPU the user's optimizer in its
+  (:class:`~pykeen_bess.training.steps.dense_update.DenseUpdate`: on a GPU the user's optimizer in its
   capturable form, or the row rule of one torch has no capturable form of; the user's optimizer itself
   on the CPU and for the tables);
 * **gated**: every write keeps the old value where ``ok`` is False (a non-finite loss);
 * **fused on a GPU**: a rule, its constraint and the gate are one function
-  (:func:`~pykeen_bess.training.static_rules.gated_rule`), which ``torch.compile`` fuses into a few
+  (:func:`~pykeen_bess.training.steps.static_rules.gated_rule`), which ``torch.compile`` fuses into a few
   kernels on CUDA (about ten elementwise passes over the step's rows otherwise); on the CPU, and if
   compiling fails (logged once), it runs as written;
 * **step counts and learning rates** are float64 device tensors: the counts start from the
   optimizer state's host counts and are written back into it at the end of every epoch
-  (:class:`~pykeen_bess.training.static_rules.StepCounts`); the learning rates are refreshed per epoch (a scheduler
-  changes them between epochs).
+  (:class:`~pykeen_bess.training.steps.static_rules.StepCounts`); the learning rates are refreshed
+  per epoch (a scheduler changes them between epochs).
 """
 
 from __future__ import annotations
@@ -45,15 +45,15 @@ from typing import Any
 import torch
 from pykeen.nn.representation import Embedding
 
-from ..distributed import Topology
-from ..tables.optim import BessOptimizer
-from ..tables.representation import ShardedEmbedding
-from ..tables.row_rules import RULES, state_shapes
+from ...distributed import Topology
+from ...tables.optim import BessOptimizer
+from ...tables.representation import ShardedEmbedding
+from ...tables.row_rules import RULES, state_shapes
 from .host_rows import HostRows
 from .dense_update import DenseUpdate
-from ..storage.staging import RowAccess, TierRows
+from ...storage.staging import RowAccess, TierRows
 from .static_rules import FusedRule, StepCounts, StepRows, occurrence_groups
-from .tables import ShardTables
+from ...tables.shard_tables import ShardTables
 
 __all__ = [
     "Clipping",

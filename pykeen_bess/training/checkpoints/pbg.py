@@ -2,7 +2,7 @@
 
 :class:`PbgCheckpointStore` writes a BESS run's checkpoints as PyTorch-BigGraph checkpoint
 directories (shard ``k`` is partition ``k`` of every entity type) with the versioned protocol of
-:mod:`~pykeen_bess.training.checkpoint_files`, and resumes them exactly;
+:mod:`~pykeen_bess.training.checkpoints.files`, and resumes them exactly;
 :func:`prepare_pbg_checkpoint` adopts a checkpoint PyTorch-BigGraph wrote in the directory.
 """
 
@@ -19,11 +19,11 @@ from pykeen.models import ERModel
 from pykeen.stoppers import Stopper
 from pykeen.triples import CoreTriplesFactory
 
-from .checkpoint_files import POINTER_FORMAT, pointer_shards, read_pointer, save_distributed_checkpoint
-from .checkpoints import RankCheckpointStore
+from .files import POINTER_FORMAT, pointer_shards, read_pointer, save_distributed_checkpoint
+from .stores import RankCheckpointStore
 from .checkpointed import CheckpointedLoop
-from ..distributed import Topology
-from ..data.sharding import EntitySharding
+from ...distributed import Topology
+from ...data.sharding import EntitySharding
 
 __all__ = [
     "PbgCheckpointStore",
@@ -38,7 +38,7 @@ class PbgCheckpointStore(RankCheckpointStore):
 
     Shard ``k`` is partition ``k`` of every entity type (the graph's partitions are the shards). A
     version ``N`` is the number of completed epochs; writing it is the atomic protocol of
-    :func:`~pykeen_bess.training.checkpoint_files.save_distributed_checkpoint`:
+    :func:`~pykeen_bess.training.checkpoints.files.save_distributed_checkpoint`:
 
     1. every process writing its shard writes ``embeddings_{type}_{k}.v{N}.h5`` for each of its shards
        (row-wise Adagrad's state as PyTorch-BigGraph's optimizer blob) and its own resume state
@@ -69,7 +69,7 @@ class PbgCheckpointStore(RankCheckpointStore):
 
         :raises ValueError: if the shards are not the graph's partitions, or PyTorch-BigGraph cannot express the model
         """
-        from ..pbg.conversion import conversion_for_model
+        from ...pbg.conversion import conversion_for_model
 
         super().__init__(loop, all_replicas)
         #: the model (the loop refuses any but an ``ERModel`` before it builds a store)
@@ -111,7 +111,7 @@ class PbgCheckpointStore(RankCheckpointStore):
         best_epoch_model_file_path: pathlib.Path | None = None,
         triples_factory: CoreTriplesFactory | None = None,
     ) -> None:
-        from ..pbg import files
+        from ...pbg import files
 
         loop, topology = self.loop, self.loop.topology
         directory = pathlib.Path(path).parent
@@ -145,7 +145,7 @@ class PbgCheckpointStore(RankCheckpointStore):
 
     def _row_sums(self) -> tuple[torch.Tensor, float] | None:
         """Row-wise Adagrad's per-row sums of the entity table ``[L * S]`` and its lr (None for other optimizers)."""
-        from ..tables.optim import RowwiseAdagrad
+        from ...tables.optim import RowwiseAdagrad
 
         if self.loop.optimizer_cls is not RowwiseAdagrad:
             return None
@@ -158,9 +158,9 @@ class PbgCheckpointStore(RankCheckpointStore):
 
     def write_partitions(self, directory: pathlib.Path, version: int) -> None:
         """Write this process' shards as PyTorch-BigGraph partitions of every type."""
-        from ..pbg import files
-        from ..pbg.checkpoint import rowwise_blob
-        from ..pbg.conversion import entity_rows
+        from ...pbg import files
+        from ...pbg.checkpoint import rowwise_blob
+        from ...pbg.conversion import entity_rows
 
         table = self.loop.tables[0]
         size = table.sharding.shard_size
@@ -176,11 +176,11 @@ class PbgCheckpointStore(RankCheckpointStore):
 
     def write_model(self, directory: pathlib.Path, version: int) -> None:
         """Write the relations, the config and the entity files, then commit ``version`` (main process)."""
-        from ..pbg import files
-        from ..pbg.checkpoint import ENTITY_DIRECTORY, checkpoint_settings, relation_parameters
-        from ..pbg.config import write_config
-        from ..pbg.graph import EDGE_PATH_KEY, TypedGraph
-        from ..pbg.inputs import graph_config, write_entities
+        from ...pbg import files
+        from ...pbg.checkpoint import ENTITY_DIRECTORY, checkpoint_settings, relation_parameters
+        from ...pbg.config import write_config
+        from ...pbg.graph import EDGE_PATH_KEY, TypedGraph
+        from ...pbg.inputs import graph_config, write_entities
 
         files.write_model(
             files.model_file(directory, version), relation_parameters(self.model, self.schema, self.conversion)
@@ -229,9 +229,9 @@ class PbgCheckpointStore(RankCheckpointStore):
         With ``settings`` (a checkpoint PyTorch-BigGraph wrote) the rows are converted as PyTorch-BigGraph
         scores them (global embeddings, ``max_norm``).
         """
-        from ..pbg import files
-        from ..pbg.restore import partition_rows
-        from ..pbg.conversion import rows_to_weight
+        from ...pbg import files
+        from ...pbg.restore import partition_rows
+        from ...pbg.conversion import rows_to_weight
 
         table = self.loop.tables[0]
         size = table.sharding.shard_size
@@ -261,9 +261,9 @@ class PbgCheckpointStore(RankCheckpointStore):
 
         The other optimizer state starts fresh (PyTorch-BigGraph keeps none for BESS's optimizers).
         """
-        from ..pbg import files
-        from ..pbg.restore import checkpoint_conversion, relations_from_parameters, set_relations
-        from ..pbg.config import load_config
+        from ...pbg import files
+        from ...pbg.restore import checkpoint_conversion, relations_from_parameters, set_relations
+        from ...pbg.config import load_config
 
         loop = self.loop
         source = str(directory)
@@ -315,8 +315,8 @@ def prepare_pbg_checkpoint(loop: CheckpointedLoop, train_kwargs: Mapping[str, An
     """
     from pykeen.constants import PYKEEN_CHECKPOINTS
 
-    from ..pbg import files
-    from ..pbg.config import load_config
+    from ...pbg import files
+    from ...pbg.config import load_config
 
     loop.resumed_from_pbg = False
     if train_kwargs.get("checkpoint_on_failure"):

@@ -1,6 +1,6 @@
 """What a checkpoint store reads and writes of its training loop: :class:`CheckpointedLoop`.
 
-The stores (:mod:`~pykeen_bess.training.checkpoints`, :mod:`~pykeen_bess.training.pbg_checkpoints`)
+The stores (:mod:`~pykeen_bess.training.checkpoints.stores`, :mod:`~pykeen_bess.training.checkpoints.pbg`)
 write PyKEEN's checkpoint dictionary through the loop's own ``_save_state`` and ``_load_state``, so
 they hold the loop; this protocol names the parts of it they use, so that mypy checks every access
 and a reader sees what a checkpoint depends on. :class:`~pykeen_bess.training.BessTrainingLoop` is one.
@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from pykeen.models import Model
 
-from ..distributed import Topology
-from ..data.sharding import EntitySharding
-from .tables import ShardTables
+from ...distributed import Topology
+from ...data.sharding import EntitySharding
+from ...tables.shard_tables import ShardTables
 
 if TYPE_CHECKING:  # the configuration module resolves partitions, whose checkpoint stores see this protocol
-    from .config import BessConfig
+    from ..setup.config import BessConfig
 
 __all__ = ["CheckpointedLoop"]
 

@@ -3,13 +3,13 @@
 A :class:`TablePartition` is a strategy, resolved from ``partition=`` by :data:`partition_resolver`:
 
 * :class:`TokenPartition` (``"token"``, the default): BESS's row shards; a process holds the rows of
-  its shards (:class:`~pykeen_bess.training.tables.ShardTables`), the token schemes exchange rows or scores.
+  its shards (:class:`~pykeen_bess.tables.shard_tables.ShardTables`), the token schemes exchange rows or scores.
 * :class:`EncodingPartition` (``"encoding"``): every part holds ``d / n`` coordinates of all entities
   (:mod:`pykeen_bess.tables.encoding`); over several processes each holds one column part of every row
-  (:class:`~pykeen_bess.training.column_tables.ColumnShardTables`, with replicas: ``R`` ranks per
+  (:class:`~pykeen_bess.tables.column_tables.ColumnShardTables`, with replicas: ``R`` ranks per
   part); its checkpoints are the token partition's files of the row shards the parts make.
 
-The assembly of a run (:func:`~pykeen_bess.training.assembly.assemble`) asks the partition for what
+The assembly of a run (:func:`~pykeen_bess.training.setup.assembly.assemble`) asks the partition for what
 differs: the default exchange scheme, the model check, the topology, the tables' back end, the
 checkpoint store. A new partition is one new class here.
 """
@@ -23,15 +23,15 @@ from typing import Any, ClassVar
 from class_resolver import ClassResolver
 from pykeen.models import ERModel
 
-from ..distributed import Topology, make_topology
-from ..tables.encoding import ColumnSplit, check_encoding_model
-from ..data.sampling import TypedBessSampler
-from ..schemes import AUTO, EncodingScheme
-from ..storage import TableStorage
-from .checkpointed import CheckpointedLoop
-from .checkpoints import CheckpointStore, RankCheckpointStore, RowShardCheckpointStore
-from .column_tables import ColumnShardTables
-from .tables import DistributedShardTables, LocalShardTables, ShardTables, StoredShardTables
+from ...distributed import Topology, make_topology
+from ...tables.encoding import ColumnSplit, check_encoding_model
+from ...data.sampling import TypedBessSampler
+from ...schemes import AUTO, EncodingScheme
+from ...storage import TableStorage
+from ..checkpoints.checkpointed import CheckpointedLoop
+from ..checkpoints.stores import CheckpointStore, RankCheckpointStore, RowShardCheckpointStore
+from ...tables.column_tables import ColumnShardTables
+from ...tables.shard_tables import DistributedShardTables, LocalShardTables, ShardTables, StoredShardTables
 
 __all__ = ["EncodingPartition", "TablePartition", "TokenPartition", "partition_resolver"]
 

@@ -1,7 +1,7 @@
 """What a BESS training loop is built from, and what it builds: :class:`LoopSettings` and :class:`TrainingSetup`.
 
 The loop keeps the constructor's arguments as :class:`LoopSettings`;
-:func:`~pykeen_bess.training.assembly.assemble` turns them into a :class:`TrainingSetup` for a
+:func:`~pykeen_bess.training.setup.assembly.assemble` turns them into a :class:`TrainingSetup` for a
 partition: the process topology, the validated configuration, the entity sharding, the shard
 tables and their memory plan, the scorer, the checkpoint store and the step sizes. The setup is
 immutable: choosing another partition (``exchange="auto"``) or adopting a checkpoint's seed builds
@@ -17,18 +17,18 @@ from typing import Any
 from pykeen.models import ERModel
 from pykeen.nn.representation import Embedding
 
-from ..distributed import Topology
-from ..pbg.schema import GraphSchema
-from ..data.sampling import DEFAULT_NEGATIVES
-from ..scoring import SharedCandidateScorer
-from ..data.sharding import EntitySharding
-from ..storage import TableStorage
-from .checkpoints import CheckpointStore
+from ...distributed import Topology
+from ...pbg.schema import GraphSchema
+from ...data.sampling import DEFAULT_NEGATIVES
+from ...scoring import SharedCandidateScorer
+from ...data.sharding import EntitySharding
+from ...storage import TableStorage
+from ..checkpoints.stores import CheckpointStore
 from .config import BessConfig
 from .partitions import TablePartition
-from .plan import MemoryPlan
+from ...tables.memory_plan import MemoryPlan
 from .sizes import StepSizes
-from .tables import ShardTables
+from ...tables.shard_tables import ShardTables
 
 __all__ = ["LoopSettings", "TrainingSetup"]
 
@@ -67,7 +67,7 @@ class LoopSettings:
 
 @dataclasses.dataclass(frozen=True)
 class TrainingSetup:
-    """The parts of a BESS run for one partition, built once by :func:`~pykeen_bess.training.assembly.assemble`."""
+    """The parts of a BESS run for one partition, built once by :func:`~.assembly.assemble`."""
 
     #: how the entity tables are split over the parts (rows or columns)
     table_partition: TablePartition

@@ -23,8 +23,8 @@ from pykeen.sampling import BasicNegativeSampler, NegativeSampler, negative_samp
 from pykeen.triples import CoreTriplesFactory
 from pykeen.utils import get_batchnorm_modules
 
-from ..distributed import Topology, describe_differences
-from ..data.sampling import (
+from ...distributed import Topology, describe_differences
+from ...data.sampling import (
     CORRUPTIONS,
     DEFAULT_NEGATIVES,
     BessSampler,
@@ -32,12 +32,12 @@ from ..data.sampling import (
     StepSharedBessSampler,
     resolve_negatives,
 )
-from ..schemes import AUTO, ExchangeScheme, resolve_scheme
+from ...schemes import AUTO, ExchangeScheme, resolve_scheme
 
 from .partitions import partition_resolver
 
 if TYPE_CHECKING:
-    from .parts import LoopParts
+    from ..parts import LoopParts
 
 __all__ = [
     "DEFAULT_NUM_NEGS_PER_POS",
@@ -149,7 +149,7 @@ class BessConfig:
         return AUTO if self.scheme is None else self.scheme.get_name()
 
 
-#: the entity-table partitions (:mod:`~pykeen_bess.training.partitions`): rows (BESS's shards) or columns
+#: the entity-table partitions (:mod:`~pykeen_bess.training.setup.partitions`): rows (BESS's shards) or columns
 PARTITIONS = tuple(cls.name for cls in partition_resolver)
 
 

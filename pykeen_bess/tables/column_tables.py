@@ -1,6 +1,6 @@
 """The entity tables of the encoding partition over processes: one column part of every row per rank.
 
-:class:`ColumnShardTables` is the :class:`~pykeen_bess.training.tables.ShardTables` back end of a
+:class:`ColumnShardTables` is the :class:`~pykeen_bess.tables.shard_tables.ShardTables` back end of a
 :class:`~pykeen_bess.distributed.ColumnTopology`: every rank holds all rows with the coordinates
 of its column part (:func:`~pykeen_bess.tables.encoding.column_embedding`: initial values are the
 part's coordinates of the whole table's, constraints and regularizers see whole rows through
@@ -12,7 +12,7 @@ row-sharded table on every rank, like a model trained with ``partition="token"``
 While training, :meth:`ColumnShardTables.row_shards` lends the model (and the optimizer) the same
 row shards for a while: an early stopper evaluates them, and checkpoints are written and read in
 the token partition's layout of the same processes (so they resume on any number of processes,
-with either partition; :class:`~pykeen_bess.training.checkpoints.RowShardCheckpointStore`).
+with either partition; :class:`~pykeen_bess.training.checkpoints.stores.RowShardCheckpointStore`).
 
 (With all column parts in one process the tables are whole and :class:`LocalShardTables` serves.)
 """
@@ -28,12 +28,12 @@ from pykeen.models import ERModel
 from pykeen.nn.representation import Embedding
 
 from ..distributed import Topology
-from ..tables.encoding import ColumnSplit, check_encoding_model, column_embedding, columns_from_rows, rows_from_columns
-from ..tables.representation import ShardedEmbedding
+from .encoding import ColumnSplit, check_encoding_model, column_embedding, columns_from_rows, rows_from_columns
+from .representation import ShardedEmbedding
 from ..data.sharding import EntitySharding
 from ..storage import TableStorage
 from .lent_rows import ColumnLayout, lend_row_shards
-from .tables import ShardTables
+from .shard_tables import ShardTables
 
 __all__ = [
     "ColumnShardTables",
@@ -154,7 +154,7 @@ class ColumnShardTables(ShardTables):
         (:attr:`layout`), in the tables' storage tier, and so is the optimizer's state of them: an
         early stopper evaluates the model as it is after training, and PyKEEN's checkpoint
         dictionary of the process is the token partition's. Nested calls share the outer one's row
-        shards. See :func:`~pykeen_bess.training.lent_rows.lend_row_shards` for the arguments.
+        shards. See :func:`~pykeen_bess.tables.lent_rows.lend_row_shards` for the arguments.
 
         :yields: the row shards ``[S, row_width]`` of the tables
         """

@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from ..tables.optim import SPARSE_RULES, state_shapes
-from ..tables.row_rules import RULES
+from .optim import SPARSE_RULES, state_shapes
+from .row_rules import RULES
 from ..storage import format_bytes
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""Creating the shard tables (:mod:`~pykeen_bess.training.tables`) of a run, once their tier can hold them."""
+"""Creating the shard tables (:mod:`~pykeen_bess.tables.shard_tables`) of a run, once their tier can hold them."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from pykeen.nn.representation import Embedding
 from ..distributed import Topology
 from ..data.sharding import EntitySharding
 from ..storage import TableStorage
-from .plan import MemoryPlan
-from .tables import ShardTables
+from .memory_plan import MemoryPlan
+from .shard_tables import ShardTables
 
 __all__ = ["create_tables"]
 
@@ -32,7 +32,7 @@ def create_tables(
 ) -> tuple[ShardTables, MemoryPlan]:
     """Plan the shard tables, check that the storage tier can hold them, then create them.
 
-    :param kind: the tables' back end (chosen by the partition, see :mod:`~pykeen_bess.training.partitions`)
+    :param kind: the tables' back end (chosen by the partition, see :mod:`~pykeen_bess.training.setup.partitions`)
     :returns: the tables and the memory plan (bytes per entity, tables and optimizer state)
     :raises MemoryError: with advice, if the tier cannot hold the tables and their optimizer state
     """

@@ -4,7 +4,7 @@
   temporary file of this process and renamed over the old one, so a crash while writing keeps the
   previous checkpoint. Resuming continues identically (same losses as an uninterrupted run).
 * :class:`RankCheckpointStore` (a process group): versioned files per shard and a pointer written
-  last (:mod:`~pykeen_bess.training.checkpoint_files`), in one of the two retrieval modes of replica groups:
+  last (:mod:`~pykeen_bess.training.checkpoints.files`), in one of the two retrieval modes of replica groups:
   ``"one_per_group"`` (the first replica of each shard writes its file; resumable on any numbers of
   shards and replicas) or ``"all_replicas"`` (every process writes its own file; resuming checks that
   the replicas of each shard hold the same values). Resuming on the same number of shards loads each
@@ -35,15 +35,15 @@ from pykeen.stoppers import Stopper
 from pykeen.training.training_loop import CheckpointMismatchError, TrainingLoop
 from pykeen.triples import CoreTriplesFactory
 
-from ..data.sharding import EntitySharding, RandomSharding
-from ..distributed import Topology
-from ..storage.digests import write_with_digests
-from ..tables.representation import ShardedEmbedding
-from .checkpoint_mismatch import describe_mismatch
+from ...data.sharding import EntitySharding, RandomSharding
+from ...distributed import Topology
+from ...storage.digests import write_with_digests
+from ...tables.representation import ShardedEmbedding
+from .mismatch import describe_mismatch
 from .checkpointed import CheckpointedLoop
-from .column_tables import ColumnShardTables
+from ...tables.column_tables import ColumnShardTables
 from .resharding import ShardFiles, reshard_rank_state, reshard_stored_tables
-from .checkpoint_files import (
+from .files import (
     POINTER_FORMAT,
     TEMPORARY_INFIX,
     latest_own_version,
@@ -264,7 +264,7 @@ class CheckpointStore(ABC):
         """Load a checkpoint whose files hold other shards (another number of them, or another layout).
 
         The rows of this process' shards (one rank's, or every logical shard of one process) are
-        gathered from the checkpoint's files, one file at a time (:mod:`~pykeen_bess.training.resharding`).
+        gathered from the checkpoint's files, one file at a time (:mod:`~pykeen_bess.training.checkpoints.resharding`).
         """
         loop = self.loop
         shards = list(self.topology.local_shards)
@@ -446,7 +446,7 @@ class RowShardCheckpointStore(RankCheckpointStore):
 
     While a checkpoint is written or read, the model and the optimizer hold the row shards of a
     token-partitioned run over the same processes (one all-to-all per table and per optimizer state
-    tensor, :meth:`~pykeen_bess.training.column_tables.ColumnShardTables.row_shards`), so the files
+    tensor, :meth:`~pykeen_bess.tables.column_tables.ColumnShardTables.row_shards`), so the files
     are exactly the token partition's: they resume with either partition on any number of processes
     (resharded as there).
     """

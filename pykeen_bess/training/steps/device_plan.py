@@ -1,6 +1,6 @@
 """The device side of a static step's plan: the training triples on the device, sorted once per epoch.
 
-A static step (:mod:`~pykeen_bess.training.static_step`) reads each step's slots from a
+A static step (:mod:`~pykeen_bess.training.steps.static_step`) reads each step's slots from a
 :class:`DevicePlan`. The training triples stay on the device in partition order (grouped by
 shardpair). Per epoch the host draws only the random part of the sort keys and every step's
 negatives (:meth:`~pykeen_bess.data.sampling.BessSampler.draw_epoch`, the same generators as the
@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
-from ..data.batch import BessBatch, EpochDraws
-from ..data.sampling import BessSampler
+from ...data.batch import BessBatch, EpochDraws
+from ...data.sampling import BessSampler
 
 __all__ = [
     "DevicePlan",
