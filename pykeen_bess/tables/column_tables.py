@@ -161,7 +161,9 @@ class ColumnShardTables(ShardTables):
         if self.lent_rows is not None:
             yield self.lent_rows
             return
-        with lend_row_shards(self, optimizer, read, write) as rows:
+        with lend_row_shards(
+            self.layout, self.model, self.embeddings, self.tables, self.seed, optimizer, read, write
+        ) as rows:
             self.lent_rows = rows
             try:
                 yield rows

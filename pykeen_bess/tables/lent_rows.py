@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
 
@@ -27,8 +27,6 @@ from .encoding import ColumnSplit, columns_from_rows, columns_of_rows, rows_of_c
 from .representation import ShardedEmbedding
 from .shard_tables import ShardTables
 
-if TYPE_CHECKING:
-    from .column_tables import ColumnShardTables
 
 __all__ = ["ColumnLayout", "lend_row_shards"]
 
@@ -90,25 +88,35 @@ class ColumnLayout:
 
 @contextlib.contextmanager
 def lend_row_shards(
-    tables: ColumnShardTables, optimizer: torch.optim.Optimizer | None, read: bool, write: bool
+    layout: ColumnLayout,
+    model: Any,
+    embeddings: Sequence[Any],
+    parts: Sequence[ShardedEmbedding],
+    seed: int,
+    optimizer: torch.optim.Optimizer | None,
+    read: bool,
+    write: bool,
 ) -> Iterator[list[ShardedEmbedding]]:
     """Lend the model and the optimizer this process' row shards of the column parts while the block runs.
 
-    :param tables: the column parts (installed in the model)
+    :param layout: this process' column part and the row shards of the same processes
+    :param model: the model, whose entity representations are the column parts (installed)
+    :param embeddings: the model's own embeddings (whole rows), which the row shards are made like
+    :param parts: the column parts of the tables, in the model
+    :param seed: the tables' seed
     :param optimizer: the optimizer whose parameters (and state) the row shards stand in for
     :param read: fill the row shards (weights, row state, optimizer state) from the column parts;
         else they start uninitialised (the block loads them)
     :param write: after the block (if it raised nothing), fill the column parts from the row shards
     :yields: the row shards ``[S, row_width]`` of the tables, in the tables' storage tier (given back after)
     """
-    layout = tables.layout
     rows = []
-    for index, (embedding, table) in enumerate(zip(tables.embeddings, tables.tables)):
+    for index, (embedding, table) in enumerate(zip(embeddings, parts)):
         row = ShardedEmbedding(
             embedding,
             layout.sharding,
             layout.topology.local_shards,
-            tables.seed,
+            seed,
             index,
             storage=table.storage,
             label_suffix=ShardTables.label_suffix(layout.topology),  # the replicas' files apart
@@ -123,9 +131,9 @@ def lend_row_shards(
                 for name, value in table.row_state.items():
                     row.row_state[name].copy_(layout.to_rows(value, table, row))
         rows.append(row)
-    swaps = [(table.optimizer_parameter, row.optimizer_parameter) for table, row in zip(tables.tables, rows)]
-    states = _lend_optimizer_state(optimizer, swaps, tables, rows, read)
-    representations = cast(torch.nn.ModuleList, tables.model.entity_representations)
+    swaps = [(table.optimizer_parameter, row.optimizer_parameter) for table, row in zip(parts, rows)]
+    states = _lend_optimizer_state(optimizer, swaps, layout, parts, rows, read)
+    representations = cast(torch.nn.ModuleList, model.entity_representations)
     held = list(representations)  # the column parts while training
     for index, row in enumerate(rows):
         representations[index] = row
@@ -133,7 +141,7 @@ def lend_row_shards(
     try:
         yield rows
         if write:
-            _write_back(tables, optimizer, rows)
+            _write_back(layout, parts, optimizer, rows)
             written = True
     finally:
         for index, representation in enumerate(held):
@@ -152,7 +160,8 @@ def lend_row_shards(
 def _lend_optimizer_state(
     optimizer: torch.optim.Optimizer | None,
     swaps: Sequence[tuple[torch.Tensor, torch.Tensor]],
-    tables: ColumnShardTables,
+    layout: ColumnLayout,
+    parts: Sequence[ShardedEmbedding],
     rows: Sequence[ShardedEmbedding],
     read: bool,
 ) -> list[dict[str, Any] | None]:
@@ -160,21 +169,23 @@ def _lend_optimizer_state(
     if optimizer is None:
         return [None] * len(swaps)
     states = []
-    for (old, new), table, row in zip(swaps, tables.tables, rows):
+    for (old, new), table, row in zip(swaps, parts, rows):
         state = optimizer.state.pop(old, None)
         states.append(state)
         if read and state is not None:
-            optimizer.state[new] = {name: tables.layout.to_rows(value, table, row) for name, value in state.items()}
+            optimizer.state[new] = {name: layout.to_rows(value, table, row) for name, value in state.items()}
     _swap_parameters(optimizer, swaps)
     return states
 
 
 def _write_back(
-    tables: ColumnShardTables, optimizer: torch.optim.Optimizer | None, rows: list[ShardedEmbedding]
+    layout: ColumnLayout,
+    parts: Sequence[ShardedEmbedding],
+    optimizer: torch.optim.Optimizer | None,
+    rows: list[ShardedEmbedding],
 ) -> None:
     """Fill the column parts' weights, row state and optimizer state from the row shards."""
-    layout = tables.layout
-    for table, row in zip(tables.tables, rows):
+    for table, row in zip(parts, rows):
         with torch.no_grad():
             columns_from_rows(table, row, layout.topology, layout.split, layout.part)
             for name, value in row.row_state.items():

@@ -16,7 +16,7 @@ import contextlib
 import logging
 import math
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from pykeen.training.callbacks import MultiTrainingCallback
@@ -28,9 +28,7 @@ from ..data.sampling import BessSampler, EpochDraws
 from .steps.static_step import StaticStep, static_step_obstacle
 from .steps.static_update import Clipping
 from .steps.runner import StepRunner
-
-if TYPE_CHECKING:
-    from .loop import BessTrainingLoop
+from ..tables.shard_tables import ShardTables
 
 __all__ = ["EpochBatches", "EpochPlans", "eager_step", "make_static_step", "static_steps"]
 
@@ -44,15 +42,18 @@ def eager_step(
     sub_block_size: int,
     label_smoothing: float,
     num_steps: int,
-    loop: BessTrainingLoop,
+    optimizer: torch.optim.Optimizer,
+    process_batch: Callable[..., Any] | None = None,
 ) -> float:
-    """One step: forward and backward, the global loss, then the callbacks (the optimizer step among them)."""
+    """One step: forward and backward, the global loss, then the callbacks (the optimizer step among them).
+
+    :param process_batch: the loop's own ``_process_batch`` where a subclass overrides it (None: BESS's)
+    """
     callback.pre_batch()
-    process_batch = loop._process_batch if loop.overrides_process_batch else None
     local_loss = runner.forward_backward(batch, sub_block_size, label_smoothing, process_batch)
     step_loss = float(runner.topology.all_reduce(local_loss))
     if step_loss != step_loss or step_loss in (float("inf"), float("-inf")):
-        loop.optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=True)
         runner.rows = None
         raise NonFiniteLossError(
             f"The loss is non-finite ({step_loss}) in epoch {batch.epoch}, step {batch.step + 1}/{num_steps} "
@@ -68,7 +69,12 @@ def eager_step(
 
 
 def make_static_step(
-    loop: BessTrainingLoop,
+    mode: bool | None,
+    loop_name: str | None,
+    optimizer: torch.optim.Optimizer,
+    tables: ShardTables,
+    model: Any,
+    memory_budget: int | None,
     runner: StepRunner,
     batches: Any,
     block_size: int,
@@ -79,38 +85,39 @@ def make_static_step(
 ) -> StaticStep | None:
     """Return the static step of this training, or None where the eager step runs (the reason logged).
 
+    :param mode: the loop's ``static_step`` (True: required, None: where it applies, False: never)
+    :param loop_name: the loop's class name where a subclass overrides ``_process_batch`` (None: it does not)
+    :param memory_budget: the device's bytes for staging and the replicated parameters (None: the default)
     :raises ValueError: if the loop asks for the static step (``static_step=True``) and it cannot apply
     """
-    mode = loop.static_step
     if mode is False or only_size_probing:
         return None
-    if loop.overrides_process_batch:  # the hook runs on the host for every sub-batch: the eager step calls it
+    if loop_name is not None:  # the hook runs on the host for every sub-batch: the eager step calls it
         if mode:
             raise ValueError(
-                f"static_step=True: {type(loop).__name__} overrides _process_batch, which only the eager step calls; "
+                f"static_step=True: {loop_name} overrides _process_batch, which only the eager step calls; "
                 f"pass static_step=False or None."
             )
         logger.info("BESS: the eager step trains this loop, whose subclass overrides _process_batch.")
         return None
-    obstacle = static_step_obstacle(loop.optimizer)
+    obstacle = static_step_obstacle(optimizer)
     if obstacle is not None:
         if mode:
             raise ValueError(f"static_step=True: the static step cannot train this configuration: {obstacle}.")
         logger.info("BESS: the eager step trains this configuration; the static step cannot, as %s.", obstacle)
         return None
-    optimizer = loop.optimizer
     assert isinstance(optimizer, BessOptimizer)  # static_step_obstacle refuses any other
     static = StaticStep(
         runner,
-        loop.tables,
+        tables,
         optimizer,
-        loop.model,
+        model,
         batches.sampler,
         label_smoothing,
         capture=mode is None,
         sub_block_size=sub_block_size,
         clipping=clipping,
-        memory_budget=loop.settings.memory_budget,
+        memory_budget=memory_budget,
     )
     padded = len(static.plan.kinds) - 1
     logger.info(

@@ -54,7 +54,7 @@ import os
 import pathlib
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pykeen.stoppers import Stopper
 from pykeen.training.callbacks import (
@@ -71,15 +71,13 @@ from pykeen.triples import CoreTriplesFactory
 from tqdm.autonotebook import tqdm, trange
 
 from ..data.partition import ShardPairPartition
-from .setup.config import run_configuration, verify_same_configuration
+from .parts import LoopParts
+from .setup.config import verify_same_configuration
 from .epoch_steps import EpochBatches, EpochPlans, eager_step, make_static_step, static_steps
 from .setup.sizes import block_size_for
 from .steps.static_step import StaticStep, per_step_hooks
 from .steps.static_update import Clipping
 from .steps.runner import BessOptimizerCallback, GlobalNormClippingCallback, StepRunner, ValueClippingCallback
-
-if TYPE_CHECKING:
-    from .loop import BessTrainingLoop
 
 __all__ = [
     "EpochBatches",
@@ -90,7 +88,7 @@ logger = logging.getLogger(__name__)
 
 
 def run_epochs(
-    loop: BessTrainingLoop,
+    loop: LoopParts,
     triples_factory: CoreTriplesFactory,
     num_epochs: int = 1,
     batch_size: int | None = None,
@@ -137,7 +135,7 @@ def run_epochs(
         arguments.update(static_step=loop.static_step, gradient_clipping_max_norm=gradient_clipping_max_norm)
         arguments.update(gradient_clipping_norm_type=gradient_clipping_norm_type)
         arguments.update(gradient_clipping_max_abs_value=gradient_clipping_max_abs_value)
-        verify_same_configuration(topology, run_configuration(loop, triples_factory, **arguments))
+        verify_same_configuration(topology, loop.run_configuration(triples_factory, **arguments))
     _reset_or_continue(loop, continue_training)
     block_size, sub_block_size = _step_sizes(  # 4.
         loop, partition, batch_size, sub_batch_size, label_smoothing, probing=only_size_probing or continue_training
@@ -146,7 +144,19 @@ def run_epochs(
     runner = loop.runner = loop.make_runner(block_size)
     clipping = Clipping(gradient_clipping_max_norm, gradient_clipping_norm_type, gradient_clipping_max_abs_value)
     static = loop.static = make_static_step(
-        loop, runner, batches, block_size, sub_block_size, label_smoothing, clipping, only_size_probing
+        loop.static_step,
+        type(loop).__name__ if loop.overrides_process_batch else None,
+        loop.optimizer,
+        loop.tables,
+        loop.model,
+        loop.settings.memory_budget,
+        runner,
+        batches,
+        block_size,
+        sub_block_size,
+        label_smoothing,
+        clipping,
+        only_size_probing,
     )
     _register_step_callbacks(loop, callback, runner, clipping, eager=static is None)  # 3.
     callback.register_training_loop(loop)
@@ -203,7 +213,7 @@ def run_epochs(
 
 
 def _pykeen_callbacks(
-    loop: BessTrainingLoop,
+    loop: LoopParts,
     triples_factory: CoreTriplesFactory,
     callbacks: TrainingCallbackHint,
     callbacks_kwargs: TrainingCallbackKwargsHint,
@@ -269,7 +279,7 @@ def _refuse_what_does_not_apply(
         logger.info("drop_last has no effect: BESS steps never have incomplete batches (they are padded).")
 
 
-def _reset_or_continue(loop: BessTrainingLoop, continue_training: bool) -> None:
+def _reset_or_continue(loop: LoopParts, continue_training: bool) -> None:
     """Fresh parameters and optimizer unless training continues, as PyKEEN does (over the shard tables).
 
     :raises ValueError: for ``continue_training`` of a loop that never trained
@@ -289,7 +299,7 @@ def _reset_or_continue(loop: BessTrainingLoop, continue_training: bool) -> None:
 
 
 def _step_sizes(
-    loop: BessTrainingLoop,
+    loop: LoopParts,
     partition: ShardPairPartition,
     batch_size: int | None,
     sub_batch_size: int | None,
@@ -319,7 +329,7 @@ def _step_sizes(
 
 
 def _register_step_callbacks(
-    loop: BessTrainingLoop, callback: MultiTrainingCallback, runner: StepRunner, clipping: Clipping, eager: bool
+    loop: LoopParts, callback: MultiTrainingCallback, runner: StepRunner, clipping: Clipping, eager: bool
 ) -> None:
     """Difference 3: BESS's optimizer step (gradients of gathered rows to the tables, global-norm clipping).
 
@@ -340,9 +350,7 @@ def _register_step_callbacks(
         callback.register_callback(LearningRateSchedulerTrainingCallback())
 
 
-def _log_plan(
-    loop: BessTrainingLoop, batches: EpochBatches, runner: StepRunner, block_size: int, sub_block_size: int
-) -> None:
+def _log_plan(loop: LoopParts, batches: EpochBatches, runner: StepRunner, block_size: int, sub_block_size: int) -> None:
     """Log the steps of an epoch, the trained sizes (to the result tracker too) and the rows a step moves."""
     topology, sampler = loop.topology, batches.sampler
     if loop.result_tracker is not None:
@@ -375,7 +383,7 @@ def _log_plan(
 
 
 def _run_epoch(
-    loop: BessTrainingLoop,
+    loop: LoopParts,
     runner: StepRunner,
     callback: MultiTrainingCallback,
     batches: EpochBatches,
@@ -403,9 +411,19 @@ def _run_epoch(
             epoch_loss = static_steps(static, epoch, len(batches), fields, progress, per_step, loop.thread_policy.unit)
             return epoch_loss / len(batches)
         epoch_loss = 0.0
+        process_batch = loop._process_batch if loop.overrides_process_batch else None
         for batch in batches.epoch(epoch):
             with loop.thread_policy.unit():
-                epoch_loss += eager_step(runner, callback, batch, sub_block_size, label_smoothing, len(batches), loop)
+                epoch_loss += eager_step(
+                    runner,
+                    callback,
+                    batch,
+                    sub_block_size,
+                    label_smoothing,
+                    len(batches),
+                    loop.optimizer,
+                    process_batch,
+                )
             progress.update(1)
             if only_size_probing:
                 return None
@@ -413,7 +431,7 @@ def _run_epoch(
 
 
 def _after_failure(
-    loop: BessTrainingLoop,
+    loop: LoopParts,
     error: BaseException,
     epoch: int,
     checkpoint_on_failure_file_path: None | str | pathlib.Path,
@@ -432,7 +450,7 @@ def _after_failure(
         )
 
 
-def _restore_best(loop: BessTrainingLoop, best_epoch_model_file_path: pathlib.Path | None) -> None:
+def _restore_best(loop: LoopParts, best_epoch_model_file_path: pathlib.Path | None) -> None:
     """Load the best epoch's model the stopper kept, and delete its temporary file (as PyKEEN does)."""
     if best_epoch_model_file_path is not None:
         loop._load_state(path=best_epoch_model_file_path)

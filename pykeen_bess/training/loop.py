@@ -39,18 +39,13 @@ from .setup.config import (
     resolve_partition,
     round_num_negs,
 )
-from .epochs import EpochBatches, run_epochs
+from .epochs import run_epochs
 from .hooks import asks_evaluation_loss
 from .parts import LoopParts
 from .steps.static_step import StaticStep, check_static_step
 from .steps.runner import StepRunner
 from .setup.settings import LoopSettings
-from .setup.assembly import (
-    adopt_checkpoint_seed,
-    graph_loss_weighter,
-    checkpoint_path,
-    choose_partition,
-)
+from .setup.assembly import checkpoint_path, graph_loss_weighter
 from ..tables.shard_tables import materialize
 
 __all__ = [
@@ -141,7 +136,7 @@ class BessTrainingLoop(LoopParts):
             ``num_shards``.
         :param seed: the seed of the sharding, the sampler and the initial tables; defaults to the
             model's random seed (``pipeline(random_seed=...)``; under a process group rank 0's), else 0; without
-            it, a checkpoint being resumed brings its own (see :meth:`_adopt_checkpoint_seed`)
+            it, a checkpoint being resumed brings its own (see :meth:`~.LoopParts.adopt_checkpoint_seed`)
         :param sparse_updates: update the shard tables row-sparsely (see :mod:`pykeen_bess.tables.optim`);
             set False to use any optimizer densely
         :param process_group: a ``torch.distributed`` process group to train in (default: the
@@ -263,7 +258,7 @@ class BessTrainingLoop(LoopParts):
         self._partition: tuple[torch.Tensor, int, ShardPairPartition] | None = None
         #: the loss weights of the triples of the last partition a sampler was built for
         self._loss_weights: tuple[ShardPairPartition, torch.Tensor | None] | None = None
-        self.loss_weighter = graph_loss_weighter(self, self.settings)
+        self.loss_weighter = graph_loss_weighter(self.loss_weighter, self.loss, self.settings)
         self.reassemble(resolve_partition(partition, exchange)[0])
 
     # -- PyKEEN's training-loop interface ------------------------------------------------------
@@ -299,12 +294,12 @@ class BessTrainingLoop(LoopParts):
         check_triples_fit_model(triples_factory, self.model)
         if asks_evaluation_loss(kwargs.get("callbacks")):
             self.check_evaluation_loss()  # before training starts
-        adopt_checkpoint_seed(self, kwargs)
+        self.adopt_checkpoint_seed(kwargs)
         path = checkpoint_path(kwargs)
         self.tables.storage.claim_existing(resuming=path is not None and path.is_file())
         if isinstance(self.checkpoints, PbgCheckpointStore):
             prepare_pbg_checkpoint(self, kwargs)
-        choose_partition(self, self.settings, batch_size, kwargs)
+        self.choose_partition(batch_size, kwargs)
         # without continue_training the tables are re-initialised (or loaded from a checkpoint)
         self.host_allocator.apply()
         with self.tables.installed(copy_weights=bool(kwargs.get("continue_training"))), self.thread_policy.applied():
@@ -313,11 +308,6 @@ class BessTrainingLoop(LoopParts):
     def _train(self, triples_factory: CoreTriplesFactory, **kwargs: Any) -> list[float] | None:  # type: ignore[override]
         """Run the BESS epochs (called by PyKEEN's ``TrainingLoop.train``); see :func:`.epochs.run_epochs`."""
         return run_epochs(self, triples_factory, **kwargs)
-
-    def epoch_batches(self, triples_factory: CoreTriplesFactory, batch_size: int) -> EpochBatches:
-        """Return the balanced batches of the epochs (``batch_size`` positives per step, a multiple of ``n ** 2``)."""
-        block_size = batch_size // self.topology.n_shard**2
-        return EpochBatches(self.make_sampler(self.partition(triples_factory), block_size), first_epoch=self._epoch + 1)
 
 
 def _same_device(requested: torch.device, actual: torch.device) -> bool:

@@ -3,25 +3,34 @@
 :class:`LoopParts` builds what a run is made of from the loop's settings: the setup of a partition
 (:meth:`~LoopParts.reassemble`, see :func:`~pykeen_bess.training.setup.assembly.assemble`), the optimizer
 of its shard tables, the triples by shardpair, the sampler of balanced batches, the exchange scheme
-and the step runner, and the memory probe the step sizes use.
+and the step runner, and the memory probe the step sizes use; it keeps what the set-up functions
+decide (the partition ``exchange="auto"`` chose, a resumed checkpoint's seed) and says what all ranks
+must share (:meth:`~LoopParts.run_configuration`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+import hashlib
+from typing import Any, cast
 
 import torch
 from pykeen.training.training_loop import _get_lr_scheduler_kwargs
 from pykeen.triples import CoreTriplesFactory
+from pykeen.triples.weights import loss_weighter_resolver
 
 from ..distributed import Topology
 from ..tables.optim import BessOptimizer
 from ..data.partition import ShardPairPartition
 from ..data.sampling import BessSampler
 from ..schemes import ExchangeScheme
-from .setup.assembly import assemble, make_sampler, make_scheme
+from ..nn.loss import partition_weights
+from ..runtime.threads import ThreadPolicy
+from .epoch_steps import EpochBatches
+from .setup.assembly import assemble, checkpoint_seed_to_adopt, choose_partition, make_sampler, make_scheme
 from .hooks import PyKEENHooks
 from .steps.runner import StepRunner, held_terms
+from .steps.static_step import StaticStep
 
 __all__ = ["LoopParts"]
 
@@ -40,10 +49,16 @@ class LoopParts(PyKEENHooks):
     _partition: tuple[torch.Tensor, int, ShardPairPartition] | None
     #: the loss weights of the triples of the last partition a sampler was built for
     _loss_weights: tuple[ShardPairPartition, torch.Tensor | None] | None
+    #: whether the static step trains: True: always, None: where it applies, False: never
+    static_step: bool | None
+    #: the static step of the current (or last) training; None where the eager step trained
+    static: StaticStep | None
+    #: how many intra-op threads the steps run with
+    thread_policy: ThreadPolicy
 
     def reassemble(self, partition: str) -> None:
         """Build the setup for ``partition`` from :attr:`settings`, then the optimizer of its tables."""
-        self.setup = assemble(self, self.settings, partition)
+        self.setup = assemble(self.settings, partition, self.optimizer, self, self.probe_step)
         self.optimizer = self.build_optimizer()
         if self.lr_scheduler is not None:
             self.lr_scheduler = self.rebuild_lr_scheduler()
@@ -89,13 +104,97 @@ class LoopParts(PyKEENHooks):
             self._partition = (triples, triples._version, ShardPairPartition.from_triples(mapped, self.sharding))
         return self._partition[2]
 
+    def epoch_batches(self, triples_factory: CoreTriplesFactory, batch_size: int) -> EpochBatches:
+        """Return the balanced batches of the epochs (``batch_size`` positives per step, a multiple of ``n ** 2``)."""
+        block_size = batch_size // self.topology.n_shard**2
+        return EpochBatches(self.make_sampler(self.partition(triples_factory), block_size), first_epoch=self._epoch + 1)
+
     def make_sampler(self, partition: ShardPairPartition, block_size: int) -> BessSampler:
         """Return the sampler of balanced batches of ``block_size`` slots per block."""
-        return make_sampler(self, partition, block_size)
+        return make_sampler(self.settings, self.config, partition, block_size, self.loss_weights(partition))
+
+    def loss_weights(self, partition: ShardPairPartition) -> torch.Tensor | None:
+        """Return the loss weight of every triple of the partition (None without a loss weighter), once per partition.
+
+        The memory search builds a sampler for every probe; the weights are computed for the first and
+        kept with the partition they belong to.
+        """
+        if self.loss_weighter is None:
+            return None
+        cached = self._loss_weights
+        if cached is not None and cached[0] is partition:
+            return cached[1]
+        weighter = loss_weighter_resolver.make_safe(cast(Any, self.loss_weighter), self.loss_weighter_kwargs)
+        weights = partition_weights(weighter, self.loss, partition)
+        self._loss_weights = (partition, weights)
+        return weights
 
     def make_scheme(self, block_size: int, topology: Topology | None = None) -> ExchangeScheme:
         """Return the exchange scheme (``exchange="auto"``: the cheapest for this block size)."""
-        return make_scheme(self, block_size, self.topology if topology is None else topology)
+        return make_scheme(self.settings, self.setup, block_size, self.topology if topology is None else topology)
+
+    def choose_partition(self, batch_size: int | None, train_kwargs: dict[str, Any]) -> None:
+        """With ``exchange="auto"``: switch to the partition that sends the fewest bytes, once (see the function)."""
+        if self._partition_chosen:
+            return
+        chosen = choose_partition(self.settings, self.setup, batch_size, train_kwargs)
+        if chosen is None:
+            return
+        self._partition_chosen = True
+        if chosen != self.config.partition:
+            self.reassemble(chosen)
+
+    def adopt_checkpoint_seed(self, train_kwargs: dict[str, Any]) -> None:
+        """Resuming a checkpoint written with another derived seed: assemble again with it (see the function)."""
+        seed = checkpoint_seed_to_adopt(self.settings, self.setup, train_kwargs)
+        if seed is None:
+            return
+        self.tables.release_storage()
+        self.settings = dataclasses.replace(self.settings, seed=seed)
+        self.reassemble(self.config.partition)
+
+    def run_configuration(self, triples_factory: CoreTriplesFactory, **train_kwargs: Any) -> dict[str, str]:
+        """Return the settings every rank must share, as strings (compared at the start of training).
+
+        :param triples_factory: the training triples (compared by a hash)
+        :param train_kwargs: the ``train()`` settings to compare
+        :returns: setting name -> its ``repr``
+        """
+        model, config, topology = self.model, self.config, self.topology
+        tables = {id(table.weight) for table in self.tables}
+        dense = {
+            name: tuple(p.shape) for name, p in model.named_parameters() if p.requires_grad and id(p) not in tables
+        }
+        triples = triples_factory.mapped_triples.contiguous().numpy()
+        settings = dict(
+            model=type(model).__name__,
+            interaction=repr(model.interaction),
+            loss=repr(model.loss),
+            loss_weighter=_name(self.loss_weighter),
+            num_entities=model.num_entities,
+            num_relations=model.num_relations,
+            entity_tables=[
+                (e._embeddings.weight.shape[1], str(t.weight.dtype))
+                for e, t in zip(self.tables.embeddings, self.tables)
+            ],
+            partition=config.partition,
+            replicated_parameters=dense,
+            optimizer=self.optimizer_cls.__name__,
+            optimizer_kwargs=sorted((k, repr(v)) for k, v in self.optimizer_kwargs.items()),
+            lr_scheduler=type(self.lr_scheduler).__name__ if self.lr_scheduler is not None else None,
+            num_shards=topology.n_shard,
+            replicas=topology.replicas,
+            replica_grouping=getattr(getattr(topology, "layout", None), "grouping", "none"),
+            exchange=config.scheme_name,
+            corruption=config.corruption,
+            negatives=config.sampler.__name__,
+            num_negs_per_pos=config.num_negs_per_pos,
+            seed=config.seed,
+            sparse_updates=config.sparse_updates,
+            triples=f"{triples.shape[0]} triples, sha1 {hashlib.sha1(triples.tobytes()).hexdigest()}",
+            **train_kwargs,
+        )
+        return {key: repr(value) for key, value in settings.items()}
 
     def make_runner(self, block_size: int, topology: Topology | None = None) -> StepRunner:
         """Return the step runner of blocks of ``block_size`` slots."""
@@ -108,3 +207,10 @@ class LoopParts(PyKEENHooks):
             post_forward_pass=self.model.post_forward_pass,
             weighted=self.loss_weighter is not None,
         )
+
+
+def _name(hint: Any) -> str | None:
+    """Return a hint's name, the same in every process (a class's or an instance's class name, not its address)."""
+    if hint is None or isinstance(hint, str):
+        return hint
+    return getattr(hint, "__name__", type(hint).__name__)

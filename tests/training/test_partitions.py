@@ -14,6 +14,8 @@ from pykeen_bess.tables.shard_tables import LocalShardTables, StoredShardTables
 
 def test_partitions_resolve_by_name() -> None:
     assert PARTITIONS == ("token", "encoding")
+    # the configuration names the partitions without importing their strategies (which import the stores)
+    assert PARTITIONS == tuple(cls.name for cls in partition_resolver)
     assert isinstance(partition_resolver.make("token"), TokenPartition)
     assert isinstance(partition_resolver.make("encoding"), EncodingPartition)
 

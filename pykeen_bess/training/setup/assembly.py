@@ -3,26 +3,29 @@
 :func:`assemble` builds everything of a :class:`~pykeen_bess.training.BessTrainingLoop` that
 depends on how the entity tables are partitioned: the process topology, the validated settings,
 the row sharding, the tables and their optimizer, the checkpoint store and the step sizes. The
-loop's constructor calls it once; :func:`choose_partition` may call it again at the start of
+loop's constructor calls it once; :func:`choose_partition` may ask for it again at the start of
 training, when the batch size is known: with ``exchange="auto"`` and no explicit partition, the
 registered scheme of either partition that sends the fewest bytes per step
 (:func:`~pykeen_bess.schemes.choose_scheme`) is chosen, and the reason is logged.
+
+The functions take the parts they use (the loop's settings, the current setup, the model), not the
+loop; the loop (:class:`~pykeen_bess.training.parts.LoopParts`) keeps what they decide.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import pathlib
-from typing import TYPE_CHECKING, Any, cast
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from pykeen.constants import PYKEEN_CHECKPOINTS
-from pykeen.triples.weights import RelationLossWeighter, loss_weighter_resolver
+from pykeen.triples.weights import RelationLossWeighter
 
 from ...distributed import Topology
 from ...tables.encoding import ColumnSplit, check_encoding_model
-from ...nn.loss import partition_weights, weight_convention
+from ...nn.loss import weight_convention
 from ...schemes import AUTO, ExchangeScheme, choose_scheme, query_width, scheme_resolver
 from ...scoring import get_scorer
 from ...data.partition import ShardPairPartition
@@ -35,6 +38,7 @@ from ..checkpoints.stores import (
     FileCheckpointStore,
     checkpoint_seed,
 )
+from ..checkpoints.checkpointed import CheckpointedLoop
 from ..checkpoints.pbg import PbgCheckpointStore
 from .config import BessConfig
 from .settings import LoopSettings, TrainingSetup
@@ -43,18 +47,14 @@ from .partitions import TablePartition, partition_resolver
 from ...tables.creation import create_tables
 from ...tables.shard_tables import ShardTables
 
-if TYPE_CHECKING:
-    from ..parts import LoopParts
-
 __all__ = [
-    "adopt_checkpoint_seed",
     "assemble",
     "checkpoint_path",
+    "checkpoint_seed_to_adopt",
     "choose_encoding_scheme",
     "choose_partition",
     "graph_loss_weighter",
     "make_checkpoint_store",
-    "loss_weights",
     "make_sampler",
     "make_scheme",
 ]
@@ -62,15 +62,17 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-def graph_loss_weighter(loop: LoopParts, settings: LoopSettings) -> Any:
+def graph_loss_weighter(loss_weighter: Any, loss: Any, settings: LoopSettings) -> Any:
     """Return the loop's loss weighter: the user's, else a typed graph's relation weights (PyTorch-BigGraph's).
 
+    :param loss_weighter: the user's (PyKEEN's ``loss_weighter`` hint), or None
+    :param loss: the model's loss
     :raises ValueError: if the graph's relations have weights that the loss cannot apply
     """
-    if loop.loss_weighter is not None or settings.schema is None or not settings.schema.weighted:
-        return loop.loss_weighter
+    if loss_weighter is not None or settings.schema is None or not settings.schema.weighted:
+        return loss_weighter
     try:
-        weight_convention(loop.loss)
+        weight_convention(loss)
     except ValueError as error:
         reason = str(error)
         raise ValueError(
@@ -82,11 +84,22 @@ def graph_loss_weighter(loop: LoopParts, settings: LoopSettings) -> Any:
     return RelationLossWeighter(weights=weights)
 
 
-def assemble(loop: LoopParts, settings: LoopSettings, partition: str) -> TrainingSetup:
-    """Build the setup of ``loop`` for ``partition``: topology, configuration, sharding, tables, store and sizes.
+def assemble(
+    settings: LoopSettings,
+    partition: str,
+    optimizer: torch.optim.Optimizer,
+    checkpointed: CheckpointedLoop,
+    probe_step: Callable[..., None],
+) -> TrainingSetup:
+    """Build the setup of a loop for ``partition``: topology, configuration, sharding, tables, store and sizes.
 
     The loop then builds the optimizer of the new tables (:meth:`~pykeen_bess.training.BessTrainingLoop.reassemble`).
 
+    :param settings: the loop's arguments
+    :param partition: ``"token"`` or ``"encoding"``
+    :param optimizer: the loop's optimizer (the memory plan counts its state per row)
+    :param checkpointed: what the checkpoint store reads and writes of the loop
+    :param probe_step: runs one step as a memory probe (see :class:`~pykeen_bess.training.setup.sizes.StepSizes`)
     :raises ValueError: for settings that do not fit the partition or the processes
     """
     model = settings.model
@@ -129,7 +142,7 @@ def assemble(loop: LoopParts, settings: LoopSettings, partition: str) -> Trainin
         sharding,
         topology,
         config.seed,
-        loop.optimizer,
+        optimizer,
         settings.storage,
         table_partition.tables_kind(topology, settings.storage),
     )
@@ -138,7 +151,7 @@ def assemble(loop: LoopParts, settings: LoopSettings, partition: str) -> Trainin
         entity_representations=model.entity_representations,
         relation_representations=model.relation_representations,
     )
-    checkpoints = make_checkpoint_store(loop, settings, table_partition, topology, sharding, tables)
+    checkpoints = make_checkpoint_store(checkpointed, settings, table_partition, topology, sharding, tables)
     logger.info(
         "BESS: %s%s; exchange=%s, corruption=%s",
         table_partition.describe(topology),
@@ -155,12 +168,12 @@ def assemble(loop: LoopParts, settings: LoopSettings, partition: str) -> Trainin
         memory_plan=memory_plan,
         scorer=scorer,
         checkpoints=checkpoints,
-        sizes=StepSizes(topology, config.memory_budget, loop.probe_step),
+        sizes=StepSizes(topology, config.memory_budget, probe_step),
     )
 
 
 def make_checkpoint_store(
-    loop: LoopParts,
+    checkpointed: CheckpointedLoop,
     settings: LoopSettings,
     table_partition: TablePartition,
     topology: Topology,
@@ -197,39 +210,43 @@ def make_checkpoint_store(
             from ...pbg.graph import TypedGraph
 
             schema = TypedGraph.from_factories(settings.factory).schema
-        return PbgCheckpointStore(loop, schema, settings.factory, topology, sharding, all_replicas=all_replicas)
+        return PbgCheckpointStore(checkpointed, schema, settings.factory, topology, sharding, all_replicas=all_replicas)
     if topology.is_distributed:
-        return table_partition.rank_checkpoint_store(loop, tables, all_replicas)
-    return FileCheckpointStore(loop)
+        return table_partition.rank_checkpoint_store(checkpointed, tables, all_replicas)
+    return FileCheckpointStore(checkpointed)
 
 
-def choose_partition(loop: LoopParts, settings: LoopSettings, batch_size: int | None, train_kwargs: dict) -> None:
-    """With ``exchange="auto"`` and no partition given: switch to the partition whose scheme sends the fewest bytes.
+def choose_partition(
+    settings: LoopSettings, setup: TrainingSetup, batch_size: int | None, train_kwargs: dict
+) -> str | None:
+    """With ``exchange="auto"`` and no partition given: the partition whose scheme sends the fewest bytes.
 
     Compares every registered scheme's bytes per step for this batch size (token schemes on ``n``
     row shards, the encoding scheme on ``n`` column parts of the same batch); the encoding
     partition is a candidate only where it applies (a column-separable model, no replicas, a fresh
-    training). Chosen once, at the first training with a known batch size; the choice and the costs
-    are logged.
+    training). The loop chooses once, at the first training with a known batch size; the choice and
+    the costs are logged.
+
+    :returns: the chosen partition; None where nothing is to be chosen (a partition or scheme was given,
+        or the batch size is not known yet)
     """
-    if settings.partition is not None or settings.exchange != AUTO or batch_size is None or loop._partition_chosen:
-        return
-    loop._partition_chosen = True
-    n = loop.topology.n_shard
+    if settings.partition is not None or settings.exchange != AUTO or batch_size is None:
+        return None
+    n = setup.topology.n_shard
     block_size = -(-batch_size // n**2)
     widths = dict(
         entity_width=sum(embedding._embeddings.weight.shape[1] for embedding in settings.embeddings),
-        query_width=query_width(loop.scorer, loop.settings.model, loop.tables.tables),
+        query_width=query_width(setup.scorer, settings.model, setup.tables.tables),
     )
-    num_negs = candidates_per_block(loop)
+    num_negs = candidates_per_block(settings, setup.config)
     model = settings.model
-    shared = loop.config.sampler.shares_negatives
+    shared = setup.config.sampler.shares_negatives
     costs = {
         cls.get_name(): cls.cost(n, block_size, num_negs, **widths, shared_negatives=shared)
         for cls in scheme_resolver
         if cls.applies(model)
     }
-    reason = _encoding_unavailable(loop, settings, train_kwargs)
+    reason = _encoding_unavailable(settings, setup, train_kwargs)
     candidates = ("token",) if reason else ("token", "encoding")
     chosen = choose_scheme(
         n, block_size, num_negs, partitions=candidates, model=model, shared_negatives=shared, **widths
@@ -242,38 +259,37 @@ def choose_partition(loop: LoopParts, settings: LoopSettings, batch_size: int | 
         f" (encoding not applicable: {reason})" if reason else "",
         chosen.get_name(),
     )
-    if chosen.partition == "encoding":
-        loop.reassemble("encoding")
+    return chosen.partition
 
 
-def choose_encoding_scheme(loop: LoopParts, block_size: int) -> type[ExchangeScheme]:
+def choose_encoding_scheme(setup: TrainingSetup, model: Any, block_size: int) -> type[ExchangeScheme]:
     """Return the encoding partition's scheme that sends the fewest bytes for blocks of ``block_size`` (logged).
 
     Partial scores (``encoding``) where the interaction is separable, else whole rows (``encoding_lookup``).
     """
-    n = loop.topology.n_column
+    n = setup.topology.n_column
     scheme = choose_scheme(
         n,
         max(block_size // n**2, 1),
-        loop.config.num_negs_per_pos,
-        sum(embedding._embeddings.weight.shape[1] for embedding in loop.tables.embeddings),
+        setup.config.num_negs_per_pos,
+        sum(embedding._embeddings.weight.shape[1] for embedding in setup.tables.embeddings),
         0,  # neither encoding scheme moves queries
         partitions=("encoding",),
-        model=loop.settings.model,
+        model=model,
     )
     logger.info("exchange='auto' chose %s (the encoding partition).", scheme.get_name())
     return scheme
 
 
-def _encoding_unavailable(loop: LoopParts, settings: LoopSettings, train_kwargs: dict) -> str:
+def _encoding_unavailable(settings: LoopSettings, setup: TrainingSetup, train_kwargs: dict) -> str:
     """Return why the encoding partition cannot replace the token partition here ("" if it can)."""
     try:
-        ColumnSplit(check_encoding_model(settings.model, partial_scores=False), loop.topology.n_shard)
+        ColumnSplit(check_encoding_model(settings.model, partial_scores=False), setup.topology.n_shard)
     except ValueError as error:
         return str(error).split(";")[0]
-    if loop.topology.replicas > 1:
+    if setup.topology.replicas > 1:
         return "replicas"
-    if issubclass(loop.config.sampler, TypedBessSampler):
+    if issubclass(setup.config.sampler, TypedBessSampler):
         return "typed negatives"
     if settings.checkpoint_format != "pykeen":
         return f"checkpoint_format={settings.checkpoint_format!r}"
@@ -282,81 +298,66 @@ def _encoding_unavailable(loop: LoopParts, settings: LoopSettings, train_kwargs:
     return ""
 
 
-def make_sampler(loop: LoopParts, partition: ShardPairPartition, block_size: int) -> BessSampler:
-    """Return the loop's sampler of balanced batches of ``block_size`` slots per block.
+def make_sampler(
+    settings: LoopSettings, config: BessConfig, partition: ShardPairPartition, block_size: int, weights: Any = None
+) -> BessSampler:
+    """Return the sampler of balanced batches of ``block_size`` slots per block.
 
     Typed negatives get the graph's schema; a loss weighter (PyKEEN's ``loss_weighter``) the weight
-    of every triple (:func:`~pykeen_bess.nn.loss.partition_weights`).
+    of every triple (``weights``, shape ``[T]``, see :func:`~pykeen_bess.nn.loss.partition_weights`).
     """
     kwargs: dict[str, Any] = {}
-    schema = loop.settings.schema
-    if issubclass(loop.config.sampler, TypedBessSampler) and schema is not None:
+    schema = settings.schema
+    if issubclass(config.sampler, TypedBessSampler) and schema is not None:
         kwargs = dict(
-            relation_sides=schema.relation_sides(loop.settings.factory),
+            relation_sides=schema.relation_sides(settings.factory),
             entity_types=schema.entity_type,
             type_names=schema.entity_types,
         )
-    weights = loss_weights(loop, partition)
     if weights is not None:  # (a user's sampler class without loss weights still works unweighted)
         kwargs["weights"] = weights
-    return loop.config.sampler(
+    return config.sampler(
         partition,
         block_size=block_size,
-        num_negs_per_pos=loop.config.num_negs_per_pos,
-        corruption=loop.config.corruption,
-        seed=loop.config.seed,
+        num_negs_per_pos=config.num_negs_per_pos,
+        corruption=config.corruption,
+        seed=config.seed,
         **kwargs,
     )
 
 
-def loss_weights(loop: LoopParts, partition: ShardPairPartition) -> Any:
-    """Return the loss weight of every triple of the partition (None without a loss weighter), once per partition.
-
-    The memory search builds a sampler for every probe; the weights are computed for the first and
-    kept with the partition they belong to.
-    """
-    if loop.loss_weighter is None:
-        return None
-    cached = loop._loss_weights
-    if cached is not None and cached[0] is partition:
-        return cached[1]
-    weighter = loss_weighter_resolver.make_safe(cast(Any, loop.loss_weighter), loop.loss_weighter_kwargs)
-    weights = partition_weights(weighter, loop.loss, partition)
-    loop._loss_weights = (partition, weights)
-    return weights
-
-
-def candidates_per_block(loop: LoopParts) -> int:
+def candidates_per_block(settings: LoopSettings, config: BessConfig) -> int:
     """Return the negatives a block's slots are scored against: ``K``, or ``T * K`` with typed negatives.
 
     Typed negatives draw ``K`` of each of the ``T`` candidate types for every block, and the schemes
     move and score all of them (each slot keeps its type's), so the exchange costs count ``T * K``.
     """
-    num_negs = loop.config.num_negs_per_pos
-    schema = loop.settings.schema
-    if issubclass(loop.config.sampler, TypedBessSampler) and schema is not None:
-        sides = schema.relation_sides(loop.settings.factory)
-        return num_negs * len(TypedBessSampler.candidate_types(sides, loop.config.corruption))
+    num_negs = config.num_negs_per_pos
+    schema = settings.schema
+    if issubclass(config.sampler, TypedBessSampler) and schema is not None:
+        sides = schema.relation_sides(settings.factory)
+        return num_negs * len(TypedBessSampler.candidate_types(sides, config.corruption))
     return num_negs
 
 
-def make_scheme(loop: LoopParts, block_size: int, topology: Topology) -> ExchangeScheme:
-    """Return the loop's exchange scheme for blocks of ``block_size`` slots (``exchange="auto"``: the cheapest)."""
-    scheme = loop.config.scheme
-    if scheme is None and loop.config.partition == "encoding":
-        scheme = choose_encoding_scheme(loop, block_size)
+def make_scheme(settings: LoopSettings, setup: TrainingSetup, block_size: int, topology: Topology) -> ExchangeScheme:
+    """Return the exchange scheme for blocks of ``block_size`` slots (``exchange="auto"``: the cheapest)."""
+    config, tables, model = setup.config, setup.tables, settings.model
+    scheme = config.scheme
+    if scheme is None and config.partition == "encoding":
+        scheme = choose_encoding_scheme(setup, model, block_size)
     if scheme is None:
         scheme = choose_scheme(
-            n_shard=loop.topology.n_shard,
+            n_shard=setup.topology.n_shard,
             block_size=block_size,
-            num_negs_per_pos=candidates_per_block(loop),
-            entity_width=sum(table.row_width for table in loop.tables),
-            query_width=query_width(loop.scorer, loop.settings.model, loop.tables.tables),
-            partitions=(loop.config.partition,),
-            shared_negatives=loop.config.sampler.shares_negatives,
+            num_negs_per_pos=candidates_per_block(settings, config),
+            entity_width=sum(table.row_width for table in tables),
+            query_width=query_width(setup.scorer, model, tables.tables),
+            partitions=(config.partition,),
+            shared_negatives=config.sampler.shares_negatives,
         )
         logger.info("exchange='auto' chose %s for blocks of %d slots.", scheme.get_name(), block_size)
-    return scheme(model=loop.settings.model, tables=loop.tables.tables, scorer=loop.scorer, topology=topology)
+    return scheme(model=model, tables=tables.tables, scorer=setup.scorer, topology=topology)
 
 
 def checkpoint_path(train_kwargs: dict[str, Any]) -> pathlib.Path | None:
@@ -368,31 +369,29 @@ def checkpoint_path(train_kwargs: dict[str, Any]) -> pathlib.Path | None:
     return pathlib.Path(PYKEEN_CHECKPOINTS if directory is None else directory) / name
 
 
-def adopt_checkpoint_seed(loop: LoopParts, train_kwargs: dict[str, Any]) -> None:
-    """Resuming a checkpoint: shard and sample with the checkpoint's seed where this loop derived its own.
+def checkpoint_seed_to_adopt(settings: LoopSettings, setup: TrainingSetup, train_kwargs: dict[str, Any]) -> int | None:
+    """Resuming a checkpoint: the checkpoint's seed, where the loop derived its own and it differs (else None).
 
     A loop without an explicit ``seed`` derives it from the model's random seed; PyKEEN restores
     everything from a checkpoint, whatever the new model's seed. So the seed the checkpoint
     records (see :func:`~pykeen_bess.training.checkpoints.stores.checkpoint_seed`) wins: the loop is
     assembled again with it (new tables, whose values the checkpoint then replaces), and resuming
     continues as the uninterrupted run would. An explicit ``seed`` is kept (a checkpoint of another
-    seed then does not match, and the error says so).
+    seed then does not match, and the error says so). Under a process group rank 0 decides (collective).
     """
     path = checkpoint_path(train_kwargs)
-    if path is None or loop.settings.seed is not None or isinstance(loop.checkpoints, PbgCheckpointStore):
-        return
+    if path is None or settings.seed is not None or isinstance(setup.checkpoints, PbgCheckpointStore):
+        return None
     seed = checkpoint_seed(path)
-    if loop.topology.is_distributed:  # every rank assembles alike (rank 0 decides)
-        seed = loop.topology.broadcast_object(seed)
-    if seed is None or seed == loop.config.seed:
-        return
+    if setup.topology.is_distributed:  # every rank assembles alike (rank 0 decides)
+        seed = setup.topology.broadcast_object(seed)
+    if seed is None or seed == setup.config.seed:
+        return None
     logger.info(
         "Resuming checkpoint %s, written with seed %d: the loop shards and samples with it (this model's random "
         "seed derives %d).",
         path,
         seed,
-        loop.config.seed,
+        setup.config.seed,
     )
-    loop.tables.release_storage()
-    loop.settings = dataclasses.replace(loop.settings, seed=seed)
-    loop.reassemble(loop.config.partition)
+    return int(seed)

@@ -2,18 +2,18 @@
 
 :class:`BessConfig` is frozen: a run's settings are validated once, when the loop is created
 (every error names the parameter and what to do), and all ranks of a process group compare their
-:func:`run_configuration` at the start of training (:func:`verify_same_configuration`).
+run configuration (:meth:`~pykeen_bess.training.parts.LoopParts.run_configuration`) at the start of
+training (:func:`verify_same_configuration`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import math
 import numbers
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from class_resolver import HintOrType, OptionalKwargs
 from pykeen.models import ERModel, Model
@@ -34,11 +34,6 @@ from ...data.sampling import (
 )
 from ...schemes import AUTO, ExchangeScheme, resolve_scheme
 
-from .partitions import partition_resolver
-
-if TYPE_CHECKING:
-    from ..parts import LoopParts
-
 __all__ = [
     "DEFAULT_NUM_NEGS_PER_POS",
     "PARTITIONS",
@@ -52,7 +47,6 @@ __all__ = [
     "resolve_negative_sampler",
     "resolve_partition",
     "round_num_negs",
-    "run_configuration",
     "verify_same_configuration",
 ]
 
@@ -149,8 +143,9 @@ class BessConfig:
         return AUTO if self.scheme is None else self.scheme.get_name()
 
 
-#: the entity-table partitions (:mod:`~pykeen_bess.training.setup.partitions`): rows (BESS's shards) or columns
-PARTITIONS = tuple(cls.name for cls in partition_resolver)
+#: the entity-table partitions: rows (BESS's shards) or columns; each is a strategy of
+#: :mod:`~pykeen_bess.training.setup.partitions` (whose resolver holds exactly these names)
+PARTITIONS = ("token", "encoding")
 
 
 def resolve_partition(partition: Any, exchange: Any) -> tuple[str, Any]:
@@ -322,49 +317,6 @@ def check_triples_fit_model(triples_factory: CoreTriplesFactory, model: Model) -
         )
 
 
-def run_configuration(loop: LoopParts, triples_factory: CoreTriplesFactory, **train_kwargs: Any) -> dict[str, str]:
-    """Return the settings every rank must share, as strings.
-
-    :param loop: the training loop
-    :param triples_factory: the training triples (compared by a hash)
-    :param train_kwargs: the ``train()`` settings to compare
-    :returns: setting name -> its ``repr``
-    """
-    model = loop.model
-    tables = {id(table.weight) for table in loop.tables}
-    dense = {name: tuple(p.shape) for name, p in model.named_parameters() if p.requires_grad and id(p) not in tables}
-    triples = triples_factory.mapped_triples.contiguous().numpy()
-    config = loop.config
-    settings = dict(
-        model=type(model).__name__,
-        interaction=repr(model.interaction),
-        loss=repr(model.loss),
-        loss_weighter=_name(loop.loss_weighter),
-        num_entities=model.num_entities,
-        num_relations=model.num_relations,
-        entity_tables=[
-            (e._embeddings.weight.shape[1], str(t.weight.dtype)) for e, t in zip(loop.tables.embeddings, loop.tables)
-        ],
-        partition=config.partition,
-        replicated_parameters=dense,
-        optimizer=loop.optimizer_cls.__name__,
-        optimizer_kwargs=sorted((k, repr(v)) for k, v in loop.optimizer_kwargs.items()),
-        lr_scheduler=type(loop.lr_scheduler).__name__ if loop.lr_scheduler is not None else None,
-        num_shards=loop.topology.n_shard,
-        replicas=loop.topology.replicas,
-        replica_grouping=getattr(getattr(loop.topology, "layout", None), "grouping", "none"),
-        exchange=config.scheme_name,
-        corruption=config.corruption,
-        negatives=config.sampler.__name__,
-        num_negs_per_pos=config.num_negs_per_pos,
-        seed=config.seed,
-        sparse_updates=config.sparse_updates,
-        triples=f"{triples.shape[0]} triples, sha1 {hashlib.sha1(triples.tobytes()).hexdigest()}",
-        **train_kwargs,
-    )
-    return {key: repr(value) for key, value in settings.items()}
-
-
 def verify_same_configuration(topology: Topology, config: Mapping[str, str]) -> None:
     """Check that all processes run the same configuration (collective; nothing to check in one process).
 
@@ -383,13 +335,6 @@ def verify_same_configuration(topology: Topology, config: Mapping[str, str]) -> 
             "e.g. hpo_pipeline(..., sampler='random', sampler_kwargs=dict(seed=0))."
         )
     raise ValueError(f"The ranks of the process group run different configurations:\n{lines}{hint}")
-
-
-def _name(hint: Any) -> str | None:
-    """Return a hint's name, the same in every process (a class's or an instance's class name, not its address)."""
-    if hint is None or isinstance(hint, str):
-        return hint
-    return getattr(hint, "__name__", type(hint).__name__)
 
 
 def check_train_arguments(

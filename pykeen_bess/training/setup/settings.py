@@ -45,7 +45,7 @@ class LoopSettings:
     replicas: int | None
     replica_grouping: str | None
     exchange: Any
-    #: None: the loop chooses (``exchange="auto"`` across partitions, see :func:`choose_partition`)
+    #: None: the loop chooses (``exchange="auto"`` across partitions, see :func:`~.assembly.choose_partition`)
     partition: str | None
     corruption: Any
     num_negs_per_pos: Any
