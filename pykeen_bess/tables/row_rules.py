@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
+from torch.optim.adam import adam as functional_adam
 
 __all__ = [
     "RULES",
@@ -129,13 +130,14 @@ class AdamRule(RowRule):
         exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
         if _fused_adam_applies(weight, grad, exp_avg, exp_avg_sq):
             as_real = torch.view_as_real if weight.is_complex() else (lambda x: x)
-            torch._fused_adam_(
+            functional_adam(  # torch's functional Adam; it counts the step itself (hence step - 1)
                 [as_real(weight)],
                 [as_real(grad)],
                 [as_real(exp_avg)],
                 [as_real(exp_avg_sq)],
                 [],
-                [torch.tensor(float(step), device=weight.device)],
+                [torch.tensor(float(step) - 1, device=weight.device)],
+                fused=True,
                 lr=group["lr"],
                 beta1=beta1,
                 beta2=beta2,
@@ -190,15 +192,16 @@ _FUSED_ADAM: dict[str, bool] = {}
 
 
 def _has_fused_adam(device_type: str) -> bool:
-    """Whether ``torch._fused_adam_`` runs on this device type (tried once on a single value)."""
+    """Whether torch's fused Adam (``functional_adam(fused=True)``) runs on this device type (tried once)."""
     if device_type not in _FUSED_ADAM:
-        available = hasattr(torch, "_fused_adam_") and device_type in ("cpu", "cuda")
+        available = device_type in ("cpu", "cuda")
         if available:
             values = [torch.zeros(1, device=device_type) for _ in range(4)]
             try:
-                torch._fused_adam_(
-                    [values[0]], [values[1]], [values[2]], [values[3]], [], [torch.ones((), device=device_type)],
-                    lr=0.1, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False,
+                functional_adam(
+                    [values[0]], [values[1]], [values[2]], [values[3]], [], [torch.zeros((), device=device_type)],
+                    fused=True, lr=0.1, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-8, amsgrad=False,
+                    maximize=False,
                 )  # fmt: skip
             except (NotImplementedError, RuntimeError):
                 available = False
