@@ -20,10 +20,11 @@ from .export import export_model, gathered_model, save_to_directory
 from .launch import default_timeout, in_torchrun, init_from_environment, is_main_process, join_torchrun_group
 from .groups import GROUPINGS, RankLayout, describe_differences
 from .process_group import ColumnTopology, DistributedTopology
-from .factory import make_topology
+from .factory import ProcessGroupHint, make_topology
 from .topology import LocalTopology, ProbeTopology, Topology
 
 __all__ = [
+    "ProcessGroupHint",
     "GROUPINGS",
     "ColumnTopology",
     "DistributedTopology",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 import torch
 import torch.distributed as dist
@@ -12,12 +12,19 @@ from .launch import join_torchrun_group
 from .process_group import ColumnTopology, DistributedTopology
 from .topology import LocalTopology, Topology
 
-__all__ = ["make_topology", "shard_count_advice"]
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["ProcessGroupHint", "make_topology", "shard_count_advice"]
+
+#: what a loop's or evaluator's ``process_group`` is: a process group, a device mesh with the dimensions
+#: ``("replica", "shard")``, or None (the initialised world, or torchrun's)
+ProcessGroupHint: TypeAlias = "dist.ProcessGroup | DeviceMesh | None"
 
 
 def make_topology(
     num_shards: int | None = None,
-    process_group: Any = None,
+    process_group: ProcessGroupHint = None,
     *,
     replicas: int | None = None,
     replica_grouping: str | None = None,
@@ -62,7 +69,8 @@ def make_topology(
         dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     )
     if in_group:
-        return DistributedTopology(process_group, _group_layout(process_group, num_shards, replicas, replica_grouping))
+        group = cast("dist.ProcessGroup | None", process_group)  # (not a device mesh: see above)
+        return DistributedTopology(group, _group_layout(group, num_shards, replicas, replica_grouping))
     if (replicas or 1) > 1 or replica_grouping not in (None, "none"):
         raise ValueError(
             f"replicas={replicas}, replica_grouping={replica_grouping!r} need a process group of several ranks "

@@ -73,7 +73,7 @@ from pykeen.typing import LABEL_HEAD, LABEL_TAIL, Target
 from tqdm.autonotebook import tqdm
 
 from ..runtime.allocator import AllocatorHint, resolve_allocator
-from ..distributed import ProbeTopology, join_torchrun_group
+from ..distributed import ProbeTopology, ProcessGroupHint, join_torchrun_group
 from ..runtime.threads import ThreadPolicy, ThreadsHint, resolve_threads
 from ..tables.representation import ShardedEmbedding
 from .checks import check_filter_triples, check_ids, check_targets, check_triples
@@ -106,7 +106,7 @@ class BessEvaluator(RankBasedEvaluator):
         slice_size: int | None = None,
         filtered: bool = True,
         memory_budget: int | None = None,
-        process_group: Any = None,
+        process_group: ProcessGroupHint = None,
         num_threads: ThreadsHint = "auto",
         host_allocator: AllocatorHint = None,
         tie_tolerance: float = TIE_TOLERANCE,

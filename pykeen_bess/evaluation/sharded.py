@@ -34,7 +34,7 @@ import torch
 from pykeen.models import ERModel, Model
 from pykeen.typing import LABEL_TAIL
 
-from ..distributed import Topology, make_topology
+from ..distributed import ProcessGroupHint, Topology, make_topology
 from ..tables.representation import ShardedEmbedding
 from ..scoring import SharedCandidateScorer, Side, get_scorer
 from ..data.sharding import EntitySharding
@@ -154,7 +154,7 @@ class ShardedScoring:
         cls,
         model: Model,
         num_shards: int | None = None,
-        process_group: Any = None,
+        process_group: ProcessGroupHint = None,
         restrict_entities_to: torch.Tensor | None = None,
         order_by_id: bool = False,
     ) -> ShardedScoring:
@@ -385,7 +385,9 @@ class ShardedScoring:
         return torch.sigmoid(scores) if self.model.predict_with_sigmoid else scores
 
 
-def rows_and_topology(model: Model, num_shards: int | None, process_group: Any) -> tuple[EntityRows, Topology]:
+def rows_and_topology(
+    model: Model, num_shards: int | None, process_group: ProcessGroupHint
+) -> tuple[EntityRows, Topology]:
     """Choose the entity rows and the topology of a model (see :meth:`ShardedScoring.for_model`).
 
     :raises TypeError: for a model that is not an ``ERModel``

@@ -21,6 +21,7 @@ from pykeen.models import ERModel, Model
 from pykeen.sampling import NegativeSampler
 from pykeen.triples import CoreTriplesFactory
 
+from ..distributed import ProcessGroupHint
 from ..runtime.allocator import AllocatorHint, resolve_allocator
 from ..tables.optim import optimizer_hyperparameters
 from ..data.partition import ShardPairPartition
@@ -92,7 +93,7 @@ class BessTrainingLoop(LoopParts):
         num_negs_per_pos: int | None = None,
         seed: int | None = None,
         sparse_updates: bool = True,
-        process_group: Any = None,
+        process_group: ProcessGroupHint = None,
         replicas: int | None = None,
         replica_grouping: str | None = None,
         checkpoint_retrieval: str = "one_per_group",

@@ -12,16 +12,17 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
 
 from pykeen.models import ERModel
 from pykeen.nn.representation import Embedding
+from pykeen.triples import CoreTriplesFactory
 
-from ...distributed import Topology
+from ...distributed import ProcessGroupHint, Topology
 from ...pbg.schema import GraphSchema
-from ...data.sampling import DEFAULT_NEGATIVES
+from ...data.sampling import DEFAULT_NEGATIVES, BessSampler, Corruption
+from ...schemes import ExchangeScheme
 from ...scoring import SharedCandidateScorer
-from ...data.sharding import EntitySharding
+from ...data.sharding import EntitySharding, ShardingStrategy
 from ...storage import TableStorage
 from ..checkpoints.stores import CheckpointStore
 from .config import BessConfig
@@ -41,28 +42,28 @@ class LoopSettings:
     embeddings: Sequence[Embedding]
     storage: TableStorage
     num_shards: int | None
-    process_group: Any
+    process_group: ProcessGroupHint
     replicas: int | None
     replica_grouping: str | None
-    exchange: Any
+    exchange: str | type[ExchangeScheme] | None
     #: None: the loop chooses (``exchange="auto"`` across partitions, see :func:`~.assembly.choose_partition`)
     partition: str | None
-    corruption: Any
-    num_negs_per_pos: Any
+    corruption: Corruption
+    num_negs_per_pos: int | None
     seed: int | None
-    sparse_updates: Any
-    memory_budget: Any
+    sparse_updates: bool
+    memory_budget: int | None
     checkpoint_retrieval: str
+    #: the training triples the loop was built for (their labels name the entities of PBG checkpoints)
+    factory: CoreTriplesFactory
     #: the graph schema of the training triples (entity types, partitions), if typed
     schema: GraphSchema | None = None
-    #: the training triples the loop was built for (their labels name the entities of PBG checkpoints)
-    factory: Any = None
     #: the negative sampler (a name in :data:`~pykeen_bess.data.sampling.NEGATIVES` or a sampler class)
-    negatives: Any = DEFAULT_NEGATIVES
+    negatives: str | type[BessSampler] = DEFAULT_NEGATIVES
     #: the checkpoint layout (``"pykeen"``, ``"pbg"``)
     checkpoint_format: str = "pykeen"
     #: how entities are dealt to shards (``"balanced"``, ``"random"``, a strategy; None: the default)
-    sharding: Any = None
+    sharding: str | ShardingStrategy | None = None
 
 
 @dataclasses.dataclass(frozen=True)
