@@ -36,7 +36,8 @@ from ..data.sharding import EntitySharding
 from .checkpoints.stores import CheckpointStore
 from .setup.config import BessConfig
 from ..tables.memory_plan import MemoryPlan
-from .setup.settings import LoopSettings, TrainingSetup
+from .setup.arguments import LoopSettings
+from .setup.settings import TrainingSetup
 from .setup.sizes import StepSizes
 from .steps.runner import StepRunner
 from ..tables.shard_tables import ShardTables

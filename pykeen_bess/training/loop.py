@@ -45,7 +45,7 @@ from .hooks import asks_evaluation_loss
 from .parts import LoopParts
 from .steps.static_step import StaticStep, check_static_step
 from .steps.runner import StepRunner
-from .setup.settings import LoopSettings
+from .setup.arguments import LoopSettings
 from .setup.assembly import checkpoint_path, graph_loss_weighter
 from ..tables.shard_tables import materialize
 

@@ -32,20 +32,16 @@ from ...data.partition import ShardPairPartition
 from ...data.sampling import BessSampler, TypedBessSampler
 from ...data.sharding import EntitySharding, resolve_sharding
 from ..checkpoints.stores import (
-    CHECKPOINT_FORMATS,
-    CHECKPOINT_RETRIEVALS,
-    CheckpointStore,
-    FileCheckpointStore,
     checkpoint_seed,
 )
 from ..checkpoints.checkpointed import CheckpointedLoop
 from ..checkpoints.pbg import PbgCheckpointStore
 from .config import BessConfig
-from .settings import LoopSettings, TrainingSetup
+from .arguments import LoopSettings
+from .settings import TrainingSetup
 from .sizes import StepSizes
-from .partitions import TablePartition, partition_resolver
+from .partitions import partition_resolver
 from ...tables.creation import create_tables
-from ...tables.shard_tables import ShardTables
 
 __all__ = [
     "assemble",
@@ -54,7 +50,6 @@ __all__ = [
     "choose_encoding_scheme",
     "choose_partition",
     "graph_loss_weighter",
-    "make_checkpoint_store",
     "make_sampler",
     "make_scheme",
 ]
@@ -104,12 +99,9 @@ def assemble(
     """
     model = settings.model
     table_partition = partition_resolver.make(partition)
-    exchange = table_partition.exchange(model, settings.exchange)
-    table_partition.check_model(model, exchange)
-    topology = table_partition.topology(settings)
+    part = table_partition.build(settings)
+    topology = part.topology
     n_shard = topology.n_shard
-    if n_shard > model.num_entities:
-        raise ValueError(f"num_shards={n_shard} is larger than the number of entities ({model.num_entities}).")
     seed = settings.seed
     if seed is None:
         seed = model._random_seed if model._random_seed is not None else 0
@@ -118,7 +110,7 @@ def assemble(
         seed = topology.broadcast_object(seed)
     config = BessConfig.create(
         n_shard,
-        exchange,
+        part.exchange,
         settings.corruption,
         settings.num_negs_per_pos,
         seed,
@@ -144,17 +136,17 @@ def assemble(
         config.seed,
         optimizer,
         settings.storage,
-        table_partition.tables_kind(topology, settings.storage),
+        part.tables_kind,
     )
     scorer = get_scorer(
         model.interaction,
         entity_representations=model.entity_representations,
         relation_representations=model.relation_representations,
     )
-    checkpoints = make_checkpoint_store(checkpointed, settings, table_partition, topology, sharding, tables)
+    checkpoints = table_partition.checkpoint_store(checkpointed, settings, topology, sharding, tables)
     logger.info(
         "BESS: %s%s; exchange=%s, corruption=%s",
-        table_partition.describe(topology),
+        part.description,
         sharding.describe(),
         config.scheme_name,
         settings.corruption,
@@ -170,50 +162,6 @@ def assemble(
         checkpoints=checkpoints,
         sizes=StepSizes(topology, config.memory_budget, probe_step),
     )
-
-
-def make_checkpoint_store(
-    checkpointed: CheckpointedLoop,
-    settings: LoopSettings,
-    table_partition: TablePartition,
-    topology: Topology,
-    sharding: EntitySharding,
-    tables: ShardTables,
-) -> CheckpointStore:
-    """Return the loop's checkpoint store: by the layout, and by whether one process holds every shard.
-
-    :raises ValueError: for an unknown layout or retrieval mode, or a layout the run cannot write
-    """
-    if settings.checkpoint_retrieval not in CHECKPOINT_RETRIEVALS:
-        raise ValueError(
-            f"Unknown checkpoint_retrieval={settings.checkpoint_retrieval!r}; expected one of {CHECKPOINT_RETRIEVALS}."
-        )
-    if settings.checkpoint_format not in CHECKPOINT_FORMATS:
-        raise ValueError(
-            f"Unknown checkpoint_format={settings.checkpoint_format!r}; expected one of {CHECKPOINT_FORMATS}."
-        )
-    all_replicas = settings.checkpoint_retrieval == "all_replicas"
-    obstacle = table_partition.checkpoint_obstacle(topology, settings.checkpoint_format)
-    if obstacle is not None:
-        raise ValueError(obstacle)
-    if settings.checkpoint_format == "pbg":
-        if settings.storage.keeps_files:
-            raise ValueError("checkpoint_format='pbg' supports storage='device' and 'host' (not 'mmap' yet).")
-        schema = settings.schema
-        if schema is None:
-            if topology.n_shard > 1:
-                raise ValueError(
-                    f"checkpoint_format='pbg' writes shard k as partition k of every entity type; the training triples "
-                    f"have no partitions. Build a typed graph with {topology.n_shard} partitions: "
-                    f"pykeen_bess.pbg.TypedGraph.from_factories(training, ..., num_partitions={topology.n_shard})."
-                )
-            from ...pbg.graph import TypedGraph
-
-            schema = TypedGraph.from_factories(settings.factory).schema
-        return PbgCheckpointStore(checkpointed, schema, settings.factory, topology, sharding, all_replicas=all_replicas)
-    if topology.is_distributed:
-        return table_partition.rank_checkpoint_store(checkpointed, tables, all_replicas)
-    return FileCheckpointStore(checkpointed)
 
 
 def choose_partition(

@@ -9,13 +9,15 @@ A :class:`TablePartition` is a strategy, resolved from ``partition=`` by :data:`
   (:class:`~pykeen_bess.tables.column_tables.ColumnShardTables`, with replicas: ``R`` ranks per
   part); its checkpoints are the token partition's files of the row shards the parts make.
 
-The assembly of a run (:func:`~pykeen_bess.training.setup.assembly.assemble`) asks the partition for what
-differs: the default exchange scheme, the model check, the topology, the tables' back end, the
-checkpoint store. A new partition is one new class here.
+The assembly of a run (:func:`~pykeen_bess.training.setup.assembly.assemble`) asks the partition to build
+its part (:meth:`TablePartition.build`: the exchange scheme checked against the model, the topology and
+the tables' back end), to check the negative sampler and to make the checkpoint store
+(:meth:`TablePartition.checkpoint_store`). A new partition is one new class here.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
@@ -23,19 +25,44 @@ from typing import Any, ClassVar
 from class_resolver import ClassResolver
 from pykeen.models import ERModel
 
+from ...data.sharding import EntitySharding
 from ...distributed import Topology, make_topology
+from ...pbg.graph import TypedGraph
 from ...tables.encoding import ColumnSplit, check_encoding_model
 from ...data.sampling import TypedBessSampler
 from ...schemes import AUTO, EncodingScheme
 from ...storage import TableStorage
 from ..checkpoints.checkpointed import CheckpointedLoop
-from ..checkpoints.stores import CheckpointStore, RankCheckpointStore, RowShardCheckpointStore
+from ..checkpoints.pbg import PbgCheckpointStore
+from ..checkpoints.stores import (
+    CHECKPOINT_FORMATS,
+    CHECKPOINT_RETRIEVALS,
+    CheckpointStore,
+    FileCheckpointStore,
+    RankCheckpointStore,
+    RowShardCheckpointStore,
+)
+from .arguments import LoopSettings
 from ...tables.column_tables import ColumnShardTables
 from ...tables.shard_tables import DistributedShardTables, LocalShardTables, ShardTables, StoredShardTables
 
-__all__ = ["EncodingPartition", "TablePartition", "TokenPartition", "partition_resolver"]
+__all__ = ["EncodingPartition", "PartitionPart", "TablePartition", "TokenPartition", "partition_resolver"]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class PartitionPart:
+    """What a partition builds of a run's set-up before the tables exist (:meth:`TablePartition.build`)."""
+
+    #: the exchange scheme to build (a name, a class, ``"auto"``, or None for the configuration's default)
+    exchange: Any
+    #: the processes of the run
+    topology: Topology
+    #: the tables' back end
+    tables_kind: type[ShardTables]
+    #: the split, for the set-up's log line (empty for rows)
+    description: str
 
 
 class TablePartition(ABC):
@@ -43,6 +70,66 @@ class TablePartition(ABC):
 
     #: the partition's name (``partition="token"``)
     name: ClassVar[str]
+
+    def build(self, settings: LoopSettings) -> PartitionPart:
+        """Build this partition's part of a run: the exchange scheme (checked against the model), topology, back end.
+
+        :raises ValueError: for a model the partition cannot split, settings that do not fit the processes,
+            or more shards than entities
+        """
+        model = settings.model
+        exchange = self.exchange(model, settings.exchange)
+        self.check_model(model, exchange)
+        topology = self.topology(settings)
+        if topology.n_shard > model.num_entities:
+            raise ValueError(
+                f"num_shards={topology.n_shard} is larger than the number of entities ({model.num_entities})."
+            )
+        return PartitionPart(exchange, topology, self.tables_kind(topology, settings.storage), self.describe(topology))
+
+    def checkpoint_store(
+        self,
+        checkpointed: CheckpointedLoop,
+        settings: LoopSettings,
+        topology: Topology,
+        sharding: EntitySharding,
+        tables: ShardTables,
+    ) -> CheckpointStore:
+        """Return the loop's checkpoint store: by the layout, and by whether one process holds every shard.
+
+        :raises ValueError: for an unknown layout or retrieval mode, or a layout the run cannot write
+        """
+        if settings.checkpoint_retrieval not in CHECKPOINT_RETRIEVALS:
+            raise ValueError(
+                f"Unknown checkpoint_retrieval={settings.checkpoint_retrieval!r}; "
+                f"expected one of {CHECKPOINT_RETRIEVALS}."
+            )
+        if settings.checkpoint_format not in CHECKPOINT_FORMATS:
+            raise ValueError(
+                f"Unknown checkpoint_format={settings.checkpoint_format!r}; expected one of {CHECKPOINT_FORMATS}."
+            )
+        all_replicas = settings.checkpoint_retrieval == "all_replicas"
+        obstacle = self.checkpoint_obstacle(topology, settings.checkpoint_format)
+        if obstacle is not None:
+            raise ValueError(obstacle)
+        if settings.checkpoint_format == "pbg":
+            if settings.storage.keeps_files:
+                raise ValueError("checkpoint_format='pbg' supports storage='device' and 'host' (not 'mmap' yet).")
+            schema = settings.schema
+            if schema is None:
+                if topology.n_shard > 1:
+                    raise ValueError(
+                        f"checkpoint_format='pbg' writes shard k as partition k of every entity type; the training "
+                        f"triples have no partitions. Build a typed graph with {topology.n_shard} partitions: "
+                        f"pykeen_bess.pbg.TypedGraph.from_factories(training, ..., num_partitions={topology.n_shard})."
+                    )
+                schema = TypedGraph.from_factories(settings.factory).schema
+            return PbgCheckpointStore(
+                checkpointed, schema, settings.factory, topology, sharding, all_replicas=all_replicas
+            )
+        if topology.is_distributed:
+            return self.rank_checkpoint_store(checkpointed, tables, all_replicas)
+        return FileCheckpointStore(checkpointed)
 
     @abstractmethod
     def exchange(self, model: ERModel, exchange: Any) -> Any:
@@ -52,8 +139,8 @@ class TablePartition(ABC):
         """Raise :class:`ValueError` if the partition cannot split the model's tables for this exchange."""
 
     @abstractmethod
-    def topology(self, settings: Any) -> Topology:
-        """Return the process topology of the run's settings (a :class:`~.settings.LoopSettings`)."""
+    def topology(self, settings: LoopSettings) -> Topology:
+        """Return the process topology of the run's settings."""
 
     def check_sampler(self, sampler: type, negatives: Any) -> None:  # noqa: B027
         """Raise :class:`ValueError` for a negative sampler the partition cannot train with."""
@@ -87,7 +174,7 @@ class TokenPartition(TablePartition):
     def exchange(self, model: ERModel, exchange: Any) -> Any:  # noqa: D102
         return exchange
 
-    def topology(self, settings: Any) -> Topology:
+    def topology(self, settings: LoopSettings) -> Topology:
         """Return the topology of row shards (the ranks' shards and replicas are logged on the main process)."""
         topology = make_topology(
             num_shards=settings.num_shards,
@@ -116,7 +203,7 @@ class EncodingPartition(TablePartition):
         partial_scores = exchange == AUTO and EncodingScheme.applies(model) or exchange in ("encoding", EncodingScheme)
         check_encoding_model(model, partial_scores=partial_scores)
 
-    def topology(self, settings: Any) -> Topology:  # noqa: D102
+    def topology(self, settings: LoopSettings) -> Topology:  # noqa: D102
         topology = make_topology(
             num_shards=settings.num_shards,
             process_group=settings.process_group,

@@ -1,6 +1,6 @@
-"""What a BESS training loop is built from, and what it builds: :class:`LoopSettings` and :class:`TrainingSetup`.
+"""What a BESS training loop builds from its arguments for a partition: :class:`TrainingSetup`.
 
-The loop keeps the constructor's arguments as :class:`LoopSettings`;
+The loop keeps the constructor's arguments as :class:`~pykeen_bess.training.setup.arguments.LoopSettings`;
 :func:`~pykeen_bess.training.setup.assembly.assemble` turns them into a :class:`TrainingSetup` for a
 partition: the process topology, the validated configuration, the entity sharding, the shard
 tables and their memory plan, the scorer, the checkpoint store and the step sizes. The setup is
@@ -11,19 +11,10 @@ a new one, and a new number of negatives per step replaces its configuration.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 
-from pykeen.models import ERModel
-from pykeen.nn.representation import Embedding
-from pykeen.triples import CoreTriplesFactory
-
-from ...distributed import ProcessGroupHint, Topology
-from ...pbg.schema import GraphSchema
-from ...data.sampling import DEFAULT_NEGATIVES, BessSampler, Corruption
-from ...schemes import ExchangeScheme
+from ...distributed import Topology
 from ...scoring import SharedCandidateScorer
-from ...data.sharding import EntitySharding, ShardingStrategy
-from ...storage import TableStorage
+from ...data.sharding import EntitySharding
 from ..checkpoints.stores import CheckpointStore
 from .config import BessConfig
 from .partitions import TablePartition
@@ -31,39 +22,7 @@ from ...tables.memory_plan import MemoryPlan
 from .sizes import StepSizes
 from ...tables.shard_tables import ShardTables
 
-__all__ = ["LoopSettings", "TrainingSetup"]
-
-
-@dataclasses.dataclass
-class LoopSettings:
-    """The constructor arguments of a loop that its partition-dependent parts are built from."""
-
-    model: ERModel
-    embeddings: Sequence[Embedding]
-    storage: TableStorage
-    num_shards: int | None
-    process_group: ProcessGroupHint
-    replicas: int | None
-    replica_grouping: str | None
-    exchange: str | type[ExchangeScheme] | None
-    #: None: the loop chooses (``exchange="auto"`` across partitions, see :func:`~.assembly.choose_partition`)
-    partition: str | None
-    corruption: Corruption
-    num_negs_per_pos: int | None
-    seed: int | None
-    sparse_updates: bool
-    memory_budget: int | None
-    checkpoint_retrieval: str
-    #: the training triples the loop was built for (their labels name the entities of PBG checkpoints)
-    factory: CoreTriplesFactory
-    #: the graph schema of the training triples (entity types, partitions), if typed
-    schema: GraphSchema | None = None
-    #: the negative sampler (a name in :data:`~pykeen_bess.data.sampling.NEGATIVES` or a sampler class)
-    negatives: str | type[BessSampler] = DEFAULT_NEGATIVES
-    #: the checkpoint layout (``"pykeen"``, ``"pbg"``)
-    checkpoint_format: str = "pykeen"
-    #: how entities are dealt to shards (``"balanced"``, ``"random"``, a strategy; None: the default)
-    sharding: str | ShardingStrategy | None = None
+__all__ = ["TrainingSetup"]
 
 
 @dataclasses.dataclass(frozen=True)
