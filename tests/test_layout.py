@@ -175,3 +175,43 @@ def test_former_module_names_import_the_moved_modules() -> None:
     assert old != data and pickle.loads(old) is ShardedEmbedding
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module("pykeen_bess.no_such_module")
+
+
+#: the loop's own modules: BessTrainingLoop and the classes it is made of
+LOOP_MODULES = {PACKAGE / "training" / name for name in ("loop.py", "parts.py", "hooks.py")}
+LOOP_NAMES = {"loop", "training_loop"}
+
+
+def _assigns_loop_attributes(tree: ast.AST) -> list[str]:
+    """Assignments (and augmented ones) to an attribute of a name ``loop`` / ``training_loop`` (or ``self.loop``)."""
+    found = []
+    for node in ast.walk(tree):
+        targets = (
+            node.targets
+            if isinstance(node, ast.Assign)
+            else [node.target]
+            if isinstance(node, ast.AugAssign | ast.AnnAssign)
+            else []
+        )
+        for target in targets:
+            if not isinstance(target, ast.Attribute):
+                continue
+            owner = target.value
+            if isinstance(owner, ast.Attribute) and isinstance(owner.value, ast.Name) and owner.value.id == "self":
+                owner = ast.Name(id=owner.attr)
+            if isinstance(owner, ast.Name) and owner.id in LOOP_NAMES:
+                found.append(f"line {target.lineno}: {owner.id}.{target.attr}")
+    return found
+
+
+def test_the_loop_check_sees_assignments() -> None:
+    tree = ast.parse("loop.optimizer = 1\nself.training_loop._epoch += 1\nloop.model.train()\nx = loop.tables")
+    assert _assigns_loop_attributes(tree) == ["line 1: loop.optimizer", "line 2: training_loop._epoch"]
+
+
+@pytest.mark.parametrize("path", MODULES, ids=[str(p.relative_to(PACKAGE)) for p in MODULES])
+def test_nothing_outside_the_loop_assigns_its_attributes(path: pathlib.Path) -> None:
+    """The epochs, steps, set-up and checkpoints ask the loop to change (its methods); they never assign to it."""
+    if path in LOOP_MODULES:
+        return
+    assert _assigns_loop_attributes(ast.parse(path.read_text(encoding="utf-8"))) == []

@@ -141,9 +141,9 @@ def run_epochs(
         loop, partition, batch_size, sub_batch_size, label_smoothing, probing=only_size_probing or continue_training
     )
     batches = loop.epoch_batches(triples_factory, batch_size=block_size * topology.n_shard**2)
-    runner = loop.runner = loop.make_runner(block_size)
+    runner = loop.make_runner(block_size)
     clipping = Clipping(gradient_clipping_max_norm, gradient_clipping_norm_type, gradient_clipping_max_abs_value)
-    static = loop.static = make_static_step(
+    static = make_static_step(
         loop.static_step,
         type(loop).__name__ if loop.overrides_process_batch else None,
         loop.optimizer,
@@ -158,6 +158,7 @@ def run_epochs(
         clipping,
         only_size_probing,
     )
+    loop.use_steps(runner, static)
     _register_step_callbacks(loop, callback, runner, clipping, eager=static is None)  # 3.
     callback.register_training_loop(loop)
     if topology.is_main_process and not only_size_probing:
@@ -182,10 +183,9 @@ def run_epochs(
                 )  # fmt: skip
                 if epoch_loss is None:  # size probing: one step
                     return None
-                loop.losses_per_epochs.append(epoch_loss)
-                previous = loop.losses_per_epochs[-2] if len(loop.losses_per_epochs) > 1 else float("nan")
+                previous = loop.losses_per_epochs[-1] if loop.losses_per_epochs else float("nan")
+                loop.finish_epoch(epoch, epoch_loss)
                 epochs.set_postfix(dict(loss=epoch_loss, prev_loss=previous))
-                loop._epoch = epoch
             except (MemoryError, RuntimeError) as error:
                 if static is not None:
                     static.abandon()  # the optimizer's step counts as far as steps were applied
@@ -293,9 +293,7 @@ def _reset_or_continue(loop: LoopParts, continue_training: bool) -> None:
     for parameter in loop.tables.replicated_parameters():  # replicated: every process starts from rank 0's
         loop.topology.broadcast_(parameter)
     loop.tables.now_hold_weights()
-    loop.optimizer = loop.build_optimizer()
-    if loop.lr_scheduler is not None:
-        loop.lr_scheduler = loop.rebuild_lr_scheduler()
+    loop.fresh_optimizer()
 
 
 def _step_sizes(

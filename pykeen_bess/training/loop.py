@@ -299,6 +299,7 @@ class BessTrainingLoop(LoopParts):
         path = checkpoint_path(kwargs)
         self.tables.storage.claim_existing(resuming=path is not None and path.is_file())
         if isinstance(self.checkpoints, PbgCheckpointStore):
+            self.resumed_from_pbg = False
             prepare_pbg_checkpoint(self, kwargs)
         self.choose_partition(batch_size, kwargs)
         # without continue_training the tables are re-initialised (or loaded from a checkpoint)

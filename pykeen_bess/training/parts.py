@@ -59,11 +59,32 @@ class LoopParts(PyKEENHooks):
     def reassemble(self, partition: str) -> None:
         """Build the setup for ``partition`` from :attr:`settings`, then the optimizer of its tables."""
         self.setup = assemble(self.settings, partition, self.optimizer, self, self.probe_step)
+        self.fresh_optimizer()
+        self.runner = None
+        self._partition = None
+
+    def fresh_optimizer(self) -> None:
+        """Build the optimizer of the tables anew (no state), and the learning-rate scheduler for it."""
         self.optimizer = self.build_optimizer()
         if self.lr_scheduler is not None:
             self.lr_scheduler = self.rebuild_lr_scheduler()
-        self.runner = None
-        self._partition = None
+
+    def use_steps(self, runner: StepRunner, static: StaticStep | None) -> None:
+        """Train with ``runner`` and, where there is one, the static step (PyKEEN's hooks and checkpoints use them)."""
+        self.runner = runner
+        self.static = static
+
+    def finish_epoch(self, epoch: int, loss: float) -> None:
+        """Record a completed epoch: its number and mean step loss."""
+        self.losses_per_epochs.append(loss)
+        self._epoch = epoch
+
+    def resume_at(self, epoch: int, from_pbg: bool) -> None:
+        """Train with ``runner`` and, where there is one, the static step (the hooks and checkpoints use them)."""
+        self._epoch = epoch
+        if from_pbg:
+            self.losses_per_epochs = []
+        self.resumed_from_pbg = from_pbg
 
     def probe_step(
         self,

@@ -40,6 +40,9 @@ class CheckpointedLoop(Protocol):
     #: whether the last checkpoint loaded was written by PyTorch-BigGraph
     resumed_from_pbg: bool
 
+    def resume_at(self, epoch: int, from_pbg: bool) -> None:
+        """Continue after ``epoch`` completed epochs of a loaded checkpoint (PyTorch-BigGraph's: no losses)."""
+
     @property
     def checksum(self) -> str:
         """PyKEEN's checksum of the model and optimizer (a checkpoint resumes into the same)."""

@@ -296,9 +296,7 @@ class PbgCheckpointStore(RankCheckpointStore):
             conversion.describe(),
             "; row-wise Adagrad state read" if row_sums is not None and sums else "; fresh optimizer state",
         )
-        loop._epoch = epoch
-        loop.losses_per_epochs = []
-        loop.resumed_from_pbg = True
+        loop.resume_at(epoch, from_pbg=True)
         return None, None
 
 
@@ -318,7 +316,6 @@ def prepare_pbg_checkpoint(loop: CheckpointedLoop, train_kwargs: Mapping[str, An
     from ...pbg import files
     from ...pbg.config import load_config
 
-    loop.resumed_from_pbg = False
     if train_kwargs.get("checkpoint_on_failure"):
         raise ValueError(
             "checkpoint_format='pbg' keeps one checkpoint per directory; checkpoint_on_failure is not supported "
