@@ -181,7 +181,7 @@ def static_step_sources(static) -> list[torch.Tensor]:
         *([plan.weights] if plan.weights is not None else []),
         *kinds,
         *real,
-        *static._indices.values(),
+        *static.copies.tensors(),
         *static.update.learning_rates,
         *static.update.step_counts.values(),
         plan.step_index,

@@ -30,7 +30,7 @@ from ..distributed import Topology
 from ..tables.optim import row_sparse_grad
 from ..tables.representation import ShardedEmbedding
 from ..scoring import SharedCandidateScorer, Side
-from .lookup import Accumulator, RowLookup, device_copy, device_index, split_parts
+from .lookup import UNCACHED, Accumulator, DeviceCopies, RowLookup, split_parts
 
 __all__ = [
     "ExchangeScheme",
@@ -214,7 +214,14 @@ class ExchangeScheme(ABC):
 
     # -- scoring ---------------------------------------------------------------------------------
 
-    def scores(self, batch: BessBatch, gathered: RowGather, start: int = 0, stop: int | None = None) -> BlockScores:
+    def scores(
+        self,
+        batch: BessBatch,
+        gathered: RowGather,
+        start: int = 0,
+        stop: int | None = None,
+        copies: DeviceCopies = UNCACHED,
+    ) -> BlockScores:
         """Score the slots ``start:stop`` of every local block against the block's negatives.
 
         The regularization term is PyKEEN's sLCWA term of the step as if every positive had its
@@ -226,6 +233,7 @@ class ExchangeScheme(ABC):
         :param gathered: the rows gathered by :meth:`gather`
         :param start: the first slot (sub-batching slices the slot axis)
         :param stop: the end slot (exclusive), defaults to the block size
+        :param copies: how the step's masks and weights reach the device (the static step keeps them)
         :returns: the scores of the local blocks
         """
         topology = self.topology
@@ -235,10 +243,10 @@ class ExchangeScheme(ABC):
         gathered_slots = slice(start - gathered.first_slot, stop - gathered.first_slot)
         device = self.tables[0].compute_device
         local_valid = topology.select_local(batch.valid[..., slots], 0).reshape(-1)  # on the CPU
-        valid_index = None if bool(local_valid.all()) else device_index(local_valid, device)
+        valid_index = None if bool(local_valid.all()) else copies.index(local_valid, device)
         regularization = Accumulator()
         normalized = [self.lookup.normalized_rows(table, leaf) for table, leaf in zip(self.tables, gathered.leaves)]
-        role_weights, relation_weights = self.row_weights.of(batch, gathered, start, stop)
+        role_weights, relation_weights = self.row_weights.of(batch, gathered, start, stop, copies)
 
         # the rows of the three roles in one lookup: heads and tails of the positives, and the
         # negatives of every local block, shared by its slots. These are gathered in the layout
@@ -255,13 +263,18 @@ class ExchangeScheme(ABC):
             regularization,
             role_weights,
             identity=gathered.in_role_order,
+            copies=copies,
         )
         negatives_local = negatives_local.permute(2, 0, 1, 3, 4)
 
         # positives: heads stay, tails move to the heads' shard
         tails = topology.all_to_all(tails_out)
         relations = self.lookup.relations(
-            topology.select_local(batch.relations[..., slots], 0), relation_weights, regularization, self.sums_per_shard
+            topology.select_local(batch.relations[..., slots], 0),
+            relation_weights,
+            regularization,
+            self.sums_per_shard,
+            copies,
         )
         head_parts, tail_parts = self.lookup.unpack(heads), self.lookup.unpack(tails)
         positive = self.scorer.score_triples(
@@ -356,7 +369,7 @@ class RowWeights:
         self._full_steps: dict[tuple, Any] = {}  # by the plan's shapes and slots
 
     def of(
-        self, batch: BessBatch, gathered: RowGather, start: int, stop: int
+        self, batch: BessBatch, gathered: RowGather, start: int, stop: int, copies: DeviceCopies = UNCACHED
     ) -> tuple[list[list[torch.Tensor | None]], torch.Tensor | None]:
         """Return the regularization weights of the local rows of slots ``start:stop`` (None: nothing is regularized).
 
@@ -375,7 +388,7 @@ class RowWeights:
                 return self._full_steps[key]
         topology = self.topology
         candidates = batch.candidate_types
-        to_device = None if candidates is None else functools.partial(device_copy, device=candidates.device)
+        to_device = None if candidates is None else functools.partial(copies.copy, device=candidates.device)
         weights = regularization_weights(batch, start, stop, to_device)
         types = batch.num_candidate_types
         blocks = gathered.negatives.shape[1]  # n, or 1 when the step's blocks share the negatives

@@ -30,7 +30,7 @@ from ..tables.encoding import ColumnSplit, SeparableScoring, check_encoding_mode
 from ..tables.representation import ShardedEmbedding
 from ..scoring import SharedCandidateScorer, Side
 from .base import ExchangeScheme
-from .lookup import Accumulator, device_index, slice_parts
+from .lookup import UNCACHED, Accumulator, DeviceCopies, slice_parts
 
 __all__ = [
     "EncodingScheme",
@@ -124,13 +124,21 @@ class EncodingScheme(ExchangeScheme):
 
     # -- scoring ---------------------------------------------------------------------------------
 
-    def scores(self, batch: BessBatch, gathered: RowGather, start: int = 0, stop: int | None = None) -> BlockScores:
+    def scores(
+        self,
+        batch: BessBatch,
+        gathered: RowGather,
+        start: int = 0,
+        stop: int | None = None,
+        copies: DeviceCopies = UNCACHED,
+    ) -> BlockScores:
         """Score the slots ``start:stop`` of the batch: partial scores of the local parts, one column sum.
 
         :param batch: the plan of the step (one shard: ``[1, 1, B]`` slots, ``[1, 1, 1, K]`` negatives)
         :param gathered: the rows gathered by :meth:`gather` (all columns this process holds)
         :param start: the first slot
         :param stop: the end slot (exclusive), defaults to the block size
+        :param copies: how the step's masks and weights reach the device (the static step keeps them)
         :returns: the scores ``[1, 1, b']`` and ``[1, 1, b', K]``
         """
         stop = batch.block_size if stop is None else stop
@@ -138,7 +146,7 @@ class EncodingScheme(ExchangeScheme):
         gathered_slots = slice(start - gathered.first_slot, stop - gathered.first_slot)
         device = self.tables[0].compute_device
         local_valid = batch.valid[..., slots].reshape(-1)
-        valid_index = None if bool(local_valid.all()) else device_index(local_valid, device)
+        valid_index = None if bool(local_valid.all()) else copies.index(local_valid, device)
         regularization, replicated = Accumulator(), Accumulator()
         lookup = self.lookup
         normalized = [lookup.normalized_rows(table, leaf) for table, leaf in zip(self.tables, gathered.leaves)]
@@ -157,7 +165,7 @@ class EncodingScheme(ExchangeScheme):
                     tail=weights.negative_tail.view(1, 1, 1).expand(1, 1, m),
                 ),
             ]
-        relations = lookup.relations(batch.relations[..., slots], relation_weights, replicated)
+        relations = lookup.relations(batch.relations[..., slots], relation_weights, replicated, copies=copies)
         # the rows of the three roles in one lookup
         heads, tails, negatives = lookup.roles(
             normalized,
@@ -168,6 +176,7 @@ class EncodingScheme(ExchangeScheme):
             ],
             regularization,
             role_weights,
+            copies=copies,
         )
         head_parts, tail_parts, negative_parts = lookup.unpack(heads), lookup.unpack(tails), lookup.unpack(negatives)
         partial = []

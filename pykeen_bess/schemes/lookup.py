@@ -8,10 +8,7 @@ moves); it weighs every looked-up row's regularizer term as PyKEEN's sLCWA loop 
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -22,13 +19,76 @@ from pykeen.utils import get_expected_norm
 from ..tables.representation import ShardedEmbedding
 
 __all__ = [
+    "UNCACHED",
     "Accumulator",
+    "CachedDeviceCopies",
+    "DeviceCopies",
     "RowLookup",
-    "device_index",
     "regularize",
     "slice_parts",
     "split_parts",
 ]
+
+
+class DeviceCopies:
+    """How a step's host tensors (indices, masks, regularization weights) reach the compute device: copied at each use.
+
+    The step passes its copies down to the lookups (:meth:`~pykeen_bess.schemes.ExchangeScheme.scores`).
+    The eager step copies every time (this class); the static step keeps them
+    (:class:`CachedDeviceCopies`), so that a captured step reads them from device memory.
+    """
+
+    def copy(self, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """Return a CPU tensor on ``device``."""
+        return tensor if tensor.device == device else self._keep(("copy", tensor), device, lambda: tensor.to(device))
+
+    def index(self, selected: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """Return the positions ``[k]`` of the True entries of a CPU mask on ``device``."""
+        index = selected.nonzero().view(-1)
+        return self._keep(("index", index), device, lambda: index.to(device))
+
+    def weights(self, weights: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """Return CPU weights (flat) on the device of ``like``, in its real dtype.
+
+        Weights computed on that device already (a static step's typed negatives) are only cast.
+        """
+        dtype = like.dtype.to_real()
+        flat = weights.reshape(-1)
+        if flat.device == like.device:
+            return flat.to(dtype)
+        return self._keep(("weights", flat, dtype), like.device, lambda: flat.to(like.device, dtype))
+
+    def _keep(self, key: tuple, device: torch.device, make: Any) -> torch.Tensor:
+        """Return ``make()`` (a copy to ``device`` of the key's CPU tensor)."""
+        return make()
+
+
+class CachedDeviceCopies(DeviceCopies):
+    """Device copies kept by content: a static step's plan is the same in every step of a kind.
+
+    A step whose plan is the same in every step (all slots real) has the same regularization groups
+    and masks every step: the first run copies each to the device once, later runs (and a CUDA graph
+    captured from them) use those copies, so no host-to-device copy happens inside the step.
+    """
+
+    def __init__(self) -> None:
+        """Keep no copies yet."""
+        self._copies: dict[tuple, torch.Tensor] = {}
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Return the copies kept (device memory a captured step reads)."""
+        return list(self._copies.values())
+
+    def _keep(self, key: tuple, device: torch.device, make: Any) -> torch.Tensor:
+        kind, tensor, *rest = key
+        content = (kind, str(device), *map(str, rest), str(tensor.dtype), tuple(tensor.shape), tensor.numpy().tobytes())
+        if content not in self._copies:
+            self._copies[content] = make()
+        return self._copies[content]
+
+
+#: the copies of a step that keeps none (the eager step's)
+UNCACHED = DeviceCopies()
 
 
 class RowLookup:
@@ -95,6 +155,7 @@ class RowLookup:
         regularization: Accumulator,
         weights: Sequence[torch.Tensor | None],
         identity: bool = False,
+        copies: DeviceCopies = UNCACHED,
     ) -> torch.Tensor:
         """Look up entity rows for a role and pack all tables' parts into ``[*index.shape, D]``.
 
@@ -104,6 +165,7 @@ class RowLookup:
         :param weights: per table, the regularization weight of each looked-up row, shape ``s`` (CPU)
         :param identity: the rows are the looked-up rows already, in order (``index`` is ``0, 1, ...``):
             nothing is selected
+        :param copies: how the weights reach the device (the static step keeps them)
         :returns: shape: ``[*s, D]``
         """
         flat_index = index.reshape(-1)
@@ -113,7 +175,7 @@ class RowLookup:
             group_weights = table_weights if table.regularizer is not None else None
             if group_weights is not None and _plain_l2(table.regularizer, rows):  # on the step's rows, each once
                 # per row, the weights of its lookups (the dummy row of padding slots weighs 0)
-                row_weights = _device_weights(group_weights, rows)
+                row_weights = copies.weights(group_weights, rows)
                 if not identity:
                     row_weights = row_weights.new_zeros(rows.shape[0]).index_add_(0, flat_index, row_weights)
                 regularization.add(_l2_term(table.regularizer, rows, row_weights))
@@ -127,7 +189,7 @@ class RowLookup:
             if complex_rows and needs_rows:
                 x = torch.view_as_complex(x)
             if group_weights is not None:
-                regularize(table.regularizer, x, group_weights, regularization)
+                regularize(table.regularizer, x, group_weights, regularization, copies)
             if table.dropout is not None:
                 x = table.dropout(x)
             if x.is_complex():
@@ -142,6 +204,7 @@ class RowLookup:
         regularization: Accumulator,
         weights: Sequence[Sequence[torch.Tensor | None]],
         identity: bool = False,
+        copies: DeviceCopies = UNCACHED,
     ) -> list[torch.Tensor]:
         """Look up the rows of several roles at once, as :meth:`entities` does for each.
 
@@ -154,6 +217,7 @@ class RowLookup:
         :param weights: per role, per table, the regularization weight of each row (shape ``s_i``,
             CPU; None: not regularized in this role)
         :param identity: the rows are the roles' rows, in role order (nothing is selected)
+        :param copies: how the weights reach the device (the static step keeps them)
         :returns: per role, shape ``[*s_i, D]``
         """
         sizes = [index.numel() for index in indices]
@@ -169,11 +233,16 @@ class RowLookup:
                 torch.zeros(size, dtype=dtype) if w is None else w.reshape(-1) for w, size in zip(role_weights, sizes)
             ]
             table_weights.append(torch.cat(parts))
-        packed = self.entities(normalized, flat_index, regularization, table_weights, identity=identity)
+        packed = self.entities(normalized, flat_index, regularization, table_weights, identity=identity, copies=copies)
         return [part.view(*index.shape, -1) for part, index in zip(packed.split(sizes), indices)]
 
     def relations(
-        self, indices: torch.Tensor, weights: torch.Tensor | None, regularization: Accumulator, per_shard: bool = False
+        self,
+        indices: torch.Tensor,
+        weights: torch.Tensor | None,
+        regularization: Accumulator,
+        per_shard: bool = False,
+        copies: DeviceCopies = UNCACHED,
     ) -> Any:
         """Look up the relation representations of ``[L, n, b']`` relation ids.
 
@@ -182,6 +251,7 @@ class RowLookup:
         :param regularization: accumulates the weighted regularization terms
         :param per_shard: one lookup per local shard: the relations' gradient is summed per shard, then over
             the shards, as processes holding one shard each sum theirs (then all-reduced), not in one pass
+        :param copies: how the weights reach the device (the static step keeps them)
         :returns: the representations (a tuple for several)
         """
         indices = indices.to(self.tables[0].compute_device)
@@ -196,16 +266,16 @@ class RowLookup:
             rows = x.reshape(-1, *x.shape[indices.ndim :])
             if representation.regularizer is not None and weights is not None:
                 if not _plain_l2(representation.regularizer, rows):
-                    regularize(representation.regularizer, x, weights, regularization)
+                    regularize(representation.regularizer, x, weights, regularization, copies)
                 elif representation.max_id <= rows.shape[0]:  # fewer relations than lookups: per relation
                     table = representation._plain_forward(indices=None)
                     if representation.normalizer is not None:
                         table = representation.normalizer(table)
-                    row_weights = _device_weights(weights.reshape(-1), table)
+                    row_weights = copies.weights(weights, table)
                     row_weights = row_weights.new_zeros(table.shape[0]).index_add_(0, indices.reshape(-1), row_weights)
                     regularization.add(_l2_term(representation.regularizer, table, row_weights))
                 else:
-                    row_weights = _device_weights(weights.reshape(-1), rows)
+                    row_weights = copies.weights(weights, rows)
                     regularization.add(_l2_term(representation.regularizer, rows, row_weights))
             if representation.dropout is not None:
                 x = representation.dropout(x)
@@ -267,7 +337,9 @@ class Accumulator:
         self.value = self.value + term
 
 
-def regularize(regularizer: Any, x: torch.Tensor, weights: torch.Tensor, accumulator: Accumulator) -> None:
+def regularize(
+    regularizer: Any, x: torch.Tensor, weights: torch.Tensor, accumulator: Accumulator, copies: DeviceCopies = UNCACHED
+) -> None:
     """Add ``sum_rows weight(row) * g(row)`` for a regularizer that averages a per-row value ``g``.
 
     The rows are grouped by weight (a step has few distinct weights), and each group costs one
@@ -278,6 +350,7 @@ def regularize(regularizer: Any, x: torch.Tensor, weights: torch.Tensor, accumul
     :param x: shape: ``[*weights.shape, *row_shape]``, the looked-up rows
     :param weights: shape: ``s``, CPU, the weight of each row (0: not regularized)
     :param accumulator: receives the weighted terms
+    :param copies: how the groups' indices reach the device (the static step keeps them)
     """
     flat_weights = weights.reshape(-1)
     rows_all = x.reshape(-1, *x.shape[weights.ndim :])
@@ -286,7 +359,7 @@ def regularize(regularizer: Any, x: torch.Tensor, weights: torch.Tensor, accumul
         if bool(selected.all()):
             rows = rows_all
         else:
-            rows = rows_all.index_select(0, device_index(selected, x.device))
+            rows = rows_all.index_select(0, copies.index(selected, x.device))
         regularizer.update(rows)
         accumulator.add(regularizer.pop_regularization_term() * (rows.shape[0] * value))
 
@@ -357,71 +430,3 @@ class _WeightedRowNorms(torch.autograd.Function):
         factor = (w * (grad * weight * ctx.scale) / norm).masked_fill_(norm == 0, 0)
         rows = x * factor.unsqueeze(-1)
         return (torch.view_as_complex(rows.view(*x.shape[:-1], -1, 2)) if ctx.complex else rows), None, None, None
-
-
-def _device_weights(weights: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """Return CPU weights (flat) on the device of ``like``, in its real dtype (cached while a static step is traced).
-
-    Weights computed on that device already (a static step's typed negatives) are only cast.
-    """
-    dtype = like.dtype.to_real()
-    weights = weights.reshape(-1)
-    if weights.device == like.device:
-        return weights.to(dtype)
-    store = _STATIC_INDICES.get()
-    if store is None:
-        return weights.to(like.device, dtype)
-    key = (str(like.device), str(dtype), weights.numel(), weights.numpy().tobytes())
-    if key not in store:
-        store[key] = weights.to(like.device, dtype)
-    return store[key]
-
-
-#: while a static step is traced (:mod:`pykeen_bess.training.steps.static_step`): the device copies of the
-#: row groups' indices, by content, so that a captured step reads them from device memory
-_STATIC_INDICES: contextvars.ContextVar[dict | None] = contextvars.ContextVar("static_indices", default=None)
-
-
-@contextlib.contextmanager
-def static_indices(store: dict) -> Iterator[dict]:
-    """Keep the device copies of the regularization groups' indices in ``store`` while the block runs.
-
-    A step whose plan is the same in every step (all slots real) has the same groups every step: the
-    first run copies each index to the device once, later runs (and a CUDA graph captured from
-    them) use those copies, so no host-to-device copy happens inside the step.
-    """
-    token = _STATIC_INDICES.set(store)
-    try:
-        yield store
-    finally:
-        _STATIC_INDICES.reset(token)
-
-
-def device_copy(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Return a CPU tensor on ``device`` (cached by content while a static step runs: copied in its first run only)."""
-    if tensor.device == device:
-        return tensor
-    store = _STATIC_INDICES.get()
-    if store is None:
-        return tensor.to(device)
-    key = ("copy", str(device), str(tensor.dtype), tuple(tensor.shape), tensor.numpy().tobytes())
-    if key not in store:
-        store[key] = tensor.to(device)
-    return store[key]
-
-
-def device_index(selected: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Return the positions of the True entries of a CPU mask on ``device`` (cached while a static step runs).
-
-    A static step's masks (regularization groups, the real slots of its kind) are the same every step of a
-    kind: the first run copies each index to the device once, later runs (and a CUDA graph captured from
-    them) use those copies.
-    """
-    index = selected.nonzero().view(-1)
-    store = _STATIC_INDICES.get()
-    if store is None:
-        return index.to(device)
-    key = (str(device), index.numel(), index.numpy().tobytes())
-    if key not in store:
-        store[key] = index.to(device)
-    return store[key]

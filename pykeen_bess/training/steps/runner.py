@@ -38,6 +38,7 @@ from ...distributed import Topology
 from ...nn.loss import block_loss
 from ...tables.optim import row_sparse_grad
 from ...schemes import ExchangeScheme
+from ...schemes.lookup import UNCACHED, DeviceCopies
 from ...tables.shard_tables import ShardTables
 
 __all__ = [
@@ -232,6 +233,7 @@ class StepRunner:
         stop: int,
         label_smoothing: float,
         weight_step: float | torch.Tensor,
+        copies: DeviceCopies = UNCACHED,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Return the loss of the slots ``start:stop`` of every block (not backpropagated), and its own part.
 
@@ -246,11 +248,12 @@ class StepRunner:
         :param stop: the end slot (exclusive)
         :param label_smoothing: PyKEEN's label smoothing
         :param weight_step: the sum of the loss weights of the whole step's positives (0 without weights)
+        :param copies: how the step's masks and weights reach the device (the static step keeps them)
         :raises ValueError: if the loop has a loss weighter and the batch carries no weights
         """
         if batch.weights is None and self.weighted:
             raise ValueError("The loop has a loss weighter, but its sampler's batches carry no weights.")
-        scores = self.scheme.scores(batch, rows, start, stop)
+        scores = self.scheme.scores(batch, rows, start, stop, copies)
         loss = block_loss(
             self.loss,
             scores,

@@ -67,7 +67,7 @@ from pykeen.training.callbacks import TrainingCallback
 from ...data.batch import BessBatch, RowGather
 from ...data.sampling import BessSampler, EpochDraws
 from ...schemes import ExchangeScheme
-from ...schemes.lookup import static_indices
+from ...schemes.lookup import CachedDeviceCopies
 from ...storage.staging import RowAccess, StagedRows, StagedTensor, TierRows
 from ...tables.optim import BessOptimizer
 from ..setup.sizes import resident_bytes
@@ -217,8 +217,7 @@ class StaticStep:
         self.device = tables[0].compute_device
         #: the epochs' triples and draws on the device
         self.plan = DevicePlan(sampler, self.device)
-        n, b = self.plan.n, self.plan.b
-        self.n, self.b = n, b
+        self.n, self.b = n, b = self.plan.n, self.plan.b
         #: the steps of every epoch
         self.num_steps = self.plan.num_steps
         topology = self.topology
@@ -260,7 +259,7 @@ class StaticStep:
         self.last_batch: tuple[BessBatch, StepKind] | None = None
         #: per step kind: whether each occurrence is looked up by a real slot or negative (None: all are)
         self.real = [self._real_rows(kind) for kind in self.plan.kinds]
-        self._indices: dict = {}  # device copies of the regularization groups' and valid slots' indices
+        self.copies = CachedDeviceCopies()  # of the regularization groups' and valid slots' indices
         self._in_epoch = False  # between load_plan and finish_epoch
         #: why a CUDA graph cannot capture the step (None: it can): its rows cross from host memory or files
         #: to the GPU inside the step (not staged), the user's optimizer updates the dense groups after a host
@@ -393,7 +392,7 @@ class StaticStep:
         kind = self.plan.kinds[0] if kind is None else kind
         real = self.real[kind.index]
         runner = self.runner
-        with static_indices(self._indices), torch.enable_grad():
+        with torch.enable_grad():
             batch = self.plan.batch(kind)
             looked_up = self._gather(batch)
             leaves = self._trainable(looked_up.leaves)
@@ -406,7 +405,9 @@ class StaticStep:
             grads: list[torch.Tensor | None] = [None] * len(inputs)
             replicated = self.scheme.replicated_share
             for start, stop in self.sub_batches:
-                loss, own = runner.slots_loss(batch, gathered, start, stop, self.label_smoothing, weight_step)
+                loss, own = runner.slots_loss(
+                    batch, gathered, start, stop, self.label_smoothing, weight_step, self.copies
+                )
                 if inputs and loss.requires_grad:
                     for index, grad in enumerate(torch.autograd.grad(loss, inputs, allow_unused=True)):
                         so_far = grads[index]
@@ -449,7 +450,6 @@ class StaticStep:
         rows = self._step_rows(batch)  # each table's tier (or the staged rows) reads them to the compute device
         leaves = [self.rows_io.read(t.storage, t.weight, rows).requires_grad_(t.trainable) for t in self.tables]
         heads, tails, negatives_index = self.role_index
-        first, _ = self.looked_up_slots
         return RowGather(
             rows=rows,
             leaves=leaves,
@@ -457,7 +457,7 @@ class StaticStep:
             tails=tails,
             negatives=negatives_index,
             first_real=0,
-            first_slot=first,
+            first_slot=self.looked_up_slots[0],
             in_role_order=len(self.sub_batches) == 1,
         )
 
