@@ -156,9 +156,15 @@ class ExchangeScheme(ABC):
         :param stop: the end of its slots (default: the block size)
         :returns: the rows and index tensors into them
         """
+        return self.gather_from(self.tables, batch, start, stop)
+
+    def gather_from(
+        self, tables: Sequence[ShardedEmbedding], batch: BessBatch, start: int = 0, stop: int | None = None
+    ) -> RowGather:
+        """Look up the rows of slots ``start:stop`` as :meth:`gather` does, from ``tables`` (e.g. column parts)."""
         topology = self.topology
         stop = batch.block_size if stop is None else stop
-        size = self.tables[0].sharding.shard_size
+        size = tables[0].sharding.shard_size
         offset = (torch.arange(topology.n_local) * size).view(-1, 1, 1)
         valid = batch.valid[..., start:stop]
         heads, tails, negatives = batch.heads[..., start:stop], batch.tails[..., start:stop], batch.negatives
@@ -179,8 +185,8 @@ class ExchangeScheme(ABC):
         first_real = int(rows.numel() > 0 and int(rows[0]) < 0)  # on the CPU
         lookup = rows.clamp_min(0)
         # each table's storage tier reads the rows to the compute device
-        leaves = [table.read_rows(lookup).requires_grad_(table.trainable) for table in self.tables]
-        device = self.tables[0].compute_device
+        leaves = [table.read_rows(lookup).requires_grad_(table.trainable) for table in tables]
+        device = tables[0].compute_device
         rows, inverse = rows.to(device), inverse.to(device)
         sizes = [head_rows.numel(), tail_rows.numel(), negative_rows.numel()]
         head_index, tail_index, negative_index = inverse.split(sizes)

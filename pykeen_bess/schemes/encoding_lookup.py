@@ -213,11 +213,7 @@ class EncodingLookupScheme(EmbeddingMovingScheme):
         topology = self.topology
         n, part = topology.n_column, topology.local_columns[0]
         # every part's rows, in this process' columns (the owners' side of the lookup)
-        self.tables, whole_tables = self.column_tables, self.tables
-        try:
-            columns = super().gather(batch, 0, batch.block_size)
-        finally:
-            self.tables = whole_tables
+        columns = self.gather_from(self.column_tables, batch, 0, batch.block_size)
         self._column_leaves = [leaf.detach() for leaf in columns.leaves]
         self._requests = []
         for other in range(n):

@@ -83,8 +83,26 @@ class TableStorage(ABC):
     def __init__(self) -> None:
         """Create the tier (nothing is allocated until :meth:`place`)."""
         self.traffic = StorageTraffic()
-        #: the device the arithmetic runs on (set by the training loop: the model's device)
-        self.compute_device = torch.device("cpu")
+        self._compute_device = torch.device("cpu")
+
+    @property
+    def compute_device(self) -> torch.device:
+        """The device the arithmetic on the tier's rows runs on: the model's (see :meth:`attach`)."""
+        return self._compute_device
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Restore a pickled tier (earlier versions named the compute device's attribute ``compute_device``)."""
+        if "compute_device" in state:
+            state["_compute_device"] = state.pop("compute_device")
+        self.__dict__.update(state)
+
+    def attach(self, device: torch.device) -> None:
+        """Serve a table set computing on ``device`` (the one place the compute device is set: the table set's).
+
+        :class:`~pykeen_bess.tables.shard_tables.ShardTables` attaches its tier when it is created and when
+        it is installed in the model (which may have moved to another device in between).
+        """
+        self._compute_device = torch.device(device)
 
     # -- allocation ----------------------------------------------------------------------------
 
@@ -102,8 +120,11 @@ class TableStorage(ABC):
     def release(self, tensor: torch.Tensor) -> None:  # noqa: B027
         """Forget a tensor placed earlier (e.g. the optimizer state of a replaced optimizer)."""
 
-    def check_capacity(self, num_bytes: int) -> None:  # noqa: B027
-        """Raise :class:`MemoryError` with advice if the tier cannot hold ``num_bytes`` more bytes."""
+    def check_capacity(self, num_bytes: int, device: torch.device) -> None:  # noqa: B027
+        """Raise :class:`MemoryError` with advice if the tier cannot hold ``num_bytes`` more bytes.
+
+        :param device: where the tables will compute (the model's device)
+        """
 
     @property
     def storage_device(self) -> torch.device:

@@ -92,15 +92,15 @@ class DeviceStorage(TableStorage):
     def place(self, label: str, shape: Sequence[int], dtype: torch.dtype, fill: float = 0.0) -> torch.Tensor:  # noqa: D102
         return torch.full(tuple(shape), fill, dtype=dtype, device=self.compute_device)
 
-    def check_capacity(self, num_bytes: int) -> None:  # noqa: D102
-        if self.compute_device.type != "cuda":
+    def check_capacity(self, num_bytes: int, device: torch.device) -> None:  # noqa: D102
+        if device.type != "cuda":
             check_host_memory(num_bytes, self.name)
             return
-        free, _ = torch.cuda.mem_get_info(self.compute_device)
+        free, _ = torch.cuda.mem_get_info(device)
         if num_bytes > free:
             raise MemoryError(
                 f"The shard tables and their optimizer state need {format_bytes(num_bytes)} on "
-                f"{self.compute_device}, which has {format_bytes(free)} free. Keep them in host memory "
+                f"{device}, which has {format_bytes(free)} free. Keep them in host memory "
                 f"(storage='host') or in files (storage='mmap'), use optimizer='rowwise_adagrad' (one float of state "
                 f"per row), or use more shards."
             )

@@ -146,7 +146,7 @@ class MmapStorage(TableStorage):
         except KeyError:
             raise ValueError("The tensor was not placed by this storage.") from None
 
-    def check_capacity(self, num_bytes: int) -> None:  # noqa: D102
+    def check_capacity(self, num_bytes: int, device: torch.device) -> None:  # noqa: D102
         free = shutil.disk_usage(self.path).free
         if num_bytes > free:
             raise MemoryError(

@@ -33,7 +33,7 @@ class HostStorage(TableStorage):
     def place(self, label: str, shape: Sequence[int], dtype: torch.dtype, fill: float = 0.0) -> torch.Tensor:  # noqa: D102
         return torch.full(tuple(shape), fill, dtype=dtype)
 
-    def check_capacity(self, num_bytes: int) -> None:  # noqa: D102
+    def check_capacity(self, num_bytes: int, device: torch.device) -> None:  # noqa: D102
         check_host_memory(num_bytes, self.name)
 
     def _gather(self, tensor: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -38,9 +38,8 @@ def create_tables(
     """
     plan = MemoryPlan.create(embeddings, topology.n_local * sharding.shard_size, optimizer)
     logger.info("BESS storage %s: %s", storage.describe(), plan.describe())
-    storage.compute_device = embeddings[0]._embeddings.weight.device
     try:
-        storage.check_capacity(plan.table_bytes + plan.state_bytes)
+        storage.check_capacity(plan.table_bytes + plan.state_bytes, embeddings[0]._embeddings.weight.device)
     except MemoryError as error:
         raise MemoryError(f"{error} (optimizer: {type(optimizer).__name__}; {plan.describe()})") from None
     return kind(model, embeddings, sharding, topology, seed, storage), plan

@@ -150,7 +150,7 @@ class ShardedEmbedding(ColumnPart, Representation):
         self.row_width = template.shape[1]
         if storage is None:
             storage = DeviceStorage()
-            storage.compute_device = template.device
+            storage.attach(template.device)
         #: the storage tier of the table
         self.storage = storage
         #: whether the table is trained

@@ -102,7 +102,7 @@ class ShardTables:
         self.embeddings = list(embeddings)
         if storage is None:
             storage = DeviceStorage()
-        storage.compute_device = self.embeddings[0]._embeddings.weight.device
+        storage.attach(self.embeddings[0]._embeddings.weight.device)
         self.storage = storage
         suffix = self.label_suffix(topology)
         self.tables = [
@@ -202,7 +202,7 @@ class ShardTables:
         if self.is_installed:
             return
         representations = cast(torch.nn.ModuleList, self.model.entity_representations)
-        self.storage.compute_device = self.embeddings[0]._embeddings.weight.device
+        self.storage.attach(self.embeddings[0]._embeddings.weight.device)
         for index, (embedding, table) in enumerate(zip(self.embeddings, self.tables)):
             table.to(embedding._embeddings.weight.device)
             representations[index] = table
