@@ -34,6 +34,7 @@ from .lookup import UNCACHED, Accumulator, DeviceCopies, RowLookup, split_parts
 
 __all__ = [
     "ExchangeScheme",
+    "gather_rows",
 ]
 
 
@@ -156,49 +157,7 @@ class ExchangeScheme(ABC):
         :param stop: the end of its slots (default: the block size)
         :returns: the rows and index tensors into them
         """
-        return self.gather_from(self.tables, batch, start, stop)
-
-    def gather_from(
-        self, tables: Sequence[ShardedEmbedding], batch: BessBatch, start: int = 0, stop: int | None = None
-    ) -> RowGather:
-        """Look up the rows of slots ``start:stop`` as :meth:`gather` does, from ``tables`` (e.g. column parts)."""
-        topology = self.topology
-        stop = batch.block_size if stop is None else stop
-        size = tables[0].sharding.shard_size
-        offset = (torch.arange(topology.n_local) * size).view(-1, 1, 1)
-        valid = batch.valid[..., start:stop]
-        heads, tails, negatives = batch.heads[..., start:stop], batch.tails[..., start:stop], batch.negatives
-        if batch.shared_negatives:  # one set for all blocks: [n(k), 1, 1, m]
-            negatives = negatives[:, :1, :1]
-        if not bool(valid.all()):  # the plan is on the CPU: no device synchronisation
-            # padding slots use the dummy row -1; negatives of blocks without real positives here too
-            heads = torch.where(valid, heads, -1)
-            tails = torch.where(valid, tails, -1)
-            used = valid.any(dim=-1) if not batch.shared_negatives else valid.any().view(1, 1)
-            negatives = torch.where(used.unsqueeze(0).unsqueeze(-1), negatives, -1)
-        # heads of blocks (l, *), tails of blocks (*, l), this shard's negatives of all blocks
-        head_rows = _offset_rows(topology.select_local(heads, 0), offset)
-        tail_rows = _offset_rows(topology.select_local(tails, 1).transpose(0, 1), offset)
-        negative_rows = _offset_rows(topology.select_local(negatives, 0), offset.unsqueeze(-1))
-        wanted = torch.cat([head_rows.reshape(-1), tail_rows.reshape(-1), negative_rows.reshape(-1)])
-        rows, inverse = torch.unique(wanted, return_inverse=True)
-        first_real = int(rows.numel() > 0 and int(rows[0]) < 0)  # on the CPU
-        lookup = rows.clamp_min(0)
-        # each table's storage tier reads the rows to the compute device
-        leaves = [table.read_rows(lookup).requires_grad_(table.trainable) for table in tables]
-        device = tables[0].compute_device
-        rows, inverse = rows.to(device), inverse.to(device)
-        sizes = [head_rows.numel(), tail_rows.numel(), negative_rows.numel()]
-        head_index, tail_index, negative_index = inverse.split(sizes)
-        return RowGather(
-            rows=rows,
-            leaves=leaves,
-            heads=head_index.view(head_rows.shape),
-            tails=tail_index.view(tail_rows.shape),
-            negatives=negative_index.view(negative_rows.shape),
-            first_real=first_real,
-            first_slot=start,
-        )
+        return gather_rows(self.tables, self.topology, batch, start, stop)
 
     def set_row_gradients(self, gathered: RowGather, dense: bool = False) -> None:
         """Hand the accumulated leaf gradients to the shard tables.
@@ -343,6 +302,54 @@ class ExchangeScheme(ABC):
         if stop > boundary:
             result.append(("tail", slice(boundary - start, stop - start)))
         return result
+
+
+def gather_rows(
+    tables: Sequence[ShardedEmbedding], topology: Topology, batch: BessBatch, start: int = 0, stop: int | None = None
+) -> RowGather:
+    """Look up the rows of ``tables`` that a process of ``topology`` owns and needs for the slots ``start:stop``.
+
+    What :meth:`ExchangeScheme.gather` does with the scheme's tables; the encoding lookup reads its column
+    parts with it. Each occurrence's row is deduplicated: ``leaves`` hold every distinct row once (``[N, W]``
+    per table, the dummy row ``-1`` of padding first where there is one), ``heads``, ``tails`` and
+    ``negatives`` index them.
+    """
+    stop = batch.block_size if stop is None else stop
+    size = tables[0].sharding.shard_size
+    offset = (torch.arange(topology.n_local) * size).view(-1, 1, 1)
+    valid = batch.valid[..., start:stop]
+    heads, tails, negatives = batch.heads[..., start:stop], batch.tails[..., start:stop], batch.negatives
+    if batch.shared_negatives:  # one set for all blocks: [n(k), 1, 1, m]
+        negatives = negatives[:, :1, :1]
+    if not bool(valid.all()):  # the plan is on the CPU: no device synchronisation
+        # padding slots use the dummy row -1; negatives of blocks without real positives here too
+        heads = torch.where(valid, heads, -1)
+        tails = torch.where(valid, tails, -1)
+        used = valid.any(dim=-1) if not batch.shared_negatives else valid.any().view(1, 1)
+        negatives = torch.where(used.unsqueeze(0).unsqueeze(-1), negatives, -1)
+    # heads of blocks (l, *), tails of blocks (*, l), this shard's negatives of all blocks
+    head_rows = _offset_rows(topology.select_local(heads, 0), offset)
+    tail_rows = _offset_rows(topology.select_local(tails, 1).transpose(0, 1), offset)
+    negative_rows = _offset_rows(topology.select_local(negatives, 0), offset.unsqueeze(-1))
+    wanted = torch.cat([head_rows.reshape(-1), tail_rows.reshape(-1), negative_rows.reshape(-1)])
+    rows, inverse = torch.unique(wanted, return_inverse=True)
+    first_real = int(rows.numel() > 0 and int(rows[0]) < 0)  # on the CPU
+    lookup = rows.clamp_min(0)
+    # each table's storage tier reads the rows to the compute device
+    leaves = [table.read_rows(lookup).requires_grad_(table.trainable) for table in tables]
+    device = tables[0].compute_device
+    rows, inverse = rows.to(device), inverse.to(device)
+    sizes = [head_rows.numel(), tail_rows.numel(), negative_rows.numel()]
+    head_index, tail_index, negative_index = inverse.split(sizes)
+    return RowGather(
+        rows=rows,
+        leaves=leaves,
+        heads=head_index.view(head_rows.shape),
+        tails=tail_index.view(tail_rows.shape),
+        negatives=negative_index.view(negative_rows.shape),
+        first_real=first_real,
+        first_slot=start,
+    )
 
 
 def select_candidate_type(scores: torch.Tensor, candidate_types: torch.Tensor, n: int, types: int) -> torch.Tensor:

@@ -37,6 +37,7 @@ from ..distributed import Topology
 from ..tables.optim import row_sparse_grad
 from ..tables.representation import ShardedEmbedding
 from ..scoring import SharedCandidateScorer
+from .base import gather_rows
 from .embedding import EmbeddingMovingScheme
 from .lookup import RowLookup
 
@@ -213,7 +214,7 @@ class EncodingLookupScheme(EmbeddingMovingScheme):
         topology = self.topology
         n, part = topology.n_column, topology.local_columns[0]
         # every part's rows, in this process' columns (the owners' side of the lookup)
-        columns = self.gather_from(self.column_tables, batch, 0, batch.block_size)
+        columns = gather_rows(self.column_tables, topology, batch, 0, batch.block_size)
         self._column_leaves = [leaf.detach() for leaf in columns.leaves]
         self._requests = []
         for other in range(n):
