@@ -265,8 +265,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def train(args: argparse.Namespace) -> dict[str, float]:
-    """Run the pipeline for parsed arguments; return the flat metric dictionary."""
+def train(args: argparse.Namespace) -> tuple[dict[str, float], bool]:
+    """Run the pipeline for parsed arguments; return the flat metric dictionary, and whether this process reports it.
+
+    Under a process group every rank trains; the main process of the training loop's topology reports.
+    """
     from pykeen.pipeline import pipeline
 
     from ..distributed import init_from_environment
@@ -281,7 +284,8 @@ def train(args: argparse.Namespace) -> dict[str, float]:
         save_to_directory(result, args.output)  # collective; rank 0 writes the full model
     if "export_pbg" in args:
         export_pbg(result, args.export_pbg)
-    return dict(result.metric_results.to_flat_dict())
+    topology = getattr(result.training_loop, "topology", None)
+    return dict(result.metric_results.to_flat_dict()), topology is None or topology.is_main_process
 
 
 def _configure_logging(verbose: bool) -> None:
@@ -301,10 +305,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "pbg":
             print(run_pbg(args))
         elif args.command == "train":
-            metrics = train(args)
-            from ..distributed import is_main_process
-
-            if is_main_process():
+            metrics, reports = train(args)
+            if reports:
                 if getattr(args, "json", False):
                     print(json.dumps(metrics, indent=2, sort_keys=True))
                 else:

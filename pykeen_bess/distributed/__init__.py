@@ -16,7 +16,7 @@
 * :mod:`~pykeen_bess.distributed.harness`: starting several ranks on one machine (tests, benchmarks).
 """
 
-from .export import export_model, gathered_model, save_to_directory
+from .export import export_model, gathered_model, save_to_directory, writer_topology
 from .launch import default_timeout, in_torchrun, init_from_environment, is_main_process, join_torchrun_group
 from .groups import GROUPINGS, RankLayout, describe_differences
 from .process_group import ColumnTopology, DistributedTopology
@@ -42,4 +42,5 @@ __all__ = [
     "join_torchrun_group",
     "make_topology",
     "save_to_directory",
+    "writer_topology",
 ]

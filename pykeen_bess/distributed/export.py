@@ -2,8 +2,9 @@
 
 After distributed training every rank holds only its shard of the entity tables. The collective
 functions :func:`export_model` and :func:`save_to_directory` gather the tables on the main
-process (through the tables' :class:`~pykeen_bess.distributed.topology.Topology`), which writes an
-ordinary PyKEEN model (``predict_target``, stock evaluation, ``torch.load``).
+process of the writing topology (:func:`writer_topology`: the one passed, the training loop's, or the
+tables'), which alone writes an ordinary PyKEEN model (``predict_target``, stock evaluation,
+``torch.load``); every rank of a whole model's group enters as well, and only its main process writes.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from typing import Any
 
 import torch
 
+from .launch import world_size
 from .lookup import ShardedTable, table_topology
-from .topology import Topology
+from .topology import LocalTopology, Topology
 
 __all__ = [
     "check_whole_model",
@@ -26,7 +28,36 @@ __all__ = [
     "gathered_model",
     "guard_pipeline_results",
     "save_to_directory",
+    "writer_topology",
 ]
+
+
+def writer_topology(model: Any, training_loop: Any = None, topology: Topology | None = None) -> Topology:
+    """Return the processes that write a model's outputs together; its main process writes.
+
+    :param model: the (sharded) model
+    :param training_loop: the loop that trained it (a BESS loop brings its topology)
+    :param topology: the topology to use (wins over the others)
+    :returns: ``topology``, else the training loop's, else the topology of the model's first sharded entity
+        table, else this process alone (a whole model outside a process group)
+    :raises ValueError: for a model that is whole in this process, without a topology, inside a process group of
+        several ranks: every rank would write the same files
+    """
+    if topology is not None:
+        return topology
+    loop_topology = getattr(training_loop, "topology", None)
+    if isinstance(loop_topology, Topology):
+        return loop_topology
+    for representation in model.entity_representations:
+        if isinstance(representation, ShardedTable) and representation.topology is not None:
+            return representation.topology
+    if world_size() > 1:
+        raise ValueError(
+            f"This model is whole in each of the {world_size()} processes and nothing says which one writes: pass "
+            f"the training loop (training_loop=...) or topology=... (e.g. pykeen_bess.distributed.make_topology(), "
+            f"called on every rank), or call this on one rank with topology=LocalTopology(1)."
+        )
+    return LocalTopology(1)
 
 
 def _gather_table(table: ShardedTable, topology: Topology) -> torch.Tensor | None:
@@ -41,23 +72,25 @@ def _gather_table(table: ShardedTable, topology: Topology) -> torch.Tensor | Non
 
 
 @contextlib.contextmanager
-def gathered_model(model: Any) -> Iterator[Any]:
+def gathered_model(model: Any, topology: Topology | None = None) -> Iterator[Any]:
     """Temporarily give the main process the full model (collective: every process must enter).
 
     Inside the block the main process' model has ordinary :class:`pykeen.nn.Embedding` entity
     representations holding all entities; the other processes get None. Afterwards the model is
-    sharded again. A model that is not sharded over processes is yielded as it is.
+    sharded again. Tables sharded over processes are gathered on the main process of their topology; a
+    model that is whole in every process is yielded as it is on the main process of ``topology``.
 
     :param model: a model trained by :class:`~pykeen_bess.training.BessTrainingLoop`
+    :param topology: the processes that write a whole model (default: :func:`writer_topology` of the model)
     :yields: the full model on the main process, None on the others
     """
     tables = [(i, r) for i, r in enumerate(model.entity_representations) if isinstance(r, ShardedTable)]
     if not tables or all(table.holds_all_shards for _, table in tables):
-        yield model
+        yield model if writer_topology(model, topology=topology).is_main_process else None
         return
-    topology = table_topology(tables[0][1])
-    full = [(index, table, _gather_table(table, topology)) for index, table in tables]
-    if not topology.is_main_process:
+    shards = table_topology(tables[0][1])
+    full = [(index, table, _gather_table(table, shards)) for index, table in tables]
+    if not shards.is_main_process:
         yield None
         return
     try:
@@ -74,23 +107,18 @@ def gathered_model(model: Any) -> Iterator[Any]:
             model.entity_representations[index] = table
 
 
-def _barrier(model: Any) -> None:
-    for representation in model.entity_representations:
-        if isinstance(representation, ShardedTable) and not representation.holds_all_shards:
-            table_topology(representation).barrier()
-            return
-
-
-def export_model(model: Any, path: str | os.PathLike) -> None:
+def export_model(model: Any, path: str | os.PathLike, topology: Topology | None = None) -> None:
     """Write the full model to one file on the main process (collective), loadable with ``torch.load``.
 
     :param model: the (sharded) model
     :param path: the file the main process writes
+    :param topology: the processes that write (default: :func:`writer_topology` of the model)
     """
-    with gathered_model(model) as full:
+    writers = writer_topology(model, topology=topology)
+    with gathered_model(model, writers) as full:
         if full is not None:
             torch.save(full, pathlib.Path(path))
-    _barrier(model)
+    writers.barrier()
 
 
 def check_whole_model(model: Any) -> None:
@@ -135,11 +163,12 @@ def guard_pipeline_results() -> None:
 def save_to_directory(result: Any, directory: str | os.PathLike, **kwargs: Any) -> None:
     """Call ``PipelineResult.save_to_directory`` on the main process with the full model (collective).
 
-    :param result: the pipeline's result (on every process)
+    :param result: the pipeline's result (on every process; its training loop's topology says who writes)
     :param directory: the output directory the main process writes
     :param kwargs: passed to :meth:`pykeen.pipeline.PipelineResult.save_to_directory`
     """
-    with gathered_model(result.model) as full:
+    writers = writer_topology(result.model, result.training_loop)
+    with gathered_model(result.model, writers) as full:
         if full is not None:
             result.save_to_directory(directory, **kwargs)
-    _barrier(result.model)
+    writers.barrier()

@@ -25,6 +25,7 @@ __all__ = [
     "init_from_environment",
     "is_main_process",
     "join_torchrun_group",
+    "world_size",
 ]
 
 logger = logging.getLogger(__name__)
@@ -91,5 +92,14 @@ def join_torchrun_group() -> None:
 
 
 def is_main_process() -> bool:
-    """Whether this process is rank 0 of the default group (or not in a group at all)."""
+    """Whether this process is rank 0 of the default group (or not in a group at all).
+
+    The package's own outputs ask a :class:`~pykeen_bess.distributed.Topology` instead (the training
+    loop's, or the one passed to them): its group may be a sub-group of the world.
+    """
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def world_size() -> int:
+    """Return the number of processes of the initialised default group (1 without one)."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

@@ -19,7 +19,7 @@ import logging
 import os
 import pathlib
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 from pykeen.models import ERModel
@@ -32,6 +32,9 @@ from .conversion import DYNAMIC_NAMES, Conversion, conversion_for_model, entity_
 from .graph import TypedGraph, as_typed_graph
 from .inputs import graph_config, write_entities
 from .schema import GraphSchema
+
+if TYPE_CHECKING:
+    from ..distributed.topology import Topology
 
 __all__ = [
     "ENTITY_DIRECTORY",
@@ -167,11 +170,12 @@ def write_checkpoint(
     version: int | None = None,
     training_loop: TrainingLoop | None = None,
     config: Mapping[str, Any] | None = None,
+    topology: Topology | None = None,
 ) -> pathlib.Path:
     """Write a PyKEEN model as a PyTorch-BigGraph 1.0 checkpoint.
 
-    Under a process group (a model trained on ranks stays sharded) every rank must call it; rank 0
-    writes, the rows of each partition are looked up collectively.
+    Under a process group (a model trained on ranks stays sharded) every rank must call it; the main
+    process of the writing topology writes, the rows of each partition are looked up collectively.
 
     :param model: DistMult, TransE with ``scoring_fct_norm=2``, ComplEx, RotatE or RESCAL (any
         ``ERModel`` with their interactions and one entity and one relation representation)
@@ -182,11 +186,14 @@ def write_checkpoint(
     :param training_loop: the BESS loop that trained the model: its completed epochs and, with
         ``optimizer="rowwise_adagrad"``, its per-row state (PyTorch-BigGraph's optimizer blob)
     :param config: more PyTorch-BigGraph config keys (e.g. ``num_epochs``, ``loss_fn``)
+    :param topology: the processes that write together, whose main process writes the files (default: the
+        training loop's, else the model's sharded entity table's, else this process alone:
+        :func:`~pykeen_bess.distributed.export.writer_topology`)
     :returns: the directory
-    :raises ValueError: for a model PyTorch-BigGraph cannot express, a graph that does not fit the model, or
-        a directory holding a newer checkpoint
+    :raises ValueError: for a model PyTorch-BigGraph cannot express, a graph that does not fit the model, a
+        directory holding a newer checkpoint, or a whole model under a process group without a topology
     """
-    from ..distributed import is_main_process
+    from ..distributed.export import writer_topology
 
     typed = as_typed_graph(graph)
     schema = typed.schema
@@ -201,7 +208,7 @@ def write_checkpoint(
     directory = pathlib.Path(directory)
     if version is None:
         version = int(getattr(training_loop, "_epoch", 0) or 0)
-    main = is_main_process()
+    main = writer_topology(model, training_loop, topology).is_main_process
     existing = files.read_version(directory) if directory.is_dir() else 0  # every rank: a shared directory
     if existing > version:
         raise ValueError(f"{directory} holds checkpoint version {existing}, newer than version {version}.")
