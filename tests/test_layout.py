@@ -177,6 +177,25 @@ def test_former_module_names_import_the_moved_modules() -> None:
         importlib.import_module("pykeen_bess.no_such_module")
 
 
+def test_the_epochs_and_steps_see_the_loop_through_what_they_use() -> None:
+    """The epochs are typed against :class:`EpochLoop`; steps and the run's start take explicit parts."""
+    graph = _import_graph()
+    loop_modules = {"pykeen_bess.training.loop", "pykeen_bess.training.parts", "pykeen_bess.training.hooks"}
+    users = {
+        name
+        for name in graph
+        if name.startswith(("pykeen_bess.training.steps", "pykeen_bess.training.epoch"))
+        or name == "pykeen_bess.training.training_run"
+    }
+    assert {"pykeen_bess.training.epochs", "pykeen_bess.training.epoch_steps"} <= users
+    assert {(name, target) for name in users for target in graph[name] & loop_modules} == set()
+    from pykeen_bess.training.epochs import EpochLoop
+
+    members = {name for name in vars(EpochLoop) if not name.startswith(("__", "_abc", "_is_"))}
+    members |= set(EpochLoop.__annotations__)
+    assert len(members) <= 13, sorted(members)
+
+
 #: the loop's own modules: BessTrainingLoop and the classes it is made of
 LOOP_MODULES = {PACKAGE / "training" / name for name in ("loop.py", "parts.py", "hooks.py")}
 LOOP_NAMES = {"loop", "training_loop"}

@@ -4,7 +4,9 @@
   which builds its parts (its setup, optimizer, sampler, scheme and step runner) and trains;
   :mod:`~pykeen_bess.training.hooks`: PyKEEN's hooks of the loop;
 * :mod:`~pykeen_bess.training.epochs`: the epochs (the loop's ``_train``, PyKEEN's structure with its
-  differences named), over the steps of :mod:`~pykeen_bess.training.epoch_steps`;
+  differences named), typed against what they use of the loop (:class:`~.epochs.EpochLoop`), over the
+  steps of :mod:`~pykeen_bess.training.epoch_steps`; :mod:`~pykeen_bess.training.training_run`: what a
+  run builds before its first epoch (callbacks, step sizes, batches, steps);
 * :mod:`pykeen_bess.training.setup`: the validated settings of a run, the checks before any work, the
   partitions as strategies, block sizes, and the set-up assembled from them;
 * :mod:`pykeen_bess.training.steps`: the step of fixed shapes (a GPU replays it as one CUDA graph),

@@ -54,41 +54,74 @@ import os
 import pathlib
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
+import torch
 from pykeen.stoppers import Stopper
-from pykeen.training.callbacks import (
-    LearningRateSchedulerTrainingCallback,
-    MultiTrainingCallback,
-    StopperTrainingCallback,
-    TrackerTrainingCallback,
-    TrainingCallback,
-    TrainingCallbackHint,
-    TrainingCallbackKwargsHint,
-)
-from pykeen.training.training_loop import NonFiniteLossError, NoTrainingBatchError
+from pykeen.training.callbacks import TrainingCallbackHint, TrainingCallbackKwargsHint
+from pykeen.training.training_loop import NonFiniteLossError
 from pykeen.triples import CoreTriplesFactory
 from tqdm.autonotebook import tqdm, trange
 
-from ..data.partition import ShardPairPartition
-from .parts import LoopParts
-from .setup.config import verify_same_configuration
-from .epoch_steps import EpochBatches, EpochPlans, eager_step, make_static_step, static_steps
-from .setup.sizes import block_size_for
-from .steps.static_step import StaticStep, per_step_hooks
+from ..distributed import Topology
+from ..runtime.threads import ThreadPolicy
+from .checkpoints.stores import CheckpointStore
+from .epoch_steps import EpochPlans, eager_step, static_steps
+from .steps.static_step import per_step_hooks
 from .steps.static_update import Clipping
-from .steps.runner import BessOptimizerCallback, GlobalNormClippingCallback, StepRunner, ValueClippingCallback
+from .training_run import TrainingRun, TrainingStart
 
 __all__ = [
-    "EpochBatches",
+    "EpochLoop",
     "run_epochs",
 ]
 
 logger = logging.getLogger(__name__)
 
 
+class EpochLoop(Protocol):
+    """What the epochs use of the training loop (:class:`~pykeen_bess.training.BessTrainingLoop` is one)."""
+
+    #: the trained model
+    model: Any
+    #: the optimizer of the tables and the replicated parameters
+    optimizer: torch.optim.Optimizer
+    #: how many intra-op threads the steps run with
+    thread_policy: ThreadPolicy
+    #: the last completed epoch
+    _epoch: int
+    #: the mean step loss of every completed epoch
+    losses_per_epochs: list[float]
+    #: set by PyKEEN's stopper callback to end training
+    _should_stop: bool
+
+    @property
+    def device(self) -> torch.device:
+        """The device the steps run on."""
+
+    @property
+    def topology(self) -> Topology:
+        """The processes that train together."""
+
+    @property
+    def checkpoints(self) -> CheckpointStore:
+        """The checkpoint store (the failure checkpoint)."""
+
+    def start_training(self, triples_factory: CoreTriplesFactory, start: TrainingStart) -> TrainingRun:
+        """Build the run's batches, steps and callbacks before its first epoch."""
+
+    def finish_epoch(self, epoch: int, loss: float) -> None:
+        """Record a completed epoch."""
+
+    def _save_state(self, path: Any, stopper: Stopper | None, best: Any, triples_factory: CoreTriplesFactory) -> None:
+        """Write a checkpoint (PyKEEN's hook)."""
+
+    def _load_state(self, path: Any) -> Any:
+        """Load a checkpoint (PyKEEN's hook)."""
+
+
 def run_epochs(
-    loop: LoopParts,
+    loop: EpochLoop,
     triples_factory: CoreTriplesFactory,
     num_epochs: int = 1,
     batch_size: int | None = None,
@@ -117,53 +150,22 @@ def run_epochs(
     gradient_clipping_max_abs_value: float | None = None,
     pin_memory: bool = True,
 ) -> list[float] | None:
-    """Train a :class:`~pykeen_bess.training.BessTrainingLoop` for its epochs (the arguments of PyKEEN's ``_train``).
+    """Train a loop for its epochs (the arguments of PyKEEN's ``_train``); the loop builds the run's parts first.
 
     PyKEEN's ``TrainingLoop._train`` in its order; the numbers name the differences of the module docstring.
     """
-    partition = loop.partition(triples_factory)
-    _refuse_what_does_not_apply(slice_size, sampler, num_workers, drop_last, batch_size, partition)  # 6.
     topology = loop.topology
     best = best_epoch_model_file_path if last_best_epoch is not None else None
-    callback = _pykeen_callbacks(  # 5.
-        loop, triples_factory, callbacks, callbacks_kwargs, stopper, last_best_epoch, best_epoch_model_file_path
-    )
-    if topology.is_distributed:  # every rank trains with the same settings
-        arguments: dict[str, Any] = dict(num_epochs=num_epochs, batch_size=batch_size, sub_batch_size=sub_batch_size)
-        arguments.update(label_smoothing=label_smoothing, continue_training=continue_training)
-        # the static and the eager step, and clipping, run different collectives
-        arguments.update(static_step=loop.static_step, gradient_clipping_max_norm=gradient_clipping_max_norm)
-        arguments.update(gradient_clipping_norm_type=gradient_clipping_norm_type)
-        arguments.update(gradient_clipping_max_abs_value=gradient_clipping_max_abs_value)
-        verify_same_configuration(topology, loop.run_configuration(triples_factory, **arguments))
-    _reset_or_continue(loop, continue_training)
-    block_size, sub_block_size = _step_sizes(  # 4.
-        loop, partition, batch_size, sub_batch_size, label_smoothing, probing=only_size_probing or continue_training
-    )
-    batches = loop.epoch_batches(triples_factory, batch_size=block_size * topology.n_shard**2)
-    runner = loop.make_runner(block_size)
     clipping = Clipping(gradient_clipping_max_norm, gradient_clipping_norm_type, gradient_clipping_max_abs_value)
-    static = make_static_step(
-        loop.static_step,
-        type(loop).__name__ if loop.overrides_process_batch else None,
-        loop.optimizer,
-        loop.tables,
-        loop.model,
-        loop.settings.memory_budget,
-        runner,
-        batches,
-        block_size,
-        sub_block_size,
-        label_smoothing,
-        clipping,
-        only_size_probing,
-    )
-    loop.use_steps(runner, static)
-    _register_step_callbacks(loop, callback, runner, clipping, eager=static is None)  # 3.
-    callback.register_training_loop(loop)
-    if topology.is_main_process and not only_size_probing:
-        _log_plan(loop, batches, runner, block_size, sub_block_size)
-    plans = EpochPlans(batches.sampler, static, loop._epoch + 1, num_epochs) if static is not None else None
+    start = TrainingStart(
+        num_epochs, batch_size, sub_batch_size, label_smoothing, continue_training, only_size_probing, clipping,
+        callbacks, callbacks_kwargs, stopper, last_best_epoch, best_epoch_model_file_path,
+        slice_size, sampler, num_workers, drop_last,
+    )  # fmt: skip
+    run = loop.start_training(triples_factory, start)  # 3.-6.
+    callback = run.callback
+    static = run.static
+    plans = EpochPlans(run.batches.sampler, static, loop._epoch + 1, num_epochs) if static is not None else None
     show = use_tqdm and topology.is_main_process and not only_size_probing  # 5.
     epochs = trange(
         loop._epoch + 1,
@@ -177,10 +179,7 @@ def run_epochs(
         for epoch in epochs:
             try:
                 loop.model.train()
-                epoch_loss = _run_epoch(
-                    loop, runner, callback, batches, static, plans, epoch, sub_block_size, label_smoothing,
-                    show and use_tqdm_batch, only_size_probing,
-                )  # fmt: skip
+                epoch_loss = _run_epoch(loop, run, plans, epoch, show and use_tqdm_batch, only_size_probing)
                 if epoch_loss is None:  # size probing: one step
                     return None
                 previous = loop.losses_per_epochs[-1] if loop.losses_per_epochs else float("nan")
@@ -212,215 +211,39 @@ def run_epochs(
     return loop.losses_per_epochs
 
 
-def _pykeen_callbacks(
-    loop: LoopParts,
-    triples_factory: CoreTriplesFactory,
-    callbacks: TrainingCallbackHint,
-    callbacks_kwargs: TrainingCallbackKwargsHint,
-    stopper: Stopper | None,
-    last_best_epoch: int | None,
-    best_epoch_model_file_path: pathlib.Path | None,
-) -> MultiTrainingCallback:
-    """Return the user's callbacks, the tracker's (difference 5: main process only) and the stopper's, as PyKEEN's."""
-    callback = MultiTrainingCallback(callbacks=callbacks, callbacks_kwargs=callbacks_kwargs)
-    if loop.result_tracker is not None and loop.topology.is_main_process:
-        callback.register_callback(TrackerTrainingCallback())
-    if stopper is not None:
-        callback.register_callback(
-            RowShardStopperCallback(  # 9.
-                stopper,
-                triples_factory=triples_factory,
-                last_best_epoch=last_best_epoch,
-                best_epoch_model_file_path=best_epoch_model_file_path,
-            )
-        )
-    return callback
-
-
-class RowShardStopperCallback(StopperTrainingCallback):
-    """PyKEEN's stopper callback; it evaluates the model with the tables as row shards (difference 9)."""
-
-    def post_epoch(self, epoch: int, epoch_loss: float, **kwargs: Any) -> None:
-        """Evaluate (and keep the best epoch) as PyKEEN does, the model holding row shards meanwhile."""
-        if not self.stopper.should_evaluate(epoch):
-            super().post_epoch(epoch=epoch, epoch_loss=epoch_loss, **kwargs)
-            return
-        loop = self.training_loop
-        tables = loop.tables  # type: ignore[attr-defined]
-        # written back: PyKEEN's EarlyStopper loads the best epoch's weights into the model when it stops;
-        # it keeps them as the model's state dict, in which tables in files must be values, not the live files
-        with tables.row_shards(loop.optimizer, write=True), tables.values_in_state_dict():
-            super().post_epoch(epoch=epoch, epoch_loss=epoch_loss, **kwargs)
-
-
-def _refuse_what_does_not_apply(
-    slice_size: int | None,
-    sampler: str | None,
-    num_workers: int | None,
-    drop_last: bool | None,
-    batch_size: int | None,
-    partition: ShardPairPartition,
-) -> None:
-    """Difference 6: BESS draws its own balanced, padded batches in the main process.
-
-    :raises ValueError: for ``slice_size`` or a ``sampler``
-    :raises NoTrainingBatchError: for ``drop_last=True`` with a batch larger than the training triples
-    """
-    if slice_size is not None:
-        raise ValueError("BessTrainingLoop does not support slice_size; use sub_batch_size.")
-    if sampler is not None:
-        raise ValueError(f"BessTrainingLoop draws its own balanced batches; sampler={sampler!r} is not supported.")
-    if num_workers:
-        logger.info("num_workers has no effect: BESS sampling is vectorised in the main process.")
-    if drop_last:
-        if batch_size is not None and batch_size > partition.num_triples:
-            # PyKEEN's data loader would drop its only, incomplete batch: no batch at all
-            raise NoTrainingBatchError()
-        logger.info("drop_last has no effect: BESS steps never have incomplete batches (they are padded).")
-
-
-def _reset_or_continue(loop: LoopParts, continue_training: bool) -> None:
-    """Fresh parameters and optimizer unless training continues, as PyKEEN does (over the shard tables).
-
-    :raises ValueError: for ``continue_training`` of a loop that never trained
-    """
-    if continue_training:
-        if not loop.optimizer.state and not loop.resumed_from_pbg:
-            raise ValueError("Cannot continue_training without being trained once.")
-        return
-    loop.model.reset_parameters_()
-    loop.tables.constrain_all()  # the loop defers the tables' constraints; apply them once to all rows
-    for parameter in loop.tables.replicated_parameters():  # replicated: every process starts from rank 0's
-        loop.topology.broadcast_(parameter)
-    loop.tables.now_hold_weights()
-    loop.fresh_optimizer()
-
-
-def _step_sizes(
-    loop: LoopParts,
-    partition: ShardPairPartition,
-    batch_size: int | None,
-    sub_batch_size: int | None,
-    label_smoothing: float,
-    probing: bool,
-) -> tuple[int, int]:
-    """Difference 4: slots per block and per sub-batch; ``batch_size=None`` searches on the CPU too.
-
-    The batch size is logged to the result tracker as it trains, after rounding (an HPO study records
-    the values it suggested).
-    """
-    n2 = loop.topology.n_shard**2
-    if batch_size is None:
-        if loop.automatic_memory_optimization:
-            batch_size = loop.sizes.batch_size(partition, label_smoothing, loop.device)
-        else:
-            batch_size = 256
-            logger.info("No batch_size provided. Setting batch_size=%d.", batch_size)
-    block_size = block_size_for(batch_size, loop.topology.n_shard)
-    if sub_batch_size is not None:
-        sub_block_size = max(1, min(block_size, sub_batch_size // n2))
-    elif loop.automatic_memory_optimization and not probing:
-        sub_block_size = loop.sizes.sub_block_size(partition, block_size, label_smoothing, loop.device)
-    else:
-        sub_block_size = block_size
-    return block_size, sub_block_size
-
-
-def _register_step_callbacks(
-    loop: LoopParts, callback: MultiTrainingCallback, runner: StepRunner, clipping: Clipping, eager: bool
-) -> None:
-    """Difference 3: BESS's optimizer step (gradients of gathered rows to the tables, global-norm clipping).
-
-    The static step updates and clips within the step; the eager step's optimizer step is a callback.
-    """
-    if eager:
-        pre_step: list[TrainingCallback] = []
-        if clipping.max_norm is not None:
-            pre_step.append(
-                GlobalNormClippingCallback(loop.tables, loop.topology, clipping.max_norm, clipping.norm_type)
-            )
-        if clipping.max_abs_value is not None:
-            pre_step.append(ValueClippingCallback(loop.tables, clipping.max_abs_value))
-        callback.register_callback(
-            BessOptimizerCallback(runner, loop.tables, pre_step, constrain_rows=not loop.config.sparse_updates)
-        )
-    if loop.lr_scheduler is not None:
-        callback.register_callback(LearningRateSchedulerTrainingCallback())
-
-
-def _log_plan(loop: LoopParts, batches: EpochBatches, runner: StepRunner, block_size: int, sub_block_size: int) -> None:
-    """Log the steps of an epoch, the trained sizes (to the result tracker too) and the rows a step moves."""
-    topology, sampler = loop.topology, batches.sampler
-    if loop.result_tracker is not None:
-        trained = dict(batch_size=block_size * topology.n_shard**2, num_negs_per_pos=loop.config.num_negs_per_pos)
-        loop.result_tracker.log_params(params=dict(bess=dict(trained, num_shards=topology.n_shard)))
-    logger.info(
-        "BESS: %d steps per epoch of %d blocks x %d slots (sub-batches of %d), %d negatives per positive "
-        "(%d per shard), exchange=%s, padding %.1f%%",
-        len(batches),
-        topology.n_shard**2,
-        block_size,
-        sub_block_size,
-        loop.config.num_negs_per_pos,
-        sampler.negatives_per_shard,
-        type(runner.scheme).get_name(),
-        100 * sampler.padding_fraction,
-    )
-    # a step's rows: heads and tails of the local blocks, the local shards' negatives of all blocks
-    n, local = topology.n_shard, topology.n_local
-    negative_sets = 1 if sampler.shares_negatives else n * n
-    step_rows = min(local * (2 * n * block_size + negative_sets * sampler.negatives_per_shard), loop.memory_plan.rows)
-    logger.info(
-        "BESS storage %s: at most %d unique rows per step and table set, %.1f MiB moved from the tier per "
-        "step (and back); %s",
-        loop.tables.storage.describe(),
-        step_rows,
-        loop.memory_plan.step_bytes(step_rows) / 2**20,
-        loop.memory_plan.describe(),
-    )
-
-
 def _run_epoch(
-    loop: LoopParts,
-    runner: StepRunner,
-    callback: MultiTrainingCallback,
-    batches: EpochBatches,
-    static: StaticStep | None,
-    plans: EpochPlans | None,
-    epoch: int,
-    sub_block_size: int,
-    label_smoothing: float,
-    show: bool,
-    only_size_probing: bool,
+    loop: EpochLoop, run: TrainingRun, plans: EpochPlans | None, epoch: int, show: bool, only_size_probing: bool
 ) -> float | None:
     """Run the steps of one epoch; return the mean step loss (None after the one step of a size probe).
 
     The steps run as static steps where there is one, else eagerly (difference 2: ``on_batch`` gets each
     step's loss once).
     """
+    batches, callback = run.batches, run.callback
     progress = tqdm(
         total=len(batches), desc=f"Training batches on {loop.device}", leave=False, unit="batch", disable=not show
     )
     with progress:
-        if static is not None:
+        if run.static is not None:
             assert plans is not None
             _, fields = plans.get(epoch)
             per_step = callback if per_step_hooks(callback.callbacks) else None
-            epoch_loss = static_steps(static, epoch, len(batches), fields, progress, per_step, loop.thread_policy.unit)
+            epoch_loss = static_steps(
+                run.static, epoch, len(batches), fields, progress, per_step, loop.thread_policy.unit
+            )
             return epoch_loss / len(batches)
         epoch_loss = 0.0
-        process_batch = loop._process_batch if loop.overrides_process_batch else None
         for batch in batches.epoch(epoch):
             with loop.thread_policy.unit():
                 epoch_loss += eager_step(
-                    runner,
+                    run.runner,
                     callback,
                     batch,
-                    sub_block_size,
-                    label_smoothing,
+                    run.sub_block_size,
+                    run.label_smoothing,
                     len(batches),
                     loop.optimizer,
-                    process_batch,
+                    run.process_batch,
                 )
             progress.update(1)
             if only_size_probing:
@@ -429,7 +252,7 @@ def _run_epoch(
 
 
 def _after_failure(
-    loop: LoopParts,
+    loop: EpochLoop,
     error: BaseException,
     epoch: int,
     checkpoint_on_failure_file_path: None | str | pathlib.Path,
@@ -448,7 +271,7 @@ def _after_failure(
         )
 
 
-def _restore_best(loop: LoopParts, best_epoch_model_file_path: pathlib.Path | None) -> None:
+def _restore_best(loop: EpochLoop, best_epoch_model_file_path: pathlib.Path | None) -> None:
     """Load the best epoch's model the stopper kept, and delete its temporary file (as PyKEEN does)."""
     if best_epoch_model_file_path is not None:
         loop._load_state(path=best_epoch_model_file_path)

@@ -26,7 +26,17 @@ from ..data.sampling import BessSampler
 from ..schemes import ExchangeScheme
 from ..nn.loss import partition_weights
 from ..runtime.threads import ThreadPolicy
-from .epoch_steps import EpochBatches
+from .epoch_steps import EpochBatches, make_static_step
+from .setup.config import verify_same_configuration
+from .training_run import (
+    TrainingRun,
+    TrainingStart,
+    log_plan,
+    pykeen_callbacks,
+    refuse_what_does_not_apply,
+    register_step_callbacks,
+    step_sizes,
+)
 from .setup.assembly import assemble, checkpoint_seed_to_adopt, choose_partition, make_sampler, make_scheme
 from .hooks import PyKEENHooks
 from .steps.runner import StepRunner, held_terms
@@ -85,6 +95,68 @@ class LoopParts(PyKEENHooks):
         if from_pbg:
             self.losses_per_epochs = []
         self.resumed_from_pbg = from_pbg
+
+    def reset_or_continue(self, continue_training: bool) -> None:
+        """Fresh parameters and optimizer unless training continues, as PyKEEN does (over the shard tables).
+
+        :raises ValueError: for ``continue_training`` of a loop that never trained
+        """
+        if continue_training:
+            if not self.optimizer.state and not self.resumed_from_pbg:
+                raise ValueError("Cannot continue_training without being trained once.")
+            return
+        self.model.reset_parameters_()
+        self.tables.constrain_all()  # the loop defers the tables' constraints; apply them once to all rows
+        for parameter in self.tables.replicated_parameters():  # replicated: every process starts from rank 0's
+            self.topology.broadcast_(parameter)
+        self.tables.now_hold_weights()
+        self.fresh_optimizer()
+
+    def start_training(self, triples_factory: CoreTriplesFactory, start: TrainingStart) -> TrainingRun:
+        """Build what the epochs of one ``train()`` call use, in PyKEEN's ``_train`` order (:mod:`.training_run`).
+
+        :param triples_factory: the training triples
+        :param start: the ``train()`` arguments that shape the run
+        :returns: the run's callbacks, batches and steps (the static step, where it applies, in use)
+        """
+        partition = self.partition(triples_factory)
+        refuse_what_does_not_apply(  # 6.
+            start.slice_size, start.sampler, start.num_workers, start.drop_last, start.batch_size, partition
+        )
+        topology = self.topology
+        callbacks = pykeen_callbacks(  # 5.
+            self.result_tracker, topology, triples_factory, start.callbacks, start.callbacks_kwargs, start.stopper,
+            start.last_best_epoch, start.best_epoch_model_file_path,
+        )  # fmt: skip
+        if topology.is_distributed:  # every rank trains with the same settings
+            verify_same_configuration(
+                topology, self.run_configuration(triples_factory, static_step=self.static_step, **start.shared())
+            )
+        self.reset_or_continue(start.continue_training)
+        block_size, sub_block_size = step_sizes(  # 4.
+            self.sizes, topology, self.device, self.automatic_memory_optimization, partition, start.batch_size,
+            start.sub_batch_size, start.label_smoothing, probing=start.only_size_probing or start.continue_training,
+        )  # fmt: skip
+        batches = self.epoch_batches(triples_factory, batch_size=block_size * topology.n_shard**2)
+        runner = self.make_runner(block_size)
+        loop_name = type(self).__name__ if self.overrides_process_batch else None
+        static = make_static_step(
+            self.static_step, loop_name, self.optimizer, self.tables, self.model, self.settings.memory_budget, runner,
+            batches, block_size, sub_block_size, start.label_smoothing, start.clipping, start.only_size_probing,
+        )  # fmt: skip
+        self.use_steps(runner, static)
+        register_step_callbacks(  # 3.
+            callbacks, runner, self.tables, topology, start.clipping, static is None, self.config.sparse_updates,
+            self.lr_scheduler,
+        )  # fmt: skip
+        callbacks.register_training_loop(self)
+        if topology.is_main_process and not start.only_size_probing:
+            log_plan(
+                topology, self.config, self.tables, self.memory_plan, self.result_tracker, batches, runner,
+                block_size, sub_block_size,
+            )  # fmt: skip
+        process_batch = self._process_batch if self.overrides_process_batch else None
+        return TrainingRun(callbacks, batches, runner, static, sub_block_size, start.label_smoothing, process_batch)
 
     def probe_step(
         self,
