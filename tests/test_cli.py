@@ -48,6 +48,22 @@ def test_help_and_argument_errors_come_before_torch_and_pykeen_are_imported(argu
     assert result.stderr.strip().splitlines()[-1] == f"exit {status} False False", result.stderr
 
 
+def test_without_verbose_pykeen_logs_warnings_only() -> None:
+    """Importing PyKEEN sets its logger to INFO; the command line sets the level after that import (a fresh process)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import logging\n"
+        "from pykeen_bess.cli import _configure_logging\n"
+        "_configure_logging(False)\n"
+        "import pykeen.pipeline\n"
+        "print(logging.getLogger('pykeen.triples.triples_factory').isEnabledFor(logging.INFO))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.stdout.strip() == "False", result.stderr
+
+
 def test_lr_help_says_the_default_differs_from_pipeline() -> None:
     train = build_parser()._subparsers._group_actions[0].choices["train"]  # type: ignore[union-attr]
     text = " ".join(train.format_help().split())

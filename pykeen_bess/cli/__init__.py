@@ -289,6 +289,8 @@ def train(args: argparse.Namespace) -> tuple[dict[str, float], bool]:
 
 
 def _configure_logging(verbose: bool) -> None:
+    import pykeen  # noqa: F401 - importing PyKEEN sets its logger to INFO: set the level after that
+
     level = logging.INFO if verbose else logging.WARNING
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     for name in ("pykeen", "pykeen_bess"):
