@@ -111,22 +111,39 @@ def first_imports() -> list[str]:
 
 
 def test_registered_whatever_is_imported_first() -> None:
-    """Every lookup finds the plugin after any first import (two fresh interpreters at a time)."""
-    import concurrent.futures
+    """Every lookup finds the plugin after any first PyKEEN import.
 
+    Each program runs in a child forked from an interpreter that has loaded PyKEEN's dependencies (torch,
+    pandas, ...) but no module of PyKEEN or of the plugin (:mod:`forked_programs`): the first PyKEEN
+    import of every program is its own, at a second each instead of a fresh interpreter's five.
+    """
     firsts = first_imports()
-
-    def run(index: int) -> str | None:
-        code = lookup_program(firsts[index], index % len(LOOKUPS))
-        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-        if result.returncode != 0 or "OK" not in result.stdout or "could not" in result.stderr:
-            return f"{firsts[index]!r}:\n{result.stderr[-1500:]}"
-        return None
-
-    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        failures = [failure for failure in pool.map(run, range(len(firsts))) if failure]
-    assert len(firsts) > 35
+    programs = [lookup_program(first, index % len(LOOKUPS)) for index, first in enumerate(firsts)]
+    driver = pathlib.Path(__file__).parent / "forked_programs.py"
+    result = subprocess.run(
+        [sys.executable, str(driver)], input=json.dumps(programs), capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    outcomes = json.loads(result.stdout.strip().splitlines()[-1])
+    failures = [
+        f"{first!r}:\n{outcome['output'][-1500:]}"
+        for first, outcome in zip(firsts, outcomes)
+        if outcome["status"] != 0 or "OK" not in outcome["output"] or "could not" in outcome["output"]
+    ]
+    assert len(firsts) > 35 and len(outcomes) == len(firsts)
     assert not failures, "\n\n".join(failures)
+
+
+def test_a_forked_program_that_fails_is_reported() -> None:
+    """The forked runner reports a failing program's status and output (the check above can fail)."""
+    driver = pathlib.Path(__file__).parent / "forked_programs.py"
+    programs = ["print('fine')", "import pykeen.training\nraise ValueError('broken')"]
+    result = subprocess.run(
+        [sys.executable, str(driver)], input=json.dumps(programs), capture_output=True, text=True, timeout=600
+    )
+    fine, broken = json.loads(result.stdout.strip().splitlines()[-1])
+    assert (fine["status"], fine["output"]) == (0, "fine\n")
+    assert broken["status"] == 1 and "ValueError: broken" in broken["output"]
 
 
 def test_registration_is_idempotent() -> None:
