@@ -1,18 +1,17 @@
 """Every code block of the docs runs as written, as the README's do (``tests/test_readme.py``).
 
-Each Markdown page's ```python blocks (each in a fresh interpreter) and the single-process
-``python -m pykeen_bess train`` lines of its ```bash blocks run in order in one temporary directory
-per page, so a block may use the files an earlier block of its page wrote. Blocks the README has
+Each Markdown page's ```python blocks and the single-process ``python -m pykeen_bess train`` lines of
+its ```bash blocks run in order in one temporary directory per page, so a block may use the files an
+earlier block of its page wrote; each runs as a fresh interpreter would, in a child forked from one
+that has imported PyKEEN and the plugin (the README's blocks run in fresh interpreters). Blocks the README has
 too run there only. ``torchrun`` lines are run by ``tests/distributed`` and the ``pbg`` commands by
 ``tests/pbg``, not here.
 """
 
 from __future__ import annotations
 
-import os
 import pathlib
 import re
-import subprocess
 import sys
 
 import pytest
@@ -54,28 +53,37 @@ def test_the_docs_have_snippets() -> None:
         assert PAGES[page], page
 
 
-def run_snippet(kind: str, code: str, cwd: pathlib.Path) -> subprocess.CompletedProcess[str]:
+def snippet_step(kind: str, code: str, cwd: pathlib.Path) -> dict[str, object]:
+    """A snippet as a step of :mod:`forked_programs`: Python code, or ``python -m ...`` with ``--quiet``."""
     if kind == "python":
-        arguments = [sys.executable, "-c", code]
-    else:
-        arguments = [sys.executable, *code.split()[1:], "--quiet"]
-    return subprocess.run(
-        arguments,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=cwd,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-    )
+        return dict(code=code, cwd=str(cwd))
+    module, *arguments = code.split()[2:]  # "python -m MODULE ARGUMENTS"
+    return dict(module=module, argv=[*arguments, "--quiet"], cwd=str(cwd))
+
+
+@pytest.fixture(scope="module")
+def page_outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
+    """Every page's snippets, run in order in one folder per page, each page beside the others.
+
+    Each snippet runs in a child forked from an interpreter that has imported PyKEEN and the plugin
+    (:mod:`forked_programs`): a fresh interpreter's start, not the snippet, was most of its time.
+    """
+    from forked_programs import run_chains
+
+    pages = [page for page, found in PAGES.items() if found]
+    chains = []
+    for page in pages:
+        folder = tmp_path_factory.mktemp(page.replace("/", "-").removesuffix(".md"))
+        chains.append([snippet_step(kind, code, folder) for kind, code in PAGES[page]])
+    return dict(zip(pages, run_chains(chains, preload="plugin", OMP_NUM_THREADS="1")))
 
 
 @pytest.mark.parametrize("page", [page for page, found in PAGES.items() if found])
-def test_page_snippets(page: str, tmp_path: pathlib.Path) -> None:
-    for index, (kind, code) in enumerate(PAGES[page]):
-        result = run_snippet(kind, code, tmp_path)
-        assert result.returncode == 0, f"{page}, snippet {index}:\n{code}\n{result.stderr[-3000:]}"
+def test_page_snippets(page: str, page_outcomes: dict[str, list[dict]]) -> None:
+    for index, ((kind, code), outcome) in enumerate(zip(PAGES[page], page_outcomes[page], strict=True)):
+        assert outcome["status"] == 0, f"{page}, snippet {index}:\n{code}\n{outcome['stderr'][-3000:]}"
         if kind == "command":
-            assert "MRR" in result.stdout, f"{page}, snippet {index}: {code}\n{result.stdout[-2000:]}"
+            assert "MRR" in outcome["stdout"], f"{page}, snippet {index}: {code}\n{outcome['stdout'][-2000:]}"
 
 
 def test_missing_result_files_give_a_note(tmp_path: pathlib.Path) -> None:

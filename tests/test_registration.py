@@ -1,16 +1,13 @@
-"""Registration in PyKEEN's resolvers, with and without ``import pykeen_bess`` (fresh interpreters)."""
+"""Registration in PyKEEN's resolvers, with and without ``import pykeen_bess``, in processes started without PyKEEN."""
 
 from __future__ import annotations
 
 import json
 import pathlib
-import subprocess
-import sys
-import textwrap
 
 import pytest
 
-pytestmark = pytest.mark.slow  # fresh interpreters
+pytestmark = pytest.mark.slow  # other processes
 
 CHECK_ALL = """
 from pykeen.training import training_loop_resolver
@@ -34,15 +31,6 @@ assert loss_resolver.lookup("weightednssa") is pykeen_bess.nn.loss.WeightedNSSAL
 assert loss_weighter_resolver.lookup("subsampling") is pykeen_bess.nn.loss.SubsamplingLossWeighter
 print("OK")
 """
-
-
-def run_python(code: str, cwd: pathlib.Path | None = None) -> subprocess.CompletedProcess:
-    """Run code in a fresh interpreter; fail with its output if it fails."""
-    result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300, cwd=cwd
-    )
-    assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
-    return result
 
 
 #: what each lookup must return: (module, resolver, key, plugin module, class)
@@ -117,45 +105,46 @@ def test_registered_whatever_is_imported_first() -> None:
     pandas, ...) but no module of PyKEEN or of the plugin (:mod:`forked_programs`): the first PyKEEN
     import of every program is its own, at a second each instead of a fresh interpreter's five.
     """
+    from forked_programs import run_chains
+
     firsts = first_imports()
-    programs = [lookup_program(first, index % len(LOOKUPS)) for index, first in enumerate(firsts)]
-    driver = pathlib.Path(__file__).parent / "forked_programs.py"
-    result = subprocess.run(
-        [sys.executable, str(driver)], input=json.dumps(programs), capture_output=True, text=True, timeout=600
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    outcomes = json.loads(result.stdout.strip().splitlines()[-1])
+    outcomes = run_chains([[dict(code=lookup_program(first, i % len(LOOKUPS)))] for i, first in enumerate(firsts)])
     failures = [
-        f"{first!r}:\n{outcome['output'][-1500:]}"
-        for first, outcome in zip(firsts, outcomes)
-        if outcome["status"] != 0 or "OK" not in outcome["output"] or "could not" in outcome["output"]
+        f"{first!r}:\n{outcome['stderr'][-1500:]}"
+        for first, (outcome,) in zip(firsts, outcomes)
+        if outcome["status"] != 0 or "OK" not in outcome["stdout"] or "could not" in outcome["stderr"]
     ]
     assert len(firsts) > 35 and len(outcomes) == len(firsts)
     assert not failures, "\n\n".join(failures)
 
 
-def test_a_forked_program_that_fails_is_reported() -> None:
-    """The forked runner reports a failing program's status and output (the check above can fail)."""
-    driver = pathlib.Path(__file__).parent / "forked_programs.py"
-    programs = ["print('fine')", "import pykeen.training\nraise ValueError('broken')"]
-    result = subprocess.run(
-        [sys.executable, str(driver)], input=json.dumps(programs), capture_output=True, text=True, timeout=600
-    )
-    fine, broken = json.loads(result.stdout.strip().splitlines()[-1])
-    assert (fine["status"], fine["output"]) == (0, "fine\n")
-    assert broken["status"] == 1 and "ValueError: broken" in broken["output"]
+def test_forked_programs_report_statuses_and_output(tmp_path: pathlib.Path) -> None:
+    """The forked runner runs a chain's steps in order, in their folder, and reports failures (the check can fail)."""
+    from forked_programs import run_chains
+
+    chains = [
+        [
+            dict(code="open('a.txt', 'w').write('x')", cwd=str(tmp_path)),
+            dict(code="print(open('a.txt').read())", cwd=str(tmp_path)),
+        ],
+        [dict(code="import pykeen.training\nraise ValueError('broken')"), dict(module="json.tool", argv=["--help"])],
+    ]
+    (written, read), (broken, module) = run_chains(chains)
+    assert written["status"] == 0 and (read["status"], read["stdout"]) == (0, "x\n")
+    assert broken["status"] == 1 and "ValueError: broken" in broken["stderr"]
+    assert module["status"] == 0 and "usage" in module["stdout"]
 
 
-def test_registration_is_idempotent() -> None:
-    code = """
-    import importlib
-    import pykeen_bess
-    from pykeen_bess.registration import register
-    register(); register()
-    importlib.reload(pykeen_bess)
+IDEMPOTENT = (
     """
-    run_python(textwrap.dedent(code) + CHECK_ALL)
-
+import importlib
+import pykeen_bess
+from pykeen_bess.registration import register
+register(); register()
+importlib.reload(pykeen_bess)
+"""
+    + CHECK_ALL
+)
 
 PIPELINE_CONFIG = dict(
     dataset="nations",
@@ -170,47 +159,62 @@ PIPELINE_CONFIG = dict(
     random_seed=0,
 )
 
+PIPELINE_WITHOUT_IMPORT = f"""
+from pykeen.pipeline import pipeline, pipeline_from_config
+config = {PIPELINE_CONFIG!r}
+result = pipeline(**config)
+assert type(result.training_loop).__name__ == "BessTrainingLoop"
+result = pipeline_from_config(dict(metadata=dict(title="bess"), pipeline=config))
+assert 0 < result.get_metric("mrr") <= 1
+"""
 
-def test_pipeline_and_config_without_import() -> None:
-    run_python(
-        f"""
-        from pykeen.pipeline import pipeline, pipeline_from_config
-        config = {PIPELINE_CONFIG!r}
-        result = pipeline(**config)
-        assert type(result.training_loop).__name__ == "BessTrainingLoop"
-        result = pipeline_from_config(dict(metadata=dict(title="bess"), pipeline=config))
-        assert 0 < result.get_metric("mrr") <= 1
-        """
-    )
-
-
-def test_hpo_pipeline_without_import() -> None:
-    run_python(
-        """
-        from pykeen.hpo import hpo_pipeline
-        result = hpo_pipeline(
-            dataset="nations", model="DistMult", model_kwargs=dict(embedding_dim=8),
-            training_loop="bess", training_loop_kwargs=dict(num_shards=2), evaluator="bess",
-            training_kwargs=dict(num_epochs=1, use_tqdm=False),
-            training_kwargs_ranges=dict(batch_size=dict(type=int, low=6, high=7, scale="power_two"),
-                                        num_negs_per_pos=dict(type=int, low=1, high=2, scale="power_two")),
-            evaluation_kwargs=dict(use_tqdm=False), n_trials=2,
-        )
-        trials = result.study.trials
-        assert len(trials) == 2 and all(t.state.name == "COMPLETE" for t in trials), trials
-        assert all("training.num_negs_per_pos" in t.params for t in trials), trials[0].params
-        """
-    )
+HPO_WITHOUT_IMPORT = """
+from pykeen.hpo import hpo_pipeline
+result = hpo_pipeline(
+    dataset="nations", model="DistMult", model_kwargs=dict(embedding_dim=8),
+    training_loop="bess", training_loop_kwargs=dict(num_shards=2), evaluator="bess",
+    training_kwargs=dict(num_epochs=1, use_tqdm=False),
+    training_kwargs_ranges=dict(batch_size=dict(type=int, low=6, high=7, scale="power_two"),
+                                num_negs_per_pos=dict(type=int, low=1, high=2, scale="power_two")),
+    evaluation_kwargs=dict(use_tqdm=False), n_trials=2,
+)
+trials = result.study.trials
+assert len(trials) == 2 and all(t.state.name == "COMPLETE" for t in trials), trials
+assert all("training.num_negs_per_pos" in t.params for t in trials), trials[0].params
+"""
 
 
-def test_pykeen_command_line_without_import(tmp_path: pathlib.Path) -> None:
-    config = tmp_path / "bess.json"
+@pytest.fixture(scope="module")
+def programs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """The programs below, each in a child forked from an interpreter without PyKEEN or the plugin loaded."""
+    from forked_programs import run_chains
+
+    folder = tmp_path_factory.mktemp("pykeen-cli")
+    config = folder / "bess.json"
     config.write_text(json.dumps(dict(metadata=dict(title="bess"), pipeline=PIPELINE_CONFIG)))
-    result = subprocess.run(
-        [sys.executable, "-m", "pykeen", "experiments", "run", str(config), "-d", str(tmp_path / "out")],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    steps = dict(
+        idempotent=dict(code=IDEMPOTENT),
+        pipeline=dict(code=PIPELINE_WITHOUT_IMPORT),
+        hpo=dict(code=HPO_WITHOUT_IMPORT),
+        pykeen_cli=dict(module="pykeen", argv=["experiments", "run", str(config), "-d", str(folder / "out")]),
     )
-    assert result.returncode == 0, result.stderr
-    assert any((tmp_path / "out").rglob("results.json"))
+    outcomes = run_chains([[step] for step in steps.values()])
+    return {name: dict(outcome, folder=folder) for name, (outcome,) in zip(steps, outcomes)}
+
+
+def test_registration_is_idempotent(programs: dict[str, dict]) -> None:
+    assert programs["idempotent"]["status"] == 0 and "OK" in programs["idempotent"]["stdout"], programs["idempotent"]
+
+
+def test_pipeline_and_config_without_import(programs: dict[str, dict]) -> None:
+    assert programs["pipeline"]["status"] == 0, programs["pipeline"]["stderr"][-3000:]
+
+
+def test_hpo_pipeline_without_import(programs: dict[str, dict]) -> None:
+    assert programs["hpo"]["status"] == 0, programs["hpo"]["stderr"][-3000:]
+
+
+def test_pykeen_command_line_without_import(programs: dict[str, dict]) -> None:
+    outcome = programs["pykeen_cli"]
+    assert outcome["status"] == 0, outcome["stderr"][-3000:]
+    assert any((outcome["folder"] / "out").rglob("results.json"))
