@@ -16,6 +16,7 @@ import sys
 from typing import Any
 
 import pytest
+import rank_zygote
 import torch
 from distributed_worker import build_loop, small_factory
 
@@ -28,7 +29,7 @@ WORKER = pathlib.Path(__file__).with_name("distributed_worker.py")
 
 def launch(world_size: int, config: dict[str, Any], timeout: float = 300, collective_timeout: float = 60):
     """Start one process per rank of the worker; return (return codes, stderr texts, seconds until all exited)."""
-    results = harness.launch(
+    results = rank_zygote.launch(
         world_size, [str(WORKER), json.dumps(config)], timeout=timeout, collective_timeout=collective_timeout
     )
     return results.returncodes, results.stderr, results.seconds

@@ -14,11 +14,11 @@ import pathlib
 from typing import Any
 
 import pytest
+import rank_zygote
 import torch
 from column_checkpoint_worker import train_phase
 from encoding_worker import build_loop
 
-from pykeen_bess.distributed import harness
 
 pytestmark = pytest.mark.slow
 
@@ -93,7 +93,7 @@ def ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     world_size = request.param
     output = tmp_path_factory.mktemp(f"columns{world_size}")
     config = dict(output=str(output), runs=SCENARIOS[world_size])
-    results = harness.launch(world_size, [str(WORKER), json.dumps(config)], timeout=600)
+    results = rank_zygote.launch(world_size, [str(WORKER), json.dumps(config)], timeout=600)
     assert results.ok, results.report()
     loaded = {
         name: dict(

@@ -7,10 +7,10 @@ import pathlib
 from typing import Any
 
 import pytest
+import rank_zygote
 import torch
 from encoding_worker import DATASET, build_loop, train
 
-from pykeen_bess.distributed import harness
 from pykeen_bess.evaluation import BessEvaluator
 from pykeen_bess.schemes import EncodingLookupScheme, EncodingScheme
 
@@ -74,7 +74,7 @@ def ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     world_size = request.param
     output = tmp_path_factory.mktemp(f"encoding{world_size}")
     config = dict(output=str(output), runs=SCENARIOS[world_size])
-    results = harness.launch(world_size, [str(WORKER), json.dumps(config)], timeout=600)
+    results = rank_zygote.launch(world_size, [str(WORKER), json.dumps(config)], timeout=600)
     assert results.ok, results.report()
     loaded = {
         name: [torch.load(output / name / f"rank{rank}.pt", weights_only=False) for rank in range(world_size)]

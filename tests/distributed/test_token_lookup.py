@@ -7,11 +7,11 @@ import pathlib
 from typing import Any
 
 import pytest
+import rank_zygote
 import torch
 from lookup_worker import full_table, request
 from pykeen.predict import predict_target
 
-from pykeen_bess.distributed import harness
 
 pytestmark = pytest.mark.slow
 
@@ -22,7 +22,7 @@ WORKER = pathlib.Path(__file__).with_name("lookup_worker.py")
 def ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     world_size = request.param
     output = tmp_path_factory.mktemp(f"lookup{world_size}")
-    results = harness.launch(world_size, [str(WORKER), json.dumps(dict(output=str(output)))], timeout=300)
+    results = rank_zygote.launch(world_size, [str(WORKER), json.dumps(dict(output=str(output)))], timeout=300)
     assert results.ok, results.report()
     loaded = [torch.load(output / f"rank{rank}.pt", weights_only=False) for rank in range(world_size)]
     for result in loaded:

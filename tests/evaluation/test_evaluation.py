@@ -446,11 +446,11 @@ def test_hpo_pipeline():
 @pytest.mark.slow
 def test_distributed_shards_equal_pykeen(tmp_path):
     """Under torch.distributed (2 gloo ranks, one shard each) only counts cross ranks; metrics equal PyKEEN's."""
-    from pykeen_bess.distributed import harness
+    import rank_zygote
     from pykeen_bess.evaluation import predict_top_k
 
     worker = pathlib.Path(__file__).with_name("evaluation_worker.py")
-    results = harness.launch(2, [str(worker), str(tmp_path)], timeout=240)
+    results = rank_zygote.launch(2, [str(worker), str(tmp_path)], timeout=240)
     assert results.ok, results.report()
     outcomes = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
     data = dataset("nations")

@@ -7,6 +7,7 @@ import pathlib
 from typing import Any
 
 import pytest
+import rank_zygote
 import torch
 from pbg_tools import pbg_scores
 from pykeen.training import TrainingCallback
@@ -22,7 +23,7 @@ WORKER = pathlib.Path(__file__).with_name("typed_worker.py")
 
 
 def launch(config: dict[str, Any]) -> harness.RankResults:
-    return harness.launch(2, [str(WORKER), json.dumps(config)], timeout=300, collective_timeout=30)
+    return rank_zygote.launch(2, [str(WORKER), json.dumps(config)], timeout=300, collective_timeout=30)
 
 
 def results(output: pathlib.Path) -> list[dict[str, Any]]:
