@@ -12,9 +12,9 @@ time. It prints one JSON list: per chain, per step, the exit status, stdout and 
 
 Input on stdin: a JSON list of chains; a chain is a list of steps run one after another (each in
 its own child, so a step sees the files, not the state, of the steps before it); a step is
-``{"code": str}`` or ``{"module": str, "argv": [str]}`` (``python -m module argv``), with an
-optional ``"cwd"``. Set ``OMP_NUM_THREADS`` for this script to give every child that many threads.
-POSIX only (``os.fork``).
+``{"code": str}``, ``{"module": str, "argv": [str]}`` (``python -m module argv``) or ``{"script": str,
+"argv": [str]}`` (``python script argv``), with an optional ``"cwd"``. Set ``OMP_NUM_THREADS`` for
+this script to give every child that many threads. POSIX only (``os.fork``).
 """
 
 from __future__ import annotations
@@ -69,6 +69,11 @@ def _run_step(step: dict[str, Any], label: str) -> int:
         if "module" in step:
             sys.argv = [step["module"], *step.get("argv", [])]
             runpy.run_module(step["module"], run_name="__main__", alter_sys=True)
+        elif "script" in step:
+            script = os.path.abspath(step["script"])
+            sys.argv = [script, *step.get("argv", [])]
+            sys.path.insert(0, os.path.dirname(script))
+            runpy.run_path(script, run_name="__main__")
         else:
             sys.argv = ["-c"]
             exec(compile(step["code"], label, "exec"), {"__name__": "__main__", "__builtins__": __builtins__})

@@ -166,13 +166,131 @@ def test_scripts_refuse_cuda_without_a_gpu(
 
 
 @pytest.fixture(scope="module")
-def training_run(results: pathlib.Path) -> tuple[str, list[list[str]]]:
-    return successful_run(
-        "training",
-        *("--data", nations_directory(), "--dim", "8", "--negatives", "4", "--batch-size", "32", "--epochs", "2"),
-        *("--generated-entities", "200", "--generated-triples", "500", "--stock-batches", "2", "--repeats", "1"),
-        *("--allocator-runs", "1", "--device", "cpu", "--output", str(results / "training-cpu.json")),
+def benchmark_runs(results: pathlib.Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """The tiny runs of the scripts that the fixtures below hand to their tests, all started at once.
+
+    Each script runs as ``python benchmarks/NAME.py ...`` from the repository root would (its own
+    ``sys.argv``, ``__main__``, output), in a child forked from an interpreter that has imported PyKEEN
+    and the plugin (:mod:`forked_programs`), two at a time; what a script starts itself (fresh
+    processes, ranks, baseline checkouts) it starts as always. Asking for one fixture runs them all.
+    """
+    from forked_programs import run_chains
+
+    config = tmp_path_factory.mktemp("quality") / "tiny.json"
+    config.write_text(
+        json.dumps(
+            {
+                "pipeline": {
+                    "model": "DistMult",
+                    "model_kwargs": {"embedding_dim": 8},
+                    "training_loop": "bess",
+                    "training_kwargs": {"num_epochs": 3, "batch_size": 256},
+                    "evaluator": "bess",
+                    "stopper": "early",
+                    "stopper_kwargs": {"frequency": 1, "patience": 5, "metric": "mrr"},
+                    "random_seed": 0,
+                }
+            }
+        )
     )
+    runs: dict[str, tuple[str, ...]] = dict(
+        training=(
+            "training",
+            *("--data", nations_directory(), "--dim", "8", "--negatives", "4", "--batch-size", "32", "--epochs", "2"),
+            *("--generated-entities", "200", "--generated-triples", "500", "--stock-batches", "2", "--repeats", "1"),
+            *("--allocator-runs", "1", "--device", "cpu", "--output", str(results / "training-cpu.json")),
+        ),
+        pbg=(
+            "training",
+            *("--pbg-workload", "--pbg-entities", "400", "--pbg-triples", "3000", "--pbg-skewed", "300:2000"),
+            *("--pbg-dim", "4", "--epochs", "2", "--repeats", "1", "--device", "cpu"),
+            *("--output", str(results / "training-pbg-workload-cpu.json")),
+        ),
+        parity=("parity", *PARITY_ARGUMENTS, "--seeds", "0", "1", "--output", str(results / "parity-cpu.json")),
+        evaluation=(
+            "evaluation",
+            *("--data", nations_directory(), "--generated", "300:5:3000:50", "--dim", "8", "--train-epochs", "1"),
+            *("--pykeen-batch-sizes", "64", "--bess-shards", "1,2", "--device", "cpu"),
+            *("--output", str(results / "evaluation-cpu.json")),
+        ),
+        scale=(
+            "scale",
+            *("--entities", "2000", "--relations", "10", "--triples", "20000", "--test", "50", "--dim", "8"),
+            *(
+                "--negatives",
+                "8",
+                "--batch-size",
+                "256",
+                "--shards",
+                "1,2",
+                "--steps",
+                "5",
+                "--quiet",
+                "--device",
+                "cpu",
+            ),
+            *("--output", str(results / "scale-cpu.json")),
+        ),
+        storage=(
+            "storage",
+            *("--data", nations_directory(), "--tiers", "device", "host", "--optimizers", "adam", "--epochs", "2"),
+            *("--dim", "8", "--negatives", "4", "--batch-size", "64", "--eval-triples", "20", "--threads", "1"),
+            *("--device", "cpu", "--output", str(results / "storage-cpu.json")),
+        ),
+        distributed=(
+            "distributed",
+            *("--data", nations_directory(), "--layouts", "1x1", "2x1", "--exchanges", "embedding", "--dim", "8"),
+            *("--negatives", "4", "--batch-size", "64", "--output", str(results / "distributed-cpu.json")),
+        ),
+        gpu=(
+            "gpu",
+            *("--device", "cpu", "--quick", "--sections", "check", "training", "profile", "configurations"),
+            *("--output", str(results / "gpu-h200.json")),
+        ),
+        quality=(
+            "quality",
+            "--config",
+            str(config),
+            "--data",
+            "nations",
+            "--num-shards",
+            "1",
+            "2",
+            "--seeds",
+            "3",
+            "5",
+            "--stock",
+            "--output",
+            str(results / "quality-cpu.json"),
+        ),
+        step_ab_training=(
+            "training",
+            *("--data", nations_directory(), "--dim", "8", "--negatives", "4", "--batch-size", "32", "--epochs", "2"),
+            *("--baseline", str(ROOT), "--ab-runs", "1", "--ab-shards", "1", "--threads", "1", "--device", "cpu"),
+            *("--output", str(results / "training-step-ab-cpu.json")),
+        ),
+        step_ab_distributed=(
+            "distributed",
+            *("--data", nations_directory(), "--layouts", "2x1", "--exchanges", "embedding", "--dim", "8"),
+            *("--negatives", "4", "--batch-size", "64", "--baseline", str(ROOT), "--ab-runs", "1"),
+            *("--output", str(results / "distributed-step-ab-cpu.json")),
+        ),
+    )
+    chains = [[dict(script=str(BENCHMARKS / f"{name}.py"), argv=list(arguments), cwd=str(ROOT))]
+              for name, *arguments in runs.values()]  # fmt: skip
+    return {key: outcome for key, (outcome,) in zip(runs, run_chains(chains, preload="plugin"))}
+
+
+def finished(runs: dict[str, dict], key: str) -> tuple[str, list[list[str]]]:
+    """A run of :func:`benchmark_runs` that must have succeeded: its standard output and the rows of its table."""
+    run = runs[key]
+    assert run["status"] == 0, run["stderr"][-5000:]
+    return run["stdout"], table_rows(run["stdout"])
+
+
+@pytest.fixture(scope="module")
+def training_run(benchmark_runs: dict[str, dict]) -> tuple[str, list[list[str]]]:
+    return finished(benchmark_runs, "training")
 
 
 @pytest.mark.slow
@@ -203,13 +321,8 @@ def test_training_benchmark(training_run, results: pathlib.Path):
 
 
 @pytest.fixture(scope="module")
-def pbg_run(results: pathlib.Path) -> tuple[str, list[list[str]]]:
-    return successful_run(
-        "training",
-        *("--pbg-workload", "--pbg-entities", "400", "--pbg-triples", "3000", "--pbg-skewed", "300:2000"),
-        *("--pbg-dim", "4", "--epochs", "2", "--repeats", "1", "--device", "cpu"),
-        *("--output", str(results / "training-pbg-workload-cpu.json")),
-    )
+def pbg_run(benchmark_runs: dict[str, dict]) -> tuple[str, list[list[str]]]:
+    return finished(benchmark_runs, "pbg")
 
 
 @pytest.mark.slow
@@ -253,10 +366,8 @@ PARITY_ARGUMENTS = ("--data", "nations", "--variants", "quick=--epochs 1 --dim 8
 
 
 @pytest.fixture(scope="module")
-def parity_run(results: pathlib.Path) -> tuple[str, list[list[str]]]:
-    return successful_run(
-        "parity", *PARITY_ARGUMENTS, "--seeds", "0", "1", "--output", str(results / "parity-cpu.json")
-    )
+def parity_run(benchmark_runs: dict[str, dict]) -> tuple[str, list[list[str]]]:
+    return finished(benchmark_runs, "parity")
 
 
 @pytest.mark.slow
@@ -275,13 +386,8 @@ def test_parity_benchmark(parity_run, results: pathlib.Path):
 
 
 @pytest.fixture(scope="module")
-def evaluation_run(results: pathlib.Path) -> tuple[str, list[list[str]]]:
-    return successful_run(
-        "evaluation",
-        *("--data", nations_directory(), "--generated", "300:5:3000:50", "--dim", "8", "--train-epochs", "1"),
-        *("--pykeen-batch-sizes", "64", "--bess-shards", "1,2", "--device", "cpu"),
-        *("--output", str(results / "evaluation-cpu.json")),
-    )
+def evaluation_run(benchmark_runs: dict[str, dict]) -> tuple[str, list[list[str]]]:
+    return finished(benchmark_runs, "evaluation")
 
 
 @pytest.mark.slow
@@ -329,13 +435,8 @@ def test_evaluation_rows_from_another_script():
 
 
 @pytest.fixture(scope="module")
-def scale_run(results: pathlib.Path) -> tuple[str, list[list[str]]]:
-    return successful_run(
-        "scale",
-        *("--entities", "2000", "--relations", "10", "--triples", "20000", "--test", "50", "--dim", "8"),
-        *("--negatives", "8", "--batch-size", "256", "--shards", "1,2", "--steps", "5", "--quiet", "--device", "cpu"),
-        *("--output", str(results / "scale-cpu.json")),
-    )
+def scale_run(benchmark_runs: dict[str, dict]) -> tuple[str, list[list[str]]]:
+    return finished(benchmark_runs, "scale")
 
 
 @pytest.mark.slow
@@ -357,40 +458,8 @@ def test_scale_benchmark(scale_run, results: pathlib.Path):
 
 
 @pytest.fixture(scope="module")
-def quality_run(results: pathlib.Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[list[str]]]:
-    config = tmp_path_factory.mktemp("quality") / "tiny.json"
-    config.write_text(
-        json.dumps(
-            {
-                "pipeline": {
-                    "model": "DistMult",
-                    "model_kwargs": {"embedding_dim": 8},
-                    "training_loop": "bess",
-                    "training_kwargs": {"num_epochs": 3, "batch_size": 256},
-                    "evaluator": "bess",
-                    "stopper": "early",
-                    "stopper_kwargs": {"frequency": 1, "patience": 5, "metric": "mrr"},
-                    "random_seed": 0,
-                }
-            }
-        )
-    )
-    return successful_run(
-        "quality",
-        "--config",
-        str(config),
-        "--data",
-        "nations",
-        "--num-shards",
-        "1",
-        "2",
-        "--seeds",
-        "3",
-        "5",
-        "--stock",
-        "--output",
-        str(results / "quality-cpu.json"),
-    )
+def quality_run(benchmark_runs: dict[str, dict]) -> tuple[str, list[list[str]]]:
+    return finished(benchmark_runs, "quality")
 
 
 @pytest.mark.slow
@@ -434,13 +503,8 @@ def test_quality_benchmark(quality_run, results: pathlib.Path):
 
 
 @pytest.fixture(scope="module")
-def storage_run(results: pathlib.Path) -> tuple[str, list[list[str]]]:
-    return successful_run(
-        "storage",
-        *("--data", nations_directory(), "--tiers", "device", "host", "--optimizers", "adam", "--epochs", "2"),
-        *("--dim", "8", "--negatives", "4", "--batch-size", "64", "--eval-triples", "20", "--threads", "1"),
-        *("--device", "cpu", "--output", str(results / "storage-cpu.json")),
-    )
+def storage_run(benchmark_runs: dict[str, dict]) -> tuple[str, list[list[str]]]:
+    return finished(benchmark_runs, "storage")
 
 
 @pytest.mark.slow
@@ -458,12 +522,8 @@ def test_storage_benchmark(storage_run, results: pathlib.Path):
 
 
 @pytest.fixture(scope="module")
-def distributed_run(results: pathlib.Path) -> tuple[str, list[list[str]]]:
-    return successful_run(
-        "distributed",
-        *("--data", nations_directory(), "--layouts", "1x1", "2x1", "--exchanges", "embedding", "--dim", "8"),
-        *("--negatives", "4", "--batch-size", "64", "--output", str(results / "distributed-cpu.json")),
-    )
+def distributed_run(benchmark_runs: dict[str, dict]) -> tuple[str, list[list[str]]]:
+    return finished(benchmark_runs, "distributed")
 
 
 @pytest.mark.slow
@@ -513,12 +573,8 @@ def test_storage_benchmark_large_removes_its_files(tmp_path: pathlib.Path):
 
 
 @pytest.fixture(scope="module")
-def gpu_run(results: pathlib.Path) -> tuple[str, list[list[str]]]:
-    return successful_run(
-        "gpu",
-        *("--device", "cpu", "--quick", "--sections", "check", "training", "profile", "configurations"),
-        *("--output", str(results / "gpu-h200.json")),
-    )
+def gpu_run(benchmark_runs: dict[str, dict]) -> tuple[str, list[list[str]]]:
+    return finished(benchmark_runs, "gpu")
 
 
 @pytest.mark.slow
@@ -566,21 +622,9 @@ def test_busy_cpu_and_pbg_import_rows(tmp_path: pathlib.Path):
 
 
 @pytest.fixture(scope="module")
-def step_ab_runs(results: pathlib.Path) -> tuple[str, str]:
+def step_ab_runs(benchmark_runs: dict[str, dict]) -> tuple[str, str]:
     """This checkout's training step against a baseline checkout's (this one again), in one process and on ranks."""
-    training = successful_run(
-        "training",
-        *("--data", nations_directory(), "--dim", "8", "--negatives", "4", "--batch-size", "32", "--epochs", "2"),
-        *("--baseline", str(ROOT), "--ab-runs", "1", "--ab-shards", "1", "--threads", "1", "--device", "cpu"),
-        *("--output", str(results / "training-step-ab-cpu.json")),
-    )
-    distributed = successful_run(
-        "distributed",
-        *("--data", nations_directory(), "--layouts", "2x1", "--exchanges", "embedding", "--dim", "8"),
-        *("--negatives", "4", "--batch-size", "64", "--baseline", str(ROOT), "--ab-runs", "1"),
-        *("--output", str(results / "distributed-step-ab-cpu.json")),
-    )
-    return training[0], distributed[0]
+    return finished(benchmark_runs, "step_ab_training")[0], finished(benchmark_runs, "step_ab_distributed")[0]
 
 
 @pytest.mark.slow
