@@ -4,7 +4,7 @@ A fresh interpreter per program spends most of its seconds importing torch, pand
 scikit-learn (and PyKEEN). This script (``python forked_programs.py [--preload dependencies|plugin]``)
 imports them once, then forks one child per program, as a fresh interpreter would run it
 (``__main__``, its own ``sys.argv``, working directory and output), at most ``--workers`` chains at a
-time. It prints one JSON list: per chain, per step, the exit status, stdout and stderr.
+time. It prints one JSON list: per chain, per step, the exit status, stdout, stderr and seconds.
 
 * ``--preload dependencies`` (default) imports what PyKEEN and the plugin import, but no module of
   either (checked): a program's first PyKEEN import is its own (the registration tests).
@@ -12,9 +12,10 @@ time. It prints one JSON list: per chain, per step, the exit status, stdout and 
 
 Input on stdin: a JSON list of chains; a chain is a list of steps run one after another (each in
 its own child, so a step sees the files, not the state, of the steps before it); a step is
-``{"code": str}``, ``{"module": str, "argv": [str]}`` (``python -m module argv``) or ``{"script": str,
-"argv": [str]}`` (``python script argv``), with an optional ``"cwd"``. Set ``OMP_NUM_THREADS`` for
-this script to give every child that many threads. POSIX only (``os.fork``).
+``{"code": str, "argv": [str]}`` (``python -c code argv``), ``{"module": str, "argv": [str]}``
+(``python -m module argv``) or ``{"script": str, "argv": [str]}`` (``python script argv``), with an
+optional ``"cwd"``. Set ``OMP_NUM_THREADS`` for this script to give every child that many threads.
+POSIX only (``os.fork``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import os
 import runpy
 import sys
 import tempfile
+import time
 import traceback
 from typing import Any
 
@@ -75,7 +77,7 @@ def _run_step(step: dict[str, Any], label: str) -> int:
             sys.path.insert(0, os.path.dirname(script))
             runpy.run_path(script, run_name="__main__")
         else:
-            sys.argv = ["-c"]
+            sys.argv = ["-c", *step.get("argv", [])]
             exec(compile(step["code"], label, "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
     except SystemExit as exit:
         return exit.code if isinstance(exit.code, int) else (0 if exit.code is None else 1)
@@ -101,12 +103,15 @@ def _chain_child(chain: list[dict[str, Any]], index: int, folder: str) -> None:
     results = []
     for number, step in enumerate(chain):
         stdout, stderr = (os.path.join(folder, f"{index}.{number}.{name}") for name in ("out", "err"))
+        start = time.monotonic()
         pid = os.fork()
         if pid == 0:
             _step_child(step, f"<chain {index}, step {number}>", stdout, stderr)
         _, status = os.waitpid(pid, 0)
+        seconds = time.monotonic() - start
         with open(stdout) as out, open(stderr) as err:
-            results.append(dict(status=os.waitstatus_to_exitcode(status), stdout=out.read(), stderr=err.read()))
+            outcome = dict(status=os.waitstatus_to_exitcode(status), stdout=out.read(), stderr=err.read())
+        results.append(dict(outcome, seconds=seconds))
     with open(os.path.join(folder, f"{index}.json"), "w") as file:
         json.dump(results, file)
     os._exit(0)

@@ -193,7 +193,13 @@ def benchmark_runs(results: pathlib.Path, tmp_path_factory: pytest.TempPathFacto
             }
         )
     )
+    # the longest first: two at a time, they end about together
     runs: dict[str, tuple[str, ...]] = dict(
+        gpu=(
+            "gpu",
+            *("--device", "cpu", "--quick", "--sections", "check", "training", "profile", "configurations"),
+            *("--output", str(results / "gpu-h200.json")),
+        ),
         training=(
             "training",
             *("--data", nations_directory(), "--dim", "8", "--negatives", "4", "--batch-size", "32", "--epochs", "2"),
@@ -206,7 +212,45 @@ def benchmark_runs(results: pathlib.Path, tmp_path_factory: pytest.TempPathFacto
             *("--pbg-dim", "4", "--epochs", "2", "--repeats", "1", "--device", "cpu"),
             *("--output", str(results / "training-pbg-workload-cpu.json")),
         ),
-        parity=("parity", *PARITY_ARGUMENTS, "--seeds", "0", "1", "--output", str(results / "parity-cpu.json")),
+        distributed=(
+            "distributed",
+            *("--data", nations_directory(), "--layouts", "1x1", "2x1", "--exchanges", "embedding", "--dim", "8"),
+            *("--negatives", "4", "--batch-size", "64", "--output", str(results / "distributed-cpu.json")),
+        ),
+        storage=(
+            "storage",
+            *("--data", nations_directory(), "--tiers", "device", "host", "--optimizers", "adam", "--epochs", "2"),
+            *("--dim", "8", "--negatives", "4", "--batch-size", "64", "--eval-triples", "20", "--threads", "1"),
+            *("--device", "cpu", "--output", str(results / "storage-cpu.json")),
+        ),
+        step_ab_distributed=(
+            "distributed",
+            *("--data", nations_directory(), "--layouts", "2x1", "--exchanges", "embedding", "--dim", "8"),
+            *("--negatives", "4", "--batch-size", "64", "--baseline", str(ROOT), "--ab-runs", "1"),
+            *("--output", str(results / "distributed-step-ab-cpu.json")),
+        ),
+        step_ab_training=(
+            "training",
+            *("--data", nations_directory(), "--dim", "8", "--negatives", "4", "--batch-size", "32", "--epochs", "2"),
+            *("--baseline", str(ROOT), "--ab-runs", "1", "--ab-shards", "1", "--threads", "1", "--device", "cpu"),
+            *("--output", str(results / "training-step-ab-cpu.json")),
+        ),
+        quality=(
+            "quality",
+            "--config",
+            str(config),
+            "--data",
+            "nations",
+            "--num-shards",
+            "1",
+            "2",
+            "--seeds",
+            "3",
+            "5",
+            "--stock",
+            "--output",
+            str(results / "quality-cpu.json"),
+        ),
         evaluation=(
             "evaluation",
             *("--data", nations_directory(), "--generated", "300:5:3000:50", "--dim", "8", "--train-epochs", "1"),
@@ -231,54 +275,13 @@ def benchmark_runs(results: pathlib.Path, tmp_path_factory: pytest.TempPathFacto
             ),
             *("--output", str(results / "scale-cpu.json")),
         ),
-        storage=(
-            "storage",
-            *("--data", nations_directory(), "--tiers", "device", "host", "--optimizers", "adam", "--epochs", "2"),
-            *("--dim", "8", "--negatives", "4", "--batch-size", "64", "--eval-triples", "20", "--threads", "1"),
-            *("--device", "cpu", "--output", str(results / "storage-cpu.json")),
-        ),
-        distributed=(
-            "distributed",
-            *("--data", nations_directory(), "--layouts", "1x1", "2x1", "--exchanges", "embedding", "--dim", "8"),
-            *("--negatives", "4", "--batch-size", "64", "--output", str(results / "distributed-cpu.json")),
-        ),
-        gpu=(
-            "gpu",
-            *("--device", "cpu", "--quick", "--sections", "check", "training", "profile", "configurations"),
-            *("--output", str(results / "gpu-h200.json")),
-        ),
-        quality=(
-            "quality",
-            "--config",
-            str(config),
-            "--data",
-            "nations",
-            "--num-shards",
-            "1",
-            "2",
-            "--seeds",
-            "3",
-            "5",
-            "--stock",
-            "--output",
-            str(results / "quality-cpu.json"),
-        ),
-        step_ab_training=(
-            "training",
-            *("--data", nations_directory(), "--dim", "8", "--negatives", "4", "--batch-size", "32", "--epochs", "2"),
-            *("--baseline", str(ROOT), "--ab-runs", "1", "--ab-shards", "1", "--threads", "1", "--device", "cpu"),
-            *("--output", str(results / "training-step-ab-cpu.json")),
-        ),
-        step_ab_distributed=(
-            "distributed",
-            *("--data", nations_directory(), "--layouts", "2x1", "--exchanges", "embedding", "--dim", "8"),
-            *("--negatives", "4", "--batch-size", "64", "--baseline", str(ROOT), "--ab-runs", "1"),
-            *("--output", str(results / "distributed-step-ab-cpu.json")),
-        ),
+        parity=("parity", *PARITY_ARGUMENTS, "--seeds", "0", "1", "--output", str(results / "parity-cpu.json")),
     )
     chains = [[dict(script=str(BENCHMARKS / f"{name}.py"), argv=list(arguments), cwd=str(ROOT))]
               for name, *arguments in runs.values()]  # fmt: skip
-    return {key: outcome for key, (outcome,) in zip(runs, run_chains(chains, preload="plugin"))}
+    outcomes = {key: outcome for key, (outcome,) in zip(runs, run_chains(chains, preload="plugin"))}
+    print("benchmark runs (s):", {key: round(outcome["seconds"], 1) for key, outcome in outcomes.items()})
+    return outcomes
 
 
 def finished(runs: dict[str, dict], key: str) -> tuple[str, list[list[str]]]:

@@ -363,7 +363,18 @@ def read_ranks(directory: pathlib.Path, world_size: int) -> list[dict[str, Any]]
     return [json.loads((directory / f"rank{rank}.json").read_text()) for rank in range(world_size)]
 
 
-def test_an_unmodified_pipeline_script_under_torchrun_resumes_after_a_kill(tmp_path: pathlib.Path) -> None:
+@pytest.fixture(scope="module")
+def script_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The plain pipeline script in one ordinary process with two logical shards (what the ranks must equal)."""
+    folder = tmp_path_factory.mktemp("script-reference")
+    local = run_script(folder, "local", None, NUM_SHARDS="2")
+    assert local.returncode == 0, local.stderr
+    return read_ranks(folder / "local", 1)[0]
+
+
+def test_an_unmodified_pipeline_script_under_torchrun_resumes_after_a_kill(
+    tmp_path: pathlib.Path, script_reference: dict[str, Any]
+) -> None:
     """The README's kind of script, without init_from_environment(): one world (also with replicas), resumable."""
     uninterrupted = run_script(tmp_path, "full", 2)
     assert uninterrupted.returncode == 0, uninterrupted.stderr
@@ -373,9 +384,7 @@ def test_an_unmodified_pipeline_script_under_torchrun_resumes_after_a_kill(tmp_p
     assert [r["entity_rows"] for r in full] == [7, 7]
     assert full[0]["losses"] == full[1]["losses"] and full[0]["metrics"] == full[1]["metrics"]
     # the same training in one process with two logical shards
-    local = run_script(tmp_path, "local", None, NUM_SHARDS="2")
-    assert local.returncode == 0, local.stderr
-    reference = read_ranks(tmp_path / "local", 1)[0]
+    reference = script_reference
     assert full[0]["losses"] == pytest.approx(reference["losses"], rel=1e-5)
     assert full[0]["metrics"] == pytest.approx(reference["metrics"], rel=1e-5, abs=1e-7)
 
@@ -403,14 +412,14 @@ def test_an_unmodified_pipeline_script_under_torchrun_resumes_after_a_kill(tmp_p
     assert result[0]["metrics"] == pytest.approx(full[0]["metrics"], rel=1e-6, abs=1e-8)
 
 
-def test_checkpoints_move_between_one_process_and_ranks(tmp_path: pathlib.Path) -> None:
+def test_checkpoints_move_between_one_process_and_ranks(
+    tmp_path: pathlib.Path, script_reference: dict[str, Any]
+) -> None:
     """A one-process checkpoint with 2 logical shards resumes on 2 ranks, and back, as an uninterrupted run trains.
 
     Also resharded: the ranks' checkpoint resumes in one process with 4 logical shards.
     """
-    reference = run_script(tmp_path, "reference", None, NUM_SHARDS="2")
-    assert reference.returncode == 0, reference.stderr
-    expected = read_ranks(tmp_path / "reference", 1)[0]
+    expected = script_reference
 
     # one process stops after the checkpoint of epoch 2; two ranks resume its file
     forward = dict(CHECKPOINT_DIRECTORY=str(tmp_path / "forward-checkpoints"))
