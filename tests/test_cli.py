@@ -64,6 +64,25 @@ def test_without_verbose_pykeen_logs_warnings_only() -> None:
     assert result.stdout.strip() == "False", result.stderr
 
 
+def test_the_device_is_one_torch_has(capsys: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture) -> None:
+    """Without --device: CUDA where torch sees it, else the CPU without PyKEEN's warning; a CUDA device it lacks is
+    a usage error before any work (PyKEEN would train on the CPU instead)."""
+    import torch
+
+    from pykeen_bess.cli import _available_device
+
+    assert _available_device(None) == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert _available_device("cpu") == "cpu"
+    if torch.cuda.is_available():
+        return
+    code, out, err = run(capsys, "--dataset", "nations", *FAST)
+    assert code == 0 and "No cuda devices" not in err
+    assert not [record for record in caplog.records if "No cuda devices" in record.getMessage()]
+    for device in ("cuda", "cuda:0", "gpu"):
+        code, out, err = run(capsys, "--dataset", "nations", "--device", device, *FAST)
+        assert code == 2 and f"--device {device}: torch sees no CUDA device" in err and not out
+
+
 def test_lr_help_says_the_default_differs_from_pipeline() -> None:
     train = build_parser()._subparsers._group_actions[0].choices["train"]  # type: ignore[union-attr]
     text = " ".join(train.format_help().split())

@@ -209,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     training.add_argument("--optimizer-kwargs", type=_json_object, help="more optimizer options as JSON")
     training.add_argument("--seed", type=int, help="random seed (default: 42)")
-    training.add_argument("--device", help="e.g. cpu or cuda (default: PyKEEN's choice)")
+    training.add_argument("--device", help="e.g. cpu or cuda (default: CUDA where torch sees it, else the CPU)")
     training.add_argument(
         "--threads",
         type=_threads,
@@ -276,6 +276,7 @@ def train(args: argparse.Namespace) -> tuple[dict[str, float], bool]:
 
     group = init_from_environment()
     kwargs = pipeline_kwargs(args, in_group=group is not None)
+    kwargs["device"] = _available_device(kwargs.get("device"))
     kwargs["metadata"] = {**run_metadata(kwargs, args), **(kwargs.get("metadata") or {})}
     result = pipeline(**kwargs)
     if "output" in args:
@@ -286,6 +287,20 @@ def train(args: argparse.Namespace) -> tuple[dict[str, float], bool]:
         export_pbg(result, args.export_pbg)
     topology = getattr(result.training_loop, "topology", None)
     return dict(result.metric_results.to_flat_dict()), topology is None or topology.is_main_process
+
+
+def _available_device(device: Any) -> Any:
+    """Return the device to train on: CUDA where torch sees it, else the CPU (without PyKEEN's warning).
+
+    :raises UsageError: for a CUDA device on a machine without one (PyKEEN would train on the CPU instead)
+    """
+    import torch
+
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if isinstance(device, str) and device.split(":")[0] in ("cuda", "gpu") and not torch.cuda.is_available():
+        raise UsageError(f"--device {device}: torch sees no CUDA device on this machine; use --device cpu.")
+    return device
 
 
 def _configure_logging(verbose: bool) -> None:
