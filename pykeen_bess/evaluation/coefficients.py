@@ -1,4 +1,4 @@
-"""The adjusted metrics' coefficients, computed once per set of candidate counts and kept across evaluations.
+"""PyKEEN's metrics with their shared work done once: coefficients across evaluations, base values within one.
 
 PyKEEN's adjusted rank-based metrics (the adjusted mean rank, the z-scores, the adjusted index
 metrics) are an affine map of a base metric whose coefficients depend only on every query's number
@@ -9,10 +9,15 @@ evaluation of the same triples (an early stopper's validation set), although the
 counts are the same each time. With WN18RR's 6,268 queries that is about 40% of PyKEEN's
 ``finalize`` (0.05 of 0.13 s on a 2-core CPU).
 
-:class:`CoefficientCache` keeps each metric's coefficients by a digest of the candidate counts and
-serves them while :meth:`CoefficientCache.applied` is active: the same function on the same input,
-so every metric is identical to PyKEEN's. A cache belongs to one evaluator (its metric objects are
-part of the key).
+The base metric itself is computed again by every metric derived from it: the geometric mean rank
+by ``geometric_mean_rank``, ``z_geometric_mean_rank`` and ``adjusted_geometric_mean_rank_index``,
+the hits at ``k`` by three metrics each, the arithmetic mean rank by four, for each of the nine rank
+arrays (scipy's ``gmean`` and ``hmean`` cost a tenth of a millisecond each on a few thousand ranks).
+
+:class:`CoefficientCache` keeps each metric's coefficients by a digest of the candidate counts and,
+while :meth:`CoefficientCache.applied` is active, serves them, and each base metric's value on one
+rank array, from what was computed before: the same function on the same input, so every metric is
+identical to PyKEEN's. A cache belongs to one evaluator (its metric objects are part of the key).
 """
 
 from __future__ import annotations
@@ -24,9 +29,69 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
-from pykeen.metrics.ranking import DerivedRankBasedMetric
+from pykeen.metrics.ranking import DerivedRankBasedMetric, RankBasedMetric
 
-__all__ = ["CoefficientCache"]
+__all__ = ["CoefficientCache", "SharedValues"]
+
+
+class SharedValues:
+    """The values of base metrics within one ``finalize``, by metric and rank array (and digests of count arrays).
+
+    A base metric's value is kept by its class and attributes (e.g. ``HitsAtK`` with ``k=10``: two
+    instances alike compute the same function) and by the identity of the arrays it was given; the
+    arrays are held, so that an identity is never reused while the value is kept. Derived metrics (each
+    called once per array) and weighted calls are not kept (PyKEEN's rank-based evaluator passes no
+    weights).
+    """
+
+    def __init__(self) -> None:
+        """Start empty (one per ``finalize``)."""
+        self._values: dict[tuple, tuple[np.ndarray, np.ndarray | None, Any]] = {}
+        self._digests: dict[int, tuple[np.ndarray, tuple]] = {}
+
+    def value(
+        self, metric: RankBasedMetric, ranks: np.ndarray, num_candidates: np.ndarray | None, weights: np.ndarray | None
+    ) -> Any:
+        """Return ``metric(ranks, num_candidates, weights)``, computed once per metric and arrays."""
+        if weights is not None or isinstance(metric, DerivedRankBasedMetric):
+            return type(metric).__call__(metric, ranks=ranks, num_candidates=num_candidates, weights=weights)
+        attributes = tuple(sorted((name, repr(value)) for name, value in vars(metric).items()))
+        key = (type(metric), attributes, id(ranks), id(num_candidates))
+        found = self._values.get(key)
+        if found is None:
+            value = type(metric).__call__(metric, ranks=ranks, num_candidates=num_candidates, weights=None)
+            found = self._values[key] = (ranks, num_candidates, value)
+        return found[2]
+
+    def digest(self, counts: np.ndarray) -> tuple:
+        """Return a key of the values of ``counts`` (dtype, shape, a 16-byte digest), computed once per array."""
+        found = self._digests.get(id(counts))
+        if found is None:
+            contiguous = np.ascontiguousarray(counts)
+            digest = hashlib.blake2b(contiguous.tobytes(), digest_size=16).digest()
+            key = (contiguous.dtype.str, contiguous.shape, digest)
+            found = self._digests[id(counts)] = (counts, key)
+        return found[1]
+
+
+class _Shared:
+    """A metric whose calls go through :class:`SharedValues` (PyKEEN reads ``key`` and calls it)."""
+
+    def __init__(self, metric: RankBasedMetric, shared: SharedValues):
+        self.metric, self.shared = metric, shared
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.metric, name)
+
+    @property
+    def key(self) -> str:
+        """The wrapped metric's key."""
+        return self.metric.key
+
+    def __call__(
+        self, ranks: np.ndarray, num_candidates: np.ndarray | None = None, weights: np.ndarray | None = None
+    ) -> Any:
+        return self.shared.value(self.metric, ranks, num_candidates, weights)
 
 
 class CoefficientCache:
@@ -43,24 +108,31 @@ class CoefficientCache:
         self.computed = 0
 
     @contextlib.contextmanager
-    def applied(self, metrics: Sequence[Any]) -> Iterator[None]:
-        """Serve the coefficients of the derived metrics among ``metrics`` from the cache while the block runs."""
-        patched = [metric for metric in metrics if isinstance(metric, DerivedRankBasedMetric)]
-        for metric in patched:
-            vars(metric)["get_coefficients"] = self._cached(metric, type(metric).get_coefficients.__get__(metric))
-        try:
-            yield
-        finally:
-            for metric in patched:
-                del vars(metric)["get_coefficients"]  # the class' method again
+    def applied(self, metrics: Sequence[Any]) -> Iterator[list[Any]]:
+        """Serve coefficients from the cache and base values once per rank array while the block runs.
 
-    def _cached(self, metric: Any, compute: Any) -> Any:
+        :param metrics: the evaluator's metrics
+        :yields: the metrics to call instead of ``metrics`` (same keys, same values), sharing the base values
+        """
+        shared = SharedValues()
+        derived = [metric for metric in metrics if isinstance(metric, DerivedRankBasedMetric)]
+        for metric in derived:
+            vars(metric)["get_coefficients"] = self._cached(
+                metric, type(metric).get_coefficients.__get__(metric), shared
+            )
+            vars(metric)["base"] = _Shared(metric.base, shared)
+        try:
+            yield [_Shared(metric, shared) for metric in metrics]
+        finally:
+            for metric in derived:  # the class' method and the metric's own base again
+                del vars(metric)["get_coefficients"]
+                vars(metric)["base"] = vars(metric)["base"].metric
+
+    def _cached(self, metric: Any, compute: Any, shared: SharedValues) -> Any:
         def get_coefficients(num_candidates: np.ndarray, weights: np.ndarray | None = None) -> Any:
             if weights is not None:  # weighted coefficients depend on the weights too: not kept
                 return compute(num_candidates=num_candidates, weights=weights)
-            counts = np.ascontiguousarray(num_candidates)
-            digest = hashlib.blake2b(counts.tobytes(), digest_size=16).digest()
-            key = (id(metric), counts.dtype.str, counts.shape, digest)
+            key = (id(metric), *shared.digest(num_candidates))
             found = self._entries.get(key)
             if found is None:
                 found = compute(num_candidates=num_candidates, weights=None)

@@ -386,9 +386,18 @@ class BessEvaluator(RankBasedEvaluator):
         return result
 
     def finalize(self) -> RankBasedMetricResults:
-        """Return PyKEEN's metrics of the ranks, the adjusted ones' coefficients kept (:mod:`.coefficients`)."""
-        with self._coefficients.applied(self.metrics):
-            return super().finalize()
+        """Return PyKEEN's metrics of the ranks, their shared work done once (:mod:`.coefficients`).
+
+        PyKEEN's :meth:`~pykeen.evaluation.RankBasedEvaluator.finalize` with the evaluator's metrics
+        replaced, while it runs, by ones that share the base metrics' values and the kept coefficients.
+        """
+        metrics = self.metrics
+        with self._coefficients.applied(metrics) as shared:
+            self.metrics = shared
+            try:
+                return super().finalize()
+            finally:
+                self.metrics = metrics
 
 
 class _DropRecords(logging.Filter):

@@ -64,3 +64,32 @@ def test_other_candidate_counts_compute_their_own_coefficients(seed: int) -> Non
     fill(evaluator, seed=seed)
     assert same(reference.finalize().to_flat_dict(), evaluator.finalize().to_flat_dict())
     assert evaluator._coefficients.computed > computed
+
+
+def test_a_base_metric_is_computed_once_per_rank_array(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The geometric mean rank, which three metrics use, is computed once for each of the nine rank arrays."""
+    from pykeen.metrics.ranking import GeometricMeanRank, HitsAtK
+
+    calls: dict[str, int] = {"gmr": 0, "hits": 0}
+    for name, cls in (("gmr", GeometricMeanRank), ("hits", HitsAtK)):
+        original = cls.__call__
+
+        def counted(self, *args, __original=original, __name=name, **kwargs):  # type: ignore[no-untyped-def]
+            calls[__name] += 1
+            return __original(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, "__call__", counted)
+    reference, evaluator = RankBasedEvaluator(), BessEvaluator()
+    fill(reference, seed=3)
+    fill(evaluator, seed=3)
+    expected = reference.finalize().to_flat_dict()
+    pykeen_calls = dict(calls)
+    assert pykeen_calls == {"gmr": 3 * 9, "hits": 3 * 4 * 9}  # GMR, z-GMR, AGMRI; hits, z-hits, adjusted hits
+    metrics, bases = list(evaluator.metrics), [getattr(metric, "base", None) for metric in evaluator.metrics]
+    assert same(expected, evaluator.finalize().to_flat_dict())
+    # once per rank array; each k of the hits its own value
+    assert {name: calls[name] - pykeen_calls[name] for name in calls} == {"gmr": 9, "hits": 4 * 9}
+    # the evaluator's metrics and their bases are PyKEEN's objects again
+    assert evaluator.metrics == metrics
+    assert [getattr(metric, "base", None) for metric in evaluator.metrics] == bases
+    assert all(type(base).__module__.startswith("pykeen.") for base in bases if base is not None)
