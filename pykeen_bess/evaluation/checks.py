@@ -46,13 +46,15 @@ def check_triples(
             return triples.long()
         raise ValueError(f"{name} is empty: there is nothing to evaluate.")
     triples = triples.long()
-    entities = triples[:, [0, 2]]
-    relations = triples[:, 1]
+    # the smallest and largest id of every column in one pass
+    lowest, highest = (bounds.tolist() for bounds in torch.aminmax(triples, dim=0))
     problems = []
-    if int(entities.min()) < 0 or int(entities.max()) >= num_entities:
+    if min(lowest[0], lowest[2]) < 0 or max(highest[0], highest[2]) >= num_entities:
+        entities = triples[:, [0, 2]]
         bad = entities[(entities < 0) | (entities >= num_entities)].unique()[:5].tolist()
         problems.append(f"entity ids outside [0, {num_entities}) such as {bad}")
-    if int(relations.min()) < 0 or int(relations.max()) >= num_relations:
+    if lowest[1] < 0 or highest[1] >= num_relations:
+        relations = triples[:, 1]
         bad = relations[(relations < 0) | (relations >= num_relations)].unique()[:5].tolist()
         problems.append(f"relation ids outside [0, {num_relations}) such as {bad}")
     if problems:

@@ -112,7 +112,7 @@ def count_block(
     is neither above nor below. On the CPU the rows are compared in chunks of
     :data:`COUNT_CHUNK_ELEMENTS` scores into one float buffer (0 / 1, summed exactly: float32 below
     ``2^24`` columns, float64 beyond), which stays in the cache; elsewhere each comparison is one
-    boolean ``[B, k]`` tensor.
+    ``[B, k]`` tensor of half-precision flags (2 bytes per score), summed the same way.
 
     :param scores: shape: ``[B, k]``
     :param lower: shape: ``[B]``, the lower ends of the bands
@@ -123,12 +123,18 @@ def count_block(
     """
     batch_size, width = scores.shape
     lower, upper = lower.unsqueeze(1), upper.unsqueeze(1)
+    total_dtype = torch.float64 if scores.dtype == torch.float64 or width >= 2**24 else torch.float32
     if not (scores.device.type == "cpu" if chunked is None else chunked):
-        counts[0] += torch.sum(scores > upper, dim=1)
-        counts[1] += torch.sum(scores < lower, dim=1)
+        # 0 / 1 flags in half precision, summed in float32 (exact below 2^24 columns): a GPU reads a half
+        # tensor into a float32 sum without converting it first, where a boolean sum converts the whole
+        # block to int64 (8 bytes per score written and read again)
+        flags = torch.empty(scores.shape, dtype=torch.float16, device=scores.device)
+        torch.gt(scores, upper, out=flags)
+        counts[0] += torch.sum(flags, dim=1, dtype=total_dtype).long()
+        torch.lt(scores, lower, out=flags)
+        counts[1] += torch.sum(flags, dim=1, dtype=total_dtype).long()
         return scores.sum(dim=1)
     chunk_rows = max(1, COUNT_CHUNK_ELEMENTS // max(width, 1))
-    total_dtype = torch.float64 if scores.dtype == torch.float64 or width >= 2**24 else torch.float32
     buffer = torch.empty((min(chunk_rows, batch_size), width), dtype=total_dtype, device=scores.device)
     found = torch.empty((2, batch_size), dtype=total_dtype, device=scores.device)
     sums = torch.empty(batch_size, dtype=scores.dtype, device=scores.device)

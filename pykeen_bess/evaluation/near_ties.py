@@ -4,10 +4,10 @@ After the block loop of :mod:`~pykeen_bess.evaluation.ranking`, a query with can
 band around its true score (see :mod:`~pykeen_bess.evaluation.counting`) needs those candidates
 compared by PyKEEN's scores, and a query with non-finite scores an element-by-element count:
 
-* on the CPU, where reading sizes costs nothing, the block loop collects each block's candidates
-  inside the band as it goes (:func:`band_candidates`), and :func:`resolve_collected` compares them,
-  without scoring any query again;
-* elsewhere (and for non-finite scores) :func:`rank_again` scores the flagged queries again, in
+* on the CPU, where reading sizes costs nothing, and on other devices with large blocks, the block
+  loop collects each block's candidates inside the band as it goes (:func:`band_candidates`), and
+  :func:`resolve_collected` compares them, without scoring any query again;
+* otherwise (and for non-finite scores) :func:`rank_again` scores the flagged queries again, in
   chunks, collecting the band's candidates (or counting exactly).
 """
 
@@ -23,7 +23,16 @@ from .counting import band_bounds, band_scale, count_block, count_exactly, pykee
 from .excluded import ExcludedPairs
 from .sharded import ShardedScoring, feature_norms
 
-__all__ = ["band_candidates", "rank_again", "resolve_collected"]
+__all__ = ["band_candidates", "comparison_queries", "rank_again", "resolve_collected"]
+
+
+def comparison_queries(device: torch.device) -> int:
+    """Return the queries per call of PyKEEN's scoring when near-ties are compared (scores ``[b, b + m]``).
+
+    64 on the CPU, where the ``b x b`` part of the scores is arithmetic of its own; 1024 elsewhere, where
+    a call's fixed cost (a few dozen kernel launches) dominates (a thousand near-tie queries are one or two calls).
+    """
+    return 64 if device.type == "cpu" else 1024
 
 
 def band_candidates(
@@ -40,8 +49,8 @@ def band_candidates(
 
     Only the rows with entries in the band other than their excluded pairs (``others > 0``: the
     band's candidates, and NaN scores, which are neither above nor below) are compared again; the
-    excluded pairs of the block are dropped. Reads sizes on the host: for the CPU, where that costs
-    nothing.
+    excluded pairs of the block are dropped. Reads sizes on the host (a few times per block): for the
+    CPU, where that costs nothing, and for blocks large enough that it costs little.
 
     :param scores: shape: ``[B, k]``
     :param lower: shape: ``[B]``
@@ -78,7 +87,7 @@ def resolve_collected(
     larger: torch.Tensor,
     not_smaller: torch.Tensor,
 ) -> int:
-    """Rank the near-tie queries from the band candidates the first pass collected (the CPU's shortcut).
+    """Rank the near-tie queries from the band candidates the first pass collected (no query scored again).
 
     A near-tie query's ``above`` and ``below`` are final; its candidates inside the band (``m`` of
     them) are compared by PyKEEN's scores: ``larger = above + larger_m``, ``not_smaller = finite -
@@ -102,7 +111,12 @@ def resolve_collected(
     rows, ids = rows[order], ids[order]
     band = torch.bincount(rows, minlength=near.shape[0])[queries]
     compared_larger, compared_not_smaller = pykeen_comparisons(
-        scoring.model, target, triples[queries], torch.searchsorted(queries, rows), ids, max_queries=64
+        scoring.model,
+        target,
+        triples[queries],
+        torch.searchsorted(queries, rows),
+        ids,
+        max_queries=comparison_queries(triples.device),
     )
     larger[queries] = counts[0, queries] + compared_larger
     not_smaller[queries] = finite[queries] - counts[1, queries] - band + compared_not_smaller
@@ -175,9 +189,8 @@ def rank_again(
     if band_rows:
         rows = torch.cat(band_rows)
         order = torch.argsort(rows, stable=True)
-        max_queries = 256 if triples.device.type != "cpu" else 64
         larger, not_smaller = pykeen_comparisons(
-            scoring.model, target, triples, rows[order], torch.cat(band_ids)[order], max_queries
+            scoring.model, target, triples, rows[order], torch.cat(band_ids)[order], comparison_queries(triples.device)
         )
         counts[0] += larger
         counts[1] += not_smaller

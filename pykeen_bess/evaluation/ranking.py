@@ -18,10 +18,12 @@
 3. **Once per evaluation**: the counts are summed over the shards (one collective), and the
    queries to count again are found with one host read each: those with candidates inside the
    band (near-ties, whose comparison may depend on the rounding of the product, see
-   :mod:`~pykeen_bess.evaluation.counting`) and those with non-finite scores. On the CPU the block
-   loop has collected the near-ties' candidates inside the band already (reading sizes costs
-   nothing there), and they are compared by PyKEEN's scores without scoring any query again
-   (:mod:`~pykeen_bess.evaluation.near_ties`). Otherwise they are scored again, in chunks of at
+   :mod:`~pykeen_bess.evaluation.counting`) and those with non-finite scores. On the CPU, and
+   elsewhere with blocks of at least ``COLLECT_BAND_MIN_BLOCK`` scores, the block loop has
+   collected the near-ties' candidates inside the band already (a few host reads per block: nothing
+   on the CPU, little against a large block's device work), and they are compared by PyKEEN's scores
+   without scoring any query again (:mod:`~pykeen_bess.evaluation.near_ties`). Otherwise they are
+   scored again, in chunks of at
    most ``B``: near-tie queries as in the first pass (with their excluded pairs masked as NaN)
    while collecting the candidates inside the band, which are then compared
    by PyKEEN's own scores (:func:`~pykeen_bess.evaluation.counting.pykeen_comparisons`); queries
@@ -83,6 +85,10 @@ __all__ = [
 
 #: whether the CPU's block loop collects the near-ties' band candidates (tests turn it off to compare)
 COLLECT_BAND_ON_CPU = True
+#: on other devices the block loop collects them from blocks of at least this many scores: the host read
+#: after such a block waits for milliseconds of device work, less than scoring a third of the queries again
+#: (with a few thousand queries against 40,000 candidates that many have a candidate inside the band)
+COLLECT_BAND_MIN_BLOCK = 2**24
 
 
 class BlockBuffer:
@@ -314,7 +320,8 @@ def rank_target(
     :param threads: the thread policy of the blocks
     :param on_batch: called with the number of queries after each batch (progress), or None
     :param collect_band: collect the near-ties' band candidates in the block loop instead of scoring their
-        queries again (default: on the CPU, when near-ties are resolved)
+        queries again (default: on the CPU, and elsewhere for blocks of at least
+        ``COLLECT_BAND_MIN_BLOCK`` scores; only when near-ties are resolved)
     :param pairs_cache: where the excluded pairs of an earlier evaluation are kept (None: built here)
     :returns: the ranks
     """
@@ -334,9 +341,13 @@ def rank_target(
     for number in batches:
         owned[number * batch_size : (number + 1) * batch_size] = True
     owned_on_device = owned.to(device)
-    # on the CPU, where reading sizes costs nothing, the first pass collects the band's candidates
+    # where reading sizes costs little (the CPU, large blocks), the first pass collects the band's candidates
     if collect_band is None:
-        collect_band = device.type == "cpu" and COLLECT_BAND_ON_CPU
+        collect_band = (
+            COLLECT_BAND_ON_CPU
+            if device.type == "cpu"
+            else min(batch_size, num_queries) * slice_size >= COLLECT_BAND_MIN_BLOCK
+        )
     collected: list[tuple[torch.Tensor, torch.Tensor]] | None = (
         [] if collect_band and resolve_ties and tolerance > 0 else None
     )
