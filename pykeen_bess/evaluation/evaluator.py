@@ -82,7 +82,7 @@ from .coefficients import CoefficientCache
 from .excluded import ExcludedPairsCache
 from .filtering import FilterIndex, FilterIndexCache
 from .ranking import probe_step, rank_triples
-from .sharded import ShardedScoring
+from .sharded import ScoringLayouts, ShardedScoring
 from .sizes import choose_block_sizes
 
 __all__ = [
@@ -174,6 +174,8 @@ class BessEvaluator(RankBasedEvaluator):
         #: sizes, device): a later evaluation with the same filter (early stopping's) builds nothing
         self._filter_index = FilterIndexCache()
         self._excluded_pairs = ExcludedPairsCache()
+        #: the id layouts of the last evaluation (sharding, candidate columns, device tables), reused by the next
+        self._layouts = ScoringLayouts()
         #: the adjusted metrics' coefficients by candidate counts (the same at every evaluation of the same triples)
         self._coefficients = CoefficientCache()
         self._entered: float | None = None  # when :meth:`evaluate` was called
@@ -304,6 +306,7 @@ class BessEvaluator(RankBasedEvaluator):
             num_shards=self.num_shards,
             process_group=self.process_group,
             restrict_entities_to=restrict_entities_to,
+            layouts=self._layouts,
         )
         started = time.perf_counter()
         index = None

@@ -45,10 +45,67 @@ __all__ = [
     "DeviceTables",
     "Queries",
     "ScoreBlock",
+    "ScoringLayouts",
     "ShardedScoring",
     "feature_norms",
     "rows_and_topology",
 ]
+
+
+class ScoringLayouts:
+    """The id layouts of a scoring, kept for the next one: entity sharding, candidate columns, device id tables.
+
+    An evaluator that ranks the same model again (early stopping's checks) needs the same layouts each
+    time: they depend on the number of entities, the shards, the candidates and the device, not on the
+    model's values. Built anew they cost a few dozen small host operations (a random permutation of the
+    entities, scatters into id maps) and host-to-device copies per evaluation. Only the most recent
+    layout of each kind is kept, and none for restricted candidates (``restrict_entities_to``).
+    """
+
+    def __init__(self) -> None:
+        """Start empty."""
+        self._sharding: tuple[tuple[int, int, int], EntitySharding] | None = None
+        self._columns: tuple[tuple, CandidateColumns] | None = None
+        self._tables: tuple[tuple, DeviceTables] | None = None
+
+    def sharding(self, num_entities: int, num_shards: int, seed: int) -> EntitySharding:
+        """Return ``EntitySharding.create(num_entities, num_shards, seed=seed)``, created once."""
+        key = (num_entities, num_shards, seed)
+        if self._sharding is None or self._sharding[0] != key:
+            self._sharding = key, EntitySharding.create(num_entities, num_shards, seed=seed)
+        return self._sharding[1]
+
+    def columns(
+        self,
+        sharding: EntitySharding,
+        local_shards: Sequence[int],
+        restrict_entities_to: torch.Tensor | None,
+        order_by_id: bool,
+    ) -> CandidateColumns:
+        """Return :meth:`CandidateColumns.create`'s columns, created once per sharding object and arguments."""
+        if restrict_entities_to is not None:
+            return CandidateColumns.create(sharding, local_shards, restrict_entities_to, order_by_id)
+        # the sharding object itself is part of the key (held, so that its identity is not reused)
+        key = (sharding, tuple(local_shards), order_by_id)
+        if self._columns is None or not _same_key(self._columns[0], key):
+            self._columns = key, CandidateColumns.create(sharding, local_shards, None, order_by_id)
+        return self._columns[1]
+
+    def tables(
+        self, sharding: EntitySharding, local_shards: Sequence[int], columns: CandidateColumns, device: torch.device
+    ) -> DeviceTables:
+        """Return :meth:`DeviceTables.build`'s tables, built once per columns object and device."""
+        key = (sharding, tuple(local_shards), columns, device)
+        if self._tables is None or not _same_key(self._tables[0], key):
+            self._tables = key, DeviceTables.build(sharding, local_shards, columns, device)
+        return self._tables[1]
+
+
+def _same_key(kept: tuple, key: tuple) -> bool:
+    """Whether two keys are equal, their objects (sharding, columns) compared by identity."""
+    return len(kept) == len(key) and all(
+        a is b if isinstance(a, (EntitySharding, CandidateColumns)) else a == b for a, b in zip(kept, key)
+    )
 
 
 @dataclasses.dataclass(eq=False)
@@ -110,6 +167,7 @@ class ShardedScoring:
         topology: Topology,
         restrict_entities_to: torch.Tensor | None = None,
         order_by_id: bool = False,
+        layouts: ScoringLayouts | None = None,
     ):
         """Prepare the scoring.
 
@@ -118,6 +176,7 @@ class ShardedScoring:
         :param topology: the process topology (its local shards must be those of ``rows``)
         :param restrict_entities_to: shape: ``[E']``, sorted unique global ids of the only candidates
         :param order_by_id: number the candidates of each shard by ascending global id
+        :param layouts: where the id layouts of an earlier scoring are kept (None: built here)
         """
         if tuple(topology.local_shards) != tuple(rows.local_shards) or topology.n_shard != rows.sharding.n_shard:
             raise ValueError(
@@ -136,7 +195,11 @@ class ShardedScoring:
         self.head_indices = list(model.interaction.head_indices)
         self.tail_indices = list(model.interaction.tail_indices)
         #: the columns of the local shards' candidates, on the host (its fields are also attributes here)
-        self.columns = CandidateColumns.create(self.sharding, rows.local_shards, restrict_entities_to, order_by_id)
+        self.layouts = layouts
+        if layouts is None:
+            self.columns = CandidateColumns.create(self.sharding, rows.local_shards, restrict_entities_to, order_by_id)
+        else:
+            self.columns = layouts.columns(self.sharding, rows.local_shards, restrict_entities_to, order_by_id)
         # per local shard: the local id of each column (None: the columns are the local ids 0..count-1)
         self.candidate_local = self.columns.candidate_local
         # per local shard: the column of each local id, -1 for non-candidates (None: the columns are the local ids)
@@ -157,6 +220,7 @@ class ShardedScoring:
         process_group: ProcessGroupHint = None,
         restrict_entities_to: torch.Tensor | None = None,
         order_by_id: bool = False,
+        layouts: ScoringLayouts | None = None,
     ) -> ShardedScoring:
         """Choose the entity rows and the topology for a model.
 
@@ -174,11 +238,19 @@ class ShardedScoring:
         :param process_group: the process group of a distributed sharded model (None: the default one)
         :param restrict_entities_to: sorted unique global ids of the only candidates
         :param order_by_id: see :class:`ShardedScoring`
+        :param layouts: where the id layouts of an earlier scoring are kept (None: built here)
         :returns: the scoring
         :raises ValueError: for models this evaluator cannot handle
         """
-        rows, topology = rows_and_topology(model, num_shards, process_group)
-        return cls(model, rows, topology, restrict_entities_to=restrict_entities_to, order_by_id=order_by_id)  # type: ignore[arg-type]
+        rows, topology = rows_and_topology(model, num_shards, process_group, layouts)
+        return cls(
+            model,  # type: ignore[arg-type]
+            rows,
+            topology,
+            restrict_entities_to=restrict_entities_to,
+            order_by_id=order_by_id,
+            layouts=layouts,
+        )
 
     # -- properties --------------------------------------------------------------------------
 
@@ -206,7 +278,10 @@ class ShardedScoring:
         device = torch.device(device)
         tables = self._device_tables.get(device)
         if tables is None:
-            tables = DeviceTables.build(self.sharding, self.local_shards, self.columns, device)
+            if self.layouts is None:
+                tables = DeviceTables.build(self.sharding, self.local_shards, self.columns, device)
+            else:
+                tables = self.layouts.tables(self.sharding, self.local_shards, self.columns, device)
             self._device_tables[device] = tables
         return tables
 
@@ -386,9 +461,11 @@ class ShardedScoring:
 
 
 def rows_and_topology(
-    model: Model, num_shards: int | None, process_group: ProcessGroupHint
+    model: Model, num_shards: int | None, process_group: ProcessGroupHint, layouts: ScoringLayouts | None = None
 ) -> tuple[EntityRows, Topology]:
     """Choose the entity rows and the topology of a model (see :meth:`ShardedScoring.for_model`).
+
+    ``layouts`` keeps the entity sharding of a model without sharded tables for the next call.
 
     :raises TypeError: for a model that is not an ``ERModel``
     :raises ValueError: for an invalid number of shards
@@ -425,7 +502,10 @@ def rows_and_topology(
     seed = trained.get("seed", 0) if n == trained.get("num_shards") else 0
     if n > model.num_entities:
         raise ValueError(f"num_shards={n} is larger than the number of entities ({model.num_entities}).")
-    sharding = EntitySharding.create(model.num_entities, n, seed=seed)
+    if layouts is None:
+        sharding = EntitySharding.create(model.num_entities, n, seed=seed)
+    else:
+        sharding = layouts.sharding(model.num_entities, n, seed)
     topology = make_topology(n, in_process=True)  # every process scores all shards of a model it holds whole
     rows = ForwardRows(representations, sharding, topology.local_shards)
     return rows, topology

@@ -428,6 +428,52 @@ def test_early_stopping_builds_the_filter_and_the_excluded_pairs_once(monkeypatc
     assert calls == {"index": 2, "pairs": 4}
 
 
+def test_a_repeated_evaluation_reuses_the_id_layouts(monkeypatch):
+    """The entity sharding, candidate columns and device id tables are built once for repeated evaluations."""
+    from pykeen_bess.evaluation.candidates import CandidateColumns, DeviceTables
+
+    calls = {"sharding": 0, "columns": 0, "tables": 0}
+    originals = {
+        "sharding": EntitySharding.create,
+        "columns": CandidateColumns.create,
+        "tables": DeviceTables.build,
+    }
+    for name, (cls, attribute) in {
+        "sharding": (EntitySharding, "create"),
+        "columns": (CandidateColumns, "create"),
+        "tables": (DeviceTables, "build"),
+    }.items():
+
+        def counted(*args, __name=name, **kwargs):
+            calls[__name] += 1
+            return originals[__name](*args, **kwargs)
+
+        monkeypatch.setattr(cls, attribute, counted)
+    model, expected = reference("nations", "DistMult")
+    data = dataset("nations")
+    evaluator = BessEvaluator(num_shards=3, batch_size=64)
+
+    def evaluate(**kwargs) -> Mapping[str, float]:
+        result = evaluator.evaluate(
+            model, data.testing.mapped_triples, additional_filter_triples=filter_triples(data), use_tqdm=False, **kwargs
+        )
+        return result.to_flat_dict()
+
+    for _ in range(3):
+        assert_same_metrics(expected, evaluate())
+    assert calls == {"sharding": 1, "columns": 1, "tables": 1}
+    # restricted candidates (here: all entities): their own columns and tables each time, the sharding kept
+    everyone = list(range(data.training.num_entities))
+    for _ in range(2):
+        assert_same_metrics(expected, evaluate(restrict_entities_to=everyone))
+    assert calls == {"sharding": 1, "columns": 3, "tables": 3}
+    assert_same_metrics(expected, evaluate())  # the unrestricted columns kept, their tables built again
+    assert calls == {"sharding": 1, "columns": 3, "tables": 4}
+    evaluator.num_shards = 2  # another sharding: everything anew
+    assert_same_metrics(expected, evaluate())
+    assert calls == {"sharding": 2, "columns": 4, "tables": 5}
+
+
 def test_hpo_pipeline():
     """The evaluator class works in hpo_pipeline()."""
     from pykeen.hpo import hpo_pipeline
