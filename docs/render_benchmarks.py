@@ -405,6 +405,11 @@ RENDERERS: dict[str, tuple[str, str, Callable[[Any, Path], str]]] = {
         "python benchmarks/gpu.py --eval-data DATA/wn18rr --output benchmarks/results/gpu-h200.json",
         lambda data, out: gpu(data, out, "gpu-h200-configurations.json", ("configurations",)),
     ),
+    "gpu-evaluation": (
+        "gpu-h200.json",
+        "python benchmarks/gpu.py --eval-data DATA/wn18rr --output benchmarks/results/gpu-h200.json",
+        lambda data, out: gpu(data, out, "gpu-h200-evaluation.json", ("evaluation",)),
+    ),
     "gpu-scale-storage": (
         "gpu-h200.json",
         "python benchmarks/gpu.py --eval-data DATA/wn18rr --output benchmarks/results/gpu-h200.json",
