@@ -9,8 +9,9 @@ with the static step (captured as CUDA graphs on CUDA) and with the eager step, 
 * the encoding partition (``exchange="encoding"``, four column parts in one process);
 * sub-batches (four per step);
 * a callback that asks for every step's loss (``on_batch``);
-* dense updates (``sparse_updates=False``, AdamW): the user's optimizer updates whole tables after a
-  host read, so the step runs uncaptured; target at least the eager step;
+* dense updates (``sparse_updates=False``): AdamW's capturable form updates the whole table on the
+  device (captured); SGD with momentum, which has no capturable form, updates it after a host read, so
+  that step runs uncaptured (target: at least the eager step);
 
 each captured static step at least 10x its eager step on the same GPU. A machine with one GPU cannot run
 replicas (every replica group needs two ranks, and NCCL refuses two ranks on one GPU); and it
@@ -147,8 +148,14 @@ def configurations(device: torch.device, rows: list[Row], args: argparse.Namespa
         ("encoding partition, 4 column parts", dict(num_shards=4, exchange="encoding"), True),
         ("sub-batches (4 per step)", dict(num_shards=1, sub_batch_size=128), True),
         ("a callback reading every step's loss", dict(num_shards=1, per_step_callback=True), True),
-        # the user's optimizer updates whole tables after a host read: uncaptured on a GPU
-        ("dense updates, AdamW (uncaptured)", dict(num_shards=1, optimizer="adamw", sparse_updates=False), False),
+        # AdamW's capturable form updates the whole table on the device
+        ("dense updates, AdamW", dict(num_shards=1, optimizer="adamw", sparse_updates=False), True),
+        # SGD with momentum has no capturable form: the user's optimizer after a host read, uncaptured on a GPU
+        (
+            "dense updates, SGD with momentum (uncaptured)",
+            dict(num_shards=1, optimizer="sgd", optimizer_kwargs=dict(lr=0.1, momentum=0.9), sparse_updates=False),
+            False,
+        ),
     ]
     for name, kwargs, captures in cases:
         static, _, captured = _rate(tf, args.dim, device, 3, 512, _static_mode(device), **dict(kwargs))

@@ -686,10 +686,19 @@ def test_the_benchmarks_page_renders_the_scripts_result_files(
         if (results / filename).exists() and "|---|" in text:
             assert "No result file" not in text, name
             rendered.add(name)
-    # no tiny run: the GPU file's scale and storage sections (the tiny run skips them: the page says so),
-    # measured-only benchmarks, and tables of several --baseline runs in one file
-    unrun = {"gpu-scale-storage", "busy", "pbg-import", "distributed-configurations-ab", "checkpoints"}
+    # no tiny run: the GPU file's scale, storage and evaluation sections (the tiny run skips them: the page
+    # says so; evaluation.py's own tiny run runs the evaluation rows' code), measured-only benchmarks, and
+    # tables of several --baseline runs in one file
+    unrun = {
+        "gpu-scale-storage",
+        "gpu-evaluation",
+        "busy",
+        "pbg-import",
+        "distributed-configurations-ab",
+        "checkpoints",
+    }
     assert rendered == set(render_benchmarks.RENDERERS) - unrun
     assert "measured no scale or storage rows" in (tmp_path / "out" / "gpu-scale-storage.md").read_text()
+    assert "measured no evaluation rows" in (tmp_path / "out" / "gpu-evaluation.md").read_text()
     plots = ("training", "training-pbg", "parity", "scale", "evaluation", "distributed", "gpu-h200")
     assert all((tmp_path / "out" / f"{plot}.png").exists() for plot in plots)

@@ -191,10 +191,11 @@ class BessTrainingLoop(LoopParts):
             logged), True (the static step, or an error says why not) or False (the eager step); see
             :mod:`pykeen_bess.training.steps.static_step`. Process groups, replicas, the encoding partition,
             sub-batches, clipping, loss weights, dropout, per-step callbacks, tables in host memory or files
-            (their rows staged into device buffers around every step on a GPU) and dense updates (any optimizer,
-            uncaptured on a GPU, as are typed negatives with a regularizer other than L2, and host or file tables
-            with replicas or the encoding partition) run on the static step; the eager step runs for a subclass
-            that overrides ``_process_batch`` (the GPU how-to says why)
+            (their rows staged into device buffers around every step on a GPU) and dense updates (any optimizer;
+            captured on a GPU for the optimizers with a capturable form, Adam, AdamW, RMSprop, ..., uncaptured for
+            the others, as are typed negatives with a regularizer other than L2, and host or file tables with
+            replicas or the encoding partition) run on the static step; the eager step runs for a subclass that
+            overrides ``_process_batch`` (the GPU how-to says why)
         :param device: where a model built on the meta device is materialised (every parameter but its entity
             tables, which ``storage`` holds) and computes, e.g. ``"cuda"`` for tables in host memory or files
             bigger than the GPU; None: the CPU. A model built on a real device computes there (giving another

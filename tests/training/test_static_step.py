@@ -184,6 +184,9 @@ DEVICE_PATH_CASES = [
     dict(num_shards=2, exchange="encoding"),
     dict(num_shards=4, model_cls=TransE, sparse_updates=False),
     dict(num_shards=2, optimizer="adam", optimizer_kwargs=dict(amsgrad=True, weight_decay=0.01), sparse_updates=False),
+    dict(num_shards=2, optimizer="adamw", sparse_updates=False, train_kwargs=dict(gradient_clipping_max_norm=0.05)),
+    # no capturable form: the user's optimizer after a host read (a GPU runs it uncaptured)
+    dict(num_shards=2, optimizer="sgd", optimizer_kwargs=dict(momentum=0.9), sparse_updates=False),
 ]
 
 
@@ -193,11 +196,12 @@ def test_the_device_path_equals_the_eager_step(
 ) -> None:
     """The updates a GPU runs (every occurrence with its row's sum, device-tensor rules, gates), forced on the CPU.
 
-    The replicated parameters of Adam run torch's capturable Adam there, whose bias correction is computed in
-    the step count's dtype (the plain form's in Python floats): in float64 the two agree to its rounding.
+    The replicated parameters of Adam (and the tables updated densely by Adam) run torch's capturable Adam
+    there, whose bias correction is computed in the step count's dtype (the plain form's in Python floats):
+    in float64 the two agree to its rounding.
     """
     monkeypatch.setattr(StaticUpdate, "host_rules", False)
-    capturable = case.get("optimizer", "adam") == "adam" and case.get("sparse_updates", True)
+    capturable = case.get("optimizer", "adam") in ("adam", "adamw")
     with default_dtype(torch.float64 if capturable else torch.get_default_dtype()):
         test_static_step_equals_the_eager_step(factory, case, tmp_path)
 
@@ -311,9 +315,21 @@ def test_the_cpu_updates_reuse_their_buffers(factory: CoreTriplesFactory) -> Non
         assert {key: buffer.data_ptr() for key, buffer in buffers.items()} == pointers
 
 
-def test_a_non_finite_loss_applies_no_step(factory: CoreTriplesFactory) -> None:
-    """The step with a non-finite loss and the later steps of its epoch write nothing; the epoch then raises."""
-    loop = make_loop(factory, num_shards=2, model_kwargs=dict(regularizer=None))
+@pytest.mark.parametrize(
+    ("host_rules", "sparse_updates"),
+    [(True, True), (False, True), (False, False)],
+    ids=["cpu-updates", "device-updates", "device-dense-updates"],
+)
+def test_a_non_finite_loss_applies_no_step(
+    factory: CoreTriplesFactory, host_rules: bool, sparse_updates: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The step with a non-finite loss and the later steps of its epoch write nothing; the epoch then raises.
+
+    On a GPU's updates without a host read: the gated row rules, and Adam's capturable form updating the
+    table densely (its table and state copied before the step and kept).
+    """
+    monkeypatch.setattr(StaticUpdate, "host_rules", host_rules)
+    loop = make_loop(factory, num_shards=2, model_kwargs=dict(regularizer=None), sparse_updates=sparse_updates)
     loop.train(factory, num_epochs=1, batch_size=64, use_tqdm=False)
     with loop.tables.installed(copy_weights=True):
         static = _static_step(loop, factory, 16)
@@ -332,8 +348,10 @@ def test_a_non_finite_loss_applies_no_step(factory: CoreTriplesFactory) -> None:
         for name, value in loop.optimizer.state[loop.tables[0].weight].items():
             if name != "step":
                 torch.testing.assert_close(value, state_before[name])
-        # the two steps before the poisoned one are counted, the poisoned one and the later ones are not
-        assert float(loop.optimizer.state[loop.tables[0].weight]["step"]) == float(state_before["step"]) + 2
+        # the two steps before the poisoned one are counted, the poisoned one and the later ones are not (the
+        # row rules' counts reach the state at the end of the epoch; Adam's capturable form counts in it)
+        counted = 0 if not sparse_updates else 2
+        assert float(loop.optimizer.state[loop.tables[0].weight]["step"]) == float(state_before["step"]) + counted
 
 
 class _Poison(TrainingCallback):
@@ -382,22 +400,29 @@ def test_a_configuration_the_static_step_cannot_train_says_why(
 def test_the_users_optimizer_updates_what_no_device_rule_reproduces(
     factory: CoreTriplesFactory, host_rules: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Dense table updates and options without a device rule run the user's optimizer (a GPU runs them uncaptured)."""
+    """Dense table updates without a capturable form, and options without a device rule, run the user's optimizer.
+
+    (A GPU runs those uncaptured.) Adam's capturable form updates tables densely too, on the device.
+    """
     monkeypatch.setattr(StaticUpdate, "host_rules", host_rules)
     updates = {}
     for name, kwargs in {
         "rules": dict(optimizer="adam"),
         "dense": dict(optimizer="adam", sparse_updates=False),
         "options": dict(optimizer="adam", optimizer_kwargs=dict(amsgrad=True), sparse_updates=False),
+        "momentum": dict(optimizer="sgd", optimizer_kwargs=dict(momentum=0.9), sparse_updates=False),
     }.items():
         loop = make_loop(factory, num_shards=2, **kwargs)
         loop.train(factory, num_epochs=1, batch_size=64, use_tqdm=False)
-        updates[name] = loop.static.update
-    rules, dense, options = (updates[name].dense for name in ("rules", "dense", "options"))
+        updates[name] = loop.static.update.dense
+    rules, dense, options, momentum = (updates[name] for name in ("rules", "dense", "options", "momentum"))
     assert rules.rule_obstacle is None and not rules.tables
-    assert rules.by_the_optimizer == host_rules  # the CPU's updates: the user's optimizer for the dense groups, too
-    assert dense.rule_obstacle == "dense table updates" and len(dense.tables) == 1
-    assert dense.by_the_optimizer and options.by_the_optimizer
+    # the CPU's updates: the user's optimizer for the dense groups; a GPU's: its capturable form
+    for update in (rules, dense, options):
+        assert update.capturable and update.rule_obstacle is None
+        assert update.by_the_optimizer == host_rules
+    assert len(dense.tables) == 1
+    assert momentum.rule_obstacle == "dense table updates by SGD" and momentum.by_the_optimizer
     table = dense.tables[0].optimizer_parameter  # its gradient comes from the rows' sums, not from autograd
     assert dense.parameters and all(p is not table for p in dense.parameters)
 
@@ -412,13 +437,16 @@ def test_what_a_cuda_graph_cannot_capture_runs_uncaptured(
         "device": {},
         "host": dict(storage="host"),
         "dense": dict(sparse_updates=False),
+        "dense-momentum": dict(sparse_updates=False, optimizer="sgd", optimizer_kwargs=dict(momentum=0.9)),
     }.items():
         loop = make_loop(factory, num_shards=2, static_step=None, **kwargs)
         loop.train(factory, num_epochs=1, batch_size=64, use_tqdm=False)
         obstacles[name] = loop.static.capture_obstacle
     assert obstacles["device"] is None
+    assert obstacles["dense"] is None  # Adam's capturable form updates the table on the device
     assert "storage='host'" in obstacles["host"]
-    assert "the user's optimizer" in obstacles["dense"] and "dense table updates" in obstacles["dense"]
+    assert "the user's optimizer" in obstacles["dense-momentum"]
+    assert "dense table updates by SGD" in obstacles["dense-momentum"]
 
 
 def test_a_subclass_overriding_process_batch_trains_eagerly(factory: CoreTriplesFactory) -> None:
@@ -449,7 +477,8 @@ def test_automatic_mode_trains_with_the_static_step_on_the_cpu(
 #: Measured: 270 without and 355 with PyKEEN's default relation regularizer at one sub-batch, for any
 #: number of shards (the score-moving scheme's gathered queries add about 40); a padded step kind adds
 #: its masks (about 25), every further sub-batch about 190, clipping 5-25; ComplEx (both tables
-#: regularized) 516. These are a GPU's steps; the CPU sums per local shard (``sums_per_shard``: 519 at n = 4).
+#: regularized) 516; a table updated densely by Adam's capturable form 320 (296 for TransE, with its
+#: constraint). These are a GPU's steps; the CPU sums per local shard (``sums_per_shard``: 519 at n = 4).
 OPERATOR_MATRIX = {
     "n1": (dict(num_shards=1, model_kwargs=dict(regularizer=None)), {}, 290),
     "n4": (dict(num_shards=4, model_kwargs=dict(regularizer=None)), {}, 290),
@@ -471,6 +500,10 @@ OPERATOR_MATRIX = {
     "n4-per-shard": (dict(num_shards=4, model_kwargs=dict(regularizer=None)), dict(per_shard=True), 550),
     # typed negatives weigh the regularized rows by every step's candidate types, on the device
     "typed-lp": (dict(num_shards=2, negatives="typed_step"), dict(typed=True), 420),
+    # a table updated densely by Adam's capturable form: its gradient, copies for the gate, no constraint
+    "dense-adam": (dict(num_shards=2, sparse_updates=False), {}, 350),
+    # and with TransE's unit-norm constraint on the step's real rows (fixed shapes)
+    "dense-adam-transe": (dict(num_shards=2, model_cls=TransE, sparse_updates=False), {}, 330),
 }
 
 

@@ -9,18 +9,21 @@
   ``capturable=True`` and the learning rate as a device tensor, both set for the call only, so that its step
   count stays on the device and nothing reads the host. A step with a non-finite loss (``ok`` False) must
   write nothing: the parameters and their state are copied before and kept where ``ok`` is False (the
-  replicated parameters are small). The first step of a parameter creates its state and reads ``ok`` on the
-  host (a warm-up step, before a graph is captured);
+  replicated parameters are small; a table updated densely, ``sparse_updates=False``, is copied whole with
+  its state, on the device, which costs about what the optimizer's own whole-table update costs). A table's
+  dense gradient ``[R, W]`` is built from its rows' sums (zero elsewhere, as the eager step builds it), and
+  its constraint applies to the step's real rows (fixed shapes: every occurrence's row, the others written
+  back unchanged). The first step of a parameter creates its state and reads ``ok`` on the host (a warm-up
+  step, before a graph is captured);
 * **by a device rule** (on a GPU, for the optimizers torch has no capturable form of: Adagrad, SGD,
   row-wise Adagrad): the row rule (:data:`~pykeen_bess.tables.row_rules.RULES`) applied to the whole tensor,
   with the step count and learning rate as device tensors, gated by ``ok`` without a host read;
 * **by the user's optimizer itself** (:attr:`DenseUpdate.by_the_optimizer`): on the CPU, where reading
   ``ok`` costs no synchronisation, and where neither of the above reproduces the update: tables updated
-  densely (``sparse_updates=False``; undoing a non-finite step would copy the whole table and its state
-  every step) and options of the optimizers without a capturable form (SGD's momentum, Adagrad's weight
-  decay). A table's dense gradient ``[R, W]`` is built from its rows' sums (zero elsewhere), as the eager
-  step builds it, and its constraint then applies to the step's real rows. On a GPU such a step runs
-  uncaptured (the read of ``ok`` synchronises).
+  densely by an optimizer without a capturable form (the device rules update the replicated parameters
+  only), tables outside the device (host memory or files), and options of the optimizers without a
+  capturable form (SGD's momentum, Adagrad's weight decay). The tables' gradients and constraints are those
+  of the capturable form. On a GPU such a step runs uncaptured (the read of ``ok`` synchronises).
 """
 
 from __future__ import annotations
@@ -84,11 +87,18 @@ class DenseUpdate:
         self.parameters = [
             p for group in optimizer.dense_groups for p in group["params"] if p.requires_grad and id(p) not in tables
         ]
-        #: whether the user's optimizer updates the replicated parameters in its capturable form (off the CPU)
-        self.capturable = not self.tables and has_capturable_form(optimizer)
+        #: whether the user's optimizer updates the dense groups in its capturable form (off the CPU): the
+        #: replicated parameters and the tables updated densely, if those are on the device
+        self.capturable = has_capturable_form(optimizer) and all(
+            table.optimizer_parameter is table.weight for table in self.tables
+        )
         #: why neither the capturable form nor a device rule reproduces the dense groups' update (None: one does)
         self.rule_obstacle = (
-            "dense table updates" if self.tables else None if self.capturable else dense_rule_obstacle(optimizer)
+            None
+            if self.capturable
+            else f"dense table updates by {optimizer.optimizer_cls.__name__}"
+            if self.tables
+            else dense_rule_obstacle(optimizer)
         )
 
     @property
@@ -159,12 +169,15 @@ class DenseUpdate:
         host instead (:meth:`_optimizer_step`), as only a warm-up step, before any capture, can be a first step.
         """
         state = self.optimizer.state
-        if any(grad is not None and not state.get(param) for param, grad in zip(self.parameters, grads)):
+        weights = [table.optimizer_parameter for table in self.tables]
+        table_grads = self._table_gradients(step_rows)
+        updated = [*zip(self.parameters, grads), *zip(weights, table_grads)]
+        if any(grad is not None and not state.get(param) for param, grad in updated):
             with self._capturable_groups():
                 self._optimizer_step(grads, present, ok, step_rows)
             return
         kept: list[tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]] = []
-        for position, (param, grad) in enumerate(zip(self.parameters, grads)):
+        for position, (param, grad) in enumerate(updated):
             if grad is None:
                 continue
             param_state = state[param]
@@ -172,16 +185,45 @@ class DenseUpdate:
             if torch.is_tensor(step) and step.device != param.device:  # a state loaded on the host
                 param_state["step"] = step.to(param.device)
             tensors = [param.detach(), *(value for value in param_state.values() if torch.is_tensor(value))]
-            apply = ok if present is None else ok & (present[position] > 0)
+            apply = ok if present is None or position >= len(self.parameters) else ok & (present[position] > 0)
             kept.append((apply, tensors, [tensor.clone() for tensor in tensors]))
             param.grad = grad
         with self._capturable_groups():
             self.optimizer.dense_step()
-        for param in self.parameters:
+        for param, _ in updated:
             param.grad = None
+        self._constrain_tables(step_rows)
         for apply, tensors, old in kept:
             for tensor, value in zip(tensors, old):
                 tensor.copy_(torch.where(apply, tensor, value))
+
+    def _table_gradients(self, step_rows: StepRows) -> list[torch.Tensor | None]:
+        """Return the dense gradient ``[R, W]`` of every table updated here: its rows' sums, zero elsewhere."""
+        summed_of_tables = [summed for summed, here in zip(step_rows.summed, self.updates_table) if here]
+        gradients: list[torch.Tensor | None] = []
+        for table, summed in zip(self.tables, summed_of_tables):
+            if summed is not None and not self.on_the_host():  # every occurrence carries its row's sum: count one
+                summed = summed * step_rows.first.to(summed.dtype).unsqueeze(1)
+            weight = table.optimizer_parameter
+            gradients.append(None if summed is None else torch.zeros_like(weight).index_add_(0, step_rows.rows, summed))
+        return gradients
+
+    def _constrain_tables(self, step_rows: StepRows) -> None:
+        """Apply the tables' constraints to the step's real rows, with fixed shapes (no host read).
+
+        Every occurrence's row is read and written back: constrained if the row is real, unchanged otherwise
+        (the occurrences of a row agree on whether it is real, so repeated rows write the same values).
+        """
+        for table in self.tables:
+            if table.constrainer is None:
+                continue
+            weight = table.weight
+            with torch.no_grad():
+                values = weight.index_select(0, step_rows.rows)
+                constrained = table.constrain_values(values)
+                if step_rows.real is not None:
+                    constrained = torch.where(step_rows.real.unsqueeze(1), constrained, values)
+                weight.index_copy_(0, step_rows.rows, constrained)
 
     @contextlib.contextmanager
     def _capturable_groups(self) -> Iterator[None]:
@@ -217,12 +259,8 @@ class DenseUpdate:
         flags = [True] * len(self.parameters) if present is None else [flag > 0 for flag in present.tolist()]
         for param, grad, flag in zip(self.parameters, grads, flags):
             param.grad = grad if flag else None
-        summed_of_tables = [summed for summed, here in zip(step_rows.summed, self.updates_table) if here]
-        for table, summed in zip(self.tables, summed_of_tables):
-            if summed is not None and not self.on_the_host():  # every occurrence carries its row's sum: count one
-                summed = summed * step_rows.first.to(summed.dtype).unsqueeze(1)
-            weight = table.optimizer_parameter
-            weight.grad = None if summed is None else torch.zeros_like(weight).index_add_(0, step_rows.rows, summed)
+        for table, grad in zip(self.tables, self._table_gradients(step_rows)):
+            table.optimizer_parameter.grad = grad
         self.optimizer.dense_step()
         for param in self.parameters:
             param.grad = None

@@ -29,11 +29,13 @@ as one function of fixed shapes and no host synchronisation:
    on the sums, and the row rule runs on every occurrence with its row's sum; duplicates write
    identical values, so the result is the lazy row-sparse update of the eager step (same rows
    touched, same moments) up to rounding;
-6. **dense update** of the replicated parameters, their gradients summed over the processes: on a GPU
-   with the user's optimizer's rule, the step counts and learning rates as device tensors; on the CPU,
-   and wherever no rule reproduces the optimizer (dense updates of the tables, ``sparse_updates=False``,
-   with any optimizer and option), by the user's optimizer itself after a host read of whether the
-   step applies (on a GPU such a step runs uncaptured);
+6. **dense update** of the replicated parameters, their gradients summed over the processes, and of
+   the tables with ``sparse_updates=False``: on a GPU by the user's optimizer in its capturable form
+   (or, for the replicated parameters of an optimizer without one, its rule), the step counts and
+   learning rates as device tensors; on the CPU, and wherever neither reproduces the optimizer (tables
+   updated densely by an optimizer without a capturable form, options without a device rule), by the
+   user's optimizer itself after a host read of whether the step applies (on a GPU such a step runs
+   uncaptured);
 7. **bookkeeping on the device**: the loss is summed on the device and read once per epoch (every
    step while a callback asks for every step's loss); a step with a non-finite loss writes nothing,
    and neither does any later step of the epoch, so the epoch's end raises
@@ -50,8 +52,8 @@ Tables in host memory or files are read and written through a
 buffers before the step and written back after it (:class:`~pykeen_bess.storage.staging.StagedRows`), so
 the step itself reads device memory only. Every configuration of the loop runs on the static step; on a
 GPU a few run it uncaptured (:attr:`StaticStep.capture_obstacle`: the user's optimizer on the dense
-groups, typed negatives with a regularizer other than L2, host or file tables with replicas or the
-encoding partition). A subclass that overrides
+groups after a host read, typed negatives with a regularizer other than L2, host or file tables with
+replicas or the encoding partition). A subclass that overrides
 ``_process_batch`` trains with the eager step, which calls that hook on the host for every sub-batch.
 """
 

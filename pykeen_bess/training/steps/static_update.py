@@ -22,8 +22,8 @@
   the eager step's lazy row-sparse update (same rows, same moments) up to rounding;
 * **dense**: the replicated parameters, and the tables with ``sparse_updates=False``
   (:class:`~pykeen_bess.training.steps.dense_update.DenseUpdate`: on a GPU the user's optimizer in its
-  capturable form, or the row rule of one torch has no capturable form of; the user's optimizer itself
-  on the CPU and for the tables);
+  capturable form, or for the replicated parameters the row rule of one torch has no capturable form
+  of; the user's optimizer itself on the CPU and for tables no capturable form updates);
 * **gated**: every write keeps the old value where ``ok`` is False (a non-finite loss);
 * **fused on a GPU**: a rule, its constraint and the gate are one function
   (:func:`~pykeen_bess.training.steps.static_rules.gated_rule`), which ``torch.compile`` fuses into a few
