@@ -8,7 +8,8 @@ scoring; :meth:`DeviceTables.build` builds the id tables the scoring needs on th
 (which local shard, local id and column holds each entity; the global and local id of each column)
 and copies them there, once per device
 (:meth:`~pykeen_bess.evaluation.sharded.ShardedScoring.device_tables` keeps one per device). These
-are the scoring's only host-to-device copies of ids.
+are the scoring's only host-to-device copies of ids. :class:`ScoringLayouts` keeps the most recent
+sharding, columns and tables for the next scoring (an evaluator's next evaluation).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from ..data.sharding import EntitySharding
 __all__ = [
     "CandidateColumns",
     "DeviceTables",
+    "ScoringLayouts",
 ]
 
 
@@ -144,3 +146,59 @@ class DeviceTables:
             column_ids=tuple(column_ids),
             column_local=tuple(None if local is None else local.to(device) for local in columns.candidate_local),
         )
+
+
+class ScoringLayouts:
+    """The id layouts of a scoring, kept for the next one: entity sharding, candidate columns, device id tables.
+
+    An evaluator that ranks the same model again (early stopping's checks) needs the same layouts each
+    time: they depend on the number of entities, the shards, the candidates and the device, not on the
+    model's values. Built anew they cost a few dozen small host operations (a random permutation of the
+    entities, scatters into id maps) and host-to-device copies per evaluation. Only the most recent
+    layout of each kind is kept, and none for restricted candidates (``restrict_entities_to``).
+    """
+
+    def __init__(self) -> None:
+        """Start empty."""
+        self._sharding: tuple[tuple[int, int, int], EntitySharding] | None = None
+        self._columns: tuple[tuple, CandidateColumns] | None = None
+        self._tables: tuple[tuple, DeviceTables] | None = None
+
+    def sharding(self, num_entities: int, num_shards: int, seed: int) -> EntitySharding:
+        """Return ``EntitySharding.create(num_entities, num_shards, seed=seed)``, created once."""
+        key = (num_entities, num_shards, seed)
+        if self._sharding is None or self._sharding[0] != key:
+            self._sharding = key, EntitySharding.create(num_entities, num_shards, seed=seed)
+        return self._sharding[1]
+
+    def columns(
+        self,
+        sharding: EntitySharding,
+        local_shards: Sequence[int],
+        restrict_entities_to: torch.Tensor | None,
+        order_by_id: bool,
+    ) -> CandidateColumns:
+        """Return :meth:`CandidateColumns.create`'s columns, created once per sharding object and arguments."""
+        if restrict_entities_to is not None:
+            return CandidateColumns.create(sharding, local_shards, restrict_entities_to, order_by_id)
+        # the sharding object itself is part of the key (held, so that its identity is not reused)
+        key = (sharding, tuple(local_shards), order_by_id)
+        if self._columns is None or not _same_key(self._columns[0], key):
+            self._columns = key, CandidateColumns.create(sharding, local_shards, None, order_by_id)
+        return self._columns[1]
+
+    def tables(
+        self, sharding: EntitySharding, local_shards: Sequence[int], columns: CandidateColumns, device: torch.device
+    ) -> DeviceTables:
+        """Return :meth:`DeviceTables.build`'s tables, built once per columns object and device."""
+        key = (sharding, tuple(local_shards), columns, device)
+        if self._tables is None or not _same_key(self._tables[0], key):
+            self._tables = key, DeviceTables.build(sharding, local_shards, columns, device)
+        return self._tables[1]
+
+
+def _same_key(kept: tuple, key: tuple) -> bool:
+    """Whether two keys are equal, their objects (sharding, columns) compared by identity."""
+    return len(kept) == len(key) and all(
+        a is b if isinstance(a, (EntitySharding, CandidateColumns)) else a == b for a, b in zip(kept, key)
+    )

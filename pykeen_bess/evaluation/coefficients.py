@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -108,22 +108,28 @@ class CoefficientCache:
         self.computed = 0
 
     @contextlib.contextmanager
-    def applied(self, metrics: Sequence[Any]) -> Iterator[list[Any]]:
+    def applied(self, evaluator: Any) -> Iterator[None]:
         """Serve coefficients from the cache and base values once per rank array while the block runs.
 
-        :param metrics: the evaluator's metrics
-        :yields: the metrics to call instead of ``metrics`` (same keys, same values), sharing the base values
+        The evaluator's ``metrics`` are replaced while the block runs (PyKEEN's ``finalize`` reads them) by
+        ones with the same keys and values that share the base values; its metric objects serve the kept
+        coefficients and their base metrics' shared values.
+
+        :param evaluator: the evaluator (a ``RankBasedEvaluator``) whose ``finalize`` runs in the block
         """
         shared = SharedValues()
+        metrics = evaluator.metrics
         derived = [metric for metric in metrics if isinstance(metric, DerivedRankBasedMetric)]
         for metric in derived:
             vars(metric)["get_coefficients"] = self._cached(
                 metric, type(metric).get_coefficients.__get__(metric), shared
             )
             vars(metric)["base"] = _Shared(metric.base, shared)
+        evaluator.metrics = [_Shared(metric, shared) for metric in metrics]
         try:
-            yield [_Shared(metric, shared) for metric in metrics]
+            yield
         finally:
+            evaluator.metrics = metrics
             for metric in derived:  # the class' method and the metric's own base again
                 del vars(metric)["get_coefficients"]
                 vars(metric)["base"] = vars(metric)["base"].metric

@@ -82,7 +82,8 @@ from .coefficients import CoefficientCache
 from .excluded import ExcludedPairsCache
 from .filtering import FilterIndex, FilterIndexCache
 from .ranking import probe_step, rank_triples
-from .sharded import ScoringLayouts, ShardedScoring
+from .candidates import ScoringLayouts
+from .sharded import ShardedScoring
 from .sizes import choose_block_sizes
 
 __all__ = [
@@ -389,18 +390,9 @@ class BessEvaluator(RankBasedEvaluator):
         return result
 
     def finalize(self) -> RankBasedMetricResults:
-        """Return PyKEEN's metrics of the ranks, their shared work done once (:mod:`.coefficients`).
-
-        PyKEEN's :meth:`~pykeen.evaluation.RankBasedEvaluator.finalize` with the evaluator's metrics
-        replaced, while it runs, by ones that share the base metrics' values and the kept coefficients.
-        """
-        metrics = self.metrics
-        with self._coefficients.applied(metrics) as shared:
-            self.metrics = shared
-            try:
-                return super().finalize()
-            finally:
-                self.metrics = metrics
+        """Return PyKEEN's metrics of the ranks, their shared work done once (:mod:`.coefficients`)."""
+        with self._coefficients.applied(self):
+            return super().finalize()
 
 
 class _DropRecords(logging.Filter):

@@ -38,74 +38,17 @@ from ..distributed import ProcessGroupHint, Topology, make_topology
 from ..tables.representation import ShardedEmbedding
 from ..scoring import SharedCandidateScorer, Side, get_scorer
 from ..data.sharding import EntitySharding
-from .candidates import CandidateColumns, DeviceTables
+from .candidates import DeviceTables, ScoringLayouts
 from .rows import EntityRows, ForwardRows, ShardTableRows, gather_entities, module_device
 
 __all__ = [
     "DeviceTables",
     "Queries",
     "ScoreBlock",
-    "ScoringLayouts",
     "ShardedScoring",
     "feature_norms",
     "rows_and_topology",
 ]
-
-
-class ScoringLayouts:
-    """The id layouts of a scoring, kept for the next one: entity sharding, candidate columns, device id tables.
-
-    An evaluator that ranks the same model again (early stopping's checks) needs the same layouts each
-    time: they depend on the number of entities, the shards, the candidates and the device, not on the
-    model's values. Built anew they cost a few dozen small host operations (a random permutation of the
-    entities, scatters into id maps) and host-to-device copies per evaluation. Only the most recent
-    layout of each kind is kept, and none for restricted candidates (``restrict_entities_to``).
-    """
-
-    def __init__(self) -> None:
-        """Start empty."""
-        self._sharding: tuple[tuple[int, int, int], EntitySharding] | None = None
-        self._columns: tuple[tuple, CandidateColumns] | None = None
-        self._tables: tuple[tuple, DeviceTables] | None = None
-
-    def sharding(self, num_entities: int, num_shards: int, seed: int) -> EntitySharding:
-        """Return ``EntitySharding.create(num_entities, num_shards, seed=seed)``, created once."""
-        key = (num_entities, num_shards, seed)
-        if self._sharding is None or self._sharding[0] != key:
-            self._sharding = key, EntitySharding.create(num_entities, num_shards, seed=seed)
-        return self._sharding[1]
-
-    def columns(
-        self,
-        sharding: EntitySharding,
-        local_shards: Sequence[int],
-        restrict_entities_to: torch.Tensor | None,
-        order_by_id: bool,
-    ) -> CandidateColumns:
-        """Return :meth:`CandidateColumns.create`'s columns, created once per sharding object and arguments."""
-        if restrict_entities_to is not None:
-            return CandidateColumns.create(sharding, local_shards, restrict_entities_to, order_by_id)
-        # the sharding object itself is part of the key (held, so that its identity is not reused)
-        key = (sharding, tuple(local_shards), order_by_id)
-        if self._columns is None or not _same_key(self._columns[0], key):
-            self._columns = key, CandidateColumns.create(sharding, local_shards, None, order_by_id)
-        return self._columns[1]
-
-    def tables(
-        self, sharding: EntitySharding, local_shards: Sequence[int], columns: CandidateColumns, device: torch.device
-    ) -> DeviceTables:
-        """Return :meth:`DeviceTables.build`'s tables, built once per columns object and device."""
-        key = (sharding, tuple(local_shards), columns, device)
-        if self._tables is None or not _same_key(self._tables[0], key):
-            self._tables = key, DeviceTables.build(sharding, local_shards, columns, device)
-        return self._tables[1]
-
-
-def _same_key(kept: tuple, key: tuple) -> bool:
-    """Whether two keys are equal, their objects (sharding, columns) compared by identity."""
-    return len(kept) == len(key) and all(
-        a is b if isinstance(a, (EntitySharding, CandidateColumns)) else a == b for a, b in zip(kept, key)
-    )
 
 
 @dataclasses.dataclass(eq=False)
@@ -195,11 +138,8 @@ class ShardedScoring:
         self.head_indices = list(model.interaction.head_indices)
         self.tail_indices = list(model.interaction.tail_indices)
         #: the columns of the local shards' candidates, on the host (its fields are also attributes here)
-        self.layouts = layouts
-        if layouts is None:
-            self.columns = CandidateColumns.create(self.sharding, rows.local_shards, restrict_entities_to, order_by_id)
-        else:
-            self.columns = layouts.columns(self.sharding, rows.local_shards, restrict_entities_to, order_by_id)
+        self.layouts = ScoringLayouts() if layouts is None else layouts
+        self.columns = self.layouts.columns(self.sharding, rows.local_shards, restrict_entities_to, order_by_id)
         # per local shard: the local id of each column (None: the columns are the local ids 0..count-1)
         self.candidate_local = self.columns.candidate_local
         # per local shard: the column of each local id, -1 for non-candidates (None: the columns are the local ids)
@@ -243,14 +183,8 @@ class ShardedScoring:
         :raises ValueError: for models this evaluator cannot handle
         """
         rows, topology = rows_and_topology(model, num_shards, process_group, layouts)
-        return cls(
-            model,  # type: ignore[arg-type]
-            rows,
-            topology,
-            restrict_entities_to=restrict_entities_to,
-            order_by_id=order_by_id,
-            layouts=layouts,
-        )
+        restrict, order = restrict_entities_to, order_by_id
+        return cls(model, rows, topology, restrict_entities_to=restrict, order_by_id=order, layouts=layouts)  # type: ignore[arg-type]
 
     # -- properties --------------------------------------------------------------------------
 
@@ -278,10 +212,7 @@ class ShardedScoring:
         device = torch.device(device)
         tables = self._device_tables.get(device)
         if tables is None:
-            if self.layouts is None:
-                tables = DeviceTables.build(self.sharding, self.local_shards, self.columns, device)
-            else:
-                tables = self.layouts.tables(self.sharding, self.local_shards, self.columns, device)
+            tables = self.layouts.tables(self.sharding, self.local_shards, self.columns, device)
             self._device_tables[device] = tables
         return tables
 
