@@ -427,6 +427,22 @@ def test_the_users_optimizer_updates_what_no_device_rule_reproduces(
     assert dense.parameters and all(p is not table for p in dense.parameters)
 
 
+def test_dense_tables_too_large_to_copy_keep_the_host_read(
+    factory: CoreTriplesFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A captured dense update copies the tables and their state every step: not where that would crowd the GPU."""
+    from pykeen_bess.training.steps import dense_update
+
+    monkeypatch.setattr(StaticUpdate, "host_rules", False)  # a GPU's updates
+    monkeypatch.setattr(dense_update, "available_memory", lambda device: 1000)  # bytes
+    loop = make_loop(factory, num_shards=2, static_step=None, sparse_updates=False)
+    loop.train(factory, num_epochs=1, batch_size=64, use_tqdm=False)
+    dense = loop.static.update.dense
+    assert not dense.capturable and dense.by_the_optimizer
+    assert "their copies to undo a non-finite step" in dense.rule_obstacle
+    assert "the user's optimizer" in loop.static.capture_obstacle
+
+
 def test_what_a_cuda_graph_cannot_capture_runs_uncaptured(
     factory: CoreTriplesFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:

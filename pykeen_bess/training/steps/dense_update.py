@@ -10,7 +10,8 @@
   count stays on the device and nothing reads the host. A step with a non-finite loss (``ok`` False) must
   write nothing: the parameters and their state are copied before and kept where ``ok`` is False (the
   replicated parameters are small; a table updated densely, ``sparse_updates=False``, is copied whole with
-  its state, on the device, which costs about what the optimizer's own whole-table update costs). A table's
+  its state, on the device, which costs about what the optimizer's own whole-table update costs, and is
+  done only while those copies take at most :data:`DENSE_COPY_SHARE` of the available memory). A table's
   dense gradient ``[R, W]`` is built from its rows' sums (zero elsewhere, as the eager step builds it), and
   its constraint applies to the step's real rows (fixed shapes: every occurrence's row, the others written
   back unchanged). The first step of a parameter creates its state and reads ``ok`` on the host (a warm-up
@@ -21,7 +22,7 @@
 * **by the user's optimizer itself** (:attr:`DenseUpdate.by_the_optimizer`): on the CPU, where reading
   ``ok`` costs no synchronisation, and where neither of the above reproduces the update: tables updated
   densely by an optimizer without a capturable form (the device rules update the replicated parameters
-  only), tables outside the device (host memory or files), and options of the optimizers without a
+  only) or too large to copy, tables outside the device (host memory or files), and options of the optimizers without a
   capturable form (SGD's momentum, Adagrad's weight decay). The tables' gradients and constraints are those
   of the capturable form. On a GPU such a step runs uncaptured (the read of ``ok`` synchronises).
 """
@@ -36,16 +37,27 @@ from typing import Any
 import torch
 
 from ...distributed import Topology
+from ...runtime.memory import available_memory
 from ...tables.optim import DENSE_REQUIRED_OPTIONS, SPARSE_RULES, BessOptimizer
 from ...tables.representation import ShardedEmbedding
 from ...tables.row_rules import RULES, state_shapes
 from .static_rules import FusedRule, StepCounts, StepRows
 
 __all__ = [
+    "DENSE_COPIES",
+    "DENSE_COPY_SHARE",
     "DenseUpdate",
     "dense_rule_obstacle",
     "has_capturable_form",
 ]
+
+
+#: the copies a captured dense update of a table takes per step: the table and up to three optimizer state
+#: tensors of its size (Adam's moments, AMSGrad's maximum), kept to undo a step with a non-finite loss
+DENSE_COPIES = 4
+#: tables are updated densely in the capturable form only if their copies take at most this share of the
+#: device's available memory (else the user's optimizer after a host read, uncaptured, as without copies)
+DENSE_COPY_SHARE = 0.25
 
 
 class DenseUpdate:
@@ -87,16 +99,24 @@ class DenseUpdate:
         self.parameters = [
             p for group in optimizer.dense_groups for p in group["params"] if p.requires_grad and id(p) not in tables
         ]
+        copies = DENSE_COPIES * sum(table.weight.numel() * table.weight.element_size() for table in self.tables)
+        available = available_memory(self.tables[0].weight.device) if self.tables else None
+        copies_fit = available is None or copies <= DENSE_COPY_SHARE * available
         #: whether the user's optimizer updates the dense groups in its capturable form (off the CPU): the
-        #: replicated parameters and the tables updated densely, if those are on the device
-        self.capturable = has_capturable_form(optimizer) and all(
-            table.optimizer_parameter is table.weight for table in self.tables
+        #: replicated parameters and the tables updated densely, if those are on the device and their copies fit
+        self.capturable = (
+            has_capturable_form(optimizer)
+            and all(table.optimizer_parameter is table.weight for table in self.tables)
+            and copies_fit
         )
         #: why neither the capturable form nor a device rule reproduces the dense groups' update (None: one does)
         self.rule_obstacle = (
             None
             if self.capturable
             else f"dense table updates by {optimizer.optimizer_cls.__name__}"
+            if self.tables and (copies_fit or not has_capturable_form(optimizer))
+            else f"dense table updates: their copies to undo a non-finite step ({copies / 2**30:.2f} GiB) would take "
+            f"more than {DENSE_COPY_SHARE:.0%} of the available memory"
             if self.tables
             else dense_rule_obstacle(optimizer)
         )
