@@ -22,6 +22,7 @@ from typing import cast
 import torch
 
 from ..storage.digests import crc32_of_array
+from .candidates import DeviceTables
 from .filtering import FilterIndex, FilterSide
 from .sharded import ShardedScoring
 
@@ -127,7 +128,9 @@ class ExcludedPairsCache:
     object: :class:`~pykeen_bess.evaluation.filtering.FilterIndexCache` keeps it), the evaluation
     triples and the batch size, and on where each entity is a candidate (the local shards' columns);
     the key holds CRC-32 digests of the triples and of those id tables, so a tensor changed in place
-    builds new pairs.
+    builds new pairs. The id tables' digests are computed once per tables object (an evaluator's
+    evaluations share theirs, :class:`~pykeen_bess.evaluation.candidates.ScoringLayouts`, and nothing
+    writes into them): on a GPU a digest is a copy to the host.
     """
 
     def __init__(self) -> None:
@@ -135,6 +138,14 @@ class ExcludedPairsCache:
         self._index: FilterIndex | None = None
         self._key: tuple | None = None
         self._pairs: dict[str, ExcludedPairs] = {}
+        #: the last digested id tables, with the digests of their entity columns and positions
+        self._tables_digest: tuple[DeviceTables, tuple[int, int]] | None = None
+
+    def _table_digests(self, tables: DeviceTables) -> tuple[int, int]:
+        """Return the CRC-32s of the tables' entity columns and positions (once per tables object)."""
+        if self._tables_digest is None or self._tables_digest[0] is not tables:
+            self._tables_digest = tables, (crc32_of_array(tables.entity_column), crc32_of_array(tables.entity_position))
+        return self._tables_digest[1]
 
     def get(
         self,
@@ -145,15 +156,8 @@ class ExcludedPairsCache:
         batch_size: int,
     ) -> ExcludedPairs:
         """Return the pairs of ``target`` for the evaluation triples ``[Q, 3]`` (see :meth:`ExcludedPairs.build`)."""
-        tables = scoring.device_tables(triples.device)
-        key = (
-            str(triples.device),
-            tuple(triples.shape),
-            crc32_of_array(triples),
-            batch_size,
-            crc32_of_array(tables.entity_column),
-            crc32_of_array(tables.entity_position),
-        )
+        tables = self._table_digests(scoring.device_tables(triples.device))
+        key = (str(triples.device), tuple(triples.shape), crc32_of_array(triples), batch_size, *tables)
         if key != self._key or index is not self._index:
             self._index, self._key, self._pairs = index, key, {}
         pairs = self._pairs.get(target)
