@@ -115,8 +115,8 @@ def count_block(
     is neither above nor below. On the CPU the rows are compared in chunks of
     :data:`COUNT_CHUNK_ELEMENTS` scores per intra-op thread into one float buffer (0 / 1, summed
     exactly: float32 below ``2^24`` columns, float64 beyond), which stays in the cores' caches;
-    elsewhere each comparison is one
-    ``[B, k]`` tensor of half-precision flags (2 bytes per score), summed the same way.
+    elsewhere each comparison is one ``[B, k]`` tensor of half-precision flags (2 bytes per score),
+    summed the same way.
 
     :param scores: shape: ``[B, k]``
     :param lower: shape: ``[B]``, the lower ends of the bands
