@@ -34,6 +34,10 @@ writes the figures as JSON (``--output``):
   directory): the static step with every step's rows staged into device buffers (the next step's
   copied in on a side stream while a step runs) and captured, its losses compared with the device
   tier's, and the eager step for comparison; targets host at least 0.8x device, mmap at least 0.5x;
+  each row also says how often per step the process' threads slept and were woken (voluntary
+  context switches: a thread that keeps an OpenMP team of its own can make every parallel region of
+  the host's share of a step sleep and wake its threads, see ``EpochPlans`` in
+  ``pykeen_bess/training/epoch_steps.py``);
   and host tables (4M entities, ``--big-entities``) four times the GPU memory the process may use
   (``torch.cuda.set_per_process_memory_fraction``), the model built on the meta device;
 * **evaluation**: BessEvaluator against PyKEEN's ``RankBasedEvaluator`` on the same GPU
@@ -53,7 +57,9 @@ import contextlib
 import gc
 import json
 import logging
+import math
 import platform
+import resource
 import time
 import traceback
 from collections.abc import Callable
@@ -377,6 +383,7 @@ def storage(device: torch.device, rows: list[Row], args: argparse.Namespace) -> 
         rates: dict[str, tuple[float, bool]] = {}
         losses: dict[str, list[float]] = {}
         depths: dict[str, int] = {}
+        switches: dict[str, float] = {}  # voluntary context switches of the process per training step
         runs = {
             "storage='device'": ("device", static_mode(device)),
             "storage='host'": ("host", static_mode(device)),  # its rows staged around every step
@@ -387,6 +394,7 @@ def storage(device: torch.device, rows: list[Row], args: argparse.Namespace) -> 
             with tempfile.TemporaryDirectory() as directory:
                 options = dict(storage_path=directory) if tier == "mmap" else {}
                 model = DistMult(triples_factory=tf, embedding_dim=args.dim, random_seed=0).to(device)
+                before = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
                 loop, losses[contender], _, rate = train_bess(
                     tf,
                     model,
@@ -399,6 +407,8 @@ def storage(device: torch.device, rows: list[Row], args: argparse.Namespace) -> 
                     static_step=mode,
                     **options,
                 )
+                steps = 2 * math.ceil(tf.num_triples / batch_size)
+                switches[contender] = (resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw - before) / steps
                 rates[contender] = (rate, loop.static is not None and _captured(loop.static))
                 depths[contender] = getattr(loop.static.rows_io, "depth", 0) if loop.static is not None else 0
                 del loop, model
@@ -421,11 +431,13 @@ def storage(device: torch.device, rows: list[Row], args: argparse.Namespace) -> 
                     contender=contender,
                     figure=f"{rate:,.0f}/s"
                     + (f" ({ratio:.2f}x device; losses {difference:.1e} from it)" if tier != "device" else "")
-                    + ("" if "eager" in contender else f"; captured: {_yes(captured)}{staged}"),
+                    + ("" if "eager" in contender else f"; captured: {_yes(captured)}{staged}")
+                    + f"; {switches[contender]:.1f} context switches per step",
                     target=f">= {target}x device, losses within 1e-4" if target else "",
                     met=ratio >= target and difference <= 1e-4 if target else None,
                     value=rate,
                     loss_difference=difference,
+                    context_switches_per_step=switches[contender],
                 )
             )
     bigger_than_the_device(device, rows, args)
