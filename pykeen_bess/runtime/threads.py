@@ -43,13 +43,15 @@ the tested cases, but pass an integer for runs that must repeat bit for bit on a
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import logging
 import math
 import os
 import statistics
 import time
 from collections.abc import Callable, Iterator
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -59,6 +61,7 @@ __all__ = [
     "KeepThreads",
     "ThreadPolicy",
     "ThreadsHint",
+    "one_thread_here",
     "resolve_threads",
     "threads_per_process",
     "usable_cores",
@@ -83,6 +86,41 @@ def usable_cores(cpu_max_path: str = _CGROUP_CPU_MAX) -> int:
     except (OSError, ValueError):
         pass
     return max(1, cores)
+
+
+def one_thread_here() -> None:
+    """Run the calling thread's torch CPU operations on one thread; the process' other threads keep theirs.
+
+    For a long-lived helper thread (e.g. one that gathers rows while the main thread trains): a thread
+    that runs parallel torch operations gets an OpenMP team of its own and keeps it while it lives, and
+    GNU OpenMP, managing more threads than there are cores, then makes every parallel region of every
+    thread sleep and wake its threads instead of spinning (measured on a 2-core machine: about 130
+    context switches per training step, the step several times slower). OpenMP's thread count is a
+    per-thread setting; ``torch.set_num_threads`` would change the process-wide default as well. Without
+    an OpenMP runtime found in the process this does nothing.
+    """
+    torch.get_num_threads()  # torch sets a thread's OpenMP thread count on its first use: let it happen first
+    setter = _openmp_set_num_threads()
+    if setter is not None:
+        setter(1)
+
+
+@functools.cache
+def _openmp_set_num_threads() -> Callable[[int], Any] | None:
+    """Return ``omp_set_num_threads`` of the OpenMP runtime loaded in this process (torch's), or None."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if line.rstrip().endswith((".so", ".so.1", ".so.5"))}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        name = os.path.basename(path)
+        if name.startswith(("libgomp", "libiomp", "libomp")):
+            try:
+                return ctypes.CDLL(path).omp_set_num_threads
+            except (OSError, AttributeError):
+                return None
+    return None
 
 
 def threads_per_process() -> int:

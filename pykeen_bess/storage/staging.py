@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from ..runtime.threads import one_thread_here
 from .base import TableStorage, format_bytes
 
 __all__ = ["CHUNK_BYTES", "RowAccess", "StagedRows", "TierRows"]
@@ -243,7 +244,10 @@ class StagedRows(RowAccess):
         self._ahead = (0, torch.empty(0, 0, dtype=torch.long))
 
     def stage(self, step: int, rows_of: StepRowsOf, num_steps: int) -> None:  # noqa: D102
-        worker = self._worker or ThreadPoolExecutor(max_workers=1, thread_name_prefix="bess-staging")
+        # one torch thread for the worker: a second OpenMP team would make the step's parallel regions sleep and wake
+        worker = self._worker or ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="bess-staging", initializer=one_thread_here
+        )
         self._worker = worker
         if self._next is None:  # the first step of a run of steps: read now (after the tiers' last writes)
             self._staged = list(self.tensors())

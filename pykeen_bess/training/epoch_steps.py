@@ -25,6 +25,7 @@ from pykeen.training.training_loop import NonFiniteLossError
 from ..data.batch import BessBatch
 from ..tables.optim import BessOptimizer
 from ..data.sampling import BessSampler, EpochDraws
+from ..runtime.threads import one_thread_here
 from .steps.static_step import StaticStep, static_step_obstacle
 from .steps.static_update import Clipping
 from .steps.runner import StepRunner
@@ -183,12 +184,12 @@ def _non_finite(epoch: int, index: int, num_steps: int, what: str) -> str:
 class EpochPlans:
     """The plans of the epochs ``first..last``, each drawn (and pinned) on a thread while the epoch before trains.
 
-    Every draw runs on a thread of its own, which ends with the draw. A thread that stays alive after
-    running parallel torch operations keeps its OpenMP team: GNU OpenMP then manages more threads than
-    there are cores and makes every parallel region of the training step sleep and wake its threads
-    instead of spinning (measured on a 2-core machine with 2 intra-op threads: about 100 context switches
-    per step, the step 1.6x slower than with one thread, at ``n = 4`` where the draw's operations are
-    parallel).
+    Every draw runs on a thread of its own, which ends with the draw, and its torch operations on one
+    thread (:func:`~pykeen_bess.runtime.threads.one_thread_here`). A thread that stays alive after running
+    parallel torch operations keeps its OpenMP team: GNU OpenMP then manages more threads than there are
+    cores and makes every parallel region of the training step sleep and wake its threads instead of
+    spinning (measured on a 2-core machine with 2 intra-op threads: about 100 context switches per step,
+    the step 1.6x slower than with one thread, at ``n = 4`` where the draw's operations are parallel).
     """
 
     def __init__(self, sampler: BessSampler, static: StaticStep, first: int, last: int):
@@ -205,7 +206,9 @@ class EpochPlans:
 
     def _submit(self, epoch: int) -> None:
         if epoch <= self.last and epoch not in self._pending:
-            executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="bess-plan")
+            executor = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="bess-plan", initializer=one_thread_here
+            )
             self._pending[epoch] = executor.submit(self._draw, epoch)
             executor.shutdown(wait=False)  # its thread ends after the draw (see the class docstring)
 
