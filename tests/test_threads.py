@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -206,30 +207,28 @@ def test_training_and_evaluation_equal_across_thread_settings(restore_threads, n
     assert metrics == pytest.approx(other_metrics, rel=1e-6, nan_ok=True)
 
 
-def test_one_thread_here_leaves_the_other_threads_alone():
+@pytest.mark.skipif(
+    "OpenMP" not in torch.__config__.parallel_info() or not hasattr(os, "sched_getaffinity"),
+    reason="torch without OpenMP, or not Linux",
+)
+def test_one_thread_here_leaves_the_other_threads_alone(restore_threads):
     """A helper thread's torch operations run on one thread; the process' default and the caller's count stay."""
-    from pykeen_bess.runtime.threads import _openmp_set_num_threads, one_thread_here
+    from pykeen_bess.runtime.threads import one_thread_here
 
-    if _openmp_set_num_threads() is None:
-        pytest.skip("no OpenMP runtime found in this process")
-    previous = torch.get_num_threads()
     torch.set_num_threads(2)
-    try:
-        seen: dict[str, int] = {}
+    seen: dict[str, int] = {}
 
-        def helper() -> None:
-            one_thread_here()
-            seen["helper"] = torch.get_num_threads()
-            seen["sum"] = int(torch.ones(2**20).sum())  # a parallel region's size: runs, on one thread
+    def helper() -> None:
+        one_thread_here()
+        seen["helper"] = torch.get_num_threads()
+        seen["sum"] = int(torch.ones(2**20).sum())  # a parallel region's size: runs, on one thread
 
-        def other() -> None:
-            seen["other"] = torch.get_num_threads()
+    def other() -> None:
+        seen["other"] = torch.get_num_threads()
 
-        for target in (helper, other):
-            thread = threading.Thread(target=target)
-            thread.start()
-            thread.join()
-        assert seen == {"helper": 1, "sum": 2**20, "other": 2}
-        assert torch.get_num_threads() == 2
-    finally:
-        torch.set_num_threads(previous)
+    for target in (helper, other):
+        thread = threading.Thread(target=target)
+        thread.start()
+        thread.join()
+    assert seen == {"helper": 1, "sum": 2**20, "other": 2}
+    assert torch.get_num_threads() == 2

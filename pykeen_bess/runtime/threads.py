@@ -96,26 +96,31 @@ def one_thread_here() -> None:
     GNU OpenMP, managing more threads than there are cores, then makes every parallel region of every
     thread sleep and wake its threads instead of spinning (measured on a 2-core machine: about 130
     context switches per training step, the step several times slower). OpenMP's thread count is a
-    per-thread setting; ``torch.set_num_threads`` would change the process-wide default as well. Without
-    an OpenMP runtime found in the process this does nothing.
+    per-thread setting; ``torch.set_num_threads`` would change the process-wide default as well. Where
+    torch's OpenMP runtime cannot be reached (no OpenMP, or a platform without ``libtorch_cpu.so`` or
+    ``.dylib``) the thread keeps its count, which is logged at debug level.
     """
     torch.get_num_threads()  # torch sets a thread's OpenMP thread count on its first use: let it happen first
     setter = _openmp_set_num_threads()
     if setter is not None:
         setter(1)
+    if torch.get_num_threads() != 1:
+        logger.debug(
+            "A helper thread keeps %d intra-op threads: torch's OpenMP runtime was not found.", torch.get_num_threads()
+        )
 
 
 @functools.cache
 def _openmp_set_num_threads() -> Callable[[int], Any] | None:
-    """Return ``omp_set_num_threads`` of the OpenMP runtime loaded in this process (torch's), or None."""
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if line.rstrip().endswith((".so", ".so.1", ".so.5"))}
-    except OSError:
-        return None
-    for path in sorted(paths):
-        name = os.path.basename(path)
-        if name.startswith(("libgomp", "libiomp", "libomp")):
+    """Return ``omp_set_num_threads`` of the OpenMP runtime torch's CPU library uses, or None.
+
+    The symbol is looked up through torch's own library (its dependencies are searched), not by a
+    library's name: another package may load an OpenMP runtime of its own.
+    """
+    directory = os.path.join(os.path.dirname(torch.__file__), "lib")
+    for name in ("libtorch_cpu.so", "libtorch_cpu.dylib"):
+        path = os.path.join(directory, name)
+        if os.path.exists(path):
             try:
                 return ctypes.CDLL(path).omp_set_num_threads
             except (OSError, AttributeError):

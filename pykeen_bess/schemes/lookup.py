@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.autograd.function import once_differentiable
 from pykeen.models import ERModel
 from pykeen.regularizers import LpRegularizer
 from pykeen.utils import get_expected_norm
@@ -274,10 +275,12 @@ class RowLookup:
                         table = representation.normalizer(table)
                     row_weights = copies.weights(weights, table)
                     row_weights = row_weights.new_zeros(table.shape[0]).index_add_(0, indices.reshape(-1), row_weights)
-                    regularization.add(_l2_term(representation.regularizer, table, row_weights)[1])
+                    _, term = _l2_term(representation.regularizer, table, row_weights)
+                    regularization.add(term)
                 else:
                     row_weights = copies.weights(weights, rows)
-                    regularization.add(_l2_term(representation.regularizer, rows, row_weights)[1])
+                    _, term = _l2_term(representation.regularizer, rows, row_weights)
+                    regularization.add(term)
             if representation.dropout is not None:
                 x = representation.dropout(x)
             parts.append(x)
@@ -418,7 +421,8 @@ class _WeightedRowNorms(torch.autograd.Function):
     The gradient is ``torch``'s (0 for a zero row): ``torch.linalg.vector_norm``'s backward masks zero
     norms on the broadcast ``[N, 2 d]`` tensor, which costs a millisecond per step on the CPU; this
     masks the ``N`` norms. One autograd node for the whole term, which also passes the rows through:
-    their gradient from later uses and the term's are summed by one ``addcmul``.
+    their gradient from later uses and the term's are summed by one ``addcmul``. The rows it returns are
+    a view made by a custom function: they must not be modified in place. Differentiable once.
     """
 
     @staticmethod
@@ -435,6 +439,7 @@ class _WeightedRowNorms(torch.autograd.Function):
         return rows.view_as(rows), (weight * (torch.dot(norm, w) * scale)).reshape(1)
 
     @staticmethod
+    @once_differentiable
     def backward(
         ctx: Any, grad_rows: torch.Tensor | None, grad: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, None, None, None]:
@@ -445,6 +450,6 @@ class _WeightedRowNorms(torch.autograd.Function):
         if grad_rows is None:
             rows = x * factor
         else:
-            passed = torch.view_as_real(grad_rows).flatten(-2) if ctx.complex else grad_rows
+            passed = torch.view_as_real(grad_rows.resolve_conj()).flatten(-2) if ctx.complex else grad_rows
             rows = torch.addcmul(passed, x, factor)
         return (torch.view_as_complex(rows.view(*x.shape[:-1], -1, 2)) if ctx.complex else rows), None, None, None
