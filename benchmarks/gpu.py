@@ -373,6 +373,10 @@ def scale(device: torch.device, rows: list[Row], args: argparse.Namespace, budge
 # -- storage -----------------------------------------------------------------------------------------
 
 
+#: the epochs each storage row trains (the second is timed)
+STORAGE_EPOCHS = 2
+
+
 def storage(device: torch.device, rows: list[Row], args: argparse.Namespace) -> None:
     """The same training with the tables on the device, in host memory and in files (n=1)."""
     import tempfile
@@ -398,7 +402,7 @@ def storage(device: torch.device, rows: list[Row], args: argparse.Namespace) -> 
                 loop, losses[contender], _, rate = train_bess(
                     tf,
                     model,
-                    2,
+                    STORAGE_EPOCHS,
                     batch_size,
                     num_shards=1,
                     num_negs_per_pos=64,
@@ -407,7 +411,7 @@ def storage(device: torch.device, rows: list[Row], args: argparse.Namespace) -> 
                     static_step=mode,
                     **options,
                 )
-                steps = 2 * math.ceil(tf.num_triples / batch_size)
+                steps = STORAGE_EPOCHS * math.ceil(tf.num_triples / batch_size)
                 switches[contender] = (resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw - before) / steps
                 rates[contender] = (rate, loop.static is not None and _captured(loop.static))
                 depths[contender] = getattr(loop.static.rows_io, "depth", 0) if loop.static is not None else 0
