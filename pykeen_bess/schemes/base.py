@@ -242,22 +242,33 @@ class ExchangeScheme(ABC):
             copies,
         )
         head_parts, tail_parts = self.lookup.unpack(heads), self.lookup.unpack(tails)
-        positive = self.scorer.score_triples(
-            self.lookup.select(head_parts, self.head_indices),
-            relations,
-            self.lookup.select(tail_parts, self.tail_indices),
-        )
 
+        # per side: the queries of its slots, their scores against the negatives, and (for inner products)
+        # their positives' scores from the same queries; shapes [L(i), n(j), b''(, K)]
+        positive_scores: list[torch.Tensor | None] = []
         negative_scores = []
         cache: dict[str, Any] = {}
         sides = self._side_slots(batch.num_head_corrupted, start, stop)
         side_relations = split_parts(relations, [side_slots for _, side_slots in sides])
         for (side, side_slots), side_relation in zip(sides, side_relations):
-            known_parts = tail_parts if side == "head" else head_parts
-            known_indices = self.tail_indices if side == "head" else self.head_indices
-            query = self.scorer.query(side, self.lookup.select(known_parts, known_indices, side_slots), side_relation)
+            known, unknown = (tail_parts, head_parts) if side == "head" else (head_parts, tail_parts)
+            known_indices, unknown_indices = (
+                (self.tail_indices, self.head_indices) if side == "head" else (self.head_indices, self.tail_indices)
+            )
+            query = self.scorer.query(side, self.lookup.select(known, known_indices, side_slots), side_relation)
+            candidate = self.scorer.candidates(side, self.lookup.select(unknown, unknown_indices, side_slots))
+            positive_scores.append(self.scorer.aligned_scores(query, candidate))
             negative_scores.append(self.negative_scores(side, query, negatives_local, cache))
         negative = torch.cat(negative_scores, dim=2) if len(negative_scores) > 1 else negative_scores[0]
+        side_positives = [score for score in positive_scores if score is not None]
+        if len(side_positives) == len(sides):
+            positive = torch.cat(side_positives, dim=2) if len(side_positives) > 1 else side_positives[0]
+        else:
+            positive = self.scorer.score_triples(
+                self.lookup.select(head_parts, self.head_indices),
+                relations,
+                self.lookup.select(tail_parts, self.tail_indices),
+            )
         if batch.candidate_types is not None:  # typed negatives: each slot against its corrupted side's type
             negative = select_candidate_type(
                 negative, topology.select_local(batch.candidate_types[..., slots], 0), n, batch.num_candidate_types

@@ -42,6 +42,9 @@ class InnerProductScorer(SharedCandidateScorer, ABC):
         check_side(side)
         return matmul_scores(query, candidates, out=out)
 
+    def aligned_scores(self, query: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        return (query * candidates).sum(dim=-1)
+
 
 __all__ = [
     "CPScorer",

@@ -73,6 +73,36 @@ def test_sharded_scores_equal_unsharded_scores(dataset: Nations, model_name: str
     torch.testing.assert_close(scores.negative[valid], negative[valid], rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.parametrize("model_name", ["DistMult", "ComplEx", "TransE"])
+@pytest.mark.parametrize("scheme", ["embedding", "score"])
+def test_inner_products_score_positives_with_their_queries(dataset: Nations, model_name: str, scheme: str) -> None:
+    """Inner-product scorers score the positives from the queries built for the negatives, distances by PyKEEN's own.
+
+    One query per positive instead of two (the positive's and its side's); a distance by norm expansion
+    would lose the precision of small (positive) distances, so it keeps PyKEEN's interaction.
+    """
+    model, sharding, tables, batch = make_setup(dataset, model_name, 2)
+    scorer = get_scorer(model.interaction)
+    calls = {"score_triples": 0, "query": 0}
+
+    def counted(name):
+        method = getattr(scorer, name)
+
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return method(*args, **kwargs)
+
+        return wrapper
+
+    scorer.score_triples = counted("score_triples")  # type: ignore[method-assign]
+    scorer.query = counted("query")  # type: ignore[method-assign]
+    step = resolve_scheme(scheme)(model, tables, scorer, LocalTopology(2))
+    scores = step.scores(batch, step.gather(batch))
+    positive, _ = reference_scores(model, sharding, batch)
+    torch.testing.assert_close(scores.positive[batch.valid], positive[batch.valid], rtol=1e-9, atol=1e-9)
+    assert calls == {"score_triples": 0 if model_name != "TransE" else 1, "query": 2}
+
+
 @pytest.mark.parametrize("model_name", sorted(MODELS))
 @pytest.mark.parametrize("n_shard", [2, 3])
 @pytest.mark.parametrize("scheme", ["embedding", "score"])

@@ -263,6 +263,30 @@ class ScorerTestCase:
             torch.testing.assert_close(torch.diagonal(shared, dim1=-2, dim2=-1), scores, rtol=RTOL, atol=ATOL)
 
     @pytest.mark.parametrize("side", SIDES)
+    def test_aligned_scores(self, kwargs, side):
+        """Inner-product scorers score aligned triples from features (PyKEEN's scores, gradients); others decline.
+
+        A training step scores its positives with the queries of its negatives where ``aligned_scores`` does.
+        """
+        interaction = self.cls(**kwargs)
+        scorer = get_scorer(interaction)
+        h, r, t = make_representations(interaction, "tail", (), (), b=K, transforms=self.transforms)
+        known, unknown = (h, t) if side == "tail" else (t, h)
+        scores = scorer.aligned_scores(scorer.query(side, known, r), scorer.candidates(side, unknown))
+        if not isinstance(scorer, scoring.InnerProductScorer):
+            assert scores is None
+            return
+        expected = interaction(h=h, r=r, t=t)
+        assert scores is not None and scores.shape == expected.shape
+        torch.testing.assert_close(scores, expected, rtol=RTOL, atol=ATOL)
+        leaves = [x for x in tree_leaves((h, r, t)) if x.is_floating_point() or x.is_complex()]
+        weights = torch.randn_like(scores)
+        ours = torch.autograd.grad((scores * weights).sum(), leaves, retain_graph=True)
+        theirs = torch.autograd.grad((expected * weights).sum(), leaves)
+        for a, b in zip(ours, theirs):
+            torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+
+    @pytest.mark.parametrize("side", SIDES)
     def test_no_large_intermediate(self, kwargs, side, monkeypatch):
         """No forward or backward tensor comes close to ``[b, k, d]`` (matmul or chunked scoring)."""
         b = k = 64
