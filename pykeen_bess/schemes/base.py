@@ -243,11 +243,10 @@ class ExchangeScheme(ABC):
         )
         head_parts, tail_parts = self.lookup.unpack(heads), self.lookup.unpack(tails)
 
-        # per side: the queries of its slots, their scores against the negatives, and (for inner products)
-        # their positives' scores from the same queries; shapes [L(i), n(j), b''(, K)]
+        # per side: the queries of its slots, and (for inner products) their positives' scores from the same
+        # queries; shapes [L(i), n(j), b''(, q)]
         positive_scores: list[torch.Tensor | None] = []
-        negative_scores = []
-        cache: dict[str, Any] = {}
+        queries = []
         sides = self._side_slots(batch.num_head_corrupted, start, stop)
         side_relations = split_parts(relations, [side_slots for _, side_slots in sides])
         for (side, side_slots), side_relation in zip(sides, side_relations):
@@ -258,8 +257,17 @@ class ExchangeScheme(ABC):
             query = self.scorer.query(side, self.lookup.select(known, known_indices, side_slots), side_relation)
             candidate = self.scorer.candidates(side, self.lookup.select(unknown, unknown_indices, side_slots))
             positive_scores.append(self.scorer.aligned_scores(query, candidate))
-            negative_scores.append(self.negative_scores(side, query, negatives_local, cache))
-        negative = torch.cat(negative_scores, dim=2) if len(negative_scores) > 1 else negative_scores[0]
+            queries.append(query)
+        # the negatives' scores [L(i), n(j), b', K]: both sides' queries in one product where the candidates are
+        # the same for both (the scorer's features and the entity parts of both roles)
+        cache: dict[str, Any] = {}
+        if len(sides) > 1 and self.scorer.side_free_candidates and self.head_indices == self.tail_indices:
+            negative = self.negative_scores(sides[-1][0], torch.cat(queries, dim=2), negatives_local, cache)
+        else:
+            negative_scores = [
+                self.negative_scores(side, query, negatives_local, cache) for (side, _), query in zip(sides, queries)
+            ]
+            negative = torch.cat(negative_scores, dim=2) if len(negative_scores) > 1 else negative_scores[0]
         side_positives = [score for score in positive_scores if score is not None]
         if len(side_positives) == len(sides):
             positive = torch.cat(side_positives, dim=2) if len(side_positives) > 1 else side_positives[0]

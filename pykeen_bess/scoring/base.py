@@ -71,6 +71,10 @@ class SharedCandidateScorer(ABC):
     #: whether the scores are computed by matrix products (False: chunked fallback)
     fast: ClassVar[bool] = True
 
+    #: whether :meth:`candidates` and :meth:`score` do not depend on the side: the queries of both sides can
+    #: then be scored against the same candidates in one product
+    side_free_candidates: ClassVar[bool] = False
+
     def __init__(self, interaction: Interaction):
         """Bind the scorer to an interaction instance (whose parameters, e.g. ``p``, it reads)."""
         self.interaction = interaction

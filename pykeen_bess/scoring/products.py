@@ -30,7 +30,9 @@ from .base import (
 
 
 class InnerProductScorer(SharedCandidateScorer, ABC):
-    """Scorers whose score is an inner product of query and candidate features."""
+    """Scorers whose score is an inner product of query and candidate features (the same candidates for both sides)."""
+
+    side_free_candidates = True
 
     def score(self, side: Side, query: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:  # noqa: D102
         check_side(side)

@@ -76,31 +76,36 @@ def test_sharded_scores_equal_unsharded_scores(dataset: Nations, model_name: str
 @pytest.mark.parametrize("model_name", ["DistMult", "ComplEx", "TransE"])
 @pytest.mark.parametrize("scheme", ["embedding", "score"])
 def test_inner_products_score_positives_with_their_queries(dataset: Nations, model_name: str, scheme: str) -> None:
-    """Inner-product scorers score the positives from the queries built for the negatives, distances by PyKEEN's own.
+    """Inner-product scorers score the positives from the negatives' queries, and both sides' negatives at once.
 
-    One query per positive instead of two (the positive's and its side's); a distance by norm expansion
-    would lose the precision of small (positive) distances, so it keeps PyKEEN's interaction.
+    One query per positive instead of two (the positive's and its side's), and one product for the
+    negatives of both sides (their candidates are the same); a distance by norm expansion would lose the
+    precision of small (positive) distances, so it keeps PyKEEN's interaction for the positives.
     """
     model, sharding, tables, batch = make_setup(dataset, model_name, 2)
+    assert 0 < batch.num_head_corrupted < batch.block_size  # both sides in the step
     scorer = get_scorer(model.interaction)
-    calls = {"score_triples": 0, "query": 0}
+    step = resolve_scheme(scheme)(model, tables, scorer, LocalTopology(2))
+    calls = {"score_triples": 0, "query": 0, "negative_scores": 0}
 
-    def counted(name):
-        method = getattr(scorer, name)
+    def counted(owner, name):
+        method = getattr(owner, name)
 
         def wrapper(*args, **kwargs):
             calls[name] += 1
             return method(*args, **kwargs)
 
-        return wrapper
+        setattr(owner, name, wrapper)
 
-    scorer.score_triples = counted("score_triples")  # type: ignore[method-assign]
-    scorer.query = counted("query")  # type: ignore[method-assign]
-    step = resolve_scheme(scheme)(model, tables, scorer, LocalTopology(2))
+    counted(scorer, "score_triples")
+    counted(scorer, "query")
+    counted(step, "negative_scores")
     scores = step.scores(batch, step.gather(batch))
-    positive, _ = reference_scores(model, sharding, batch)
+    positive, negative = reference_scores(model, sharding, batch)
     torch.testing.assert_close(scores.positive[batch.valid], positive[batch.valid], rtol=1e-9, atol=1e-9)
-    assert calls == {"score_triples": 0 if model_name != "TransE" else 1, "query": 2}
+    torch.testing.assert_close(scores.negative[batch.valid], negative[batch.valid], rtol=1e-9, atol=1e-9)
+    inner = model_name != "TransE"
+    assert calls == {"score_triples": 0 if inner else 1, "query": 2, "negative_scores": 1 if inner else 2}
 
 
 @pytest.mark.parametrize("model_name", sorted(MODELS))

@@ -286,6 +286,17 @@ class ScorerTestCase:
         for a, b in zip(ours, theirs):
             torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
 
+    def test_side_free_candidates(self, kwargs):
+        """A scorer that declares its candidates side-free gives both sides the same candidates and scores."""
+        scorer = get_scorer(self.cls(**kwargs))
+        if not scorer.side_free_candidates:
+            return
+        _, _, e, r, c = self._setup(kwargs, "tail", "plain")
+        head, tail = scorer.candidates("head", c), scorer.candidates("tail", c)
+        torch.testing.assert_close(head, tail, rtol=0, atol=0)
+        query = scorer.query("tail", e, r)
+        torch.testing.assert_close(scorer.score("head", query, tail), scorer.score("tail", query, tail), rtol=0, atol=0)
+
     @pytest.mark.parametrize("side", SIDES)
     def test_no_large_intermediate(self, kwargs, side, monkeypatch):
         """No forward or backward tensor comes close to ``[b, k, d]`` (matmul or chunked scoring)."""
