@@ -53,6 +53,7 @@ __all__ = [
     "band_scale",
     "count_block",
     "count_exactly",
+    "finite_by_norms",
     "pykeen_comparisons",
     "ranks_from_counts",
     "subtract_excluded",
@@ -101,18 +102,36 @@ def band_bounds(
     return true_scores - tau, true_scores + tau
 
 
+def finite_by_norms(query_norms: torch.Tensor, candidate_norm: torch.Tensor) -> torch.Tensor:
+    """Return which queries' scores against a slice are finite by their norms alone, ``[B]`` (bool).
+
+    For a scorer whose scores are a finite-preserving function of the product of query and candidate
+    features (:attr:`~pykeen_bess.scoring.SharedCandidateScorer.bounded_by_feature_norms`), every
+    partial sum of a product is at most about ``||q|| ||c||`` (Cauchy-Schwarz, up to a relative
+    rounding of ``d eps``): with finite features and ``||q|| max ||c||`` below a quarter of the
+    dtype's largest value no score can be infinite or NaN. A NaN or infinite norm (non-finite
+    features, or a norm that overflowed) is not below it: such rows are counted again exactly.
+
+    :param query_norms: shape: ``[B]``, the norms of the query features
+    :param candidate_norm: shape: ``[]``, the largest norm of the slice's candidate features
+    """
+    return query_norms * candidate_norm < torch.finfo(query_norms.dtype).max / 4
+
+
 def count_block(
     scores: torch.Tensor,
     lower: torch.Tensor,
     upper: torch.Tensor,
     counts: torch.Tensor,
     chunked: bool | None = None,
-) -> torch.Tensor:
+    row_sums: bool = True,
+) -> torch.Tensor | None:
     """Add one block's ``above`` and ``below`` counts to ``counts``; return the sum of every row.
 
     A row's sum is finite unless the block holds a non-finite score in it (or the finite scores
-    overflow), which is how the caller finds the rows that need :func:`count_exactly`; a NaN score
-    is neither above nor below. On the CPU the rows are compared in chunks of
+    overflow), which is how the caller finds the rows that need :func:`count_exactly`, unless it knows
+    the scores to be finite (:func:`finite_by_norms`; ``row_sums=False``: no sums, one pass over the
+    scores less); a NaN score is neither above nor below. On the CPU the rows are compared in chunks of
     :data:`COUNT_CHUNK_ELEMENTS` scores per intra-op thread into one float buffer (0 / 1, summed
     exactly: float32 below ``2^24`` columns, float64 beyond), which stays in the cores' caches;
     elsewhere each comparison is one ``[B, k]`` tensor of half-precision flags (2 bytes per score),
@@ -123,7 +142,8 @@ def count_block(
     :param upper: shape: ``[B]``, the upper ends of the bands
     :param counts: shape: ``[2, B]``, long: ``above`` and ``below``, updated in place
     :param chunked: compare in cache-sized chunks (default: on the CPU)
-    :returns: shape: ``[B]``, the row sums of the scores
+    :param row_sums: whether to sum the rows
+    :returns: shape: ``[B]``, the row sums of the scores (None without ``row_sums``)
     """
     batch_size, width = scores.shape
     lower, upper = lower.unsqueeze(1), upper.unsqueeze(1)
@@ -137,11 +157,11 @@ def count_block(
         counts[0] += torch.sum(flags, dim=1, dtype=total_dtype).long()
         torch.lt(scores, lower, out=flags)
         counts[1] += torch.sum(flags, dim=1, dtype=total_dtype).long()
-        return scores.sum(dim=1)
+        return scores.sum(dim=1) if row_sums else None
     chunk_rows = max(1, COUNT_CHUNK_ELEMENTS * torch.get_num_threads() // max(width, 1))
     buffer = torch.empty((min(chunk_rows, batch_size), width), dtype=total_dtype, device=scores.device)
     found = torch.empty((2, batch_size), dtype=total_dtype, device=scores.device)
-    sums = torch.empty(batch_size, dtype=scores.dtype, device=scores.device)
+    sums = torch.empty(batch_size, dtype=scores.dtype, device=scores.device) if row_sums else None
     for start in range(0, batch_size, chunk_rows):
         rows = slice(start, start + chunk_rows)
         chunk = scores[rows]
@@ -150,7 +170,8 @@ def count_block(
         torch.sum(flags, dim=1, out=found[0, rows])
         torch.lt(chunk, lower[rows], out=flags)
         torch.sum(flags, dim=1, out=found[1, rows])
-        torch.sum(chunk, dim=1, out=sums[rows])
+        if sums is not None:
+            torch.sum(chunk, dim=1, out=sums[rows])
     counts += found.long()
     return sums
 

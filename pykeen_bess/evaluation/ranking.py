@@ -62,6 +62,7 @@ from .counting import (
     band_bounds,
     band_scale,
     count_block,
+    finite_by_norms,
     ranks_from_counts,
     subtract_excluded,
 )
@@ -183,6 +184,7 @@ def count_scored_block(
     band_pairs: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     ids: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    query_norms: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Score one block and add its counts: the steady state of an evaluation, without host synchronisation.
 
@@ -200,19 +202,28 @@ def count_scored_block(
         near-ties are found after the loop and their queries scored again)
     :param ids: shape: ``[c]``, the slice's candidate ids (with ``band_pairs``)
     :param out: the evaluation's score buffer (:class:`BlockBuffer`), which the block may be written into
-    :returns: shape: ``[B]``, bool: whether a row held a non-finite score
+    :param query_norms: shape: ``[B]``, the norms of the query features: for a scorer whose scores are bounded
+        by them (:attr:`~pykeen_bess.scoring.SharedCandidateScorer.bounded_by_feature_norms`) the rows
+        that may hold a non-finite score are found from the norms (:func:`finite_by_norms`) instead of
+        summing every row of the block
+    :returns: shape: ``[B]``, bool: whether a row held (or, by its norms, may hold) a non-finite score
     """
-    lower, upper = band_bounds(true_scores, *band, feature_norms(candidates).amax())
+    candidate_norm = feature_norms(candidates).amax()
+    lower, upper = band_bounds(true_scores, *band, candidate_norm)
     scores = scoring.scores(queries, candidates, out=out)
     collect = band_pairs is not None and ids is not None
     before = counts.clone() if collect else None
     excluded = torch.zeros_like(counts[0]) if collect else None
-    sums = count_block(scores, lower, upper, counts)
+    bounded = query_norms is not None and scoring.scorer.bounded_by_feature_norms
+    sums = count_block(scores, lower, upper, counts, row_sums=not bounded)
     subtract_excluded(scores, lower, upper, counts, *pairs, position=position, start=start, in_block=excluded)
     if band_pairs is not None and before is not None and excluded is not None and ids is not None:
         # the entries neither above nor below that are not excluded: the band's candidates (and NaN scores)
         others = scores.shape[1] - (counts - before).sum(dim=0) - excluded
         band_pairs.append(band_candidates(scores, lower, upper, others, pairs, position, start, ids))
+    if sums is None:
+        assert query_norms is not None
+        return ~finite_by_norms(query_norms, candidate_norm)
     return ~torch.isfinite(sums)
 
 
@@ -251,7 +262,8 @@ def rank_batch(
     """
     queries = scoring.queries(target, known, relations, topology=topology)
     true_scores = scoring.true_scores(queries, true, topology=topology)
-    band = band_scale(true_scores, feature_norms(queries.features), tolerance)
+    query_norms = feature_norms(queries.features)
+    band = band_scale(true_scores, query_norms, tolerance)
     counts = torch.zeros((2, known.shape[0]), dtype=torch.long, device=true_scores.device)
     nonfinite = ~torch.isfinite(true_scores)
     out = None if buffer is None else buffer.of(true_scores)
@@ -274,6 +286,7 @@ def rank_batch(
                     band_pairs,
                     ids,
                     out,
+                    query_norms,
                 )
             del candidates
             blocks += 1

@@ -75,6 +75,11 @@ class SharedCandidateScorer(ABC):
     #: then be scored against the same candidates in one product
     side_free_candidates: ClassVar[bool] = False
 
+    #: whether every score is a finite-preserving function (e.g. a sigmoid, a square root of a clamped value) of
+    #: the inner product of a query's and a candidate's features, so that ``|product| <= ||q|| ||c||`` bounds
+    #: it: finite features with a product of norms far below the dtype's largest value give finite scores
+    bounded_by_feature_norms: ClassVar[bool] = False
+
     def __init__(self, interaction: Interaction):
         """Bind the scorer to an interaction instance (whose parameters, e.g. ``p``, it reads)."""
         self.interaction = interaction

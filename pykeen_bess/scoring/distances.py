@@ -63,6 +63,11 @@ class NormScorer(SharedCandidateScorer, ABC):
         """Whether scores avoid the chunked explicit computation (here: for ``p=2``)."""
         return self.l2
 
+    @property
+    def bounded_by_feature_norms(self) -> bool:  # type: ignore[override]
+        """Whether scores are ``-sqrt(max(x, 0))`` or ``-x`` of one product of features (here: for ``p=2``)."""
+        return self.l2
+
     def pair_scores(self, query: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
         """Score explicitly (non-L2 norms).
 

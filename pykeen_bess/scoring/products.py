@@ -33,6 +33,7 @@ class InnerProductScorer(SharedCandidateScorer, ABC):
     """Scorers whose score is an inner product of query and candidate features (the same candidates for both sides)."""
 
     side_free_candidates = True
+    bounded_by_feature_norms = True
 
     def score(self, side: Side, query: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:  # noqa: D102
         check_side(side)

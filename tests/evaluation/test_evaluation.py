@@ -29,6 +29,7 @@ from pykeen_bess.evaluation import (
     ShardTableRows,
     choose_block_sizes,
 )
+from pykeen_bess.scoring import get_scorer
 from pykeen_bess.tables.representation import ShardedEmbedding
 from pykeen_bess.data.sharding import EntitySharding
 
@@ -220,6 +221,71 @@ def test_unfiltered_ranks():
             np.testing.assert_array_equal(
                 np.concatenate(evaluator.num_candidates[target]), expected.number_of_options.numpy()
             )
+
+
+def huge_candidates(model_name: str, overflowing: float | None, huge: float) -> tuple[ERModel, torch.Tensor, dict]:
+    """A float32 Kinships model whose entities 0 and 1 are candidates with huge rows; the test triples without them."""
+    data = dataset("kinships")
+    model = make_model(model_name, data, seed=3).float()  # float32 scores overflow
+    triples = data.testing.mapped_triples
+    triples = triples[~torch.isin(triples[:, [0, 2]], torch.tensor([0, 1])).any(dim=1)]  # true scores stay finite
+    weight = model.entity_representations[0]._embeddings.weight
+    with torch.no_grad():
+        if model_name == "DistMult":
+            model.relation_representations[0]._embeddings.weight.mul_(4.0)  # query entries up to about 0.56
+        if overflowing is not None:
+            weight[0] = overflowing
+        weight[1] = huge
+    return model, triples, {"additional_filter_triples": filter_triples(data), "use_tqdm": False}
+
+
+def test_finite_scores_beyond_the_norms_bound():
+    """A candidate whose norm puts ``||q|| ||c||`` over the bound of finite scores: counted again, ranked as PyKEEN.
+
+    Scorers bounded by their feature norms do not sum every block's rows to find non-finite scores
+    (``finite_by_norms``); the rows their norms cannot clear are counted again exactly.
+    """
+    model, triples, kwargs = huge_candidates("DistMult", None, 1e37)
+    with torch.inference_mode():
+        assert torch.isfinite(model.predict(triples, target="tail")).all()
+    reference_evaluator = RankBasedEvaluator(clear_on_finalize=False)
+    reference_evaluator.evaluate(model, triples, batch_size=PYKEEN_BATCH_SIZE, **kwargs)
+    evaluator = BessEvaluator(num_shards=2, clear_on_finalize=False)
+    evaluator.evaluate(model, triples, **kwargs)
+    assert sum(evaluator.last_ranked_again.values()) > triples.shape[0]  # most queries, on both sides
+    for target in ("head", "tail"):
+        for rank_type in ("optimistic", "realistic", "pessimistic"):
+            np.testing.assert_array_equal(
+                np.concatenate(evaluator.ranks[target, rank_type]),
+                np.concatenate(reference_evaluator.ranks[target, rank_type]),
+            )
+
+
+@pytest.mark.parametrize("model_name", ["DistMult", "TransE"])
+def test_overflowing_scores_found_by_norms_as_by_row_sums(model_name: str, monkeypatch):
+    """Scores that overflow: the queries the norms flag are ranked as when every block's rows are summed.
+
+    (Where a score overflows, it may overflow otherwise in PyKEEN's own summation order.)
+    """
+    model, triples, kwargs = huge_candidates(model_name, 3e38, 1e37)
+    with torch.inference_mode():
+        assert (~torch.isfinite(model.predict(triples, target="tail")[:, 0])).any()
+    scorer_class = type(get_scorer(model.interaction))
+    results = {}
+    for bounded in (True, False):
+        monkeypatch.setattr(scorer_class, "bounded_by_feature_norms", bounded)
+        evaluator = BessEvaluator(num_shards=2, clear_on_finalize=False)
+        evaluator.evaluate(model, triples, **kwargs)
+        results[bounded] = evaluator
+    for target in ("head", "tail"):
+        for rank_type in ("optimistic", "realistic", "pessimistic"):
+            np.testing.assert_array_equal(
+                np.concatenate(results[True].ranks[target, rank_type]),
+                np.concatenate(results[False].ranks[target, rank_type]),
+            )
+        np.testing.assert_array_equal(
+            np.concatenate(results[True].num_candidates[target]), np.concatenate(results[False].num_candidates[target])
+        )
 
 
 @pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning", "ignore:invalid value:RuntimeWarning")
