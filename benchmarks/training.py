@@ -32,8 +32,11 @@ shared negatives for BESS, a multiple of 4), Adagrad (BESS: ``rowwise_adagrad``,
 ``--pbg-triples``), and a smaller, skewed one, 200,000 triples over 20,000 entities whose heads
 follow Zipf's law (exponent 1.1; ``--pbg-skewed ENTITIES:TRIPLES``, ``none`` to skip). Measured in
 the same run: ``torchbiggraph_train`` with 2 Hogwild workers (its own "Processed N edges in T s"
-per epoch; the best epoch), and BESS at n = 1 and n = 4 (and n = 4 with ``negatives="block"``).
-Targets: BESS n = 1 >= 1.5x PyTorch-BigGraph, n = 4 >= 1.0x.
+per epoch; the best epoch), and BESS at n = 1 and n = 4 (and n = 4 with ``negatives="block"``),
+all without a regularizer (PyTorch-BigGraph regularizes nothing); then BESS at n = 1 and n = 4 with
+ComplEx's default regularizer (PyKEEN's L2 term on entity and relation rows), reported as a fraction
+of the same setting unregularized. Targets: BESS n = 1 >= 1.5x PyTorch-BigGraph, n = 4 >= 1.0x; a
+regularized step at least 0.9x an unregularized one.
 
 **A step against another commit's** (``--baseline CHECKOUT``, e.g. a ``git worktree`` of the commit
 before a change): BESS on WN18RR at ``--ab-shards`` (default 1 and 4), each run in a fresh process
@@ -234,6 +237,12 @@ ALLOCATOR_LOOPS = {
     "auto": "BessTrainingLoop, fresh process, host_allocator='auto'",
     "keep": "BessTrainingLoop, fresh process, host_allocator=None",
 }
+
+
+#: the BESS settings of PyTorch-BigGraph's workload also timed with ComplEx's default regularizer
+REGULARIZED_SHARDS = (1, 4)
+#: the key suffix of those runs
+REGULARIZED = ", regularized"
 
 
 def label(n: int, negatives: str) -> str:
@@ -481,8 +490,12 @@ def pbg_workload(args: argparse.Namespace) -> list[dict]:
         for _ in range(args.repeats):
             with tempfile.TemporaryDirectory() as directory:
                 results["pbg"] = max(results.get("pbg", 0.0), time_pbg(tf, args, pathlib.Path(directory)))
-            for n, negatives in BESS_SETTINGS:
-                model = ComplEx(triples_factory=tf, embedding_dim=args.pbg_dim, regularizer=None, random_seed=0).to(
+            for n, negatives, regularized in [
+                *((n, negatives, False) for n, negatives in BESS_SETTINGS),
+                *((n, "step", True) for n in REGULARIZED_SHARDS),
+            ]:
+                model_kwargs = {} if regularized else {"regularizer": None}
+                model = ComplEx(triples_factory=tf, embedding_dim=args.pbg_dim, random_seed=0, **model_kwargs).to(
                     args.device
                 )
                 _, best = time_bess(
@@ -496,7 +509,7 @@ def pbg_workload(args: argparse.Namespace) -> list[dict]:
                     optimizer_kwargs=dict(lr=0.1),
                     negatives=negatives,
                 )
-                key = label(n, negatives)
+                key = label(n, negatives) + (REGULARIZED if regularized else "")
                 results[key] = max(results.get(key, 0.0), best)
             print(json.dumps({k: round(v) for k, v in results.items()}), flush=True)
         rows.append(
@@ -522,17 +535,32 @@ def pbg_workload(args: argparse.Namespace) -> list[dict]:
                     n1_over_this=round(results["n=1"] / value, 2),
                 )
             )
+        for n in REGULARIZED_SHARDS:
+            value = results[label(n, "step") + REGULARIZED]
+            rows.append(
+                dict(
+                    run=name,
+                    contender="BessTrainingLoop, ComplEx's default regularizer",
+                    num_shards=n,
+                    negatives="step",
+                    positives_per_s=value,
+                    x_pbg=round(value / results["pbg"], 2),
+                    x_unregularized=round(value / results[label(n, "step")], 2),
+                )
+            )
     print()
-    print("| graph | loop | positives/s (best epoch) | x PyTorch-BigGraph | n=1 / this |")
-    print("|---|---|---:|---:|---:|")
+    print("| graph | loop | positives/s (best epoch) | x PyTorch-BigGraph | n=1 / this | x unregularized |")
+    print("|---|---|---:|---:|---:|---:|")
     for row in rows:
         loop = (
             row["contender"]
             if row["num_shards"] is None
-            else f"BessTrainingLoop {label(row['num_shards'], row['negatives'])}"
+            else f"{row['contender']} {label(row['num_shards'], row['negatives'])}"
         )
         scaling = f"{row['n1_over_this']:.2f}" if "n1_over_this" in row else ""
-        print(f"| {row['run']} | {loop} | {row['positives_per_s']:,.0f} | {row['x_pbg']:.2f} | {scaling} |")
+        regularized = f"{row['x_unregularized']:.2f}" if "x_unregularized" in row else ""
+        rate = f"{row['positives_per_s']:,.0f}"
+        print(f"| {row['run']} | {loop} | {rate} | {row['x_pbg']:.2f} | {scaling} | {regularized} |")
     return rows
 
 

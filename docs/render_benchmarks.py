@@ -163,6 +163,7 @@ def training_pbg(data: dict[str, Any], out: Path) -> str:
         ("positives_per_s", "positives/s (best epoch)"),
         ("x_pbg", "x PyTorch-BigGraph"),
         ("n1_over_this", "n=1 / this"),
+        ("x_unregularized", "x unregularized"),
     ]
     text = table(rows, columns)
     runs = list(dict.fromkeys(row["run"] for row in rows))
@@ -170,7 +171,10 @@ def training_pbg(data: dict[str, Any], out: Path) -> str:
     for ax, run in zip(axes[0], runs):
         mine = [row for row in rows if row["run"] == run]
         labels = [
-            "PyTorch-BigGraph" if row["num_shards"] is None else f"BESS n={row['num_shards']}, {row['negatives']}"
+            "PyTorch-BigGraph"
+            if row["num_shards"] is None
+            else f"BESS n={row['num_shards']}, {row['negatives']}"
+            + (", regularized" if "x_unregularized" in row else "")
             for row in mine
         ]
         colors = ["tab:gray" if row["num_shards"] is None else "tab:blue" for row in mine]
