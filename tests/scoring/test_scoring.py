@@ -161,6 +161,13 @@ def assert_gradients_close(
         torch.testing.assert_close(g_fast, g_ref, rtol=rtol, atol=atol, msg=lambda m, i=i: f"leaf {i}: {m}")
 
 
+def assert_aligned_close(scores: torch.Tensor, expected: torch.Tensor, triples: tuple) -> None:
+    """Scores of aligned triples ``(h, r, t)`` and their gradients w.r.t. every representation equal PyKEEN's."""
+    torch.testing.assert_close(scores, expected, rtol=RTOL, atol=ATOL)
+    leaves = [x for x in tree_leaves(triples) if x.is_floating_point() or x.is_complex()]
+    assert_gradients_close(scores, expected, leaves, rtol=RTOL, atol=ATOL)
+
+
 class PeakStorage(TorchDispatchMode):
     """Record the largest storage (in elements) of any tensor produced by an operator."""
 
@@ -251,13 +258,7 @@ class ScorerTestCase:
         if type(scorer).score_triples is SharedCandidateScorer.score_triples:  # PyKEEN's own: bitwise
             torch.testing.assert_close(scores, expected, rtol=0, atol=0)
         else:  # a scorer's own formula: equal up to rounding, gradients too
-            torch.testing.assert_close(scores, expected, rtol=RTOL, atol=ATOL)
-            leaves = [x for x in tree_leaves((h, r, t)) if x.is_floating_point() or x.is_complex()]
-            weights = torch.randn_like(scores)
-            ours = torch.autograd.grad((scores * weights).sum(), leaves, retain_graph=True)
-            theirs = torch.autograd.grad((expected * weights).sum(), leaves)
-            for a, b in zip(ours, theirs):
-                torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+            assert_aligned_close(scores, expected, (h, r, t))
         for side, e, c in (("tail", h, t), ("head", t, h)):
             shared = scorer.score_candidates(side, e, r, c)
             torch.testing.assert_close(torch.diagonal(shared, dim1=-2, dim2=-1), scores, rtol=RTOL, atol=ATOL)
@@ -278,13 +279,7 @@ class ScorerTestCase:
             return
         expected = interaction(h=h, r=r, t=t)
         assert scores is not None and scores.shape == expected.shape
-        torch.testing.assert_close(scores, expected, rtol=RTOL, atol=ATOL)
-        leaves = [x for x in tree_leaves((h, r, t)) if x.is_floating_point() or x.is_complex()]
-        weights = torch.randn_like(scores)
-        ours = torch.autograd.grad((scores * weights).sum(), leaves, retain_graph=True)
-        theirs = torch.autograd.grad((expected * weights).sum(), leaves)
-        for a, b in zip(ours, theirs):
-            torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+        assert_aligned_close(scores, expected, (h, r, t))
 
     def test_side_free_candidates(self, kwargs):
         """A scorer that declares its candidates side-free gives both sides the same candidates and scores."""
