@@ -330,19 +330,22 @@ def pbg_run(benchmark_runs: dict[str, dict]) -> tuple[str, list[list[str]]]:
 
 @pytest.mark.slow
 def test_pbg_workload_on_both_graphs(pbg_run, results: pathlib.Path):
-    """PyTorch-BigGraph itself and the three BESS settings on the uniform and the skewed graph, written as JSON."""
+    """PyTorch-BigGraph itself, the three BESS settings and two regularized ones on both graphs, written as JSON."""
     _, rows = pbg_run
-    assert [row[0] for row in rows] == ["generated (400 entities)"] * 4 + ["skewed (300 entities, Zipf heads)"] * 4
+    assert [row[0] for row in rows] == ["generated (400 entities)"] * 6 + ["skewed (300 entities, Zipf heads)"] * 6
     keys = ("run", "contender", "num_shards", "negatives", "positives_per_s", "x_pbg")
     written = result_file(results / "training-pbg-workload-cpu.json", "training-pbg-workload", keys)
     rows = written["tables"][0]["rows"]
-    assert [(row["num_shards"], row["negatives"]) for row in rows[:4]] == [
-        (None, None),
-        (1, "step"),
-        (4, "step"),
-        (4, "block"),
+    assert [(row["num_shards"], row["negatives"], "x_unregularized" in row) for row in rows[:6]] == [
+        (None, None, False),
+        (1, "step", False),
+        (4, "step", False),
+        (4, "block", False),
+        (1, "step", True),
+        (4, "step", True),
     ]
     assert all(row["positives_per_s"] > 0 for row in rows)
+    assert all(row["x_unregularized"] > 0 for row in rows if "x_unregularized" in row)
 
 
 def test_structured_graph_has_its_patterns(tmp_path: pathlib.Path):
