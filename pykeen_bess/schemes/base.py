@@ -255,8 +255,8 @@ class ExchangeScheme(ABC):
                 (self.tail_indices, self.head_indices) if side == "head" else (self.head_indices, self.tail_indices)
             )
             query = self.scorer.query(side, self.lookup.select(known, known_indices, side_slots), side_relation)
-            candidate = self.scorer.candidates(side, self.lookup.select(unknown, unknown_indices, side_slots))
-            positive_scores.append(self.scorer.aligned_scores(query, candidate))
+            own = self.lookup.select(unknown, unknown_indices, side_slots)
+            positive_scores.append(self.scorer.aligned_scores(side, query, own))
             queries.append(query)
         # the negatives' scores [L(i), n(j), b', K]: both sides' queries in one product where the candidates are
         # the same for both (the scorer's features and the entity parts of both roles)

@@ -84,16 +84,18 @@ class SharedCandidateScorer(ABC):
         """Bind the scorer to an interaction instance (whose parameters, e.g. ``p``, it reads)."""
         self.interaction = interaction
 
-    def aligned_scores(self, query: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor | None:
-        """Score each query against its own candidate from features, ``[*, q] x [*, c] -> [*]``; None: not this way.
+    def aligned_scores(self, side: Side, query: torch.Tensor, e: Any) -> torch.Tensor | None:
+        """Score each query against its own entity from the query's features, ``[*, q] -> [*]``; None: not this way.
 
-        A scorer whose score is the inner product of its features returns it here, and a training step
-        then scores its positives with the queries it built for the negatives (one query computation per
-        positive instead of two). Other scorers (e.g. distances by norm expansion, which would lose the
-        precision of small distances) return None: their positives are scored by :meth:`score_triples`.
+        A scorer whose score is the inner product of its features returns it here (nothing else is
+        computed otherwise), and a training step then scores its positives with the queries it built for
+        the negatives (one query computation per positive instead of two). Other scorers (e.g. distances
+        by norm expansion, which would lose the precision of small distances) return None: their
+        positives are scored by :meth:`score_triples`.
 
+        :param side: the predicted side
         :param query: shape: ``[*, q]``, from :meth:`query`
-        :param candidates: shape: ``[*, c]``, from :meth:`candidates`
+        :param e: shape: ``[*, *entity_shape]``, each query's own entity of the predicted side
         """
         return None
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.utils.checkpoint
@@ -45,8 +46,8 @@ class InnerProductScorer(SharedCandidateScorer, ABC):
         check_side(side)
         return matmul_scores(query, candidates, out=out)
 
-    def aligned_scores(self, query: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:  # noqa: D102
-        return (query * candidates).sum(dim=-1)
+    def aligned_scores(self, side: Side, query: torch.Tensor, e: Any) -> torch.Tensor:  # noqa: D102
+        return (query * self.candidates(side, e)).sum(dim=-1)
 
 
 __all__ = [

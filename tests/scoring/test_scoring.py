@@ -273,7 +273,7 @@ class ScorerTestCase:
         scorer = get_scorer(interaction)
         h, r, t = make_representations(interaction, "tail", (), (), b=K, transforms=self.transforms)
         known, unknown = (h, t) if side == "tail" else (t, h)
-        scores = scorer.aligned_scores(scorer.query(side, known, r), scorer.candidates(side, unknown))
+        scores = scorer.aligned_scores(side, scorer.query(side, known, r), unknown)
         if not isinstance(scorer, scoring.InnerProductScorer):
             assert scores is None
             return
