@@ -584,7 +584,8 @@ def test_mmap_anonymous_memory_does_not_grow_with_the_table(tmp_path) -> None:
         assert outcome["status"] == 0, outcome["stderr"][-3000:]
         anonymous[dimension] = int(outcome["stdout"].split()[-1])
     table_growth = 300_000 * (320 - 32) * 4  # 346 MB more table
-    assert anonymous[320] - anonymous[32] < 0.05 * table_growth, anonymous
+    # a table in anonymous memory would add all of it; two processes alike differ by up to ~20 MB on a busy machine
+    assert anonymous[320] - anonymous[32] < 0.25 * table_growth, anonymous
 
 
 def test_large_stored_tables_are_initialised_chunk_by_chunk(nations, tmp_path, monkeypatch) -> None:
