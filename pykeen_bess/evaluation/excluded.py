@@ -40,7 +40,8 @@ class ExcludedPairs:
     ``restrict_entities_to``) are kept with position ``-1``: they never match a block.
     """
 
-    #: shape: ``[num_batches, P]``, the row of each pair's query in its batch (0 for padding)
+    #: shape: ``[num_batches, P]``, the row of each pair's query in its batch (0 for padding); each row of the
+    #: table holds its padding first, then its pairs by shard position and column (:meth:`block_key`)
     rows: torch.Tensor
     #: shape: ``[num_batches, P]``, the local shard position of each pair's entity (``-1``: none, padding)
     positions: torch.Tensor
@@ -93,19 +94,38 @@ class ExcludedPairs:
         position = torch.where(column >= 0, tables.entity_position[entity], -1)
         per_query = torch.zeros(num_queries, dtype=torch.long, device=device)
         per_query.index_add_(0, query, (position >= 0).long())
-        # one row of P pairs per batch (the pairs are sorted by query, hence by batch)
+        # one row of P pairs per batch, in block order: padding and the pairs of no local candidate first, then
+        # by shard position and column (the pairs of one block are contiguous, see block_key)
         num_batches = -(-num_queries // batch_size)
         batch = query // batch_size
+        key = torch.where(position >= 0, position * (max(scoring.candidate_counts) + 1) + column, -1)
+        layout = torch.argsort(key, stable=True)
+        layout = layout[torch.argsort(batch[layout], stable=True)]
         per_batch = torch.bincount(batch, minlength=num_batches)
         width = max(1, int(per_batch.max()))
-        slot = torch.arange(query.shape[0], device=device) - (torch.cumsum(per_batch, 0) - per_batch)[batch]
+        # right-aligned: a batch's padding (position -1) comes before its pairs
+        slot = torch.arange(query.shape[0], device=device) - torch.cumsum(per_batch, 0)[batch[layout]] + width
         rows = torch.zeros((num_batches, width), dtype=torch.long, device=device)
         positions = torch.full((num_batches, width), -1, dtype=torch.long, device=device)
         columns = torch.zeros((num_batches, width), dtype=torch.long, device=device)
-        rows[batch, slot] = query % batch_size
-        positions[batch, slot] = position
-        columns[batch, slot] = column.clamp_min(0)
+        rows[batch[layout], slot] = query[layout] % batch_size
+        positions[batch[layout], slot] = position[layout]
+        columns[batch[layout], slot] = column[layout].clamp_min(0)
         return cls(rows, positions, columns, query, position, column, per_query)
+
+    @staticmethod
+    def block_key(positions: torch.Tensor, columns: torch.Tensor, num_columns: int) -> torch.Tensor:
+        """Return the sort key of a batch's pairs, ``[P]``: ascending in every row of the table (see :meth:`build`).
+
+        The pairs of the block of shard position ``p`` and columns ``start:stop`` are those with keys in
+        ``[p * (C + 1) + start, p * (C + 1) + stop)`` (``C``: the most candidates of a local shard); padding
+        and pairs of no local candidate have key ``-1``.
+
+        :param positions: shape: ``[P]``, a batch's pair positions (a row of :attr:`positions`)
+        :param columns: shape: ``[P]``, the pairs' columns
+        :param num_columns: ``C``, the most candidates of a local shard
+        """
+        return torch.where(positions >= 0, positions * (num_columns + 1) + columns, -1)
 
     def of_queries(self, queries: torch.Tensor, num_queries: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Return the local pairs of some queries: ``(row in queries, position, column)``, each of shape ``[m]``.

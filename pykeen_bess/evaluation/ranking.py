@@ -12,7 +12,9 @@
    and true scores are computed, then every slice of every local shard is scored
    (``[B, q] x [k, c] -> [B, k]``), counted outside the narrow band around the true score
    (:func:`~pykeen_bess.evaluation.counting.count_block`) and corrected for the excluded pairs
-   (:func:`~pykeen_bess.evaluation.counting.subtract_excluded`). The counts stay on the device in
+   (:func:`~pykeen_bess.evaluation.counting.subtract_excluded`): all ``P`` pairs of the batch, or,
+   where the block loop reads sizes anyway (collecting the band, below), only the block's own, one
+   range of the batch's pairs in their block order. The counts stay on the device in
    ``[4, Q]`` tensors; the host issues the same operators for every block of the batch and never
    waits for the device.
 3. **Once per evaluation**: the counts are summed over the shards (one collective), and the
@@ -249,7 +251,8 @@ def rank_batch(
     :param known: shape: ``[B]``, the known entities
     :param relations: shape: ``[B]``, the relations
     :param true: shape: ``[B]``, the true entities
-    :param pairs: the batch's excluded pairs (see :class:`ExcludedPairs`), each of shape ``[P]``
+    :param pairs: the batch's excluded pairs (a row of :class:`ExcludedPairs`' table, in its block order), each of
+        shape ``[P]``
     :param slice_size: candidates per block
     :param tolerance: the band's half width
     :param topology: the topology (probes pass a :class:`~pykeen_bess.distributed.ProbeTopology`)
@@ -267,11 +270,20 @@ def rank_batch(
     counts = torch.zeros((2, known.shape[0]), dtype=torch.long, device=true_scores.device)
     nonfinite = ~torch.isfinite(true_scores)
     out = None if buffer is None else buffer.of(true_scores)
+    # where the host reads sizes anyway (collecting the band), each block gets only its own excluded pairs
+    num_columns = max(scoring.candidate_counts)
+    key = None if band_pairs is None else ExcludedPairs.block_key(pairs[1], pairs[2], num_columns)
     blocks = 0
     for position in range(len(scoring.local_shards)):
         for start, ids, candidates in scoring.candidate_blocks(queries.side, position, slice_size, known.device):
             if max_blocks is not None and blocks >= max_blocks:
                 return counts, nonfinite, true_scores
+            block_pairs = pairs
+            if key is not None:
+                first = position * (num_columns + 1) + start
+                bounds = torch.tensor([first, first + ids.shape[0]], device=key.device)
+                low, high = torch.searchsorted(key, bounds).tolist()
+                block_pairs = (pairs[0][low:high], pairs[1][low:high], pairs[2][low:high])
             with contextlib.nullcontext() if threads is None else threads.unit():
                 nonfinite |= count_scored_block(
                     scoring,
@@ -281,7 +293,7 @@ def rank_batch(
                     candidates,
                     position,
                     start,
-                    pairs,
+                    block_pairs,
                     counts,
                     band_pairs,
                     ids,

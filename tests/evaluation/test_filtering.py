@@ -155,3 +155,48 @@ def test_a_repeated_evaluation_reuses_the_filter_index_until_the_triples_change(
         evaluator.num_shards = 3  # another sharding: the same filter index, other candidate columns
         evaluator.evaluate(model, data.testing.mapped_triples, **kwargs)
         assert (built.call_count, pairs.call_count) == (3, 8)
+
+
+@pytest.mark.parametrize("num_shards", [1, 3])
+def test_excluded_pairs_are_laid_out_in_block_order(num_shards: int):
+    """Each batch's pairs: padding first, then by shard position and column; a block's pairs are one key range.
+
+    The table holds the same pairs as the flat arrays (sorted by query), and the key range of every
+    block (shard position, ``start:stop``) selects exactly the pairs of that block.
+    """
+    from pykeen.datasets import Nations
+    from pykeen.models import DistMult
+
+    from pykeen_bess.evaluation.excluded import ExcludedPairs
+    from pykeen_bess.evaluation.sharded import ShardedScoring
+
+    data = Nations()
+    model = DistMult(triples_factory=data.training, embedding_dim=8, random_seed=0)
+    scoring = ShardedScoring.for_model(model, num_shards=num_shards)
+    triples = data.testing.mapped_triples
+    index = FilterIndex.from_triples([data.training.mapped_triples, triples], data.num_entities, data.num_relations)
+    heads, relations, tails = triples.unbind(dim=1)
+    batch_size = 50
+    pairs = ExcludedPairs.build(scoring, index, "tail", heads, relations, tails, batch_size=batch_size)
+    num_columns = max(scoring.candidate_counts)
+    table, flat = set(), set()
+    for number in range(pairs.rows.shape[0]):
+        rows, positions, columns = pairs.rows[number], pairs.positions[number], pairs.columns[number]
+        key = ExcludedPairs.block_key(positions, columns, num_columns)
+        assert torch.equal(key, key.sort().values)
+        real = pairs.query[(pairs.query // batch_size) == number].shape[0]
+        assert (positions[: positions.shape[0] - real] == -1).all()  # the padding comes first
+        for row, position, column in zip(rows.tolist(), positions.tolist(), columns.tolist()):
+            if position >= 0:
+                table.add((number * batch_size + row, position, column))
+        for position in range(len(scoring.local_shards)):
+            count = scoring.candidate_counts[position]
+            for start in range(0, count, 4):
+                stop = min(start + 4, count)
+                first = position * (num_columns + 1)
+                low, high = torch.searchsorted(key, torch.tensor([first + start, first + stop])).tolist()
+                inside = (positions == position) & (columns >= start) & (columns < stop)
+                assert inside[low:high].all() and int(inside.sum()) == high - low
+    local = pairs.position >= 0
+    flat = set(zip(pairs.query[local].tolist(), pairs.position[local].tolist(), pairs.column[local].tolist()))
+    assert table == flat and len(flat) > 0
