@@ -36,8 +36,9 @@ on (CPU affinity and the cgroup's CPU quota) divided by the processes on this ho
 (``LOCAL_WORLD_SIZE``).
 
 The thread count changes the order of some floating-point reductions; the counts of the evaluator
-are exact either way, and a training run's parameters were bit-identical with 1 and 2 threads in
-the tested cases, but pass an integer for runs that must repeat bit for bit on any machine.
+are exact either way, but a training run's parameters can differ in the last bits with another
+thread count (and ``"auto"`` may choose another count in another run): pass an integer for runs that
+must repeat bit for bit (a fixed count does).
 """
 
 from __future__ import annotations
