@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -118,6 +119,10 @@ class RowGather:
     #: every looked-up row is its own row, in the order the scores look them up (heads, tails, then the
     #: negatives as ``[n(i), n(j), L(k), m]``): the lookup selects nothing (a static step's rows)
     in_role_order: bool = False
+    #: where the L2 terms of rows that are the leaves (or parameters viewed whole) leave their gradients for
+    #: the step to add (:class:`~pykeen_bess.schemes.regularization.RowTermGradient`; a static step's list);
+    #: None: autograd adds them
+    term_gradients: list[Any] | None = None
 
     @property
     def real_rows(self) -> torch.Tensor:

@@ -29,6 +29,7 @@ from .sharded import ShardedScoring
 __all__ = [
     "ExcludedPairs",
     "ExcludedPairsCache",
+    "PairsByBlock",
 ]
 
 
@@ -138,6 +139,28 @@ class ExcludedPairs:
         row = member[self.query]
         keep = (row >= 0) & (self.position >= 0)
         return row[keep], self.position[keep], self.column[keep]
+
+
+class PairsByBlock:
+    """One batch's excluded pairs (a row of :class:`ExcludedPairs`' table), cut into the pairs of each block.
+
+    In the table's block order the pairs of a block are one range of the batch's pairs, found by one
+    ``searchsorted`` and one host read per block (for a block loop that reads sizes anyway).
+    """
+
+    def __init__(self, pairs: tuple[torch.Tensor, torch.Tensor, torch.Tensor], num_columns: int):
+        """Cut ``pairs`` (rows, positions, columns, each ``[P]``) of shards with at most ``num_columns`` candidates."""
+        self.pairs = pairs
+        self.num_columns = num_columns
+        self.key = ExcludedPairs.block_key(pairs[1], pairs[2], num_columns)
+
+    def of_block(self, position: int, start: int, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Return the pairs of the block of shard position ``position`` and columns ``start:start + width`` (views)."""
+        first = position * (self.num_columns + 1) + start
+        bounds = torch.tensor([first, first + width], device=self.key.device)
+        low, high = torch.searchsorted(self.key, bounds).tolist()
+        rows, positions, columns = self.pairs
+        return rows[low:high], positions[low:high], columns[low:high]
 
 
 class ExcludedPairsCache:

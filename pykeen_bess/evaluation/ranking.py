@@ -68,7 +68,7 @@ from .counting import (
     ranks_from_counts,
     subtract_excluded,
 )
-from .excluded import ExcludedPairs, ExcludedPairsCache
+from .excluded import ExcludedPairs, ExcludedPairsCache, PairsByBlock
 from .near_ties import band_candidates, rank_again, resolve_collected
 from .filtering import FilterIndex
 from .sharded import Queries, ShardedScoring, feature_norms
@@ -271,19 +271,13 @@ def rank_batch(
     nonfinite = ~torch.isfinite(true_scores)
     out = None if buffer is None else buffer.of(true_scores)
     # where the host reads sizes anyway (collecting the band), each block gets only its own excluded pairs
-    num_columns = max(scoring.candidate_counts)
-    key = None if band_pairs is None else ExcludedPairs.block_key(pairs[1], pairs[2], num_columns)
+    by_block = None if band_pairs is None else PairsByBlock(pairs, max(scoring.candidate_counts))
     blocks = 0
     for position in range(len(scoring.local_shards)):
         for start, ids, candidates in scoring.candidate_blocks(queries.side, position, slice_size, known.device):
             if max_blocks is not None and blocks >= max_blocks:
                 return counts, nonfinite, true_scores
-            block_pairs = pairs
-            if key is not None:
-                first = position * (num_columns + 1) + start
-                bounds = torch.tensor([first, first + ids.shape[0]], device=key.device)
-                low, high = torch.searchsorted(key, bounds).tolist()
-                block_pairs = (pairs[0][low:high], pairs[1][low:high], pairs[2][low:high])
+            block_pairs = pairs if by_block is None else by_block.of_block(position, start, ids.shape[0])
             with contextlib.nullcontext() if threads is None else threads.unit():
                 nonfinite |= count_scored_block(
                     scoring,

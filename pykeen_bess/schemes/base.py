@@ -30,7 +30,9 @@ from ..distributed import Topology
 from ..tables.optim import row_sparse_grad
 from ..tables.representation import ShardedEmbedding
 from ..scoring import SharedCandidateScorer, Side
-from .lookup import UNCACHED, Accumulator, DeviceCopies, RowLookup, split_parts
+from .copies import UNCACHED, DeviceCopies
+from .lookup import RowLookup, split_parts
+from .regularization import Accumulator
 
 __all__ = [
     "ExchangeScheme",
@@ -209,7 +211,7 @@ class ExchangeScheme(ABC):
         device = self.tables[0].compute_device
         local_valid = topology.select_local(batch.valid[..., slots], 0).reshape(-1)  # on the CPU
         valid_index = None if bool(local_valid.all()) else copies.index(local_valid, device)
-        regularization = Accumulator()
+        regularization = Accumulator(gathered.term_gradients)
         normalized = [self.lookup.normalized_rows(table, leaf) for table, leaf in zip(self.tables, gathered.leaves)]
         role_weights, relation_weights = self.row_weights.of(batch, gathered, start, stop, copies)
 
@@ -229,6 +231,7 @@ class ExchangeScheme(ABC):
             role_weights,
             identity=gathered.in_role_order,
             copies=copies,
+            leaves=gathered.leaves,
         )
         negatives_local = negatives_local.permute(2, 0, 1, 3, 4)
 

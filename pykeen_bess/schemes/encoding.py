@@ -30,7 +30,9 @@ from ..tables.encoding import ColumnSplit, SeparableScoring, check_encoding_mode
 from ..tables.representation import ShardedEmbedding
 from ..scoring import SharedCandidateScorer, Side
 from .base import ExchangeScheme
-from .lookup import UNCACHED, Accumulator, DeviceCopies, slice_parts
+from .copies import UNCACHED, DeviceCopies
+from .lookup import slice_parts
+from .regularization import Accumulator
 
 __all__ = [
     "EncodingScheme",

@@ -161,13 +161,13 @@ def test_a_repeated_evaluation_reuses_the_filter_index_until_the_triples_change(
 def test_excluded_pairs_are_laid_out_in_block_order(num_shards: int):
     """Each batch's pairs: padding first, then by shard position and column; a block's pairs are one key range.
 
-    The table holds the same pairs as the flat arrays (sorted by query), and the key range of every
-    block (shard position, ``start:stop``) selects exactly the pairs of that block.
+    The table holds the same pairs as the flat arrays (sorted by query), and ``PairsByBlock`` cuts
+    exactly the pairs of every block (shard position, ``start:stop``) from a batch's.
     """
     from pykeen.datasets import Nations
     from pykeen.models import DistMult
 
-    from pykeen_bess.evaluation.excluded import ExcludedPairs
+    from pykeen_bess.evaluation.excluded import ExcludedPairs, PairsByBlock
     from pykeen_bess.evaluation.sharded import ShardedScoring
 
     data = Nations()
@@ -183,6 +183,7 @@ def test_excluded_pairs_are_laid_out_in_block_order(num_shards: int):
     for number in range(pairs.rows.shape[0]):
         rows, positions, columns = pairs.rows[number], pairs.positions[number], pairs.columns[number]
         key = ExcludedPairs.block_key(positions, columns, num_columns)
+        by_block = PairsByBlock((rows, positions, columns), num_columns)
         assert torch.equal(key, key.sort().values)
         real = pairs.query[(pairs.query // batch_size) == number].shape[0]
         assert (positions[: positions.shape[0] - real] == -1).all()  # the padding comes first
@@ -193,10 +194,10 @@ def test_excluded_pairs_are_laid_out_in_block_order(num_shards: int):
             count = scoring.candidate_counts[position]
             for start in range(0, count, 4):
                 stop = min(start + 4, count)
-                first = position * (num_columns + 1)
-                low, high = torch.searchsorted(key, torch.tensor([first + start, first + stop])).tolist()
+                block_rows, block_positions, block_columns = by_block.of_block(position, start, stop - start)
                 inside = (positions == position) & (columns >= start) & (columns < stop)
-                assert inside[low:high].all() and int(inside.sum()) == high - low
+                assert (block_positions == position).all() and ((block_columns >= start) & (block_columns < stop)).all()
+                assert torch.equal(block_rows, rows[inside]) and torch.equal(block_columns, columns[inside])
     local = pairs.position >= 0
     flat = set(zip(pairs.query[local].tolist(), pairs.position[local].tolist(), pairs.column[local].tolist()))
     assert table == flat and len(flat) > 0

@@ -241,7 +241,8 @@ def test_one_lookup_of_all_roles_equals_a_lookup_per_role(dataset: Nations, mode
     """``RowLookup.roles`` returns what ``entities`` returns per role: rows, regularization, gradients."""
     from pykeen.regularizers import LpRegularizer
 
-    from pykeen_bess.schemes.lookup import Accumulator, RowLookup
+    from pykeen_bess.schemes.lookup import RowLookup
+    from pykeen_bess.schemes.regularization import Accumulator
 
     model, _, tables, _ = make_setup(dataset, model_name, 2)
     tables[0].regularizer = LpRegularizer(weight=0.5, p=2.0)  # the first table regularized, others not
@@ -318,3 +319,61 @@ def test_l2_regularization_equals_pykeens_per_group(dataset: Nations, model_name
         assert (a is None) == (b is None)  # DistMult regularizes its relations only
         if a is not None:
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("model_name", ["DistMult", "ComplEx"])
+@pytest.mark.parametrize("n_shard", [1, 3])
+def test_l2_terms_with_deferred_gradients_equal_autograds(dataset: Nations, model_name: str, n_shard: int) -> None:
+    """A static step's L2 terms on its leaves and on the relation table: each term's value without an autograd node,
+    its gradient added by the step (``RowTermGradient.add_to``), equal the terms differentiated by autograd (float64).
+    Blocks of 64 slots look up more relations than there are (the relation term is then the table's, per relation).
+    """
+    import dataclasses
+
+    from pykeen.regularizers import LpRegularizer
+
+    model, _, tables, batch = make_setup(dataset, model_name, n_shard, block_size=64)
+    for representation in (*tables, *model.relation_representations):  # every table regularized by L2
+        representation.regularizer = LpRegularizer(weight=0.25, p=2.0, normalize=model_name == "ComplEx")
+    step = resolve_scheme("embedding")(model, tables, get_scorer(model.interaction), LocalTopology(n_shard))
+    relation_weight = model.relation_representations[0]._embeddings.weight
+    results = []
+    for deferred in (False, True):
+        gathered = step.gather(batch)
+        if deferred:
+            gathered = dataclasses.replace(gathered, term_gradients=[])
+        scores = step.scores(batch, gathered)
+        total = scores.positive.sum() + (scores.negative * 0.5).sum() + scores.regularization.sum()
+        targets = [*gathered.leaves, relation_weight]
+        grads = list(torch.autograd.grad(total, targets))
+        for term_gradient in gathered.term_gradients or ():
+            index = next(i for i, target in enumerate(targets) if target is term_gradient.target)
+            grads[index] = term_gradient.add_to(grads[index])
+        assert scores.regularization.requires_grad != deferred
+        results.append((scores.regularization.detach(), grads, len(gathered.term_gradients or ())))
+    (term, grads, _), (deferred_term, deferred_grads, count) = results
+    assert count == len(tables) + 1  # every entity table and the relation table
+    assert float(term) > 0
+    torch.testing.assert_close(deferred_term, term, rtol=1e-12, atol=0)
+    for actual, expected in zip(deferred_grads, grads):
+        torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-15)
+
+
+def test_an_l2_term_is_deferred_only_for_rows_viewing_their_target_whole() -> None:
+    """Rows that are not the target's memory in its layout (normalized, a slice), or no list: autograd's path."""
+    from pykeen.regularizers import LpRegularizer
+
+    from pykeen_bess.schemes.regularization import Accumulator
+
+    regularizer = LpRegularizer(weight=1.0, p=2.0)
+    leaf = torch.randn(5, 8, dtype=torch.float64, requires_grad=True)
+    weights = torch.ones(5, dtype=torch.float64)
+    assert not Accumulator().add_l2(regularizer, leaf, weights, leaf)
+    for rows in (leaf * 2.0, leaf[:4], leaf.view(5, 4, 2)[..., 0]):
+        assert not Accumulator([]).add_l2(regularizer, rows, weights[: rows.shape[0]], leaf)
+    complex_rows = torch.view_as_complex(leaf.view(5, 4, 2))
+    accumulator = Accumulator([])
+    assert accumulator.add_l2(regularizer, complex_rows, weights, leaf)
+    (gradient,) = accumulator.gradients
+    assert gradient.target is leaf and gradient.values.shape == leaf.shape
+    torch.testing.assert_close(accumulator.value, leaf.detach().norm(dim=-1).sum().reshape(1))

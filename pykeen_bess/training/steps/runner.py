@@ -38,7 +38,7 @@ from ...distributed import Topology
 from ...nn.loss import block_loss
 from ...tables.optim import row_sparse_grad
 from ...schemes import ExchangeScheme
-from ...schemes.lookup import UNCACHED, DeviceCopies
+from ...schemes.copies import UNCACHED, DeviceCopies
 from ...tables.shard_tables import ShardTables
 
 __all__ = [

@@ -69,7 +69,8 @@ from pykeen.training.callbacks import TrainingCallback
 from ...data.batch import BessBatch, RowGather
 from ...data.sampling import BessSampler, EpochDraws
 from ...schemes import ExchangeScheme
-from ...schemes.lookup import CachedDeviceCopies
+from ...schemes.copies import CachedDeviceCopies
+from ...schemes.regularization import add_term_gradients
 from ...storage.staging import RowAccess, StagedRows, StagedTensor, TierRows
 from ...tables.optim import BessOptimizer
 from ..setup.sizes import resident_bytes
@@ -111,13 +112,12 @@ _STEP_HOOKS = ("pre_batch", "on_batch", "pre_step", "post_batch")
 
 def per_step_hooks(callbacks: Sequence[TrainingCallback]) -> list[str]:
     """Return the names of the callbacks that implement a per-step hook (they get every step's loss)."""
-    names = []
-    for callback in callbacks:
-        if isinstance(callback, BessOptimizerCallback):  # the eager step's optimizer step
-            continue
-        if any(getattr(type(callback), name) is not getattr(TrainingCallback, name) for name in _STEP_HOOKS):
-            names.append(type(callback).__name__)
-    return names
+    return [
+        type(callback).__name__
+        for callback in callbacks
+        if not isinstance(callback, BessOptimizerCallback)  # (the eager step's optimizer step)
+        and any(getattr(type(callback), name) is not getattr(TrainingCallback, name) for name in _STEP_HOOKS)
+    ]
 
 
 def static_step_obstacle(optimizer: torch.optim.Optimizer) -> str | None:
@@ -393,7 +393,6 @@ class StaticStep:
         """
         kind = self.plan.kinds[0] if kind is None else kind
         real = self.real[kind.index]
-        runner = self.runner
         with torch.enable_grad():
             batch = self.plan.batch(kind)
             looked_up = self._gather(batch)
@@ -405,9 +404,8 @@ class StaticStep:
             weight_step: Any = 0.0 if batch.weights is None else batch.weights.sum(dtype=torch.float64)
             total = torch.zeros((), dtype=torch.float64, device=self.device)
             grads: list[torch.Tensor | None] = [None] * len(inputs)
-            replicated = self.scheme.replicated_share
             for start, stop in self.sub_batches:
-                loss, own = runner.slots_loss(
+                loss, own = self.runner.slots_loss(
                     batch, gathered, start, stop, self.label_smoothing, weight_step, self.copies
                 )
                 if inputs and loss.requires_grad:
@@ -416,8 +414,9 @@ class StaticStep:
                         if grad is not None:
                             grads[index] = grad if so_far is None else so_far + grad
                 value, own = loss.detach().to(total), own.to(total)
-                total = total + (value - own) * replicated + own
-                runner.post_forward_pass()
+                total = total + (value - own) * self.scheme.replicated_share + own
+                self.runner.post_forward_pass()
+            add_term_gradients(gathered.term_gradients or (), inputs, grads)  # the L2 terms of the leaves
             if scored is not leaves:  # one table after the other (their backward passes may be collectives)
                 for index, (rows, leaf) in enumerate(zip(scored, leaves)):
                     passed = grads[index]
@@ -461,6 +460,7 @@ class StaticStep:
             first_real=0,
             first_slot=self.looked_up_slots[0],
             in_role_order=len(self.sub_batches) == 1,
+            term_gradients=[],
         )
 
     def _step_rows(self, batch: BessBatch) -> torch.Tensor:
