@@ -17,6 +17,7 @@ sorted by query and ``8 * Q`` bytes for the number of pairs per query.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import cast
 
 import torch
@@ -144,21 +145,36 @@ class ExcludedPairs:
 class PairsByBlock:
     """One batch's excluded pairs (a row of :class:`ExcludedPairs`' table), cut into the pairs of each block.
 
-    In the table's block order the pairs of a block are one range of the batch's pairs, found by one
-    ``searchsorted`` and one host read per block (for a block loop that reads sizes anyway).
+    In the table's block order the pairs of a block are one range of the batch's pairs: the ranges of
+    all blocks are found by one ``searchsorted`` and one host read per batch (for a block loop that
+    reads sizes anyway).
     """
 
-    def __init__(self, pairs: tuple[torch.Tensor, torch.Tensor, torch.Tensor], num_columns: int):
-        """Cut ``pairs`` (rows, positions, columns, each ``[P]``) of shards with at most ``num_columns`` candidates."""
-        self.pairs = pairs
-        self.num_columns = num_columns
-        self.key = ExcludedPairs.block_key(pairs[1], pairs[2], num_columns)
+    def __init__(
+        self, pairs: tuple[torch.Tensor, torch.Tensor, torch.Tensor], candidate_counts: Sequence[int], slice_size: int
+    ):
+        """Cut ``pairs`` (rows, positions, columns, each ``[P]``) into the blocks of ``slice_size`` columns.
 
-    def of_block(self, position: int, start: int, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Return the pairs of the block of shard position ``position`` and columns ``start:start + width`` (views)."""
-        first = position * (self.num_columns + 1) + start
-        bounds = torch.tensor([first, first + width], device=self.key.device)
-        low, high = torch.searchsorted(self.key, bounds).tolist()
+        :param pairs: a batch's excluded pairs, in block order
+        :param candidate_counts: the number of candidates of each local shard (by position)
+        :param slice_size: the columns of a block (the last block of a shard may have fewer)
+        """
+        self.pairs = pairs
+        num_columns = max(candidate_counts)
+        key = ExcludedPairs.block_key(pairs[1], pairs[2], num_columns)
+        blocks = [(p, start) for p, count in enumerate(candidate_counts) for start in range(0, count, slice_size)]
+        bounds = [
+            p * (num_columns + 1) + column
+            for p, start in blocks
+            for column in (start, min(start + slice_size, candidate_counts[p]))
+        ]
+        ends = torch.searchsorted(key, torch.tensor(bounds, dtype=key.dtype, device=key.device)).tolist()
+        #: per block (shard position, first column): the range of its pairs
+        self.ranges = {block: (ends[2 * i], ends[2 * i + 1]) for i, block in enumerate(blocks)}
+
+    def of_block(self, position: int, start: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Return the pairs of the block of shard position ``position`` starting at column ``start`` (views)."""
+        low, high = self.ranges[position, start]
         rows, positions, columns = self.pairs
         return rows[low:high], positions[low:high], columns[low:high]
 

@@ -271,13 +271,13 @@ def rank_batch(
     nonfinite = ~torch.isfinite(true_scores)
     out = None if buffer is None else buffer.of(true_scores)
     # where the host reads sizes anyway (collecting the band), each block gets only its own excluded pairs
-    by_block = None if band_pairs is None else PairsByBlock(pairs, max(scoring.candidate_counts))
+    by_block = None if band_pairs is None else PairsByBlock(pairs, scoring.candidate_counts, slice_size)
     blocks = 0
     for position in range(len(scoring.local_shards)):
         for start, ids, candidates in scoring.candidate_blocks(queries.side, position, slice_size, known.device):
             if max_blocks is not None and blocks >= max_blocks:
                 return counts, nonfinite, true_scores
-            block_pairs = pairs if by_block is None else by_block.of_block(position, start, ids.shape[0])
+            block_pairs = pairs if by_block is None else by_block.of_block(position, start)
             with contextlib.nullcontext() if threads is None else threads.unit():
                 nonfinite |= count_scored_block(
                     scoring,

@@ -183,7 +183,7 @@ def test_excluded_pairs_are_laid_out_in_block_order(num_shards: int):
     for number in range(pairs.rows.shape[0]):
         rows, positions, columns = pairs.rows[number], pairs.positions[number], pairs.columns[number]
         key = ExcludedPairs.block_key(positions, columns, num_columns)
-        by_block = PairsByBlock((rows, positions, columns), num_columns)
+        by_block = PairsByBlock((rows, positions, columns), scoring.candidate_counts, 4)
         assert torch.equal(key, key.sort().values)
         real = pairs.query[(pairs.query // batch_size) == number].shape[0]
         assert (positions[: positions.shape[0] - real] == -1).all()  # the padding comes first
@@ -194,7 +194,7 @@ def test_excluded_pairs_are_laid_out_in_block_order(num_shards: int):
             count = scoring.candidate_counts[position]
             for start in range(0, count, 4):
                 stop = min(start + 4, count)
-                block_rows, block_positions, block_columns = by_block.of_block(position, start, stop - start)
+                block_rows, block_positions, block_columns = by_block.of_block(position, start)
                 inside = (positions == position) & (columns >= start) & (columns < stop)
                 assert (block_positions == position).all() and ((block_columns >= start) & (block_columns < stop)).all()
                 assert torch.equal(block_rows, rows[inside]) and torch.equal(block_columns, columns[inside])
