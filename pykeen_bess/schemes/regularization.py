@@ -37,11 +37,9 @@ class RowTermGradient:
     coefficient: torch.Tensor
 
     def add_to(self, gradient: torch.Tensor | None) -> torch.Tensor:
-        """Return ``gradient + coefficient[:, None] * values`` in the target's shape (one fused ``addcmul``)."""
+        """Return ``gradient + coefficient[:, None] * values``, in the target's shape (one fused ``addcmul``)."""
         factor = self.coefficient.unsqueeze(-1)
-        if gradient is None:
-            return (self.values * factor).view_as(self.target)
-        return torch.addcmul(gradient.view_as(self.values), self.values, factor).view_as(self.target)
+        return self.values * factor if gradient is None else torch.addcmul(gradient, self.values, factor)
 
 
 class Accumulator:
