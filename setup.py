@@ -27,6 +27,7 @@ setup(
         "torch>=2.1,<3",
         "class-resolver>=0.4.2",
         "numpy>=1.23",
+        "scipy",
         "pandas",
         "tqdm",
         "torch-max-mem>=0.1.1",

@@ -14,6 +14,13 @@ by ``geometric_mean_rank``, ``z_geometric_mean_rank`` and ``adjusted_geometric_m
 the hits at ``k`` by three metrics each, the arithmetic mean rank by four, for each of the nine rank
 arrays (scipy's ``gmean`` and ``hmean`` cost a tenth of a millisecond each on a few thousand ranks).
 
+Most of such a call is scipy's argument handling (``_axis_nan_policy``: signatures, broadcasting, NaN
+checks), not the reduction: for PyKEEN's plain arguments (one non-empty, finite 1-D array of ranks)
+:class:`DirectStats` calls the reductions PyKEEN uses (``gmean``, ``hmean``,
+``median_abs_deviation``) without it, which computes the same values (the handling's result for
+such an array is the array itself), and scipy's public functions for anything else. Measured on a
+2-core CPU: a repeated ``finalize`` of 4,000 queries 5 ms instead of 11.
+
 :class:`CoefficientCache` keeps each metric's coefficients by a digest of the candidate counts and,
 while :meth:`CoefficientCache.applied` is active, serves them, and each base metric's value on one
 rank array, from what was computed before: the same function on the same input, so every metric is
@@ -29,9 +36,50 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+import pykeen.metrics.ranking
+import pykeen.metrics.utils
+import scipy.stats
 from pykeen.metrics.ranking import DerivedRankBasedMetric, RankBasedMetric
 
-__all__ = ["CoefficientCache", "SharedValues"]
+__all__ = ["CoefficientCache", "DirectStats", "SharedValues"]
+
+#: the modules of PyKEEN's metrics that call ``scipy.stats`` (as ``stats``)
+_METRIC_MODULES = (pykeen.metrics.ranking, pykeen.metrics.utils)
+
+
+class DirectStats:
+    """``scipy.stats`` whose ``gmean``, ``hmean`` and ``median_abs_deviation`` skip scipy's handling for plain arrays.
+
+    A plain array is a non-empty, finite 1-D numpy array of integers or floats (weights, where given, the
+    same); every other argument, and every other name, goes to ``scipy.stats`` itself.
+    """
+
+    _direct = ("gmean", "hmean", "median_abs_deviation")
+
+    def __getattr__(self, name: str) -> Any:
+        public = getattr(scipy.stats, name)
+        direct = getattr(public, "__wrapped__", None) if name in self._direct else None
+        if direct is None:
+            return public
+
+        def reduction(a: Any, *args: Any, **kwargs: Any) -> Any:
+            weights = kwargs.get("weights")
+            if not args and _plain(a) and (weights is None or (_plain(weights) and weights.shape == a.shape)):
+                return direct(a, **kwargs)
+            return public(a, *args, **kwargs)
+
+        return reduction
+
+
+def _plain(array: Any) -> bool:
+    """Whether ``array`` is a non-empty, finite 1-D numpy array of integers or floats (no subclass)."""
+    return (
+        type(array) is np.ndarray
+        and array.ndim == 1
+        and array.size > 0
+        and array.dtype.kind in "iuf"
+        and (array.dtype.kind != "f" or bool(np.isfinite(array).all()))
+    )
 
 
 class SharedValues:
@@ -113,7 +161,8 @@ class CoefficientCache:
 
         The evaluator's ``metrics`` are replaced while the block runs (PyKEEN's ``finalize`` reads them) by
         ones with the same keys and values that share the base values; its metric objects serve the kept
-        coefficients and their base metrics' shared values.
+        coefficients and their base metrics' shared values; PyKEEN's metric modules see :class:`DirectStats`
+        as ``stats``.
 
         :param evaluator: the evaluator (a ``RankBasedEvaluator``) whose ``finalize`` runs in the block
         """
@@ -126,9 +175,14 @@ class CoefficientCache:
             )
             vars(metric)["base"] = _Shared(metric.base, shared)
         evaluator.metrics = [_Shared(metric, shared) for metric in metrics]
+        modules = [module for module in _METRIC_MODULES if getattr(module, "stats", None) is scipy.stats]
+        for module in modules:
+            module.stats = DirectStats()  # type: ignore[attr-defined]
         try:
             yield
         finally:
+            for module in modules:
+                module.stats = scipy.stats  # type: ignore[attr-defined]
             evaluator.metrics = metrics
             for metric in derived:  # the class' method and the metric's own base again
                 del vars(metric)["get_coefficients"]

@@ -93,3 +93,60 @@ def test_a_base_metric_is_computed_once_per_rank_array(monkeypatch: pytest.Monke
     assert evaluator.metrics == metrics
     assert [getattr(metric, "base", None) for metric in evaluator.metrics] == bases
     assert all(type(base).__module__.startswith("pykeen.") for base in bases if base is not None)
+
+
+def test_direct_stats_equal_scipy_and_pass_other_arguments_on() -> None:
+    """The reductions without scipy's argument handling give scipy's values; other arguments go to scipy itself."""
+    import warnings
+
+    import pykeen.metrics.ranking
+    import scipy.stats
+
+    from pykeen_bess.evaluation.coefficients import DirectStats
+
+    direct, generator = DirectStats(), np.random.default_rng(0)
+    ranks = generator.integers(1, 1000, 777)
+    for array in (ranks, ranks.astype(float), ranks / 2):
+        for name in ("gmean", "hmean"):
+            assert getattr(direct, name)(array) == getattr(scipy.stats, name)(array)
+            weights = generator.random(array.shape)
+            assert getattr(direct, name)(array, weights=weights) == getattr(scipy.stats, name)(array, weights=weights)
+        mad = scipy.stats.median_abs_deviation(array, scale="normal")
+        assert direct.median_abs_deviation(array, scale="normal") == mad
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert math.isnan(direct.gmean(np.array([1.0, np.nan])))  # scipy's NaN policy
+        assert math.isnan(direct.gmean(np.array([])))  # scipy's empty sample
+        table = ranks.reshape(7, 111)
+        assert np.array_equal(direct.gmean(table, axis=1), scipy.stats.gmean(table, axis=1))
+    assert direct.rankdata is scipy.stats.rankdata  # every other name is scipy's own
+    evaluator = BessEvaluator()
+    fill(evaluator, seed=4)
+    evaluator.finalize()
+    assert pykeen.metrics.ranking.stats is scipy.stats  # PyKEEN's module sees scipy again after finalize
+
+
+def test_direct_stats_skip_scipys_handling_only_for_plain_arrays(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A finalize calls scipy's public ``gmean`` for no plain array of ranks; a non-finite array still goes there."""
+    import scipy.stats
+
+    from pykeen_bess.evaluation.coefficients import DirectStats
+
+    public, calls = scipy.stats.gmean, []
+
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(args)
+        return public(*args, **kwargs)
+
+    counted.__wrapped__ = public.__wrapped__  # type: ignore[attr-defined]
+    monkeypatch.setattr(scipy.stats, "gmean", counted)
+    reference, evaluator = RankBasedEvaluator(), BessEvaluator()
+    fill(reference, seed=5)
+    fill(evaluator, seed=5)
+    expected = reference.finalize().to_flat_dict()
+    pykeen_calls = len(calls)
+    assert pykeen_calls > 0
+    assert same(expected, evaluator.finalize().to_flat_dict())
+    assert len(calls) == pykeen_calls
+    DirectStats().gmean(np.array([1.0, np.inf]))
+    assert len(calls) == pykeen_calls + 1
