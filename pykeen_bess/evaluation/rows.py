@@ -58,6 +58,16 @@ class EntityRows(ABC):
             the representation's ``forward`` would return it in evaluation mode
         """
 
+    @abstractmethod
+    def rows_of(self, entities: torch.Tensor, position: torch.Tensor, local: torch.Tensor) -> list[torch.Tensor]:
+        """Return the representations of entities that are all held in local shards, in one read.
+
+        :param entities: shape: ``[B]``, their global ids
+        :param position: shape: ``[B]``, the position of each entity's shard in :attr:`local_shards` (none ``-1``)
+        :param local: shape: ``[B]``, each entity's local id in its shard
+        :returns: one tensor of shape ``[B, *shape]`` per entity representation, as :meth:`rows` returns them
+        """
+
 
 class ShardTableRows(EntityRows):
     """Rows read directly from a model's :class:`ShardedEmbedding` tables (no full-table copy).
@@ -79,10 +89,20 @@ class ShardTableRows(EntityRows):
 
     def rows(self, position: int, local: slice | torch.Tensor) -> list[torch.Tensor]:  # noqa: D102
         offset = position * self.sharding.shard_size
+        # a view of a parameter on the device, or rows read from host memory or files to the compute device
+        return self._read(
+            slice(offset + local.start, offset + local.stop) if isinstance(local, slice) else local + offset
+        )
+
+    def rows_of(  # noqa: D102
+        self, entities: torch.Tensor, position: torch.Tensor, local: torch.Tensor
+    ) -> list[torch.Tensor]:
+        return self._read(position * self.sharding.shard_size + local)  # the local shards lie one after another
+
+    def _read(self, flat: slice | torch.Tensor) -> list[torch.Tensor]:
+        """Return the rows at flat indices of the local shards' tables (normalized)."""
         result = []
         for table in self.tables:
-            # a view of a parameter on the device, or rows read from host memory or files to the compute device
-            flat = slice(offset + local.start, offset + local.stop) if isinstance(local, slice) else local + offset
             stored = table.storage.lookup_rows(table.weight.detach(), flat)
             x = table.view_rows(stored)
             if table.normalizer is not None:
@@ -126,6 +146,15 @@ class ForwardRows(EntityRows):
             ids = self.shard_entities(home)[shard, local]
         else:
             ids = self.shard_entities(local.device)[shard, local]
+        return self._forward(ids)
+
+    def rows_of(  # noqa: D102
+        self, entities: torch.Tensor, position: torch.Tensor, local: torch.Tensor
+    ) -> list[torch.Tensor]:
+        return self._forward(entities)  # every entity is addressable by its global id
+
+    def _forward(self, ids: torch.Tensor) -> list[torch.Tensor]:
+        """Return the representations of global ids (through each representation's ``forward``)."""
         result = []
         for representation in self.representations:
             device = module_device(representation)
@@ -150,7 +179,8 @@ def gather_entities(
     Each local shard reads the rows of all ``B`` entities (entity 0 of the shard standing in for
     those it does not own) and keeps those it owns (``torch.where``), so that the shapes do not
     depend on the ids and the host never waits for the device; the topology sums over
-    processes: every process obtains all rows while holding only its shards.
+    processes: every process obtains all rows while holding only its shards. A process that holds
+    every shard reads the ``B`` rows at once (:meth:`EntityRows.rows_of`).
 
     :param rows: the entity rows of the local shards
     :param tables: the id tables on the device of ``entities`` (which local shard and local id holds each entity)
@@ -159,8 +189,8 @@ def gather_entities(
     :returns: one tensor of shape ``[B, *shape]`` per entity representation
     """
     local = tables.entity_local[entities]
-    if len(rows.local_shards) == 1 and topology.holds_all_shards:
-        result = rows.rows(0, local)  # one shard holds every entity
+    if topology.holds_all_shards:  # every entity is in a local shard: one read (the sum below is a copy)
+        result = rows.rows_of(entities, tables.entity_position[entities], local)
     else:
         position = tables.entity_position[entities]
         parts: list[torch.Tensor] | None = None
