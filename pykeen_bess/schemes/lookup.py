@@ -17,7 +17,7 @@ from pykeen.models import ERModel
 
 from ..tables.representation import ShardedEmbedding
 from .copies import UNCACHED, DeviceCopies
-from .regularization import Accumulator, _l2_term, _plain_l2, _plain_l2_regularizer, regularize
+from .regularization import Accumulator, l2_term, is_plain_l2, is_plain_l2_regularizer, regularize
 
 __all__ = ["RowLookup", "slice_parts", "split_parts"]
 
@@ -41,13 +41,13 @@ class RowLookup:
 
     @property
     def weighs_on_the_device(self) -> bool:
-        """Whether every regularizer is PyKEEN's L2 norm of rows (:func:`_plain_l2`): its weights stay on the device.
+        """Whether every regularizer is PyKEEN's L2 norm of rows (:func:`is_plain_l2`): its weights stay on the device.
 
         Other regularizers group their rows by weight (:func:`regularize`), which reads the weights on the host.
         """
         regularizers = [table.regularizer for table in self.tables]
         regularizers += [representation.regularizer for representation in self.model.relation_representations]
-        return all(regularizer is None or _plain_l2_regularizer(regularizer) for regularizer in regularizers)
+        return all(regularizer is None or is_plain_l2_regularizer(regularizer) for regularizer in regularizers)
 
     @staticmethod
     def normalized_rows(table: ShardedEmbedding, leaf: torch.Tensor) -> torch.Tensor:
@@ -107,14 +107,14 @@ class RowLookup:
         for number, (table, rows, table_weights) in enumerate(zip(self.tables, normalized, weights)):
             # the weights of the looked-up rows the regularizer runs on per group (None: not regularized here)
             group_weights = table_weights if table.regularizer is not None else None
-            if group_weights is not None and _plain_l2(table.regularizer, rows):  # on the step's rows, each once
+            if group_weights is not None and is_plain_l2(table.regularizer, rows):  # on the step's rows, each once
                 # per row, the weights of its lookups (the dummy row of padding slots weighs 0)
                 row_weights = copies.weights(group_weights, rows)
                 if not identity:
                     row_weights = row_weights.new_zeros(rows.shape[0]).index_add_(0, flat_index, row_weights)
                 leaf = None if leaves is None else leaves[number]
                 if not regularization.add_l2(table.regularizer, rows, row_weights, leaf):
-                    rows, term = _l2_term(table.regularizer, rows, row_weights)  # the rows pass through the term
+                    rows, term = l2_term(table.regularizer, rows, row_weights)  # the rows pass through the term
                     regularization.add(term)
                 group_weights = None
             # index_select (not advanced indexing): its backward is a fast index_add; complex rows
@@ -206,7 +206,7 @@ class RowLookup:
                 x = representation.normalizer(x)
             rows = x.reshape(-1, *x.shape[indices.ndim :])
             if representation.regularizer is not None and weights is not None:
-                if not _plain_l2(representation.regularizer, rows):
+                if not is_plain_l2(representation.regularizer, rows):
                     regularize(representation.regularizer, x, weights, regularization, copies)
                 elif representation.max_id <= rows.shape[0]:  # fewer relations than lookups: per relation
                     table = representation._plain_forward(indices=None)
@@ -216,11 +216,11 @@ class RowLookup:
                     row_weights = row_weights.new_zeros(table.shape[0]).index_add_(0, indices.reshape(-1), row_weights)
                     weight = getattr(getattr(representation, "_embeddings", None), "weight", None)
                     if not regularization.add_l2(representation.regularizer, table, row_weights, weight):
-                        _, term = _l2_term(representation.regularizer, table, row_weights)
+                        _, term = l2_term(representation.regularizer, table, row_weights)
                         regularization.add(term)
                 else:
                     row_weights = copies.weights(weights, rows)
-                    _, term = _l2_term(representation.regularizer, rows, row_weights)
+                    _, term = l2_term(representation.regularizer, rows, row_weights)
                     regularization.add(term)
             if representation.dropout is not None:
                 x = representation.dropout(x)

@@ -2,8 +2,8 @@
 
 :class:`Accumulator` sums a step's weighted terms. :func:`regularize` runs any PyKEEN regularizer once
 per group of rows of one weight. PyKEEN's L2 regularizer (``LpRegularizer`` with ``p = 2``, ComplEx's and
-DistMult's default) takes a shorter path (:func:`_plain_l2`): its term is computed once per row on the
-real view, either through one autograd node that passes the rows through (:func:`_l2_term`), or, where
+DistMult's default) takes a shorter path (:func:`is_plain_l2`): its term is computed once per row on the
+real view, either through one autograd node that passes the rows through (:func:`l2_term`), or, where
 the rows are the step's own leaves (or a parameter viewed whole) and the caller differentiates them by
 itself (the static step), as a value whose gradient the step adds after the backward pass
 (:class:`RowTermGradient`, :func:`add_term_gradients`).
@@ -22,7 +22,15 @@ from torch.autograd.function import once_differentiable
 
 from .copies import UNCACHED, DeviceCopies
 
-__all__ = ["Accumulator", "RowTermGradient", "add_term_gradients", "regularize"]
+__all__ = [
+    "Accumulator",
+    "RowTermGradient",
+    "add_term_gradients",
+    "is_plain_l2",
+    "is_plain_l2_regularizer",
+    "l2_term",
+    "regularize",
+]
 
 
 @dataclasses.dataclass(eq=False)
@@ -109,8 +117,8 @@ def regularize(
         accumulator.add(regularizer.pop_regularization_term() * (rows.shape[0] * value))
 
 
-def _plain_l2(regularizer: Any, rows: torch.Tensor) -> bool:
-    """Whether the regularizer is PyKEEN's L2 norm of rows (ComplEx's and DistMult's default), for :func:`_l2_term`.
+def is_plain_l2(regularizer: Any, rows: torch.Tensor) -> bool:
+    """Whether the regularizer is PyKEEN's L2 norm of rows (ComplEx's and DistMult's default), for :func:`l2_term`.
 
     :func:`regularize` runs the regularizer once per group of rows with the same weight, on the looked-up
     rows: every group costs dozens of small operations, and ``torch`` computes the norm of complex rows
@@ -124,13 +132,13 @@ def _plain_l2(regularizer: Any, rows: torch.Tensor) -> bool:
     return (
         (rows.is_complex() or rows.is_floating_point())
         and rows.ndim == 2
-        and _plain_l2_regularizer(regularizer)
+        and is_plain_l2_regularizer(regularizer)
         and regularizer.training
         and torch.is_grad_enabled()
     )
 
 
-def _plain_l2_regularizer(regularizer: Any) -> bool:
+def is_plain_l2_regularizer(regularizer: Any) -> bool:
     """Whether a regularizer is :class:`~pykeen.regularizers.LpRegularizer`'s L2 norm of each row, weighed per step."""
     return (
         type(regularizer).forward is LpRegularizer.forward
@@ -167,8 +175,8 @@ def _norms_term(
     return (weight * (torch.dot(norm, w) * scale)).reshape(1), coefficient
 
 
-def _l2_term(regularizer: Any, rows: torch.Tensor, row_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return the rows and their regularization term ``weight * sum_rows row_weight * g(row)`` (:func:`_plain_l2`).
+def l2_term(regularizer: Any, rows: torch.Tensor, row_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return the rows and their regularization term ``weight * sum_rows row_weight * g(row)`` (:func:`is_plain_l2`).
 
     The rows are returned as they are, through the term's autograd node: where the caller goes on with them,
     their gradient and the term's are added in that node by one fused operation (instead of the autograd

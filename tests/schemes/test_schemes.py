@@ -304,7 +304,7 @@ def test_l2_regularization_equals_pykeens_per_group(dataset: Nations, model_name
         scheme = resolve_scheme("embedding")(model, tables, get_scorer(model.interaction), LocalTopology(n_shard))
         with pytest.MonkeyPatch.context() as patch:
             if not plain:
-                patch.setattr(lookup, "_plain_l2", lambda regularizer, rows: False)
+                patch.setattr(lookup, "is_plain_l2", lambda regularizer, rows: False)
             gathered = scheme.gather(batch)
             scores = scheme.scores(batch, gathered)
         parameters = [*gathered.leaves, *model.relation_representations.parameters()]
