@@ -386,18 +386,29 @@ def test_memory_search_halves_until_the_probe_fits(monkeypatch):
         if batch_size * slice_size > 1000:
             raise MemoryError("probe too large")
 
-    num_queries = 10_000
-    batch_size, slice_size = choose_block_sizes(scoring, num_queries, None, None, probe, torch.device("cpu"))
+    num_queries, cpu = 10_000, torch.device("cpu")
+    # a budget of CPU_PROBE_MARGIN default blocks or more: the default block, no probe
+    budget = evaluation.CPU_BLOCK_BYTES * evaluation.CPU_PROBE_MARGIN
+    batch_size, slice_size = choose_block_sizes(scoring, num_queries, None, None, probe, cpu, memory_budget=budget)
+    assert tried == [] and slice_size == data.num_entities
+    assert batch_size * slice_size * 8 == evaluation.CPU_BLOCK_BYTES  # the reference model scores in float64
+    # a budget below CPU_PROBE_MARGIN default blocks: the block is probed
+    choose_block_sizes(scoring, num_queries, None, None, probe, cpu, memory_budget=budget - 1)
+    assert tried == [(batch_size, slice_size)]
+    # with every block probed (the margin never holds)
+    tried.clear()
+    monkeypatch.setattr(evaluation, "CPU_PROBE_MARGIN", 2**62)
+    batch_size, slice_size = choose_block_sizes(scoring, num_queries, None, None, probe, cpu)
     assert slice_size == data.num_entities
     assert batch_size * slice_size <= 1000 < 2 * batch_size * slice_size
     assert tried[0][0] > batch_size and all(s == slice_size for _, s in tried)
     # a given batch size: the slice is searched
     tried.clear()
-    batch_size, slice_size = choose_block_sizes(scoring, num_queries, 50, None, probe, torch.device("cpu"))
+    batch_size, slice_size = choose_block_sizes(scoring, num_queries, 50, None, probe, cpu)
     assert batch_size == 50 and slice_size * 50 <= 1000 < slice_size * 100
     # nothing fits
     with pytest.raises(MemoryError):
-        choose_block_sizes(scoring, num_queries, 1, None, lambda b, s: probe(b, s * 2000), torch.device("cpu"))
+        choose_block_sizes(scoring, num_queries, 1, None, lambda b, s: probe(b, s * 2000), cpu)
 
 
 def test_automatic_sizes_equal_pykeen(monkeypatch):
