@@ -251,14 +251,16 @@ class ExchangeScheme(ABC):
         positive_scores: list[torch.Tensor | None] = []
         queries = []
         sides = self._side_slots(batch.num_head_corrupted, start, stop)
-        side_relations = split_parts(relations, [side_slots for _, side_slots in sides])
-        for (side, side_slots), side_relation in zip(sides, side_relations):
-            known, unknown = (tail_parts, head_parts) if side == "head" else (head_parts, tail_parts)
-            known_indices, unknown_indices = (
-                (self.tail_indices, self.head_indices) if side == "head" else (self.head_indices, self.tail_indices)
-            )
-            query = self.scorer.query(side, self.lookup.select(known, known_indices, side_slots), side_relation)
-            own = self.lookup.select(unknown, unknown_indices, side_slots)
+        # each role split once at the sides' boundary (the backward pass joins two gradients instead of
+        # zero-filling the whole role once per side)
+        ranges = [side_slots for _, side_slots in sides]
+        side_relations = split_parts(relations, ranges)
+        side_heads = split_parts(self.lookup.select(head_parts, self.head_indices), ranges)
+        side_tails = split_parts(self.lookup.select(tail_parts, self.tail_indices), ranges)
+        by_side = zip(sides, side_relations, side_heads, side_tails)
+        for (side, _), side_relation, side_head, side_tail in by_side:
+            known, own = (side_tail, side_head) if side == "head" else (side_head, side_tail)
+            query = self.scorer.query(side, known, side_relation)
             positive_scores.append(self.scorer.aligned_scores(side, query, own))
             queries.append(query)
         # the negatives' scores [L(i), n(j), b', K]: both sides' queries in one product where the candidates are
