@@ -234,7 +234,11 @@ def delta_pointwise_loss(
     ):
         return None
     margin = loss.margin
-    total = loss.margin_activation(margin - positive).sum() + loss.margin_activation(margin + negative).sum()
+    # a margin of 0 (softplus) adds nothing: the activation's arguments are the scores themselves (one
+    # full-size pass less, forward and backward; -0.0 and 0.0 activate alike)
+    shifted_positive = margin - positive if margin else -positive
+    shifted_negative = margin + negative if margin else negative
+    total = loss.margin_activation(shifted_positive).sum() + loss.margin_activation(shifted_negative).sum()
     return total / (positive.numel() + negative.numel()) if reduce and loss.reduction == "mean" else total
 
 
