@@ -14,12 +14,13 @@ from typing import Any
 
 import torch
 from pykeen.models import ERModel
+from pykeen.nn.representation import Embedding
 
 from ..tables.representation import ShardedEmbedding
 from .copies import UNCACHED, DeviceCopies
 from .regularization import Accumulator, l2_term, is_plain_l2, is_plain_l2_regularizer, regularize
 
-__all__ = ["RowLookup", "slice_parts", "split_parts"]
+__all__ = ["RowLookup", "plain_rows", "slice_parts", "split_parts"]
 
 
 class RowLookup:
@@ -199,9 +200,9 @@ class RowLookup:
         parts = []
         for representation in self.model.relation_representations:
             if per_shard and indices.shape[0] > 1:
-                x = torch.cat([representation._plain_forward(indices=part) for part in indices.split(1)])
+                x = torch.cat([plain_rows(representation, part) for part in indices.split(1)])
             else:
-                x = representation._plain_forward(indices=indices)
+                x = plain_rows(representation, indices)
             if representation.normalizer is not None:
                 x = representation.normalizer(x)
             rows = x.reshape(-1, *x.shape[indices.ndim :])
@@ -244,6 +245,22 @@ class RowLookup:
         """Pick the representation parts of a slot (head or tail), optionally slicing the slot axis."""
         chosen = [parts[i] if slots is None else parts[i][:, :, slots] for i in indices]
         return chosen[0] if len(chosen) == 1 else tuple(chosen)
+
+
+def plain_rows(representation: Any, indices: torch.Tensor) -> torch.Tensor:
+    """Return ``representation._plain_forward(indices=indices)`` (an embedding's module called directly).
+
+    For PyKEEN's :class:`~pykeen.nn.representation.Embedding` with the indices on its weight's device: the
+    same operators (the module's lookup, a view, the complex view), without PyKEEN's device resolution of
+    every call (``indices.to(self.device)`` walks the module's parameters): a few dozen microseconds a
+    lookup, several lookups a step.
+    """
+    if type(representation)._plain_forward is Embedding._plain_forward:
+        module = representation._embeddings
+        if indices.device == module.weight.device:
+            x = module(indices).view(*indices.shape, *representation._shape)
+            return torch.view_as_complex(x) if representation.is_complex else x
+    return representation._plain_forward(indices=indices)
 
 
 def slice_parts(x: Any, slots: slice) -> Any:
