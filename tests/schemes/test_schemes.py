@@ -286,6 +286,28 @@ def test_split_parts_splits_the_slot_axis() -> None:
     assert torch.equal(whole, x)
 
 
+def test_plain_rows_equal_pykeens_plain_forward(dataset: Nations) -> None:
+    """Relation rows of PyKEEN's embeddings (real, complex) equal ``_plain_forward``, gradients included; a
+    representation of another class is asked itself."""
+    from pykeen.nn.representation import LowRankRepresentation
+
+    from pykeen_bess.schemes.lookup import plain_rows
+
+    indices = torch.randint(0, dataset.training.num_relations, (2, 3, 4))
+    for model_cls in (DistMult, ComplEx):
+        model = model_cls(triples_factory=dataset.training, embedding_dim=4, random_seed=0)
+        representation = model.relation_representations[0]
+        weight = representation._embeddings.weight
+        rows, expected = plain_rows(representation, indices), representation._plain_forward(indices=indices)
+        assert rows.shape == expected.shape and rows.dtype == expected.dtype and torch.equal(rows, expected)
+        grad = torch.randn_like(rows)
+        (actual_grad,) = torch.autograd.grad(rows, weight, grad)
+        (expected_grad,) = torch.autograd.grad(expected, weight, grad)
+        assert torch.equal(actual_grad, expected_grad)
+    low_rank = LowRankRepresentation(max_id=dataset.training.num_relations, shape=(4,), num_bases=2)
+    torch.testing.assert_close(plain_rows(low_rank, indices), low_rank._plain_forward(indices=indices))
+
+
 @pytest.mark.parametrize("model_name", ["ComplEx", "DistMult"])
 @pytest.mark.parametrize("n_shard", [1, 3])
 @pytest.mark.parametrize("step", [0, -1])  # the last step has padding slots
