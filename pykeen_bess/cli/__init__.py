@@ -57,7 +57,7 @@ examples:
       --checkpoint-name wn18rr.pt --early-stopping --output out/
   python -m pykeen_bess train --config experiment.json --epochs 5
   torchrun --nproc-per-node 4 -m pykeen_bess train --dataset path/to/wn18rr --epochs 50
-  python -m pykeen_bess train --pbg pbg_data/ --num-shards 2 --typed-negatives --checkpoint-format pbg \
+  python -m pykeen_bess train --pbg pbg_data/ --num-shards 2 --typed-negatives --checkpoint-format pbg \\
       --checkpoint-directory pbg_ckpt --checkpoint-name bess.pt --export-pbg pbg_model/
 """
 
@@ -155,7 +155,11 @@ def build_parser() -> argparse.ArgumentParser:
     spread.add_argument(
         "--step-negatives", action="store_true", help="one set of negatives per step, shared by its blocks (default)"
     )
-    bess.add_argument("--negatives", type=int, help="negatives per positive, a multiple of --num-shards (default: 64)")
+    bess.add_argument(
+        "--negatives",
+        type=int,
+        help="negatives per positive, a multiple of --num-shards (default: 64, rounded up to one)",
+    )
     bess.add_argument(
         "--sharding",
         choices=["balanced", "random"],
@@ -215,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_threads,
         help="intra-op CPU threads of training steps and evaluation blocks: auto (default: measure 1 against all of "
         "the process's threads, again every 500 steps; robust to a busy neighbour process), a number, or keep "
-        "(torch's setting, the default of the Python API)",
+        "(torch's setting)",
     )
     training.add_argument(
         "--host-allocator",

@@ -23,7 +23,6 @@ DEFAULTS: dict[str, Any] = dict(
     model="DistMult",
     dim=64,
     corruption="ht",
-    negatives=64,
     batch_size=512,
     epochs=100,
     optimizer="adam",
