@@ -160,6 +160,7 @@ def test_dense_updates_allow_any_optimizer_and_the_model_is_saved(
         capsys, *FAST, "--optimizer", "rmsprop", "--dense-updates", "--output", str(tmp_path / "model")
     )
     assert code == 0, err
+    first = out
     assert 0 < json.loads(out)["both.realistic.inverse_harmonic_mean_rank"] <= 1
     assert (tmp_path / "model" / "trained_model.pkl").is_file()
     # metadata.json records what the run used
@@ -170,6 +171,10 @@ def test_dense_updates_allow_any_optimizer_and_the_model_is_saved(
     assert used["training_loop"] == "pykeen_bess.training.loop.BessTrainingLoop"
     assert used["training_kwargs"]["num_epochs"] == 2 and used["training_loop_kwargs"]["sparse_updates"] is False
     assert used["optimizer_kwargs"] == {"lr": 0.01} and used["random_seed"] == 42
+    # ... and runs again as a configuration (the loop by its qualified name)
+    code, out, err = run(capsys, "--config", str(tmp_path / "model" / "metadata.json"), "--quiet", "--json")
+    assert code == 0, err
+    assert json.loads(out) == json.loads(first)
 
 
 def test_checkpoints_early_stopping_and_evaluator_options(
@@ -323,6 +328,16 @@ def test_loss_weighter_flag(capsys: pytest.CaptureFixture) -> None:
     assert code == 2 and "nosuch" in err
 
 
+def test_default_negatives_fit_any_shard_count(capsys: pytest.CaptureFixture) -> None:
+    """Without --negatives the loop's default applies: 64 rounded up to a multiple of the shards (66 for 3)."""
+    kwargs = pipeline_kwargs(build_parser().parse_args(["train", "--num-shards", "3"]))
+    assert "num_negs_per_pos" not in kwargs.get("negative_sampler_kwargs", {})
+    code, out, err = run(capsys, "--num-shards", "3", "--dim", "8", "--epochs", "1", "--batch-size", "128", "--quiet",
+                         "--json")  # fmt: skip
+    assert code == 0, err
+    assert 0 < json.loads(out)["both.realistic.inverse_harmonic_mean_rank"] <= 1
+
+
 def test_negatives_flags(capsys: pytest.CaptureFixture) -> None:
     """--block-negatives draws per block, --step-negatives (the default) per step; with --typed-negatives typed."""
 
@@ -415,6 +430,42 @@ def test_pytorch_biggraph_import_train_and_export(capsys: pytest.CaptureFixture,
     capsys.readouterr()
     again = pbg.read_checkpoint(tmp_path / "again", graph)
     torch.testing.assert_close(again.entity_representations[0](None), model.entity_representations[0](None))
+
+
+def test_pytorch_biggraph_import_writes_the_config_of_its_partitions(
+    capsys: pytest.CaptureFixture, tmp_path: pathlib.Path
+) -> None:
+    """With a config, the partitions default to the config's, and config.json names the partitions written."""
+    from pykeen_bess import pbg
+
+    lines = [f"u{i}\tlikes\ti{(7 * i) % 30}" for i in range(40)] + [f"u{i}\tknows\tu{(i + 1) % 40}" for i in range(40)]
+    (tmp_path / "edges.tsv").write_text("\n".join(lines) + "\n")
+
+    def config(partitions: int, items: int | None = None) -> pathlib.Path:
+        path = tmp_path / f"config-{partitions}-{items}.json"
+        entities = {"user": {"num_partitions": partitions}, "item": {"num_partitions": items or partitions}}
+        relations = [
+            {"name": "likes", "lhs": "user", "rhs": "item", "operator": "none"},
+            {"name": "knows", "lhs": "user", "rhs": "user", "operator": "none"},
+        ]
+        paths = dict(entity_path="data", edge_paths=["data/edges"], checkpoint_path="model")
+        path.write_text(json.dumps(dict(entities=entities, relations=relations, dimension=8, **paths)))
+        return path
+
+    for name, flags, expected in (("config", [], 2), ("flag", ["--partitions", "3"], 3)):
+        data = tmp_path / name
+        assert main(["pbg", "import", str(tmp_path / "edges.tsv"), "--config", str(config(2)), "--output", str(data),
+                     *flags]) == 0  # fmt: skip
+        capsys.readouterr()
+        written = json.loads((data / "config.json").read_text())
+        assert {t: e["num_partitions"] for t, e in written["entities"].items()} == {"user": expected, "item": expected}
+        graph = pbg.read(data)  # every triple, read back through the written config
+        assert sum(map(sum, graph.schema.partition_sizes)) == 40 + 30
+        assert all(len(sizes) == expected for sizes in graph.schema.partition_sizes)
+        assert graph.splits["training"].num_triples == 80
+    code = main(["pbg", "import", str(tmp_path / "edges.tsv"), "--config", str(config(2, 1)), "--output",
+                 str(tmp_path / "mixed")])  # fmt: skip
+    assert code == 2 and "pass --partitions N" in capsys.readouterr().err
 
 
 def test_pytorch_biggraph_command_errors(capsys: pytest.CaptureFixture, tmp_path: pathlib.Path) -> None:

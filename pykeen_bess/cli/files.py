@@ -73,8 +73,12 @@ def load_config(path: pathlib.Path) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise UsageError(f"Configuration file {path} must hold an object of pipeline() arguments.")
     config = dict(config.get("pipeline", config))
+    from ..training import BessTrainingLoop
+
     loop = config.pop("training_loop", "bess")
-    if str(loop).lower() not in {"bess", "besstrainingloop"}:
+    # the loop's name, or its qualified name (as the metadata.json of an earlier run records it)
+    qualified = f"{BessTrainingLoop.__module__}.{BessTrainingLoop.__qualname__}"
+    if loop is not BessTrainingLoop and str(loop).lower() not in {"bess", "besstrainingloop", qualified.lower()}:
         raise UsageError(f"{path} asks for training_loop={loop!r}; this command trains with BESS only.")
     return config
 
