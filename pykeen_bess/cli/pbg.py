@@ -50,7 +50,7 @@ def add_pbg_command(commands: Any) -> None:
         "--config",
         type=pathlib.Path,
         help="a PyTorch-BigGraph config giving entity types and relation types (default: one entity type, dynamic "
-        "relations); the directory's config.json is this config with the directory's paths",
+        "relations); the directory's config.json is this config with the directory's paths and partitions",
     )
     importer.add_argument(
         "--model",
@@ -59,7 +59,12 @@ def add_pbg_command(commands: Any) -> None:
         "(DistMult, TransE, ComplEx, RotatE, RESCAL; default: DistMult)",
     )
     importer.add_argument("--dim", type=int, default=100, help="without --config: the embedding dimension (100)")
-    importer.add_argument("--partitions", type=int, default=1, help="partitions of every entity type (default: 1)")
+    importer.add_argument(
+        "--partitions",
+        type=int,
+        help="partitions of every entity type (default: the config's num_partitions, else 1); config.json gets the "
+        "partitions written",
+    )
     importer.add_argument("--seed", type=int, default=0, help="seed of the partitions (default: 0)")
     importer.add_argument("--columns", default="0,1,2", help="the head, relation and tail columns (default: 0,1,2)")
     importer.add_argument("--verbose", action="store_true", help="show log messages, and tracebacks of errors")
@@ -136,6 +141,30 @@ def pbg_model_settings(graph: Any, directory: pathlib.Path) -> dict[str, Any]:
     return dict(model=conversion.model, model_kwargs=conversion.model_kwargs(int(graph.config["dimension"])))
 
 
+def import_partitions(partitions: int | None, config: str | None) -> int:
+    """Return the partitions of every entity type ``pbg import`` writes: ``--partitions``, else the config's, else 1.
+
+    :raises UsageError: for a non-positive count, or a config whose types are partitioned differently (without
+        ``--partitions``: one count applies to every type)
+    """
+    from .files import UsageError
+    from ..pbg.config import load_config
+
+    if partitions is not None:
+        if partitions < 1:
+            raise UsageError(f"--partitions must be positive, not {partitions}.")
+        return partitions
+    if config is None:
+        return 1
+    counts = {name: int(entity.get("num_partitions", 1)) for name, entity in load_config(config)["entities"].items()}
+    if len(set(counts.values())) > 1:
+        raise UsageError(
+            f"The config {config} partitions its entity types differently ({counts}); pbg import splits every type "
+            "into the same number of partitions: pass --partitions N."
+        )
+    return next(iter(counts.values()), 1)
+
+
 def run_pbg(args: argparse.Namespace) -> str:
     """Run ``pbg import`` or ``pbg export``; return what to print."""
     from .files import UsageError
@@ -154,16 +183,17 @@ def run_pbg(args: argparse.Namespace) -> str:
             raise UsageError(f"--columns must be three integers such as 0,1,2, not {args.columns!r}.") from None
         if len(columns) != 3:
             raise UsageError(f"--columns must be three integers such as 0,1,2, not {args.columns!r}.")
-        if args.partitions < 1:
-            raise UsageError(f"--partitions must be positive, not {args.partitions}.")
-        graph = import_tsv(
-            *args.files, config=args.config, num_partitions=args.partitions, seed=args.seed, columns=columns
-        )
-        if graph.config is not None:  # the user's config, with the directory's paths
+        partitions = import_partitions(args.partitions, args.config)
+        graph = import_tsv(*args.files, config=args.config, num_partitions=partitions, seed=args.seed, columns=columns)
+        if graph.config is not None:  # the user's config, with the directory's paths and partitions
             written = write(graph, args.output)
             directory = args.output.resolve()
             config = dict(graph.config, entity_path=str(directory), checkpoint_path=str(directory / "checkpoints"))
             config["edge_paths"] = [str(path) for path in written.edge_paths.values()]
+            config["entities"] = {
+                name: dict(config["entities"][name], num_partitions=len(sizes))
+                for name, sizes in zip(graph.schema.entity_types, graph.schema.partition_sizes)
+            }
             write_config(config, directory)
         else:
             conversion = conversion_for_model_name(args.model)
