@@ -113,17 +113,27 @@ def write_with_digests(path: pathlib.Path, write: Callable[[], object]) -> None:
     add_record_digests(path)
 
 
+#: the first bytes of a zip archive (its first local file header), which ``torch.save`` writes
+_ZIP_START = b"PK\x03\x04"
+
+
 def verify_torch_file(path: pathlib.Path) -> None:
     """Check every record of a ``torch.save`` file against the CRC-32 written with it.
 
     A file written with torch's digests turned off (every record's CRC-32 zero) cannot be checked and
-    passes. A file that is not a zip archive (torch's legacy format, or a truncated file) is left to
-    ``torch.load``, which fails on a truncated one.
+    passes. A file that starts as a zip archive but is none (its directory at the end is missing: a
+    truncated copy), or is empty, is corrupted; any other file (torch's legacy format) is left to
+    ``torch.load``.
 
     :raises CorruptCheckpointError: naming the file and the first record that differs
     """
     path = pathlib.Path(path)
     if not zipfile.is_zipfile(path):
+        with path.open("rb") as file:
+            start = file.read(len(_ZIP_START))
+        if start == _ZIP_START or not start:
+            state = "empty" if not start else "truncated (a zip archive without its directory)"
+            raise CorruptCheckpointError(f"Checkpoint file {path} is {state}. {ADVICE}")
         return
     try:
         with zipfile.ZipFile(path) as archive:

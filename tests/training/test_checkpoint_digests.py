@@ -13,7 +13,7 @@ from pykeen.pipeline import pipeline
 from pykeen_bess import CorruptCheckpointError
 from pykeen_bess.distributed import LocalTopology
 from pykeen_bess.storage.digests import crc32_of_array, verify_array, verify_torch_file
-from pykeen_bess.training.checkpoints.files import read_pointer, save_distributed_checkpoint
+from pykeen_bess.training.checkpoints.files import load_verified, read_pointer, save_distributed_checkpoint
 
 
 def run(directory: pathlib.Path, epochs: int, storage: str = "device", **loop_kwargs):
@@ -65,6 +65,24 @@ def test_a_flipped_torch_record_is_found_and_named(tmp_path: pathlib.Path) -> No
     assert torch.load(file, weights_only=False)["epoch"] == 3  # torch.load does not notice
     with pytest.raises(CorruptCheckpointError, match=r"state\.pt is corrupted: its record '.*data/0'"):
         verify_torch_file(file)
+
+
+def test_a_truncated_or_empty_torch_file_is_refused_and_named(tmp_path: pathlib.Path) -> None:
+    """A copy cut short has lost the archive's directory (torch fails with an unnamed OSError): refused by name."""
+    file = tmp_path / "state.pt"
+    torch.save({"table": torch.randn(500, 8), "epoch": 3}, file)
+    data = file.read_bytes()
+    for size in (len(data) - 10, len(data) // 2, 1000, 0):
+        file.write_bytes(data[:size])
+        state = "empty" if size == 0 else "truncated"
+        with pytest.raises(CorruptCheckpointError, match=rf"state\.pt is {state}"):
+            verify_torch_file(file)
+        with pytest.raises(CorruptCheckpointError, match=rf"state\.pt is {state}"):
+            load_verified(file)
+    legacy = tmp_path / "legacy.pt"  # torch's legacy format is no zip archive: left to torch.load
+    torch.save({"epoch": 3}, legacy, _use_new_zipfile_serialization=False)
+    verify_torch_file(legacy)
+    assert load_verified(legacy)["epoch"] == 3
 
 
 def test_array_digests_see_a_single_changed_value() -> None:
