@@ -182,7 +182,7 @@ class BessTrainingLoop(LoopParts):
         :param checkpoint_format: ``"pykeen"`` (default: PyKEEN's checkpoint file, or versioned files per
             shard under a process group) or ``"pbg"`` (PyTorch-BigGraph's checkpoint layout in the
             checkpoint file's directory: shard ``k`` is partition ``k`` of every entity type; see
-            :class:`~pykeen_bess.training.checkpoints.stores.PbgCheckpointStore`)
+            :class:`~pykeen_bess.training.checkpoints.pbg.PbgCheckpointStore`)
         :param sharding: ``"balanced"`` (default: every shardpair holds about ``T / n ** 2`` triples, see
             :mod:`pykeen_bess.data.balancing`), ``"random"`` or a :class:`~pykeen_bess.data.sharding.ShardingStrategy`
             (typed graphs: by type); a checkpoint resumes only with the sharding it was written with
