@@ -347,7 +347,7 @@ def test_unsupported_loss_weights_are_refused_before_training(
 
 
 def test_partition_weights_refuses_bad_weights_and_stale_relation_ids(factory: CoreTriplesFactory) -> None:
-    """All-zero weights, and a weighter fitted without the inverse relations the loop trains with."""
+    """All-zero weights, and weighters fitted or given without the inverse relations the loop trains with."""
     triples = factory.mapped_triples
     sharding = EntitySharding.create(factory.num_entities, 2)
     partition = ShardPairPartition.from_triples(triples, sharding)
@@ -361,6 +361,11 @@ def test_partition_weights_refuses_bad_weights_and_stale_relation_ids(factory: C
     # unfitted: fitted on the partition's triples (all relation ids)
     weights = partition_weights(SubsamplingLossWeighter(), WeightedNSSALoss(), inverse_partition)
     assert weights is not None and weights.shape == (inverse.shape[0],) and bool((weights > 0).all())
+    # one relation weight per relation id of the trained triples (a raw IndexError before)
+    short = RelationLossWeighter(weights=torch.ones(factory.num_relations))
+    assert partition_weights(short, SoftplusLoss(), partition) is not None
+    with pytest.raises(ValueError, match=f"has {factory.num_relations} weights, but the loop trains with relation ids"):
+        partition_weights(short, SoftplusLoss(), inverse_partition)
 
 
 def test_a_step_whose_positives_weigh_nothing_has_loss_zero() -> None:

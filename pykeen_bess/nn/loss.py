@@ -272,6 +272,13 @@ def partition_weights(weighter: LossWeighter | None, loss: Loss, partition: Shar
             f"RelationLossWeighter works with any loss that takes weights)."
         )
     triples = partition.global_triples()
+    if isinstance(weighter, RelationLossWeighter) and triples.numel():
+        largest, given = int(triples[:, 1].max()), torch.as_tensor(weighter.weights).numel()
+        if given <= largest:
+            raise ValueError(
+                f"The RelationLossWeighter has {given} weights, but the loop trains with relation ids up to "
+                f"{largest} (inverse triples count too): give one weight per relation id."
+            )
     if isinstance(weighter, SubsamplingLossWeighter) and not weighter.fitted:
         weighter = copy.copy(weighter).fit(triples)
     elif isinstance(weighter, SubsamplingLossWeighter) and int(triples[:, 1].max()) >= weighter.num_relation_ids:

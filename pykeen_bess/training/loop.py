@@ -253,6 +253,11 @@ class BessTrainingLoop(LoopParts):
         #: how the C library's allocator serves the steps' CPU tensors
         self.host_allocator = resolve_allocator(host_allocator, self.device)
         self.static_step = check_static_step(static_step)  # None: automatically on CUDA
+        if self.static_step and self.overrides_process_batch:  # (train() would refuse it, see epoch_steps)
+            raise ValueError(
+                f"static_step=True: {type(self).__name__} overrides _process_batch, which only the eager step calls; "
+                f"pass static_step=False or None."
+            )
         #: the step runner of the current (or last) training
         self.runner: StepRunner | None = None
         #: the static step of the current (or last) training; None where the eager step trained

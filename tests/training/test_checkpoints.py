@@ -148,6 +148,30 @@ def test_a_mismatching_checkpoint_says_what_differs(tmp_path: pathlib.Path, chan
     assert "What differs: " in str(error.value)
 
 
+def test_a_checkpoint_of_another_loss_names_the_loss(tmp_path: pathlib.Path) -> None:
+    """The loss is in the checksum but not in the checkpoint: the error names it among what may differ."""
+    from pykeen.datasets import Nations
+    from pykeen.models import TransE
+    from pykeen.training.training_loop import CheckpointMismatchError
+
+    from pykeen_bess.training import BessTrainingLoop
+
+    factory = Nations().training
+
+    def train(num_epochs: int, loss: str) -> None:
+        model = TransE(triples_factory=factory, embedding_dim=8, random_seed=0, loss=loss)
+        loop = BessTrainingLoop(model=model, triples_factory=factory, num_shards=2, num_threads=1)
+        loop.train(
+            factory, num_epochs=num_epochs, batch_size=256, use_tqdm=False, checkpoint_name="run.pt",
+            checkpoint_directory=tmp_path, checkpoint_frequency=0,
+        )  # fmt: skip
+
+    train(1, "marginranking")
+    with pytest.raises(CheckpointMismatchError, match="the loss and its settings") as error:
+        train(2, "softplus")
+    assert "a checkpoint file records only a checksum of it" in str(error.value)
+
+
 @pytest.mark.parametrize("storage", ["device", "host"])
 def test_a_one_process_checkpoint_reshards_into_another_number_of_logical_shards(
     tmp_path: pathlib.Path, storage: str

@@ -78,9 +78,10 @@ def describe_mismatch(loop: CheckpointedLoop, state: Mapping[str, Any], triples_
         return "What differs: " + "; ".join(differences) + "."
     return (
         f"Its parameter shapes and optimizer settings match this run's; the check also includes the entity sharding "
-        f"(this run: {loop.sharding.fingerprint}; a checkpoint file does not record its own, and none of the "
-        f"shardings tried matched) and model settings outside the parameters (another model class with the same "
-        f"parameters, an interaction's norm, ...): resume with the model, optimizer, sharding and seed the "
+        f"(this run: {loop.sharding.fingerprint}; a checkpoint file records only a checksum of it, and none of the "
+        f"shardings tried matched) and model settings outside the parameters (the loss and its settings, another "
+        f"model class with the same parameters, an interaction's norm, ...): resume with the model, loss, "
+        f"optimizer, sharding and seed the "
         f"checkpoint was written with (e.g. training_loop_kwargs=dict(sharding='random') for checkpoints written "
         f"before 'balanced' became the default)."
     )
