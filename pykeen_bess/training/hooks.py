@@ -11,6 +11,7 @@ run, and the loss of given triples as PyKEEN's ``SLCWATrainingLoop`` computes it
 
 from __future__ import annotations
 
+import hashlib
 import pathlib
 from typing import Any
 
@@ -33,6 +34,7 @@ from ..data.batch import BessBatch
 from ..distributed import Topology
 from ..scoring import SharedCandidateScorer
 from ..data.sharding import EntitySharding
+from .checkpoints.checkpointed import optimizer_text
 from .checkpoints.stores import CheckpointStore
 from .setup.config import BessConfig
 from ..tables.memory_plan import MemoryPlan
@@ -108,6 +110,17 @@ class PyKEENHooks(SLCWATrainingLoop):
     ) -> None:
         """Write a checkpoint through the loop's checkpoint store (collective under a process group)."""
         self.checkpoints.save(pathlib.Path(path), stopper, best_epoch_model_checkpoint_file_path, triples_factory)
+
+    @property
+    def checksum(self) -> str:
+        """PyKEEN's checksum of the model and the optimizer, at the optimizer's initial learning rates.
+
+        A checkpoint written after a learning-rate scheduler changed the rate resumes (see
+        :func:`~pykeen_bess.training.checkpoints.checkpointed.optimizer_text`); PyKEEN's own loops refuse it.
+        """
+        digest = hashlib.md5(str(self.model).encode("utf-8"))
+        digest.update(optimizer_text(self.optimizer).encode("utf-8"))
+        return digest.hexdigest()
 
     def _load_state(self, path: str | pathlib.Path, triples_factory: CoreTriplesFactory | None = None) -> Any:
         """Load a checkpoint through the loop's checkpoint store; the shard tables then hold the weights."""

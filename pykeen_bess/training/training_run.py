@@ -241,7 +241,22 @@ def register_step_callbacks(
             pre_step.append(ValueClippingCallback(tables, clipping.max_abs_value))
         callback.register_callback(BessOptimizerCallback(runner, tables, pre_step, constrain_rows=not sparse_updates))
     if lr_scheduler is not None:
-        callback.register_callback(LearningRateSchedulerTrainingCallback())
+        callback.register_callback(BessLearningRateScheduling())
+
+
+class BessLearningRateScheduling(LearningRateSchedulerTrainingCallback):
+    """PyKEEN's learning-rate scheduler callback, after an epoch of BESS's steps.
+
+    The steps update the parameters through the loop's own rules, not through ``optimizer.step()``, whose
+    calls torch's schedulers count to warn that they run first (which would skip the schedule's first
+    rate): the optimizer is marked as stepped before the scheduler steps, as its own ``step`` would.
+    """
+
+    def post_epoch(self, epoch: int, epoch_loss: float, **kwargs: Any) -> None:
+        """Mark the optimizer as stepped (torch's ``_opt_called``), then step the scheduler as PyKEEN does."""
+        optimizer: Any = self.training_loop.optimizer
+        optimizer._opt_called = True
+        super().post_epoch(epoch=epoch, epoch_loss=epoch_loss, **kwargs)
 
 
 def log_plan(

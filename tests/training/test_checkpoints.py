@@ -148,6 +148,39 @@ def test_a_mismatching_checkpoint_says_what_differs(tmp_path: pathlib.Path, chan
     assert "What differs: " in str(error.value)
 
 
+@pytest.mark.filterwarnings("error:Detected call of `lr_scheduler.step()` before `optimizer.step()`")
+def test_a_checkpoint_written_after_a_scheduler_changed_the_rate_resumes(tmp_path: pathlib.Path) -> None:
+    """PyKEEN's checksum saw the scheduled learning rate (its own loops refuse such a checkpoint): resumed exactly.
+
+    torch's warning that the scheduler stepped before the optimizer (BESS's steps do not call ``optimizer.step()``)
+    is an error here: the loop marks the optimizer as stepped.
+    """
+    from pykeen.datasets import Nations
+    from pykeen.models import DistMult
+
+    from pykeen_bess.training import BessTrainingLoop
+
+    factory = Nations().training
+
+    def train(num_epochs: int, directory: pathlib.Path) -> tuple[list[float], torch.Tensor, float]:
+        model = DistMult(triples_factory=factory, embedding_dim=8, random_seed=0)
+        loop = BessTrainingLoop(
+            model=model, triples_factory=factory, num_shards=2, num_threads=1, optimizer="adam",
+            optimizer_kwargs=dict(lr=0.01), lr_scheduler="StepLR", lr_scheduler_kwargs=dict(step_size=1, gamma=0.5),
+        )  # fmt: skip
+        losses = loop.train(
+            factory, num_epochs=num_epochs, batch_size=256, use_tqdm=False, checkpoint_name="run.pt",
+            checkpoint_directory=directory, checkpoint_frequency=0,
+        )  # fmt: skip
+        return losses, model.entity_representations[0](indices=None).detach(), loop.optimizer.param_groups[0]["lr"]
+
+    train(2, tmp_path / "split")
+    resumed = train(4, tmp_path / "split")
+    whole = train(4, tmp_path / "whole")
+    assert resumed[0] == whole[0] and resumed[2] == whole[2] == 0.01 / 16
+    assert torch.equal(resumed[1], whole[1])
+
+
 def test_a_checkpoint_of_another_loss_names_the_loss(tmp_path: pathlib.Path) -> None:
     """The loss is in the checksum but not in the checkpoint: the error names it among what may differ."""
     from pykeen.datasets import Nations

@@ -20,7 +20,31 @@ from ...tables.shard_tables import ShardTables
 if TYPE_CHECKING:  # the configuration module resolves partitions, whose checkpoint stores see this protocol
     from ..setup.config import BessConfig
 
-__all__ = ["CheckpointedLoop"]
+__all__ = ["CheckpointedLoop", "optimizer_text"]
+
+
+def optimizer_text(optimizer: torch.optim.Optimizer | None) -> str:
+    """Return the optimizer's ``repr`` as PyKEEN's checkpoint checksum hashes it, at its initial learning rates.
+
+    PyKEEN hashes ``str(optimizer)``, which shows every group's current learning rate and, once a
+    learning-rate scheduler was made for it, the ``initial_lr`` it records: a checkpoint written after
+    a scheduler changed the rate never matched the fresh optimizer that resumes it. Here a group that
+    records ``initial_lr`` shows that rate as its ``lr`` and no ``initial_lr``; without a scheduler the
+    text is PyKEEN's own (earlier checkpoints keep their checksum).
+    """
+    if optimizer is None:
+        return str(optimizer)
+    groups = optimizer.param_groups
+    saved = [dict(group) for group in groups]
+    try:
+        for group in groups:
+            if "initial_lr" in group:
+                group["lr"] = group.pop("initial_lr")
+        return str(optimizer)
+    finally:
+        for group, before in zip(groups, saved):
+            group.clear()
+            group.update(before)
 
 
 class CheckpointedLoop(Protocol):

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ...data.sharding import EntitySharding, RandomSharding
-from .checkpointed import CheckpointedLoop
+from .checkpointed import CheckpointedLoop, optimizer_text
 
 __all__ = ["describe_mismatch"]
 
@@ -19,7 +19,14 @@ def _shapes(state_dict: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
 
 
 def _hyperparameters(optimizer_state: Mapping[str, Any]) -> list[dict[str, Any]]:
-    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer_state.get("param_groups", [])]
+    """Each group's settings, at its initial learning rate where a scheduler recorded one (see ``optimizer_text``)."""
+    groups = []
+    for group in optimizer_state.get("param_groups", []):
+        settings = {k: v for k, v in group.items() if k not in ("params", "initial_lr")}
+        if "initial_lr" in group:
+            settings["lr"] = group["initial_lr"]
+        groups.append(settings)
+    return groups
 
 
 def describe_mismatch(loop: CheckpointedLoop, state: Mapping[str, Any], triples_factory: Any = None) -> str:
@@ -100,7 +107,7 @@ def _find_sharding(loop: CheckpointedLoop, state: Mapping[str, Any]) -> tuple[st
 
     checksum = state.get("checksum")
     current = loop.sharding
-    model, optimizer = str(loop.model), str(loop.optimizer)
+    model, optimizer = str(loop.model), optimizer_text(loop.optimizer)
     if checksum is None or current.fingerprint not in model:
         return None
     num_entities = current.num_entities

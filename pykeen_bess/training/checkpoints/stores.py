@@ -40,7 +40,7 @@ from ...distributed import Topology
 from ...storage.digests import write_with_digests
 from ...tables.representation import ShardedEmbedding
 from .mismatch import describe_mismatch
-from .checkpointed import CheckpointedLoop
+from .checkpointed import CheckpointedLoop, optimizer_text
 from ...tables.column_tables import ColumnShardTables
 from .resharding import ShardFiles, reshard_rank_state, reshard_stored_tables
 from .files import (
@@ -83,7 +83,7 @@ def legacy_checksum(loop: CheckpointedLoop) -> str:
     for table in loop.tables:
         model = model.replace(f"ShardedEmbedding({table.sharding.fingerprint})", "ShardedEmbedding()")
     digest = hashlib.md5(model.encode("utf-8"))  # the digest PyKEEN checksums with
-    digest.update(str(loop.optimizer).encode("utf-8"))
+    digest.update(optimizer_text(loop.optimizer).encode("utf-8"))
     return digest.hexdigest()
 
 
@@ -132,7 +132,7 @@ def one_process_shards(store: CheckpointStore, path: pathlib.Path) -> int | None
     if rows is None:
         return None
     loop, sharding = store.loop, store.sharding
-    model, optimizer = str(loop.model), str(loop.optimizer).encode("utf-8")
+    model, optimizer = str(loop.model), optimizer_text(loop.optimizer).encode("utf-8")
     for k in range(1, rows + 1):
         if k * -(-sharding.num_entities // k) != rows:
             continue
