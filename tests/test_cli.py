@@ -465,7 +465,7 @@ def test_pytorch_biggraph_import_writes_the_config_of_its_partitions(
         assert graph.splits["training"].num_triples == 80
     code = main(["pbg", "import", str(tmp_path / "edges.tsv"), "--config", str(config(2, 1)), "--output",
                  str(tmp_path / "mixed")])  # fmt: skip
-    assert code == 2 and "pass --partitions N" in capsys.readouterr().err
+    assert code == 2 and "give num_partitions (--partitions)" in capsys.readouterr().err
 
 
 def test_pytorch_biggraph_command_errors(capsys: pytest.CaptureFixture, tmp_path: pathlib.Path) -> None:

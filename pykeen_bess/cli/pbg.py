@@ -141,30 +141,6 @@ def pbg_model_settings(graph: Any, directory: pathlib.Path) -> dict[str, Any]:
     return dict(model=conversion.model, model_kwargs=conversion.model_kwargs(int(graph.config["dimension"])))
 
 
-def import_partitions(partitions: int | None, config: str | None) -> int:
-    """Return the partitions of every entity type ``pbg import`` writes: ``--partitions``, else the config's, else 1.
-
-    :raises UsageError: for a non-positive count, or a config whose types are partitioned differently (without
-        ``--partitions``: one count applies to every type)
-    """
-    from .files import UsageError
-    from ..pbg.config import load_config
-
-    if partitions is not None:
-        if partitions < 1:
-            raise UsageError(f"--partitions must be positive, not {partitions}.")
-        return partitions
-    if config is None:
-        return 1
-    counts = {name: int(entity.get("num_partitions", 1)) for name, entity in load_config(config)["entities"].items()}
-    if len(set(counts.values())) > 1:
-        raise UsageError(
-            f"The config {config} partitions its entity types differently ({counts}); pbg import splits every type "
-            "into the same number of partitions: pass --partitions N."
-        )
-    return next(iter(counts.values()), 1)
-
-
 def run_pbg(args: argparse.Namespace) -> str:
     """Run ``pbg import`` or ``pbg export``; return what to print."""
     from .files import UsageError
@@ -183,8 +159,11 @@ def run_pbg(args: argparse.Namespace) -> str:
             raise UsageError(f"--columns must be three integers such as 0,1,2, not {args.columns!r}.") from None
         if len(columns) != 3:
             raise UsageError(f"--columns must be three integers such as 0,1,2, not {args.columns!r}.")
-        partitions = import_partitions(args.partitions, args.config)
-        graph = import_tsv(*args.files, config=args.config, num_partitions=partitions, seed=args.seed, columns=columns)
+        if args.partitions is not None and args.partitions < 1:
+            raise UsageError(f"--partitions must be positive, not {args.partitions}.")
+        graph = import_tsv(
+            *args.files, config=args.config, num_partitions=args.partitions, seed=args.seed, columns=columns
+        )
         if graph.config is not None:  # the user's config, with the directory's paths and partitions
             written = write(graph, args.output)
             directory = args.output.resolve()

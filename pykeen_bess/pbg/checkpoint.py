@@ -205,7 +205,7 @@ def write_checkpoint(
     conversion = conversion_for_model(model)
     if len(model.entity_representations) != 1 or len(model.relation_representations) != 1:
         raise ValueError("PyTorch-BigGraph checkpoints hold models with one entity and one relation representation.")
-    directory = pathlib.Path(directory)
+    directory = pathlib.Path(directory).resolve()  # the config's paths work from any working directory
     if version is None:
         version = int(getattr(training_loop, "_epoch", 0) or 0)
     main = writer_topology(model, training_loop, topology).is_main_process

@@ -93,11 +93,13 @@ def _snake(key: str) -> str:
     return re.sub(r"(?<!^)(?=[A-Z])", "_", key).lower()
 
 
-def normalize_config(config: Mapping[str, Any], source: str = "the config") -> dict[str, Any]:
+def normalize_config(config: Mapping[str, Any], source: str = "the config", paths: bool = True) -> dict[str, Any]:
     """Return the config with snake-case keys and PyTorch-BigGraph's defaults filled in.
 
     :param config: a PBG config dictionary (``ConfigSchema.to_dict()``, ``get_torchbiggraph_config()``)
     :param source: named in error messages
+    :param paths: whether the paths (``entity_path``, ``edge_paths``, ``checkpoint_path``) are required, as
+        PyTorch-BigGraph requires them; without, missing ones are empty (an import writes its own)
     :raises ValueError: for missing required keys, unknown operators or comparators, relations naming
         unknown entity types
     """
@@ -105,6 +107,8 @@ def normalize_config(config: Mapping[str, Any], source: str = "the config") -> d
     for old, new in LEGACY_KEYS.items():  # the pre-release layout's names
         if old in config and new not in config:
             config[new] = config.pop(old)
+    if not paths:
+        config = {"entity_path": "", "edge_paths": [], "checkpoint_path": "", **config}
     missing = [key for key in REQUIRED if key not in config]
     if missing:
         raise ValueError(f"{source} lacks the required PyTorch-BigGraph keys {missing}.")
@@ -159,17 +163,19 @@ def _normalize_relation(
     return relation
 
 
-def load_config(config: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]:
+def load_config(config: str | os.PathLike | Mapping[str, Any], paths: bool = True) -> dict[str, Any]:
     """Read a PyTorch-BigGraph config: a dict, a ``.json`` file, or a ``.py`` file with ``get_torchbiggraph_config()``.
 
     A Python config is imported as PBG imports it (its ``get_torchbiggraph_config()`` is called).
+
+    :param paths: whether its paths are required (see :func:`normalize_config`)
 
     :returns: the normalised config (:func:`normalize_config`)
     :raises FileNotFoundError: if the file does not exist
     :raises ValueError: for an unreadable or invalid config
     """
     if isinstance(config, Mapping):
-        return normalize_config(config)
+        return normalize_config(config, paths=paths)
     path = pathlib.Path(config)
     if not path.is_file():
         raise FileNotFoundError(f"PyTorch-BigGraph config {path} does not exist.")
@@ -186,14 +192,14 @@ def load_config(config: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]
         function = getattr(module, "get_torchbiggraph_config", None)
         if function is None:
             raise ValueError(f"{path} defines no get_torchbiggraph_config() (PyTorch-BigGraph's config function).")
-        return normalize_config(function(), source=str(path))
+        return normalize_config(function(), source=str(path), paths=paths)
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as error:
         raise ValueError(f"{path} is not valid JSON: {error}") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{path} must hold a JSON object (a PyTorch-BigGraph config).")
-    return normalize_config(raw, source=str(path))
+    return normalize_config(raw, source=str(path), paths=paths)
 
 
 def check_expressible(config: Mapping[str, Any], source: str = "the config") -> None:

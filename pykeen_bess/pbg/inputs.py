@@ -368,7 +368,12 @@ def graph_config(
     """Return a PyTorch-BigGraph config for a graph: its types and relations, paths, and ``settings``.
 
     ``settings`` holds at least ``dimension`` and the relations' ``operator`` (one for all) and may
-    override any other key (``comparator``, ``lr``, ``num_epochs``, ...). ``global_emb`` is off and
+    override any other key (``comparator``, ``lr``, ``num_epochs``, ...), except the graph's layout: its
+    entity types and their partitions, its relations' names and sides, and the paths given here or known
+    to the graph (a config's own ``entities`` and ``relations`` add their other settings, such as a
+    relation's operator; its paths apply only where neither gives one). A config naming other
+    partitions than the files hold would make PyTorch-BigGraph and :func:`read` see part of the graph.
+    ``global_emb`` is off and
     ``eval_fraction`` is 0 (PyTorch-BigGraph would otherwise add a vector per type, and hold 5% of the
     edges out of training); the edge paths default to the training split's files (the one PyTorch-BigGraph
     trains on, so that its checkpoint versions count epochs), if the graph knows them.
@@ -407,15 +412,21 @@ def graph_config(
     if entity_path is None and isinstance(graph, TypedGraph) and graph.entity_path is not None:
         entity_path = graph.entity_path
     config = dict(
-        entities=entities,
-        relations=relations,
         dynamic_relations=schema.dynamic_relations,
-        entity_path=str(entity_path) if entity_path is not None else "",
-        edge_paths=[str(path) for path in edge_paths],
+        entity_path=str(entity_path) if entity_path is not None else str(settings.get("entity_path", "")),
+        edge_paths=[str(path) for path in (edge_paths or settings.get("edge_paths") or [])],
         checkpoint_path=str(checkpoint_path),
         global_emb=False,
         eval_fraction=0.0,
         num_edge_chunks=1,
     )
-    config.update(settings)
+    layout = ("entities", "relations", "dynamic_relations", "entity_path", "edge_paths", "checkpoint_path")
+    config.update({key: value for key, value in settings.items() if key not in layout})
+    own_entities = dict(settings.get("entities") or {})
+    config["entities"] = {name: {**dict(own_entities.get(name) or {}), **entity} for name, entity in entities.items()}
+    own_relations = {relation.get("name"): relation for relation in settings.get("relations") or []}
+    config["relations"] = [
+        {**relation, **{k: v for k, v in own_relations.get(relation["name"], {}).items() if k not in ("lhs", "rhs")}}
+        for relation in relations
+    ]
     return config

@@ -117,7 +117,7 @@ def import_tsv(
     testing: str | os.PathLike | None = None,
     *,
     config: str | os.PathLike | Mapping[str, Any] | None = None,
-    num_partitions: int = 1,
+    num_partitions: int | None = None,
     seed: int = 0,
     columns: Sequence[int] = (0, 1, 2),
     delimiter: str = "\t",
@@ -129,14 +129,17 @@ def import_tsv(
     :param validation: the validation triples file
     :param testing: the testing triples file
     :param config: a PyTorch-BigGraph config giving the entity types and each relation's head / tail
-        types (default: one entity type, dynamic relations)
-    :param num_partitions: split every type into this many random partitions (seeded)
+        types (default: one entity type, dynamic relations); its paths are not needed (the graph gets
+        its own when written)
+    :param num_partitions: split every type into this many random partitions (seeded); default: the config's
+        ``num_partitions`` (one count for all its types), else 1
     :param seed: the seed of the partitions
     :param columns: the head, relation and tail columns (PyTorch-BigGraph's ``-l``, ``--rel-col``, ``-r``)
     :param delimiter: the column separator
     :param create_inverse_triples: PyKEEN's inverse triples
     :returns: the typed graph
-    :raises ValueError: for relations missing from a config, or malformed files (naming the file)
+    :raises ValueError: for relations missing from a config, malformed files (naming the file), a non-positive
+        ``num_partitions``, or none given with a config whose types are partitioned differently
     """
     import pyarrow as pa
 
@@ -146,9 +149,11 @@ def import_tsv(
         if path is not None
     }
     read = {name: read_label_columns(path, columns, delimiter) for name, path in paths.items()}
-    settings = load_config(config) if config is not None else None
+    settings = load_config(config, paths=False) if config is not None else None
+    source = str(config) if not isinstance(config, Mapping) else "the config"
+    num_partitions = _partitions(num_partitions, settings, source)
     if settings is not None:
-        check_expressible(settings, str(config) if not isinstance(config, Mapping) else "the config")
+        check_expressible(settings, source)
     types = list(settings["entities"]) if settings is not None else [DEFAULT_TYPE]
     dynamic = settings is None or bool(settings["dynamic_relations"])
     names = list(read)
@@ -223,3 +228,20 @@ def import_tsv(
     )
     logger.info("Imported %s from %s.", schema, ", ".join(str(p) for p in paths.values()))
     return graph.repartition(num_partitions, seed=seed) if num_partitions > 1 else graph
+
+
+def _partitions(num_partitions: int | None, settings: Mapping[str, Any] | None, source: str) -> int:
+    """Return the partitions of every type: ``num_partitions``, else the config's (one count for all types), else 1."""
+    if num_partitions is not None:
+        if num_partitions < 1:
+            raise ValueError(f"num_partitions must be positive, not {num_partitions}.")
+        return num_partitions
+    if settings is None:
+        return 1
+    counts = {name: int(entity["num_partitions"]) for name, entity in settings["entities"].items()}
+    if len(set(counts.values())) > 1:
+        raise ValueError(
+            f"{source} partitions its entity types differently ({counts}); an import splits every type into the "
+            f"same number of partitions: give num_partitions (--partitions)."
+        )
+    return next(iter(counts.values()), 1)

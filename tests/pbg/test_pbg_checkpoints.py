@@ -108,6 +108,21 @@ def test_files_of_a_checkpoint(tmp_path: pathlib.Path) -> None:
         pbg.write_checkpoint(model, graph, tmp_path, version=1)
 
 
+def test_a_checkpoint_config_names_absolute_paths(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Written to a relative directory, and given a config with its own paths: PBG's tools run from anywhere."""
+    graph = typed_graph(num_partitions=2)
+    model = DistMult(triples_factory=graph.training, embedding_dim=4, random_seed=0)
+    monkeypatch.chdir(tmp_path)
+    written = pbg.write_checkpoint(model, graph, "ckpt", version=1, config=dict(entity_path="x", checkpoint_path="y"))
+    assert written == tmp_path / "ckpt"
+    config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    assert config["checkpoint_path"] == str(tmp_path / "ckpt")
+    assert config["entity_path"] == str(tmp_path / "ckpt" / "entities")
+    assert {name: entity["num_partitions"] for name, entity in config["entities"].items()} == {
+        name: 2 for name in graph.schema.entity_types
+    }
+
+
 @pytest.mark.parametrize(
     ("model_factory", "message"),
     [

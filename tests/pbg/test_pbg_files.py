@@ -58,6 +58,33 @@ def test_write_then_read_gives_the_same_graph(tmp_path: pathlib.Path, source: st
     assert config["eval_fraction"] == 0.0
 
 
+def test_a_written_config_names_the_graphs_partitions_and_paths(tmp_path: pathlib.Path) -> None:
+    """A full PyTorch-BigGraph config (other partitions, relative paths) cannot hide part of the written graph."""
+    graph = typed_graph(2)
+    types = graph.schema.entity_types
+    config = {
+        "entities": {name: {"num_partitions": 1} for name in types},
+        "relations": [
+            {"name": name, "lhs": types[lhs], "rhs": types[rhs], "operator": "translation" if i == 0 else "diagonal"}
+            for i, (name, lhs, rhs) in enumerate(
+                zip(graph.schema.relation_names, graph.schema.relation_lhs, graph.schema.relation_rhs)
+            )
+        ],
+        "dimension": 8,
+        "entity_path": "elsewhere",
+        "edge_paths": ["elsewhere/training"],
+        "checkpoint_path": "model",
+    }
+    written = pbg.write(graph, tmp_path / "data", config=config)
+    again = pbg.read(tmp_path / "data")
+    assert_same_graph(graph, again)  # every partition and bucket: the config names the files' partitions
+    settings = load_config(tmp_path / "data" / "config.json")
+    assert {name: entity["num_partitions"] for name, entity in settings["entities"].items()} == dict.fromkeys(types, 2)
+    assert [relation["operator"] for relation in settings["relations"]][:2] == ["translation", "diagonal"]
+    assert settings["entity_path"] == str(tmp_path / "data")
+    assert settings["edge_paths"] == [str(path) for path in written.edge_paths.values()]
+
+
 def test_read_with_a_python_config_and_moved_files(tmp_path: pathlib.Path) -> None:
     """A PyTorch-BigGraph .py config with relative paths; the data directory moved elsewhere."""
     graph = typed_graph(2)
@@ -315,6 +342,18 @@ def test_typed_tsv_import_with_a_config(tmp_path: pathlib.Path) -> None:
     with open(path, "a") as file:
         file.write("u1\tsells\ti2\n")
     with pytest.raises(ValueError, match=r"edges.tsv: relations \['sells'\] are not in the config"):
+        pbg.import_tsv(path, config=config)
+    # a config without paths (an import writes its own); its partitions, unless num_partitions says otherwise
+    for key in ("entity_path", "edge_paths", "checkpoint_path"):
+        del config[key]
+    config["entities"] = {name: {"num_partitions": 2} for name in config["entities"]}
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join(lines[:-1]) + "\n")  # without the unknown relation again
+    for given, expected in ((None, 2), (3, 3)):
+        imported = pbg.import_tsv(path, config=config, num_partitions=given)
+        assert all(len(sizes) == expected for sizes in imported.schema.partition_sizes)
+    config["entities"][graph.schema.entity_types[0]]["num_partitions"] = 1
+    with pytest.raises(ValueError, match=r"partitions its entity types differently"):
         pbg.import_tsv(path, config=config)
 
 
