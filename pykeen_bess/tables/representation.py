@@ -37,6 +37,7 @@ from ..data.seeds import derive_seed
 from ..data.sharding import EntitySharding
 from ..storage import DeviceStorage, TableStorage
 from ..storage.state_dict import add_stored_table, load_stored_table
+from .other_loops import LOOP_RESETS, refuse_another_loop
 
 __all__ = [
     "ColumnPart",
@@ -105,6 +106,8 @@ class ShardedEmbedding(ColumnPart, Representation):
     stored_gradient: torch.Tensor | None = None
     #: a default: tables pickled earlier lack it
     state_by_value: bool = False
+    #: whether the table holds a BESS training's values (set by the loop; only its own fresh training resets them)
+    holds_training: bool = False
 
     def __init__(
         self,
@@ -292,6 +295,8 @@ class ShardedEmbedding(ColumnPart, Representation):
         A table in host memory or files whose full table would exceed :data:`FULL_DRAW_BYTES` is
         drawn chunk by chunk instead (:meth:`reset_in_chunks`), so memory never holds it whole.
         """
+        if self.holds_training and not LOOP_RESETS.get():
+            refuse_another_loop(self, "re-initialise (and so lose)")
         with torch.no_grad():
             if isinstance(self.initializer, PretrainedInitializer):
                 self.copy_from_tensor(self.initializer.tensor)

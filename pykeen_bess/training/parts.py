@@ -21,6 +21,7 @@ from pykeen.triples.weights import loss_weighter_resolver
 
 from ..distributed import Topology
 from ..tables.optim import BessOptimizer
+from ..tables.other_loops import resets_by_the_loop
 from ..data.partition import ShardPairPartition
 from ..data.sampling import BessSampler
 from ..schemes import ExchangeScheme
@@ -101,11 +102,14 @@ class LoopParts(PyKEENHooks):
 
         :raises ValueError: for ``continue_training`` of a loop that never trained
         """
+        for table in self.tables:  # only this loop's fresh training re-initialises them from now on
+            table.holds_training = True
         if continue_training:
-            if not self.optimizer.state and not self.resumed_from_pbg:
-                raise ValueError("Cannot continue_training without being trained once.")
+            if not self._epoch and not self.optimizer.state and not self.resumed_from_pbg:  # (an optimizer without
+                raise ValueError("Cannot continue_training without being trained once.")  # state counts epochs)
             return
-        self.model.reset_parameters_()
+        with resets_by_the_loop():
+            self.model.reset_parameters_()
         self.tables.constrain_all()  # the loop defers the tables' constraints; apply them once to all rows
         for parameter in self.tables.replicated_parameters():  # replicated: every process starts from rank 0's
             self.topology.broadcast_(parameter)

@@ -262,6 +262,26 @@ def test_continued_training_keeps_the_stored_tables(nations, tmp_path) -> None:
     assert losses["host"] == losses["device"]
 
 
+def test_another_loop_cannot_reset_or_train_a_stored_table(nations, tmp_path) -> None:
+    """PyKEEN's loop would re-initialise a table outside the model and never update it: refused, the rows kept."""
+    from pykeen.training import SLCWATrainingLoop
+
+    factory = factory_of(nations)
+    loop = make_loop(factory, "host", tmp_path)
+    train(loop, factory)
+    table = loop.tables[0]
+    before = table.weight.clone()
+    other = SLCWATrainingLoop(model=loop.model, triples_factory=factory, optimizer="adam")
+    with pytest.raises(RuntimeError, match=r"cannot re-initialise .* storage tier host, outside the model"):
+        other.train(factory, num_epochs=1, batch_size=72, use_tqdm=False)
+    with pytest.raises(ValueError, match="without being trained once"):  # PyKEEN's own refusal
+        other.train(factory, num_epochs=1, batch_size=72, use_tqdm=False, continue_training=True)
+    assert torch.equal(table.weight, before)
+    loop.model.score_hrt(factory.mapped_triples[:5])  # scoring reads the rows, in any mode
+    loop.train(factory, num_epochs=3, batch_size=72, use_tqdm=False, continue_training=True)  # BESS's loop continues
+    assert not torch.equal(loop.tables[0].weight, before)
+
+
 def train_with_checkpoints(loop: BessTrainingLoop, factory: CoreTriplesFactory, epochs: int, path: pathlib.Path):
     recorder = StepRecorder()
     loop.train(

@@ -639,6 +639,17 @@ def test_dataclasses_holding_tensors_compare_by_identity() -> None:
         assert (value == twin) is (value is twin)
 
 
+def test_continue_training_with_an_optimizer_without_state(small_factory: CoreTriplesFactory) -> None:
+    """Plain SGD (dense) keeps no state: a trained loop continues all the same (PyKEEN's refuses it)."""
+    loop = make_loop(small_factory, num_shards=2, num_threads=1, optimizer="sgd", sparse_updates=False)
+    first = loop.train(small_factory, num_epochs=1, batch_size=64, use_tqdm=False)
+    assert not loop.optimizer.state
+    assert loop.train(small_factory, num_epochs=2, batch_size=64, use_tqdm=False, continue_training=True)[0] == first[0]
+    fresh = make_loop(small_factory, num_shards=2, num_threads=1, optimizer="sgd", sparse_updates=False)
+    with pytest.raises(ValueError, match="without being trained once"):
+        fresh.train(small_factory, num_epochs=1, batch_size=64, use_tqdm=False, continue_training=True)
+
+
 def test_continue_training_after_the_optimizer_was_cleared(small_factory: CoreTriplesFactory) -> None:
     """pipeline() clears the optimizer by default: continuing says what to do instead of an AttributeError."""
     loop = make_loop(small_factory, num_shards=2, num_threads=1)
