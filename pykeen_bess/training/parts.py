@@ -11,6 +11,7 @@ must share (:meth:`~LoopParts.run_configuration`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 from typing import Any, cast
 
@@ -266,7 +267,11 @@ class LoopParts(PyKEENHooks):
         settings = dict(
             model=type(model).__name__,
             interaction=repr(model.interaction),
-            loss=repr(model.loss),
+            loss=module_settings(model.loss),
+            regularizers=[
+                (name, module_settings(module)) for name, module in model.named_modules() if "regularizer" in name
+            ],
+            entity_initializers=[callable_name(getattr(e, "initializer", None)) for e in self.tables.embeddings],
             loss_weighter=_name(self.loss_weighter),
             num_entities=model.num_entities,
             num_relations=model.num_relations,
@@ -278,7 +283,10 @@ class LoopParts(PyKEENHooks):
             replicated_parameters=dense,
             optimizer=self.optimizer_cls.__name__,
             optimizer_kwargs=sorted((k, repr(v)) for k, v in self.optimizer_kwargs.items()),
-            lr_scheduler=type(self.lr_scheduler).__name__ if self.lr_scheduler is not None else None,
+            lr_scheduler=None
+            if self.lr_scheduler is None
+            else (type(self.lr_scheduler).__name__, sorted(_get_lr_scheduler_kwargs(self.lr_scheduler).items())),
+            sharding=self.sharding.fingerprint,
             num_shards=topology.n_shard,
             replicas=topology.replicas,
             replica_grouping=getattr(getattr(topology, "layout", None), "grouping", "none"),
@@ -304,6 +312,32 @@ class LoopParts(PyKEENHooks):
             post_forward_pass=self.model.post_forward_pass,
             weighted=self.loss_weighter is not None,
         )
+
+
+def module_settings(module: torch.nn.Module) -> list[tuple[str, str]]:
+    """Return a module's class and settings as every process sees them alike (compared between ranks).
+
+    Its plain attributes (numbers, strings, flags: a loss's ``margin``, a regularizer's ``p``), its small
+    buffers' values (a regularizer's ``weight``) and its children's settings; ``repr`` alone misses
+    most of them (``MarginRankingLoss()`` whatever its margin).
+    """
+    items = [("class", type(module).__name__)]
+    for name, value in sorted(vars(module).items()):
+        if not name.startswith("_") and name != "training" and isinstance(value, bool | int | float | str):
+            items.append((name, repr(value)))
+    items += [(name, repr(b.tolist())) for name, b in module.named_buffers(recurse=False) if b.numel() <= 16]
+    items += [(name, repr(module_settings(child))) for name, child in module.named_children()]
+    return items
+
+
+def callable_name(function: Any) -> str | None:
+    """Return a function's (a ``functools.partial``'s, a callable object's) name and arguments, not its address."""
+    if function is None or isinstance(function, str):
+        return function
+    if isinstance(function, functools.partial):
+        return f"{callable_name(function.func)}(*{function.args!r}, **{sorted(function.keywords.items())!r})"
+    name = getattr(function, "__qualname__", None) or type(function).__qualname__
+    return f"{getattr(function, '__module__', None) or type(function).__module__}.{name}"
 
 
 def _name(hint: Any) -> str | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+from typing import Any
 
 import pytest
 import torch
@@ -637,6 +638,31 @@ def test_dataclasses_holding_tensors_compare_by_identity() -> None:
     ):
         assert value == value
         assert (value == twin) is (value is twin)
+
+
+def test_the_compared_configuration_sees_settings_a_repr_hides(small_factory: CoreTriplesFactory) -> None:
+    """Ranks compare their configurations: a loss's margin, a regularizer's weight, a scheduler's settings, the
+    entity initializer and the sharding strategy each make a difference (each trained a mixture silently)."""
+
+    def configuration(**changes: Any) -> dict[str, str]:
+        model_kwargs = dict(embedding_dim=8, loss="marginranking", loss_kwargs=dict(margin=1.0))
+        model_kwargs.update(changes.pop("model", {}))
+        model = DistMult(triples_factory=small_factory, random_seed=0, **model_kwargs)
+        loop_kwargs = dict(num_shards=2, lr_scheduler="ExponentialLR", lr_scheduler_kwargs=dict(gamma=0.9))
+        loop = BessTrainingLoop(model=model, triples_factory=small_factory, **{**loop_kwargs, **changes})
+        return loop.run_configuration(small_factory)
+
+    base = configuration()
+    assert configuration() == base  # the same in every process: no addresses
+    for expected, changes in {
+        "loss": dict(model=dict(loss_kwargs=dict(margin=2.0))),
+        "regularizers": dict(model=dict(regularizer_kwargs=dict(weight=0.5))),
+        "lr_scheduler": dict(lr_scheduler_kwargs=dict(gamma=0.5)),
+        "entity_initializers": dict(model=dict(entity_initializer="normal_")),
+        "sharding": dict(sharding="random"),
+    }.items():
+        other = configuration(**changes)
+        assert [key for key in base if other.get(key) != base[key]] == [expected], expected
 
 
 def test_continue_training_with_an_optimizer_without_state(small_factory: CoreTriplesFactory) -> None:

@@ -329,7 +329,8 @@ def verify_same_configuration(topology: Topology, config: Mapping[str, str]) -> 
     if not lines:
         return
     hint = ""
-    if any(f"  {key}:" in lines for key in ("batch_size", "num_epochs", "num_negs_per_pos")):
+    tuned = ("batch_size", "num_epochs", "num_negs_per_pos", "loss", "regularizers", "optimizer_kwargs", "lr_scheduler")
+    if any(f"  {key}:" in lines for key in tuned):
         hint = (
             "\nUnder hpo_pipeline every rank must draw the same trials: give all ranks the same sampler seed, "
             "e.g. hpo_pipeline(..., sampler='random', sampler_kwargs=dict(seed=0))."
