@@ -155,6 +155,7 @@ def pykeen_callbacks(
     if result_tracker is not None and topology.is_main_process:
         callback.register_callback(TrackerTrainingCallback())
     if stopper is not None:
+        own_best_model_path(stopper, topology)
         callback.register_callback(
             RowShardStopperCallback(  # 9.
                 stopper,
@@ -164,6 +165,22 @@ def pykeen_callbacks(
             )
         )
     return callback
+
+
+def own_best_model_path(stopper: Stopper, topology: Topology) -> None:
+    """Give every rank its own file for the early stopper's best weights (``NAME.rankR-of-W.pt``).
+
+    Each rank saves its own shards' rows there and loads them back when the stopper stops; a path the
+    user gave is one file for all ranks otherwise, whose last writer's shards every rank would load (or
+    the first rank to finish would delete before the others read it).
+    """
+    path = getattr(stopper, "best_model_path", None)
+    if path is None or not topology.is_distributed:
+        return
+    own = f".rank{topology.rank}-of-{topology.world_size}"
+    path = pathlib.Path(path)
+    if not path.stem.endswith(own):
+        stopper.best_model_path = path.with_name(f"{path.stem}{own}{path.suffix}")  # type: ignore[attr-defined]
 
 
 class RowShardStopperCallback(StopperTrainingCallback):

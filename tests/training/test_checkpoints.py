@@ -245,3 +245,31 @@ def test_a_one_process_checkpoint_reshards_into_another_number_of_logical_shards
     actual_rows, actual_moments = rows(resumed)
     torch.testing.assert_close(actual_rows, expected_rows, rtol=0, atol=0)
     torch.testing.assert_close(actual_moments, expected_moments, rtol=0, atol=0)
+
+
+def test_every_rank_keeps_its_own_best_weights_file(tmp_path: pathlib.Path) -> None:
+    """Under a process group each rank saves its own shards' best weights: one given path becomes one per rank."""
+    import dataclasses
+
+    from pykeen_bess.training.training_run import own_best_model_path
+
+    @dataclasses.dataclass
+    class Ranks:
+        rank: int
+        world_size: int = 2
+        is_distributed: bool = True
+
+    @dataclasses.dataclass
+    class Stopper:
+        best_model_path: pathlib.Path | None
+
+    paths = []
+    for rank in range(2):
+        stopper = Stopper(tmp_path / "best.pt")
+        own_best_model_path(stopper, Ranks(rank))  # type: ignore[arg-type]
+        own_best_model_path(stopper, Ranks(rank))  # type: ignore[arg-type]  # (once)
+        paths.append(stopper.best_model_path)
+    assert paths == [tmp_path / "best.rank0-of-2.pt", tmp_path / "best.rank1-of-2.pt"]
+    one = Stopper(tmp_path / "best.pt")
+    own_best_model_path(one, Ranks(0, world_size=1, is_distributed=False))  # type: ignore[arg-type]
+    assert one.best_model_path == tmp_path / "best.pt"
