@@ -24,7 +24,7 @@ result = pipeline(
     negative_sampler_kwargs=dict(num_negs_per_pos=64),
     training_kwargs=dict(num_epochs=100, batch_size=512),
     evaluator="bess",  # counts are all-reduced: every rank gets the same metrics
-    random_seed=42,  # every rank must use the same seed (checked at the start of training)
+    random_seed=42,  # the seed of the run (without an explicit loop seed, every rank uses rank 0's)
 )
 
 # collective: gathers the entity shards on rank 0, which writes an ordinary PyKEEN model
