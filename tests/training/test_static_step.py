@@ -26,7 +26,6 @@ from pykeen.triples import CoreTriplesFactory
 
 from pykeen_bess.training import BessTrainingLoop
 from pykeen_bess.training.steps.static_step import StaticStep
-from pykeen_bess.training.steps.host_rows import distinct_rows
 from pykeen_bess.training.steps.static_rules import occurrence_groups
 from pykeen_bess.training.steps.static_update import Clipping, StaticUpdate
 
@@ -264,24 +263,6 @@ def test_occurrence_groups_number_the_distinct_rows() -> None:
     group, first = occurrence_groups(rows)
     assert group.tolist() == [2, 1, 2, 0, 1, 1, 3]
     assert first.tolist() == [True, True, False, True, False, False, True]
-
-
-@pytest.mark.parametrize("high", [1, 9, 100_000, 1 << 58, -1000], ids=["one", "few", "many", "wide", "negative"])
-def test_distinct_rows_are_torchs_unique_with_first_occurrences(high: int) -> None:
-    """The CPU's sort of (row, position) keys; rows beyond its bits (and negative ones) through torch's unique."""
-    generator = torch.Generator().manual_seed(0)
-    for size in (1, 2, 7, 2152):
-        rows = torch.randint(0, abs(high), (size,), generator=generator) * (1 if high > 0 else -1)
-        distinct, group, first = distinct_rows(rows)
-        expected_distinct, expected_group = torch.unique(rows, return_inverse=True)
-        assert torch.equal(distinct, expected_distinct) and torch.equal(group, expected_group)
-        positions = torch.arange(size)
-        assert torch.equal(first, torch.full_like(distinct, size).scatter_reduce_(0, group, positions, reduce="amin"))
-    assert [t.tolist() for t in distinct_rows(torch.tensor([7, 3, 7, 0, 3, 3, 9]))] == [
-        [0, 3, 7, 9],
-        [2, 1, 2, 0, 1, 1, 3],
-        [3, 1, 0, 6],
-    ]
 
 
 def test_static_step_resumes_from_a_checkpoint_identically(factory: CoreTriplesFactory, tmp_path: pathlib.Path) -> None:

@@ -3,9 +3,8 @@
 On the CPU reading a value costs no synchronisation, so :class:`~pykeen_bess.training.steps.static_update.StaticUpdate`
 hands the rows to :class:`HostRows` there (:attr:`~pykeen_bess.training.steps.static_update.StaticUpdate.host_rules`):
 
-* **sums**: one sort numbers the step's distinct rows (:func:`distinct_rows`); every table's occurrence
-  gradients ``[N, W]`` are summed into ``[U, W]``, and each row's value is taken from its first occurrence
-  among the values the step looked up (contiguous, not read from the table again);
+* **sums**: ``torch.unique`` numbers the step's distinct rows; every table's occurrence gradients
+  ``[N, W]`` are summed into ``[U, W]`` and the rows' values read once each;
 * **updates**: the eager step's in-place rules (:meth:`~pykeen_bess.tables.row_rules.RowRule.update_`: lazy Adam
   in PyTorch's fused kernel, one pass, where the device-tensor rule takes about ten and its gate three
   more) on those rows; a step with a non-finite loss writes nothing, and rows only padding slots looked
@@ -21,7 +20,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from ...tables.optim import BessOptimizer
@@ -29,39 +27,7 @@ from ...tables.representation import ShardedEmbedding
 from ...tables.row_rules import RULES, state_shapes
 from .static_rules import StepRows
 
-__all__ = ["HostRows", "distinct_rows"]
-
-
-def distinct_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Return the sorted distinct rows ``[U]``, every occurrence's number among them ``[N]``, their first occurrences.
-
-    ``torch.unique(rows, return_inverse=True)`` and the first occurrences, from one sort of ``row * 2^b +
-    position`` keys (numpy's sort of integers; ``b`` bits hold a position): about half the time of torch's
-    ``unique`` for a step's few thousand rows, which sorts values and positions apart. Rows outside
-    ``[0, 2^(63 - b))`` take torch's ``unique`` and a scatter for the first occurrences instead.
-
-    :param rows: shape: ``[N]``, int64 on the CPU, rows with repetitions
-    """
-    n = rows.numel()
-    bits = max(1, (n - 1).bit_length())
-    if n == 0 or int(rows.min()) < 0 or int(rows.max()) >= 1 << (63 - bits):
-        distinct, group = torch.unique(rows, return_inverse=True)
-        positions = torch.arange(n, dtype=torch.long)
-        first = torch.full_like(distinct, n).scatter_reduce_(0, group, positions, reduce="amin")
-        return distinct, group, first
-    keys = np.left_shift(rows.numpy(), bits)
-    keys |= np.arange(n, dtype=np.int64)
-    keys.sort()
-    ordered = keys >> bits
-    starts = np.empty(n, dtype=bool)
-    starts[0] = True
-    np.not_equal(ordered[1:], ordered[:-1], out=starts[1:])
-    numbers = np.cumsum(starts)
-    numbers -= 1
-    positions = keys & ((1 << bits) - 1)
-    group = np.empty(n, dtype=np.int64)
-    group[positions] = numbers
-    return torch.from_numpy(ordered[starts]), torch.from_numpy(group), torch.from_numpy(positions[starts])
+__all__ = ["HostRows"]
 
 
 class HostRows:
@@ -77,23 +43,15 @@ class HostRows:
         self.trainable = list(trainable)
         self._buffers: dict[tuple, torch.Tensor] = {}
 
-    def sums(
-        self,
-        rows: torch.Tensor,
-        values: Sequence[torch.Tensor],
-        grads: Sequence[torch.Tensor | None],
-        real: torch.Tensor | None,
-    ) -> StepRows:
-        """Sum every table's occurrence gradients per distinct row; take the rows' values from their first occurrences.
+    def sums(self, rows: torch.Tensor, grads: Sequence[torch.Tensor | None], real: torch.Tensor | None) -> StepRows:
+        """Sum every table's occurrence gradients per distinct row; read the rows' values.
 
         :param rows: shape: ``[N]``, the flat local row of every occurrence
-        :param values: per trainable table, shape: ``[N, W]``, the occurrences' values as the step looked them up
-            (the tables are unchanged until the update: a distinct row's value is any of its occurrences')
         :param grads: per trainable table, shape: ``[N, W]`` (None: no gradient)
         :param real: shape: ``[N]``, whether an occurrence belongs to a real slot or negative (None: all do)
         :returns: the distinct rows ``[U]`` (each its own first occurrence), their values and summed gradients
         """
-        distinct, group, first = distinct_rows(rows)
+        distinct, group = torch.unique(rows, return_inverse=True)
         count, most = distinct.numel(), rows.numel()
         if real is not None:  # a row is updated if any occurrence is real
             real = torch.zeros_like(distinct).index_add_(0, group, real.long()) > 0
@@ -102,8 +60,8 @@ class HostRows:
             for i, grad in enumerate(grads)
         ]
         old = [  # (the row rules' input; the user's optimizer updates tables in the dense groups whole)
-            torch.index_select(occurrences, 0, first, out=self._buffer(("old", i), occurrences, count, most))
-            for i, occurrences in enumerate(values)
+            table.storage.read(table.weight, distinct, out=self._buffer(("old", i), table.weight, count, most))
+            for i, table in enumerate(self.trainable)
             if self.optimizer.sparse_groups
         ]
         first = torch.ones_like(distinct, dtype=torch.bool)
