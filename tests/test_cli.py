@@ -153,6 +153,31 @@ def test_bad_json_options_are_usage_errors(capsys: pytest.CaptureFixture) -> Non
     assert "not valid JSON" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("bad", "problem"),
+    [
+        ("\tr\tb", "the head label '' is empty"),
+        ("a\tr \tb", "the relation label 'r ' has spaces around it"),
+        ('a\tr\t"b', "the tail label '\"b' holds a double quote"),
+    ],
+    ids=["empty", "spaces", "quote"],
+)
+def test_dataset_directory_labels_are_refused_before_pykeen_misreads_them(
+    capsys: pytest.CaptureFixture, tmp_path: pathlib.Path, bad: str, problem: str
+) -> None:
+    """Labels PyKEEN would read as an entity '', as another label, or as quoting; an empty file: named, refused."""
+    lines = ["a\tr\tb", "b\tr\tc", "c\ts\ta"]
+    for name in ("train", "valid", "test"):
+        (tmp_path / f"{name}.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    (tmp_path / "train.txt").write_text("\n".join([*lines, bad]) + "\n", encoding="utf-8")
+    code, _, err = run(capsys, *FAST, "--dataset", str(tmp_path))
+    assert code == 2 and f"{tmp_path / 'train.txt'}, line 4: {problem}" in err
+    (tmp_path / "train.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    (tmp_path / "test.txt").write_text("\n", encoding="utf-8")
+    code, _, err = run(capsys, *FAST, "--dataset", str(tmp_path))
+    assert code == 2 and f"{tmp_path / 'test.txt'} holds no triples" in err
+
+
 def test_dense_updates_allow_any_optimizer_and_the_model_is_saved(
     capsys: pytest.CaptureFixture, tmp_path: pathlib.Path
 ) -> None:

@@ -37,23 +37,40 @@ def load_dataset(name_or_path: str) -> Any:
 
 
 def check_triple_lines(path: pathlib.Path) -> None:
-    """Check that every non-blank line of a label TSV file has three tab-separated columns (head, relation, tail).
+    """Check a label TSV file before PyKEEN reads it: three non-empty tab-separated labels on every non-blank line.
 
-    PyKEEN's reader would read a shorter line's missing labels as empty strings (an entity ``''``).
+    PyKEEN's reader would read a shorter line's missing labels, and an empty column, as empty strings
+    (an entity ``''``), labels with spaces around them as other labels than without, a double quote as
+    the start of a quoted field (failing without naming the file), and an empty file as an error naming none.
 
-    :raises UsageError: naming the file and the first line with another number of columns
+    :raises UsageError: naming the file and the first line that is not such a triple, or an empty file
     """
+    triples = 0
     with path.open(encoding="utf-8", newline="") as lines:
         for number, line in enumerate(lines, start=1):
             line = line.rstrip("\r\n")
             if not line:
                 continue  # PyKEEN's reader skips blank lines
-            columns = line.count("\t") + 1
-            if columns != 3:
+            labels = line.split("\t")
+            where = f"{path}, line {number}"
+            if len(labels) != 3:
                 raise UsageError(
-                    f"{path}, line {number}: {columns} tab-separated column{'s' if columns != 1 else ''}, expected 3 "
+                    f"{where}: {len(labels)} tab-separated column{'s' if len(labels) != 1 else ''}, expected 3 "
                     f"(head, relation, tail): {line[:80]!r}"
                 )
+            for column, label in zip(("head", "relation", "tail"), labels):
+                if not label.strip():
+                    problem = "is empty"
+                elif label != label.strip():
+                    problem = "has spaces around it (another label than without them)"
+                elif '"' in label:
+                    problem = "holds a double quote, which PyKEEN's reader takes for quoting"
+                else:
+                    continue
+                raise UsageError(f"{where}: the {column} label {label!r} {problem}: {line[:80]!r}")
+            triples += 1
+    if not triples:
+        raise UsageError(f"{path} holds no triples.")
 
 
 def load_config(path: pathlib.Path) -> dict[str, Any]:
