@@ -20,8 +20,9 @@ nothing of PyKEEN) therefore arranges for the plugin to register itself later, i
 
 Together they make every lookup of the plugin's names work, whatever PyKEEN module a program
 imports first (tested for every top-level PyKEEN module). What can still miss the plugin is code
-that reads a resolver's ``lookup_dict`` or ``options`` directly, before any lookup, in the one case
-of 2.; ``import pykeen_bess`` (once) makes it certain.
+that reads a resolver's ``lookup_dict`` or ``options`` directly, before any lookup, in the case of
+2. (``import pykeen``, ``pykeen.training``, ``pykeen.pipeline``, ... as the first PyKEEN import; PyKEEN's
+``pykeen ls`` reads them so); ``import pykeen_bess`` (once) makes it certain.
 
 The entry point names PyKEEN's own :class:`~pykeen.datasets.Nations` (already registered), so no
 extra dataset appears in PyKEEN's dataset resolver.
