@@ -98,7 +98,7 @@ def worker(args: argparse.Namespace) -> None:
     block_size = -(-args.batch_size // n**2)
     steps = len(loop.make_sampler(loop.partition(factory), block_size))
     first, last = topology.replica_slots(block_size)
-    entity_width = sum(t.row_width for t in loop.tables)
+    entity_width = sum(t.whole_width or t.row_width for t in loop.tables)  # whole rows (a column part's too)
     if args.exchange == "encoding_lookup":  # whole rows' slices forward, their gradients backward
         parts = topology.n_column
         block = -(-args.batch_size // parts**2)

@@ -55,7 +55,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import logging
 import math
 import platform
@@ -71,6 +70,7 @@ from pykeen.models import DistMult, RotatE, TransE
 from pykeen.triples import CoreTriplesFactory
 
 from devices import add_device_argument, describe, synchronize
+from result_files import write_result
 from gpu_configurations import configurations
 from pykeen_bess.training import BessTrainingLoop
 from scale import generate
@@ -553,7 +553,7 @@ def _evaluation_profile(row: Row, dim: int) -> Row:
         figure=(
             f"{profile['seconds']:.3f} s profiled; {profile['kernels']} kernels, {profile['syncs']} syncs"
             + ("" if busy is None else f", GPU busy {100 * busy:.0f}%")
-            + "; stages "
+            + "; stages of the last timed (unprofiled) evaluation "
             + ", ".join(f"{stage} {1e3 * seconds:.1f} ms" for stage, seconds in stages.items())
             + f"; busiest host operators (self time/calls): {host}"
         ),
@@ -572,7 +572,12 @@ def main() -> None:  # noqa: C901  # one branch per section, run in order
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS)
     parser.add_argument("--budget", type=float, default=290.0, help="seconds for all sections (later ones skip)")
-    parser.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test of the script)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny sizes (a smoke test of the script): replaces the size options, and every section runs whatever the "
+        "budget",
+    )
     parser.add_argument("--entities", type=int, default=14_505)
     parser.add_argument("--triples", type=int, default=272_115)
     parser.add_argument("--dim", type=int, default=256)
@@ -598,7 +603,12 @@ def main() -> None:  # noqa: C901  # one branch per section, run in order
     print(heading, flush=True)
     budget = Budget(args.budget)
     rows: list[Row] = []
+    failed: list[str] = []
     loops: dict = {}
+    configuration = (
+        f"sections {', '.join(args.sections)}; budget {args.budget:.0f} s; {args.entities:,} entities, "
+        f"{args.triples:,} triples, d{args.dim}, batch sizes {args.batch_sizes}" + (" (--quick)" if args.quick else "")
+    )
     minimum = {
         "check": 20,
         "training": 60,
@@ -635,13 +645,14 @@ def main() -> None:  # noqa: C901  # one branch per section, run in order
                 evaluation(device, rows, args)
         except Exception as error:  # noqa: BLE001 - a failing section is reported, the others still run
             traceback.print_exc()
+            failed.append(section)
             rows.append(dict(section=section, workload="", contender="", figure=f"failed: {error!r}"[:300]))
         print(f"   ({time.perf_counter() - started:.0f} s)", flush=True)
         for row in rows:
             if row["section"] == section:
                 print(f"   {row.get('contender', '')}: {row.get('figure', '')}", flush=True)
         if args.output:  # after every section: a run cut short keeps what it measured
-            write(args.output, heading, rows)
+            write_result(args.output, "gpu", "benchmarks/gpu.py", rows, configuration, device=heading)
         if section == "scale":
             loops.clear()
         gc.collect()
@@ -658,12 +669,8 @@ def main() -> None:  # noqa: C901  # one branch per section, run in order
             f"| {row['section']} | {row.get('workload', '')} | {row.get('contender', '')} | {row.get('figure', '')} "
             f"| {row.get('target', '')} | {met} |"
         )
-
-
-def write(path: str, heading: str, rows: list[Row]) -> None:
-    """Write the rows as JSON (the device, the date and the torch version with them)."""
-    with open(path, "w") as file:
-        json.dump(dict(device=heading, date=time.strftime("%Y-%m-%d"), rows=rows), file, indent=1, default=str)
+    if failed:  # (their rows say so, and the result file keeps the other sections)
+        raise SystemExit(f"Sections failed: {', '.join(failed)} (see their tracebacks above).")
 
 
 if __name__ == "__main__":

@@ -23,20 +23,17 @@ the file already holds (a long comparison can be split over several sessions).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import pathlib
-import platform
 import shlex
-import subprocess
 import tempfile
 import time
 from statistics import mean, stdev
 
-import torch
 
 from pykeen_bess.cli import _configure_logging, build_parser, pipeline_kwargs
+from result_files import header as result_header
 from structured import write_splits
 
 MRR = "both.realistic.inverse_harmonic_mean_rank"
@@ -116,16 +113,6 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def commit() -> str:
-    """The repository's commit (with ``+`` when the working tree differs), or ``unknown``."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
-        return head.stdout.strip() + ("+" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def variant(text: str) -> tuple[str, list[str]]:
     """Parse ``NAME=FLAGS``."""
     name, separator, flags = text.partition("=")
@@ -148,12 +135,12 @@ def main() -> None:
     done: list[dict] = []
     if args.output is not None and args.output.exists():
         done = json.loads(args.output.read_text()).get("runs", [])
-    header = dict(
-        date=datetime.date.today().isoformat(),
-        commit=commit(),
-        machine=f"{platform.node()} ({platform.machine()}, {torch.get_num_threads()} threads)",
-        device="cpu",
-        configuration="the command line's defaults (DistMult d64, Adam lr 0.01, batch 512, 64 negatives, 100 epochs)",
+    header = result_header(
+        "parity",
+        "benchmarks/parity.py",
+        "the command line's defaults (DistMult d64, Adam lr 0.01, batch 512, 64 negatives, 100 epochs), changed by "
+        "each variant's flags (every run names them)",
+        "cpu",
     )
     with tempfile.TemporaryDirectory() as scratch:
         for data in args.data:

@@ -300,8 +300,10 @@ def main() -> None:
                 command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
             if args.storage_dir:
                 command += ["--storage-dir", args.storage_dir]
-            output = subprocess.run(command, capture_output=True, text=True, check=True).stdout
-            result = json.loads(output.strip().splitlines()[-1])
+            run = subprocess.run(command, capture_output=True, text=True)
+            if run.returncode != 0:  # the worker's own error, not only its exit status
+                sys.exit(f"The {tier} / {optimizer} worker failed ({run.returncode}):\n{run.stderr[-3000:]}")
+            result = json.loads(run.stdout.strip().splitlines()[-1])
             rows.append((optimizer, tier, result))
             print(f"{optimizer} {tier}: {result['plan']}", file=sys.stderr)
     setting = f"DistMult d{args.dim}, {args.negatives} negatives, batch {args.batch_size}, n={args.shards}"
