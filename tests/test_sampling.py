@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pykeen_bess.data.partition import ShardPairPartition
-from pykeen_bess.data.sampling import BessSampler, StepSharedBessSampler, resolve_negatives
+from pykeen_bess.data.sampling import BessSampler, StepSharedBessSampler, resolve_negatives, slot_offsets
 from pykeen_bess.data.sharding import EntitySharding
 
 
@@ -189,6 +189,31 @@ def test_sampler_is_reproducible_per_epoch() -> None:
 def test_corruption_layout(corruption: str, expected: int) -> None:
     batch = next(iter(make_sampler(block_size=6, corruption=corruption).epoch(1)))
     assert batch.num_head_corrupted == expected
+
+
+@pytest.mark.parametrize("block_size", [6, 7])
+def test_a_partly_filled_block_corrupts_both_sides(block_size: int) -> None:
+    """With "ht" a block's real triples split about evenly between its head- and tail-corrupted slots.
+
+    Filled in order, a block at most half full corrupted heads only (every step of a batch at least twice
+    the training set; the epoch's last steps leaned to heads); a full block keeps its order.
+    """
+    h = block_size // 2
+    real = torch.arange(block_size + 1).view(-1, 1)
+    offsets, valid = slot_offsets(real, block_size, h)
+    heads, tails = valid[:, :h].sum(dim=1), valid[:, h:].sum(dim=1)
+    assert torch.equal(heads + tails, real.view(-1)) and bool(((heads - tails).abs() <= 1).all())
+    assert torch.equal(offsets[-1], torch.arange(block_size)) and bool(valid[-1].all())  # full: in order
+    for count, (row, held) in enumerate(zip(offsets, valid)):  # every real triple in exactly one slot
+        assert sorted(row[held].tolist()) == list(range(count))
+    for head_slots in (block_size, 0):  # corruption "h" or "t": in order, as before
+        offsets, valid = slot_offsets(real, block_size, head_slots)
+        assert torch.equal(valid, torch.arange(block_size).view(1, -1) < real)
+    # a sampler whose only step is at most half full: both sides corrupted
+    sampler = make_sampler(block_size=64, corruption="ht")
+    batch = next(iter(sampler.epoch(1)))
+    head_part, tail_part = batch.valid[..., : batch.num_head_corrupted], batch.valid[..., batch.num_head_corrupted :]
+    assert int(tail_part.sum()) > 0 and abs(int(head_part.sum()) - int(tail_part.sum())) <= batch.valid.shape[0] ** 2
 
 
 def test_empty_and_tiny_shardpairs_are_padded_not_oversampled() -> None:

@@ -19,8 +19,9 @@ replacement from the *real* (never padding) rows of every shard ``k``, and posit
 draws one such set per step and gives it to every block; :class:`BessSampler`
 (``negatives="block"``, BESS's original scheme) draws one set per block, ``n_shard ** 2`` per step.
 With one shard the two are the same. With corruption ``"ht"`` the first ``block_size // 2`` slots
-of every block corrupt their head and the rest their tail; with ``"h"`` or ``"t"`` all slots
-corrupt that side.
+of every block corrupt their head and the rest their tail (a block the epoch's last steps fill only
+partly puts about half of its triples in each part, :func:`slot_offsets`); with ``"h"`` or ``"t"``
+all slots corrupt that side.
 
 *Which to use.* One set per step is the default because it trains as well as one shard does:
 a step touches ``num_negs_per_pos`` negative rows whatever ``n_shard`` is. Per-block sets touch up
@@ -68,6 +69,7 @@ __all__ = [
     "StepSharedTypedBessSampler",
     "TypedBessSampler",
     "resolve_negatives",
+    "slot_offsets",
 ]
 
 #: which side(s) of a positive triple the negatives replace
@@ -260,8 +262,9 @@ class BessSampler:
         num_steps = stop - start
         offsets = self.partition.pair_offsets[:-1].view(1, n * n, 1)
         counts = self._counts.view(1, n * n, 1)
-        within = torch.arange(start, stop).view(num_steps, 1, 1) * b + torch.arange(b).view(1, 1, b)
-        valid = within < counts  # [S, n * n, b]
+        first = torch.arange(start, stop).view(num_steps, 1, 1) * b  # each step's first position in its shardpair
+        slots, valid = slot_offsets((counts - first).clamp(0, b), b, self.num_head_corrupted)  # [S, n * n, b]
+        within = first + slots
         # padding slots point at the shardpair's first triple (or triple 0 for an empty one)
         position_in_order = offsets + torch.where(valid, within, torch.zeros_like(within))
         position_in_order = position_in_order.clamp_max(max(self.partition.num_triples - 1, 0))
@@ -479,6 +482,33 @@ NEGATIVES: dict[str, type[BessSampler]] = {
 
 #: the negatives a loop draws unless told otherwise (see :data:`NEGATIVES`)
 DEFAULT_NEGATIVES = "step"
+
+
+def slot_offsets(real: torch.Tensor, block_size: int, num_head_corrupted: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return which of a block's triples of a step each slot holds, and whether it holds one (padding: not).
+
+    A block's ``real`` triples of the step fill its slots in order, except with corruption ``"ht"``
+    (``0 < num_head_corrupted < block_size``) in a block they do not fill: then its head-corrupted first
+    slots take ``ceil(real / 2)`` of them (at most that part's size) and its tail-corrupted rest the others,
+    so that a partly filled block corrupts both sides as a full one does (filled in order, a block at
+    most half full would corrupt only heads: a batch of twice the training set, or more, corrupted no
+    tail at all). A full block's slots hold its triples in order either way.
+
+    :param real: shape: ``[*s, 1]``, each block's real triples in the step (``0 .. block_size``)
+    :param block_size: the slots of a block, ``b``
+    :param num_head_corrupted: the block's leading slots that corrupt their head
+    :returns: the offset of each slot's triple among the block's triples of the step, shape ``[*s, b]``
+        (a padding slot's is meaningless), and whether a slot is real, shape ``[*s, b]``
+    """
+    b, h = block_size, num_head_corrupted
+    slot = torch.arange(b)
+    if not 0 < h < b:
+        return slot.expand(*real.shape[:-1], b), slot < real
+    head_real = torch.div(real + 1, 2, rounding_mode="floor").clamp_max(h)
+    in_head = slot < h
+    offsets = torch.where(in_head, slot, head_real + slot - h)
+    valid = torch.where(in_head, slot < head_real, slot - h < real - head_real)
+    return offsets, valid
 
 
 def resolve_negatives(negatives: str | type[BessSampler]) -> type[BessSampler]:

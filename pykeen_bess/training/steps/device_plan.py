@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from ...data.batch import BessBatch, EpochDraws
-from ...data.sampling import BessSampler
+from ...data.sampling import BessSampler, slot_offsets
 
 __all__ = [
     "DevicePlan",
@@ -59,6 +59,9 @@ class StepKind:
     #: shape: ``[n * n, 1]``, the position in the epoch's order a padding slot reads (its shardpair's first
     #: triple; None for the full steps)
     fallback: torch.Tensor | None = None
+    #: shape: ``[n * n, b]``, on the device: the position in the epoch's order of every slot of step 0 of the
+    #: kind's layout (:func:`~pykeen_bess.data.sampling.slot_offsets`; None for the full steps: in order)
+    slots: torch.Tensor | None = None
 
     @property
     def padded(self) -> bool:
@@ -119,8 +122,9 @@ class DevicePlan:
         first = self.sampler.partition.pair_offsets[:-1].view(-1, 1).clamp_max(self.sampler.partition.num_triples - 1)
         full = torch.ones(n, n, b, dtype=torch.bool)
         kinds = [StepKind(index=0, valid=full, num_valid=n * n * b)]
+        base = self.sampler.partition.pair_offsets[:-1].view(-1, 1)
         for step in range(self.full_steps, self.num_steps):
-            valid = (step * b + torch.arange(b).view(1, b)) < counts  # [n * n, b]
+            offsets, valid = slot_offsets((counts - step * b).clamp(0, b), b, self.sampler.num_head_corrupted)
             kinds.append(
                 StepKind(
                     index=len(kinds),
@@ -128,6 +132,7 @@ class DevicePlan:
                     num_valid=int(valid.sum()),
                     device_valid=valid.to(self.device),
                     fallback=first.to(self.device),
+                    slots=(base + offsets).to(self.device),
                 )
             )
         return kinds
@@ -194,8 +199,9 @@ class DevicePlan:
         n, b = self.n, self.b
         step: Any = self.step_index if at is None else at
         negatives = self.buffers["negatives"]
-        # slot t of block p is the triple at position pair_offset[p] + step * b + t of the epoch's order
-        in_order = self.pair_offsets + step * b
+        # slot t of block p is the triple at position pair_offset[p] + step * b + t of the epoch's order (a padded
+        # kind's slots: their own layout, see slot_offsets)
+        in_order = (self.pair_offsets if kind.slots is None else kind.slots) + step * b
         if kind.device_valid is not None and kind.fallback is not None:  # a padded kind
             in_order = torch.where(kind.device_valid, in_order, kind.fallback)
         positions = self.buffers["order"].index_select(0, in_order.view(-1))
