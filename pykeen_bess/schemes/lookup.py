@@ -280,6 +280,8 @@ def split_parts(x: Any, slots: Sequence[slice]) -> list[Any]:
     :param slots: consecutive ranges that cover ``0:b'``
     :returns: per range, ``x[:, :, range]``
     """
+    if isinstance(x, tuple) and not x:  # no representation of this kind (UM's relations): none per range
+        return [() for _ in slots]
     if len(slots) == 1:
         return [slice_parts(x, slots[0])]
     sizes = [s.stop - s.start for s in slots]

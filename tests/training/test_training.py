@@ -665,6 +665,19 @@ def test_the_compared_configuration_sees_settings_a_repr_hides(small_factory: Co
         assert [key for key in base if other.get(key) != base[key]] == [expected], expected
 
 
+def test_a_model_without_relation_representations_trains(small_factory: CoreTriplesFactory) -> None:
+    """UM (no relation representation) trains, the static step as the eager one, both exchanges alike."""
+    from pykeen.models import UM
+
+    def losses(**kwargs: Any) -> list[float]:
+        model = UM(triples_factory=small_factory, embedding_dim=8, random_seed=0).double()
+        loop = BessTrainingLoop(model=model, triples_factory=small_factory, num_threads=1, seed=0, **kwargs)
+        return loop.train(small_factory, num_epochs=2, batch_size=64, use_tqdm=False)
+
+    assert losses(num_shards=1) == losses(num_shards=1, static_step=False)
+    torch.testing.assert_close(losses(num_shards=2), losses(num_shards=2, exchange="score"))
+
+
 def test_continue_training_with_an_optimizer_without_state(small_factory: CoreTriplesFactory) -> None:
     """Plain SGD (dense) keeps no state: a trained loop continues all the same (PyKEEN's refuses it)."""
     loop = make_loop(small_factory, num_shards=2, num_threads=1, optimizer="sgd", sparse_updates=False)
