@@ -35,6 +35,7 @@ from .checkpoints.pbg import PbgCheckpointStore, prepare_pbg_checkpoint
 from .setup.config import (
     check_train_arguments,
     check_model,
+    check_model_dtype,
     check_triples_fit_model,
     resolve_negative_sampler,
     resolve_partition,
@@ -299,6 +300,7 @@ class BessTrainingLoop(LoopParts):
             )
             self.setup = dataclasses.replace(self.setup, config=config)
         check_triples_fit_model(triples_factory, self.model)
+        check_model_dtype(self.model, {table.weight.dtype for table in self.tables})
         if asks_evaluation_loss(kwargs.get("callbacks")):
             self.check_evaluation_loss()  # before training starts
         self.adopt_checkpoint_seed(kwargs)

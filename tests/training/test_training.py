@@ -678,6 +678,15 @@ def test_a_model_without_relation_representations_trains(small_factory: CoreTrip
     torch.testing.assert_close(losses(num_shards=2), losses(num_shards=2, exchange="score"))
 
 
+def test_a_model_converted_after_the_loop_was_built_is_refused(small_factory: CoreTriplesFactory) -> None:
+    """The loop copied the float32 tables: a model made float64 afterwards is refused before any step."""
+    model = DistMult(triples_factory=small_factory, embedding_dim=8, random_seed=0)
+    loop = BessTrainingLoop(model=model, triples_factory=small_factory, num_shards=2)
+    model.double()
+    with pytest.raises(ValueError, match="changed its dtype after the loop was built"):
+        loop.train(small_factory, num_epochs=1, batch_size=64, use_tqdm=False)
+
+
 def test_continue_training_with_an_optimizer_without_state(small_factory: CoreTriplesFactory) -> None:
     """Plain SGD (dense) keeps no state: a trained loop continues all the same (PyKEEN's refuses it)."""
     loop = make_loop(small_factory, num_shards=2, num_threads=1, optimizer="sgd", sparse_updates=False)

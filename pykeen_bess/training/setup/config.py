@@ -15,6 +15,7 @@ import numbers
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from class_resolver import HintOrType, OptionalKwargs
 from pykeen.models import ERModel, Model
 from pykeen.nn.representation import Embedding
@@ -314,6 +315,24 @@ def check_triples_fit_model(triples_factory: CoreTriplesFactory, model: Model) -
         raise ValueError(
             f"The training triples contain {' and '.join(problems)}: they do not fit the model (was the triples "
             f"factory changed after the model was created?)."
+        )
+
+
+def check_model_dtype(model: Model, table_dtypes: set[torch.dtype]) -> None:
+    """Check that the model's parameters still have the shard tables' (real) dtype.
+
+    The loop copies the entity tables when it is built: a model converted afterwards (``model.double()``)
+    would meet float32 tables inside the first step.
+
+    :raises ValueError: naming both dtypes
+    """
+    model_dtypes = {p.dtype.to_real() for p in model.parameters() if p.is_floating_point() or p.is_complex()}
+    changed = sorted(str(dtype) for dtype in model_dtypes - table_dtypes)
+    if changed:
+        raise ValueError(
+            f"The model's parameters are {', '.join(changed)}, but the loop's entity tables "
+            f"{', '.join(sorted(map(str, table_dtypes)))}: the model changed its dtype after the loop was built. "
+            f"Convert the model first (model.double(), .to(dtype)), then build the loop."
         )
 
 
