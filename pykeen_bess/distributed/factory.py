@@ -48,6 +48,8 @@ def make_topology(
     :returns: the topology
     :raises ValueError: for settings that do not fit the processes
     """
+    if replicas is not None and (isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1):
+        raise ValueError(f"replicas must be a positive integer or None, but is {replicas!r}.")
     if in_process:
         return LocalTopology(1 if num_shards is None else num_shards)
     if columns:

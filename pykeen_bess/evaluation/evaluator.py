@@ -144,10 +144,9 @@ class BessEvaluator(RankBasedEvaluator):
         if process_group is None:
             join_torchrun_group()
         super().__init__(filtered=filtered, batch_size=batch_size, slice_size=slice_size, **kwargs)
-        if num_shards is not None and (
-            isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1
-        ):
-            raise ValueError(f"num_shards must be a positive integer or None, but is {num_shards!r}.")
+        for name, value in (("num_shards", num_shards), ("memory_budget (bytes)", memory_budget)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer or None, but is {value!r}.")
         if isinstance(tie_tolerance, bool) or not isinstance(tie_tolerance, (int, float)) or not tie_tolerance >= 0:
             raise ValueError(f"tie_tolerance must be a non-negative number, but is {tie_tolerance!r}.")
         self.num_shards = num_shards

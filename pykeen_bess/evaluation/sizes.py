@@ -66,9 +66,10 @@ def choose_block_sizes(
 ) -> tuple[int, int]:
     """Choose the number of queries per batch and of candidates per slice.
 
-    Given sizes are kept. If all queries against all candidates of a shard make a block of at
-    most :data:`TRIVIAL_BLOCK_BYTES`, that is used without probing. Otherwise missing sizes start
-    from a score block of :data:`CPU_BLOCK_BYTES` (CPU; the search does not grow beyond it, larger
+    Given sizes are kept (at most the queries, and a shard's candidates). If all queries against all
+    candidates of a shard make a block of at most :data:`TRIVIAL_BLOCK_BYTES`, that is used without
+    probing. Otherwise missing sizes start from a score block of :data:`CPU_BLOCK_BYTES` (CPU; the
+    search does not grow beyond it, larger
     blocks are not faster there) or :data:`CUDA_BLOCK_BYTES` (GPU; the batch may grow up to
     ``num_queries``), with slices of :data:`DEFAULT_SLICE_SIZE` candidates, and are halved until
     ``probe(batch_size, slice_size)`` fits, the decision agreed by all processes. On the CPU a block whose
@@ -90,6 +91,10 @@ def choose_block_sizes(
             raise ValueError(f"{name} must be a positive integer or None, but is {value!r}.")
     max_columns = max(1, scoring.max_columns)
     num_queries = max(1, num_queries)
+    # given sizes beyond the queries and a shard's candidates would only allocate larger blocks (the metrics do
+    # not depend on the blocks)
+    batch_size = None if batch_size is None else min(batch_size, num_queries)
+    slice_size = None if slice_size is None else min(slice_size, max_columns)
     if batch_size is not None and slice_size is not None:
         return batch_size, slice_size
     itemsize = _score_itemsize(scoring)

@@ -182,6 +182,10 @@ class KeepThreads(ThreadPolicy):
     name = "None"
 
 
+#: the most intra-op threads a fixed policy accepts
+MAX_THREADS = 4096
+
+
 class FixedThreads(ThreadPolicy):
     """A fixed number of threads while the work runs."""
 
@@ -191,6 +195,8 @@ class FixedThreads(ThreadPolicy):
         """:param threads: the intra-op threads, a positive integer"""
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise ValueError(f"num_threads must be a positive integer, 'auto' or None, but is {threads!r}.")
+        if threads > MAX_THREADS:  # torch's thread pool allocates per thread: far more fails deep inside
+            raise ValueError(f"num_threads={threads} is more than {MAX_THREADS} threads; give at most the cores.")
         self.threads = threads
 
     def threads_for_unit(self) -> int:  # noqa: D102

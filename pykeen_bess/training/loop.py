@@ -285,7 +285,8 @@ class BessTrainingLoop(LoopParts):
         :param triples_factory: the training triples
         :param num_epochs: the number of epochs
         :param batch_size: positives per step, a positive integer (rounded up to a multiple of
-            ``num_shards ** 2``, logged at INFO); None searches the largest batch that fits (see
+            ``num_shards ** 2``, logged at INFO; a batch beyond every shardpair's triples trains as the one
+            step that holds them); None searches the largest batch that fits (see
             :mod:`pykeen_bess.runtime.memory`) when ``automatic_memory_optimization`` is on, else uses 256
         :param num_negs_per_pos: overrides the constructor's value (HPO tunes it here); rounded up to a
             multiple of ``num_shards`` (logged), so that any tuned value works with any shard count

@@ -227,6 +227,16 @@ def step_sizes(
             batch_size = 256
             logger.info("No batch_size provided. Setting batch_size=%d.", batch_size)
     block_size = block_size_for(batch_size, topology.n_shard)
+    largest = max(int(partition.pair_counts.max()), 1)  # a block of more slots than its shardpair's triples pads
+    if block_size > largest:
+        logger.info(
+            "batch_size=%d holds more than every shardpair's triples: the steps use blocks of %d slots (one step per "
+            "epoch, batch_size=%d).",
+            batch_size,
+            largest,
+            largest * n2,
+        )
+        block_size = largest
     if sub_batch_size is not None:
         sub_block_size = max(1, min(block_size, sub_batch_size // n2))
     elif automatic_memory_optimization and not probing:

@@ -352,6 +352,23 @@ def test_bad_input(kwargs, error, match):
         BessEvaluator().evaluate(**arguments)
 
 
+@pytest.mark.parametrize("memory_budget", ["2", 0, -1, True])
+def test_bad_memory_budget(memory_budget) -> None:
+    with pytest.raises(ValueError, match=r"memory_budget \(bytes\) must be a positive integer or None"):
+        BessEvaluator(memory_budget=memory_budget)
+
+
+def test_given_block_sizes_beyond_the_queries_and_candidates_are_capped() -> None:
+    """A batch of a million queries against slices of a million candidates: the queries and candidates there are."""
+    data = dataset("nations")
+    model, _ = reference("nations", "DistMult")
+    evaluator = BessEvaluator(batch_size=10**6, slice_size=10**6)
+    result = evaluator.evaluate(model, data.testing.mapped_triples, use_tqdm=False)
+    assert evaluator.last_block_sizes == (data.testing.num_triples, data.num_entities)
+    expected = BessEvaluator().evaluate(model, data.testing.mapped_triples, use_tqdm=False)
+    assert result.to_flat_dict() == expected.to_flat_dict()
+
+
 @pytest.mark.parametrize(("num_shards", "match"), [(0, "positive integer"), (15, "larger than the number of entities")])
 def test_bad_num_shards(num_shards: int, match: str):
     """The number of shards must be between 1 and the number of entities."""

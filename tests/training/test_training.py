@@ -399,12 +399,28 @@ def test_memory_search_chooses_a_batch_size_and_falls_back_to_sub_batching(
         (dict(negative_sampler="bernoulli"), ValueError, "negative_sampler"),
         (dict(negative_sampler_kwargs=dict(filtered=True)), ValueError, "filtered"),
         (dict(optimizer="rmsprop"), ValueError, "row-sparse"),
+        (dict(num_shards=10**9), ValueError, "larger than the number of entities"),  # before laying them out
+        (dict(replicas=0), ValueError, "replicas must be a positive integer"),
+        (dict(replicas="2"), ValueError, "replicas must be a positive integer"),
+        (dict(sparse_updates="False"), ValueError, "sparse_updates must be True or False"),
+        (dict(num_threads=10**6), ValueError, "more than 4096 threads"),
     ],
 )
 def test_bad_input_is_rejected_before_training(dataset: Nations, kwargs: dict, error: type, message: str) -> None:
     model = DistMult(triples_factory=dataset.training, embedding_dim=4, random_seed=0)
     with pytest.raises(error, match=message):
         BessTrainingLoop(model=model, triples_factory=dataset.training, **kwargs)
+
+
+def test_a_batch_beyond_the_training_set_is_one_step_of_its_blocks(small_factory: CoreTriplesFactory) -> None:
+    """A batch larger than every shardpair's triples trains as the batch that just holds them (no huge blocks)."""
+    losses = [
+        make_loop(small_factory, num_shards=2, num_threads=1).train(
+            small_factory, num_epochs=2, batch_size=batch_size, use_tqdm=False
+        )
+        for batch_size in (10**7, 4 * small_factory.num_triples)
+    ]
+    assert losses[0] == losses[1]
 
 
 def test_unsupported_models_are_named(dataset: Nations) -> None:

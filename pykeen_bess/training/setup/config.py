@@ -127,6 +127,8 @@ class BessConfig:
             raise ValueError(f"Unknown corruption={corruption!r}; expected one of {CORRUPTIONS}.")
         if memory_budget is not None:
             memory_budget = check_integer("memory_budget", memory_budget, minimum=1, hint="(bytes) or None")
+        if not isinstance(sparse_updates, bool | numbers.Integral) or sparse_updates not in (0, 1):  # not "False"
+            raise ValueError(f"sparse_updates must be True or False, not {sparse_updates!r}.")
         return cls(
             scheme=scheme,
             corruption=corruption,

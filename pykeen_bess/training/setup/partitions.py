@@ -80,6 +80,11 @@ class TablePartition(ABC):
         model = settings.model
         exchange = self.exchange(model, settings.exchange)
         self.check_model(model, exchange)
+        shards = settings.num_shards
+        if isinstance(shards, int) and not isinstance(shards, bool) and shards > model.num_entities:
+            raise ValueError(  # (before a topology of that many shards is laid out)
+                f"num_shards={shards} is larger than the number of entities ({model.num_entities})."
+            )
         topology = self.topology(settings)
         if topology.n_shard > model.num_entities:
             raise ValueError(
