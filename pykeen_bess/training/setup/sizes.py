@@ -109,8 +109,8 @@ class StepSizes:
         steps = max(1, math.ceil(largest_pair / max(1, math.ceil(batch_size / n2))))
         balanced = math.ceil(largest_pair / steps) * n2
         logger.info(
-            "Automatic memory optimization chose batch_size=%d (the largest power of two that fits: %d; %d steps per "
-            "epoch).",
+            "Automatic memory optimization chose batch_size=%d (the largest batch that fits: %d, a power of two or "
+            "the training triples; the same %d steps per epoch with the smallest blocks).",
             balanced,
             batch_size,
             steps,
