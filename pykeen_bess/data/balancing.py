@@ -113,7 +113,7 @@ def balance_shards(
     """
     n = int(n_shard)
     if n < 2 or heads.numel() == 0:
-        return entity_shard.clone()
+        return entity_shard.to(torch.long, copy=True)
     triples = _Triples(heads, tails, n)
     dtype = np.int8 if n <= 127 else np.int32
     shard = entity_shard.cpu().numpy().astype(dtype)

@@ -67,7 +67,7 @@ class RankLayout:
         :param num_shards: the number of shards (default: ``world_size / replicas``)
         :param replicas: the replicas per shard (default: ``world_size / num_shards``, else 1)
         :param grouping: ``"none"``, ``"all"``, ``"consecutive"`` or ``"orthogonal"`` (default:
-            ``"none"`` without replicas, else ``"orthogonal"``)
+            ``"none"`` without replicas, ``"all"`` with one shard, else ``"orthogonal"``)
         :returns: the layout
         :raises ValueError: naming the inconsistency and how to fix it
         """

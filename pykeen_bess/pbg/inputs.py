@@ -303,6 +303,11 @@ def write(
     validation, testing (as PyTorch-BigGraph's examples do: ``torchbiggraph_train config.py -p
     edge_paths=<training>`` trains on the first; :func:`read` maps them back to the splits).
 
+    :param graph: the typed graph (its schema lays out the files)
+    :param directory: the input directory (created; its resolved path is the entity path)
+    :param config: PyTorch-BigGraph config keys of the written ``config.json`` (see :func:`graph_config`);
+        None: no config is written
+
     :returns: the graph, now knowing its files
     """
     directory = pathlib.Path(directory).resolve()

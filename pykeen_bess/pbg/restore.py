@@ -128,6 +128,10 @@ def initial_model(
         model, model_kwargs = pbg.initial_model("pbg_init/", graph)
         pipeline(training=graph.training, ..., model=model, model_kwargs=model_kwargs, training_loop="bess")
 
+    :param directory: the checkpoint directory
+    :param graph: the typed graph (or its training factory) the checkpoint was trained on
+    :param version: the version to read (default: the committed one)
+    :param config: the checkpoint's config (default: its ``config.json``, else the graph's)
     :returns: the model name (DistMult, TransE, ComplEx, RotatE or RESCAL) and its keyword arguments
     """
     model = read_checkpoint(directory, graph, version=version, config=config)

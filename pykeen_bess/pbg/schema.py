@@ -275,6 +275,7 @@ class GraphSchema:
 def schema_of(factory: Any) -> GraphSchema | None:
     """Return the graph schema a triples factory carries in its metadata (None for an untyped factory).
 
+    :param factory: a PyKEEN triples factory (a typed graph's split carries the schema)
     :raises ValueError: if the schema does not describe the factory's entities and relations
     """
     metadata = getattr(factory, "metadata", None) or {}

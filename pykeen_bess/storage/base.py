@@ -123,6 +123,7 @@ class TableStorage(ABC):
     def check_capacity(self, num_bytes: int, device: torch.device) -> None:  # noqa: B027
         """Raise :class:`MemoryError` with advice if the tier cannot hold ``num_bytes`` more bytes.
 
+        :param num_bytes: the bytes the tables and their state need
         :param device: where the tables will compute (the model's device)
         """
 

@@ -117,19 +117,19 @@ class BessTrainingLoop(LoopParts):
 
         :param model: an ``ERModel`` whose entity representations are :class:`pykeen.nn.Embedding`
         :param triples_factory: the training triples
-        :param num_shards: the number of entity shards ``n``; defaults to the world size inside a
-            ``torch.distributed`` process group, else 1. In one process all ``n`` shards are held
+        :param num_shards: the number of entity shards ``n``; defaults to the world size (divided by
+            ``replicas``) inside a ``torch.distributed`` process group, else 1. In one process all ``n`` shards are held
             as logical shards.
         :param exchange: the exchange scheme (:mod:`pykeen_bess.schemes`): ``"embedding"`` (default of
             the token partition: move tail and negative embeddings to the heads' shard), ``"score"``
-            (gather queries, move negative scores), ``"encoding"`` (the encoding partition's: sum
-            partial scores of column parts), a scheme class, or ``"auto"`` (the partition's scheme
-            that moves the fewest bytes per step)
+            (gather queries, move negative scores), ``"encoding"`` (the encoding partition's default for
+            column-separable interactions: sum partial scores of column parts), ``"encoding_lookup"`` (its
+            default for the others: assemble whole rows from the column parts), a scheme class, or
+            ``"auto"`` (the partition's scheme that moves the fewest bytes per step)
         :param partition: how the entity tables are split over the ``num_shards`` parts (the
             host-embedding strategies): ``"token"`` (rows: BESS's shards; default) or ``"encoding"`` (columns: every
             part holds ``d / num_shards`` coordinates of all entities, every process sees the whole
-            batch; column-separable interactions only, see :mod:`pykeen_bess.tables.encoding`). Default:
-            what ``exchange`` implies
+            batch; see :mod:`pykeen_bess.tables.encoding`). Default: what ``exchange`` implies
         :param corruption: corrupt heads (``"h"``), tails (``"t"``) or both (``"ht"``: the first
             half of every block corrupts heads, the second half tails)
         :param num_negs_per_pos: negatives per positive, a multiple of ``num_shards``; also
@@ -253,7 +253,7 @@ class BessTrainingLoop(LoopParts):
         self.thread_policy = resolve_threads(num_threads, self.device)
         #: how the C library's allocator serves the steps' CPU tensors
         self.host_allocator = resolve_allocator(host_allocator, self.device)
-        self.static_step = check_static_step(static_step)  # None: automatically on CUDA
+        self.static_step = check_static_step(static_step)  # None: wherever the configuration allows
         if self.static_step and self.overrides_process_batch:  # (train() would refuse it, see epoch_steps)
             raise ValueError(
                 f"static_step=True: {type(self).__name__} overrides _process_batch, which only the eager step calls; "

@@ -155,7 +155,8 @@ def resolve_partition(partition: Any, exchange: Any) -> tuple[str, Any]:
     """Return the partition and the exchange scheme (name or class) of a run, checked against each other.
 
     ``partition=None`` follows the scheme (``exchange="encoding"`` is the encoding partition);
-    ``exchange=None`` is the partition's default scheme (``"embedding"``, or ``"encoding"``).
+    ``exchange=None`` is the partition's default scheme (``"embedding"``, or ``"encoding"``, which the encoding
+    partition turns into ``"encoding_lookup"`` for interactions that are not column-separable).
 
     :raises ValueError: for an unknown partition or a scheme of the other partition
     """
@@ -169,7 +170,8 @@ def resolve_partition(partition: Any, exchange: Any) -> tuple[str, Any]:
     if scheme is not None and scheme.partition != partition:
         raise ValueError(
             f"exchange={scheme.get_name()!r} works on the {scheme.partition!r} partition, not partition={partition!r}; "
-            f"with partition='encoding' use exchange='encoding' (or 'auto'), with partition='token' 'embedding', "
+            f"with partition='encoding' use exchange='encoding', 'encoding_lookup' (or 'auto'), with partition='token' "
+            f"'embedding', "
             f"'score' or 'auto'."
         )
     return partition, exchange

@@ -194,7 +194,7 @@ class TokenPartition(TablePartition):
 
 
 class EncodingPartition(TablePartition):
-    """Column parts: every part holds ``d / n`` coordinates of all entities (column-separable models)."""
+    """Column parts: every part holds ``d / n`` coordinates of all entities (partial scores, or whole rows)."""
 
     name = "encoding"
 
