@@ -170,10 +170,10 @@ def choose_partition(
     """With ``exchange="auto"`` and no partition given: the partition whose scheme sends the fewest bytes.
 
     Compares every registered scheme's bytes per step for this batch size (token schemes on ``n``
-    row shards, the encoding scheme on ``n`` column parts of the same batch); the encoding
-    partition is a candidate only where it applies (a column-separable model, no replicas, a fresh
-    training). The loop chooses once, at the first training with a known batch size; the choice and
-    the costs are logged.
+    row shards, the encoding schemes on ``n`` column parts of the same batch); the encoding
+    partition is a candidate only where it applies (a model whose rows split into ``n`` column parts,
+    no replicas, no typed negatives, PyKEEN's checkpoints, a fresh training). The loop chooses once, at
+    the first training with a known batch size; the choice and the costs are logged.
 
     :returns: the chosen partition; None where nothing is to be chosen (a partition or scheme was given,
         or the batch size is not known yet)
