@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import logging
 import mmap
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None  # type: ignore[assignment]
 import os
 import pathlib
 import shutil
@@ -76,6 +81,8 @@ class MmapStorage(TableStorage):
         if dtype not in NUMPY_DTYPES:
             raise TypeError(f"storage='mmap' supports {sorted(map(str, NUMPY_DTYPES))} tables, not {dtype}.")
         file = target = self.path / f"{label}.npy"
+        if target.exists():
+            hold_for_this_process(target)  # refused while another process maps it
         if file.exists() and not self.overwrite:
             if not self.defer_existing:
                 raise FileExistsError(_exists_message(file))
@@ -86,6 +93,8 @@ class MmapStorage(TableStorage):
             step = chunk_rows(array)
             for start in range(0, array.shape[0], step):
                 array[start : start + step] = fill
+        if file == target:
+            hold_for_this_process(target)  # (a file truncated in place keeps its lock)
         tensor = torch.from_numpy(array)
         self.files[_key(tensor)] = file
         self._arrays[_key(tensor)] = array
@@ -123,6 +132,7 @@ class MmapStorage(TableStorage):
             for key, target in deferred.items():
                 os.replace(self.files[key], target)  # the memory map stays valid: it maps the file, not its name
                 self.files[key] = target
+                hold_for_this_process(target, renew=True)  # the lock of the file now under the name
             logger.info("storage='mmap': resuming a checkpoint, its run's files under %s are replaced.", self.path)
             return
         for key in deferred:
@@ -137,6 +147,9 @@ class MmapStorage(TableStorage):
         self._arrays.pop(_key(tensor), None)
         self.deferred.pop(_key(tensor), None)
         if file is not None:
+            descriptor = _HELD.pop(str(file), None)
+            if descriptor is not None:  # (an open descriptor would keep the removed file's blocks)
+                os.close(descriptor)
             file.unlink(missing_ok=True)
 
     def file_of(self, tensor: torch.Tensor) -> pathlib.Path:
@@ -192,6 +205,43 @@ class MmapStorage(TableStorage):
 
     def describe(self) -> str:  # noqa: D102
         return f"mmap ({self.path})"
+
+
+#: the table files the storages of this process map, and the descriptors of their locks (held to the end)
+_HELD: dict[str, int] = {}
+
+
+def hold_for_this_process(file: pathlib.Path, renew: bool = False) -> None:
+    """Hold an exclusive lock (``flock``) on a table file for the rest of the process.
+
+    Another process placing the same table (a second run started with the same ``storage_path``, e.g. the
+    same checkpointed command twice) is refused before it touches the files: resuming would otherwise move
+    its new files over the names the running process maps and snapshots into its checkpoints. The lock
+    goes with the process (also when it is killed); storages of one process share it. Where the platform
+    has no ``fcntl`` (Windows) nothing is locked.
+
+    :param file: an existing table file
+    :param renew: lock the file now under the name (another file replaced the locked one)
+    :raises RuntimeError: if another process holds the lock
+    """
+    if fcntl is None:
+        return
+    key = str(file)
+    if key in _HELD and not renew:
+        return
+    descriptor = os.open(file, os.O_RDONLY)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(descriptor)
+        raise RuntimeError(
+            f"{file} is in use by another process (a second run with the same storage_path?): one process at a "
+            f"time may train a table in files. Wait for the other run, or give this one another storage_path."
+        ) from None
+    previous = _HELD.pop(key, None)
+    if previous is not None:
+        os.close(previous)
+    _HELD[key] = descriptor
 
 
 def _key(tensor: torch.Tensor) -> int:

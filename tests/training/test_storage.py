@@ -890,3 +890,33 @@ def test_the_staging_of_a_gpu_runs_with_its_streams_and_events(nations, tmp_path
     side = [entry for entry in log if "side stream" in entry]
     assert bool(side) == (staged.depth == 2)  # the incoming copies run on the side stream at depth 2 only
     assert "host waits" in log
+
+
+def test_a_second_process_cannot_take_the_table_files_of_a_running_one(tmp_path: pathlib.Path) -> None:
+    """The same checkpointed mmap command started twice: the second is refused before touching the files.
+
+    Resuming would move its new files over the names the running process maps and snapshots into its
+    checkpoints (they then held the second process's tables, with matching digests).
+    """
+    import subprocess
+    import sys
+
+    from pykeen_bess.storage import MmapStorage
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c", (
+            "import sys, torch; from pykeen_bess.storage import MmapStorage; "
+            f"MmapStorage({str(tmp_path)!r}).place('table0', (4, 2), torch.float32); print('ready', flush=True); "
+            "sys.stdin.read()"
+        )],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "ready"
+        with pytest.raises(RuntimeError, match=r"table0\.npy is in use by another process"):
+            MmapStorage(tmp_path, overwrite=True).place("table0", (4, 2), torch.float32)
+        MmapStorage(tmp_path).place("table1", (4, 2), torch.float32)  # other tables are free
+    finally:
+        holder.kill()
+        holder.wait()
+    MmapStorage(tmp_path, overwrite=True).place("table0", (4, 2), torch.float32)  # the lock went with the process
