@@ -16,6 +16,7 @@ import hashlib
 from typing import Any, cast
 
 import torch
+from pykeen.regularizers import Regularizer
 from pykeen.training.training_loop import _get_lr_scheduler_kwargs
 from pykeen.triples import CoreTriplesFactory
 from pykeen.triples.weights import loss_weighter_resolver
@@ -269,7 +270,9 @@ class LoopParts(PyKEENHooks):
             interaction=repr(model.interaction),
             loss=module_settings(model.loss),
             regularizers=[
-                (name, module_settings(module)) for name, module in model.named_modules() if "regularizer" in name
+                (name, module_settings(module))
+                for name, module in model.named_modules()
+                if isinstance(module, Regularizer)
             ],
             entity_initializers=[callable_name(getattr(e, "initializer", None)) for e in self.tables.embeddings],
             loss_weighter=_name(self.loss_weighter),
