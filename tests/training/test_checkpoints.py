@@ -273,3 +273,64 @@ def test_every_rank_keeps_its_own_best_weights_file(tmp_path: pathlib.Path) -> N
     one = Stopper(tmp_path / "best.pt")
     own_best_model_path(one, Ranks(0, world_size=1, is_distributed=False))  # type: ignore[arg-type]
     assert one.best_model_path == tmp_path / "best.pt"
+
+
+def _ended_process() -> int:
+    """Return the id of a process that ran on this machine and has ended."""
+    import subprocess
+    import sys
+
+    process = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(process.stdout)
+
+
+def _plant_temporaries(directory: pathlib.Path, names: list[str]) -> None:
+    for name in names:
+        (directory / name).write_bytes(b"PK\x03\x04 half a checkpoint")
+
+
+def test_a_new_version_removes_the_temporary_files_of_writers_killed_midway(tmp_path: pathlib.Path) -> None:
+    """A process killed while writing leaves ``NAME.tmp-HOST-PID-NS``; the next write removes it if PID has ended.
+
+    Files of running processes, of other machines (a shared directory), of other checkpoints and names this
+    module does not write stay.
+    """
+    import os
+
+    from pykeen_bess.training.checkpoints.files import _host
+
+    host, dead, alive = _host(), _ended_process(), os.getppid()
+    abandoned = [f"run.pt.tmp-{host}-{dead}-1", f"run.pt.v3.rank0-of-2.tmp-{host}-{dead}-2"]
+    kept = [
+        f"run.pt.tmp-{host}-{alive}-3",  # being written by a running process
+        f"run.pt.tmp-another{host}-{dead}-4",  # written on another machine
+        f"other.pt.tmp-{host}-{dead}-5",  # another checkpoint's
+        "run.pt.tmp-123",  # not a name of this module's
+    ]
+    _plant_temporaries(tmp_path, abandoned + kept)
+    (tmp_path / f"run.pt.v3.rank0-of-2.tables-{host}-{dead}-2").mkdir()  # the abandoned file's table copies
+    save_distributed_checkpoint(tmp_path / "run.pt", LocalTopology(1), lambda f: torch.save({}, f), epoch=1, seed=0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["run.pt", "run.pt.v1.rank0-of-1", *kept])
+
+
+def test_a_checkpoint_file_write_removes_abandoned_temporary_files(tmp_path: pathlib.Path) -> None:
+    """The single checkpoint file of one process: its next write removes what a killed writer left."""
+    from pykeen.pipeline import pipeline
+
+    from pykeen_bess.training.checkpoints.files import _host
+
+    abandoned = f"run.pt.tmp-{_host()}-{_ended_process()}-1"
+    _plant_temporaries(tmp_path, [abandoned])
+    pipeline(
+        dataset="nations",
+        model="DistMult",
+        model_kwargs=dict(embedding_dim=8),
+        training_loop="bess",
+        training_kwargs=dict(
+            num_epochs=1, batch_size=256, checkpoint_name="run.pt", checkpoint_directory=tmp_path, use_tqdm=False
+        ),
+        evaluator_kwargs=dict(batch_size=256),
+        evaluation_kwargs=dict(use_tqdm=False),
+        random_seed=0,
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.pt"]

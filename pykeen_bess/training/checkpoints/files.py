@@ -33,6 +33,8 @@ import os
 import pathlib
 import re
 import shutil
+import socket
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -50,10 +52,12 @@ __all__ = [
     "pointer_file",
     "pointer_shards",
     "read_pointer",
+    "remove_abandoned_temporaries",
     "save_distributed_checkpoint",
     "shard_file",
     "stale_tables_directories",
     "tables_directory",
+    "temporary_file",
     "verify_checkpoint",
 ]
 
@@ -65,6 +69,65 @@ POINTER_FORMAT = "pykeen-bess-distributed-checkpoint"
 
 #: the infix of a file that is being written and is renamed into place once complete (``NAME.tmp-TAG``)
 TEMPORARY_INFIX = ".tmp-"
+
+
+def _host() -> str:
+    """Return this machine's name as it may appear in a file name (``[A-Za-z0-9._-]``)."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname()) or "host"
+
+
+def temporary_file(path: pathlib.Path) -> pathlib.Path:
+    """Return the name a file ``path`` is written under before it is renamed into place: ``NAME.tmp-HOST-PID-NS``.
+
+    The machine, the process and the time make it the writer's own (two processes writing one checkpoint never
+    share it), and let a later writer tell an abandoned file from one being written
+    (:func:`remove_abandoned_temporaries`).
+    """
+    return path.with_name(f"{path.name}{TEMPORARY_INFIX}{_host()}-{os.getpid()}-{time.time_ns()}")
+
+
+def _ended(pid: int) -> bool:
+    """Whether no process ``pid`` runs on this machine (a process of another user runs)."""
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, OverflowError, OSError):
+        return False
+    return False
+
+
+def remove_abandoned_temporaries(path: pathlib.Path) -> list[pathlib.Path]:
+    """Remove the temporary files of checkpoint ``path`` whose writer ended before renaming them (killed mid-write).
+
+    A write that fails in the process removes its temporary file itself; a process killed while writing
+    (``SIGKILL``, out of memory, a lost machine) leaves ``NAME.tmp-TAG`` behind, up to a checkpoint's
+    size, and the table copies next to it (``NAME.tables-TAG``, storage="mmap"). Removed are those of the
+    pointer or single file ``NAME`` and of every shard file ``NAME.v{version}.rank{s}-of-{n}[.replica...]``
+    written on this machine (:func:`temporary_file`) by a process that no longer runs; files of other
+    machines (a shared checkpoint directory) and of running processes stay.
+
+    :returns: the temporary files removed
+    """
+    if not path.parent.is_dir():
+        return []
+    pattern = re.compile(
+        rf"^{re.escape(path.name)}(?:\.v\d+\.rank\d+-of-\d+(?:\.replica\d+-of-\d+)?)?"
+        rf"{re.escape(TEMPORARY_INFIX)}{re.escape(_host())}-(\d+)-\d+$"
+    )
+    removed = []
+    for candidate in path.parent.iterdir():
+        match = pattern.match(candidate.name)
+        if match is None or not _ended(int(match.group(1))) or not candidate.is_file():
+            continue
+        candidate.unlink(missing_ok=True)
+        shutil.rmtree(tables_directory(candidate), ignore_errors=True)
+        removed.append(candidate)
+    if removed:
+        logger.info("removed %d temporary checkpoint files of ended processes: %s", len(removed), removed)
+    return removed
 
 
 def tables_directory(file: pathlib.Path) -> pathlib.Path:
@@ -217,14 +280,19 @@ def save_distributed_checkpoint(
         raise ValueError(f"Checkpoint {path} already holds version {committed}; cannot write version {version}.")
     target = shard_file(path, version, shard, n_shard, replica, replicas) if writes else None
     if target is not None:
-        temporary = target.with_name(f"{target.name}{TEMPORARY_INFIX}{os.getpid()}")
-        write_with_digests(temporary, lambda: write_rank_file(temporary))
-        os.replace(temporary, target)
+        temporary = temporary_file(target)
+        try:
+            write_with_digests(temporary, lambda: write_rank_file(temporary))
+            os.replace(temporary, target)
+        except BaseException:
+            temporary.unlink(missing_ok=True)
+            shutil.rmtree(tables_directory(temporary), ignore_errors=True)
+            raise
     topology.barrier()
     if topology.is_main_process:
         if before_pointer is not None:
             before_pointer(version)
-        temporary_pointer = path.with_name(f"{path.name}{TEMPORARY_INFIX}{os.getpid()}")
+        temporary_pointer = temporary_file(path)
         pointer = dict(
             format=POINTER_FORMAT,
             version=version,
@@ -250,6 +318,7 @@ def save_distributed_checkpoint(
         old_file.unlink(missing_ok=True)
         for tables in stale_tables_directories(old_file):
             shutil.rmtree(tables, ignore_errors=True)  # copies of tables in files (storage="mmap")
+    remove_abandoned_temporaries(path)  # (of processes killed while writing)
     return target
 
 

@@ -19,7 +19,7 @@ from pykeen.models import ERModel
 from pykeen.stoppers import Stopper
 from pykeen.triples import CoreTriplesFactory
 
-from .files import POINTER_FORMAT, pointer_shards, read_pointer, save_distributed_checkpoint
+from .files import POINTER_FORMAT, pointer_shards, read_pointer, save_distributed_checkpoint, temporary_file
 from .stores import RankCheckpointStore
 from .checkpointed import CheckpointedLoop
 from ...distributed import Topology
@@ -355,7 +355,7 @@ def prepare_pbg_checkpoint(loop: CheckpointedLoop, train_kwargs: Mapping[str, An
             stopper_dict={},
             pbg_only=True,
         )
-        temporary = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+        temporary = temporary_file(path)
         torch.save(pointer, temporary)
         os.replace(temporary, path)
         logger.info(

@@ -25,7 +25,6 @@ import os
 import pathlib
 import shutil
 import tempfile
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import Any, cast
@@ -45,16 +44,17 @@ from ...tables.column_tables import ColumnShardTables
 from .resharding import ShardFiles, reshard_rank_state, reshard_stored_tables
 from .files import (
     POINTER_FORMAT,
-    TEMPORARY_INFIX,
     latest_own_version,
     peek_file,
     pointer_file,
     pointer_shards,
     read_pointer,
+    remove_abandoned_temporaries,
     save_distributed_checkpoint,
     shard_file,
     stale_tables_directories,
     tables_directory,
+    temporary_file,
     verify_checkpoint,
 )
 
@@ -314,7 +314,7 @@ class FileCheckpointStore(CheckpointStore):
         path = pathlib.Path(path)
         # a name of this process' own: two processes writing one checkpoint must not share a temporary file;
         # tables in files go to a directory named after it, kept only once the checkpoint file is in place
-        temporary = path.with_name(f"{path.name}{TEMPORARY_INFIX}{os.getpid()}-{time.time_ns()}")
+        temporary = temporary_file(path)
         try:
             write_with_digests(
                 temporary, lambda: self.write_state(temporary, stopper, best_epoch_model_file_path, triples_factory)
@@ -330,6 +330,7 @@ class FileCheckpointStore(CheckpointStore):
             for old in stale_tables_directories(path):
                 if old.name != keep:
                     shutil.rmtree(old, ignore_errors=True)
+        remove_abandoned_temporaries(path)  # (of processes killed while writing)
 
     def load(self, path: pathlib.Path, triples_factory: CoreTriplesFactory | None = None) -> Any:  # noqa: D102
         path = pathlib.Path(path)
