@@ -338,6 +338,11 @@ def test_nan_scores():
         ({"mapped_triples": torch.tensor([[0, 1]])}, ValueError, r"shape \[n, 3\]"),
         ({"mapped_triples": torch.tensor([[0.0, 1.0, 2.0]])}, ValueError, "integer"),
         ({"targets": ("relation",)}, NotImplementedError, "relation prediction .* not supported"),
+        (
+            {"restrict_entities_to": [0, 1, 2], "restrict_relations_to": [0], "pre_filtered_triples": False},
+            ValueError,
+            "No evaluation triples remain after restrict_entities_to",
+        ),
         ({"targets": ("head", "middle")}, ValueError, "Unknown evaluation targets"),
         ({"targets": ()}, ValueError, "No evaluation targets"),
         ({"additional_filter_triples": [torch.tensor([[0, 0, 99]])]}, ValueError, "additional_filter_triples"),
@@ -643,3 +648,15 @@ def test_block_size_cache_dies_with_the_model():
     del model
     gc.collect()
     assert len(evaluator._block_sizes) == 0  # a new model that reuses the id cannot find these sizes
+
+
+def test_an_inductive_model_is_refused() -> None:
+    """An inductive model's entities depend on PyKEEN's evaluation mode, which BessEvaluator does not take."""
+    from pykeen.models import InductiveNodePiece
+
+    data = Nations(create_inverse_triples=True)
+    model = InductiveNodePiece(
+        triples_factory=data.training, inference_factory=data.training, num_tokens=3, random_seed=0
+    )
+    with pytest.raises(NotImplementedError, match="transductive models only; InductiveNodePiece is inductive"):
+        BessEvaluator().evaluate(model, data.testing.mapped_triples, use_tqdm=False)
