@@ -55,6 +55,7 @@ __all__ = [
     "count_exactly",
     "finite_by_norms",
     "pykeen_comparisons",
+    "pykeen_pair_scores",
     "ranks_from_counts",
     "subtract_excluded",
     "unique_pairs",
@@ -309,6 +310,43 @@ def pykeen_comparisons(
         larger.index_add_(0, local + begin, (candidate > true).long())
         not_smaller.index_add_(0, local + begin, (candidate >= true).long())
     return larger, not_smaller
+
+
+def pykeen_pair_scores(
+    model: Model, target: str, triples: torch.Tensor, rows: torch.Tensor, entities: torch.Tensor, max_queries: int = 32
+) -> torch.Tensor:
+    """Return PyKEEN's own scores of ``(query, entity)`` pairs, as :func:`pykeen_comparisons` computes them.
+
+    :param model: the model
+    :param target: ``"head"`` or ``"tail"``
+    :param triples: shape: ``[n, 3]``, the queries as triples (the target column is ignored)
+    :param rows: shape: ``[m]``, sorted, the query (row of ``triples``) of each pair
+    :param entities: shape: ``[m]``, the pairs' entities (global ids)
+    :param max_queries: the number of queries per call of PyKEEN's scoring
+    :returns: shape: ``[m]``, the scores (with the model's sigmoid, as ``predict_t`` / ``predict_h``)
+    """
+    column = 2 if target == LABEL_TAIL else 0
+    result = torch.empty(rows.shape[0], dtype=torch.get_default_dtype(), device=rows.device)
+    starts = torch.arange(0, triples.shape[0] + max_queries, max_queries, device=rows.device)
+    boundaries = torch.searchsorted(rows, starts).tolist()
+    for number, (first, last) in enumerate(zip(boundaries[:-1], boundaries[1:])):
+        if first == last:
+            continue
+        begin = number * max_queries
+        chunk = triples[begin : begin + max_queries]
+        # at least two queries and two entities, as in pykeen_comparisons (PyKEEN's broadcast shapes)
+        queries = chunk if chunk.shape[0] > 1 else chunk.repeat(2, 1)
+        ids = torch.cat([queries[:, column], entities[first:last]])
+        if target == LABEL_TAIL:
+            scores = model.predict_t(queries[:, :2], tails=ids)
+        else:
+            scores = model.predict_h(queries[:, 1:], heads=ids)
+        local = rows[first:last] - begin
+        values = scores[local, torch.arange(last - first, device=local.device) + queries.shape[0]]
+        if result.dtype != values.dtype:
+            result = result.to(values.dtype)
+        result[first:last] = values
+    return result
 
 
 def ranks_from_counts(

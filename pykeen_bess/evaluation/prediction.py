@@ -19,6 +19,17 @@ column order). The merge sorts the small ``[B, 2k]`` (or ``[B, n k]``) candidate
 
 Filtered candidates (entities completing a query to one of ``filter_triples``) and NaN scores
 are never returned; a query may therefore get fewer than ``k`` rows.
+
+**PyKEEN's scores decide** (where this process holds the whole model): the blocks are matrix
+products, whose scores differ from PyKEEN's in the last bits (the sums run in another order), so
+two entities PyKEEN scores equally (e.g. equal embeddings) would otherwise be ordered by rounding,
+differently for other slice sizes. After the block loop, every candidate whose block score lies
+within twice the evaluator's tie band (:mod:`~pykeen_bess.evaluation.counting`, ``16 eps (|v| +
+||q|| max ||c||)``) below the query's ``k``-th block score ``v`` is collected in a second pass over
+the blocks: PyKEEN's ``k``-th score is at least ``v`` minus one band, so every entity of PyKEEN's
+top-k is among them. They are scored by PyKEEN's own ``predict_t`` / ``predict_h`` (the shapes of
+its evaluation, as the evaluator's near-ties) and sorted by ``(score desc, id asc)``; the returned
+scores are PyKEEN's.
 """
 
 from __future__ import annotations
@@ -35,10 +46,11 @@ from pykeen.triples import CoreTriplesFactory
 from pykeen.typing import LABEL_HEAD, LABEL_RELATION, LABEL_TAIL
 
 from ..distributed import ProbeTopology, Topology
+from ..tables.representation import ShardedEmbedding
 from .checks import check_triples
-from .counting import unique_pairs
+from .counting import TIE_TOLERANCE, band_scale, pykeen_pair_scores, unique_pairs
 from .filtering import FilterIndex, FilterSide
-from .sharded import ShardedScoring
+from .sharded import ShardedScoring, feature_norms
 from .sizes import choose_block_sizes
 
 __all__ = [
@@ -172,8 +184,12 @@ def predict_top_k(
             batch_size, slice_size = choose_block_sizes(
                 scoring, query_ids.shape[0], batch_size, slice_size, probe, device, memory_budget=memory_budget
             )
+            # PyKEEN's own scores order the candidates near the k-th score where its scoring works here
+            exact = scoring.topology.holds_all_shards and not any(
+                isinstance(r, ShardedEmbedding) and not r.holds_all_shards for r in model.entity_representations
+            )
             results = [
-                _top_k_batch(scoring, index, batch, target, k, slice_size, scoring.topology)
+                _top_k_batch(scoring, index, batch, target, k, slice_size, scoring.topology, pykeen_order=exact)
                 for batch in query_ids.split(batch_size)
             ]
     finally:
@@ -197,9 +213,12 @@ def _top_k_batch(
     slice_size: int,
     topology: Topology,
     max_blocks: int | None = None,
+    pykeen_order: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Top-k of one batch of queries: local running top-k per shard, then an exact merge over shards.
 
+    :param pykeen_order: order the candidates near the ``k``-th score by PyKEEN's own scores (see the module
+        docstring; needs the whole model in this process)
     :returns: scores ``[B, k]``, ids ``[B, k]`` (``-1``: no entity) and the number of NaN scores
     """
     if target == LABEL_TAIL:
@@ -239,7 +258,66 @@ def _top_k_batch(
         gathered_ids.permute(1, 0, 2).reshape(batch_size, -1),
         k,
     )
+    if pykeen_order and max_blocks is None:
+        merged_scores, merged_ids = _in_pykeen_order(
+            scoring, queries, query_index, entities, batch, target, k, slice_size, merged_scores
+        )
     return merged_scores, merged_ids, nan_total
+
+
+def _in_pykeen_order(
+    scoring: ShardedScoring,
+    queries: Any,
+    query_index: torch.Tensor,
+    entities: torch.Tensor,
+    batch: torch.Tensor,
+    target: str,
+    k: int,
+    slice_size: int,
+    block_top_k: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return the top-k by PyKEEN's scores: of every candidate within two bands of the ``k``-th block score.
+
+    :param queries: the batch's queries (as :meth:`ShardedScoring.queries` returns them)
+    :param query_index: shape: ``[m]``, the query of each excluded pair
+    :param entities: shape: ``[m]``, the entity of each excluded pair
+    :param batch: shape: ``[B, 2]``, the query ids
+    :param block_top_k: shape: ``[B, k]``, the block scores of the block loop's top-k (NaN: fewer than ``k``)
+    :returns: PyKEEN's scores ``[B, k]`` and ids ``[B, k]`` (``-1``: no entity), sorted by ``(score desc, id asc)``
+    """
+    batch_size = batch.shape[0]
+    kth = block_top_k[:, -1]
+    candidate_norm = torch.zeros((), dtype=kth.dtype, device=kth.device)
+    for position in range(len(scoring.local_shards)):
+        for _, _, candidates in scoring.candidate_blocks(queries.side, position, slice_size, kth.device):
+            candidate_norm = torch.maximum(candidate_norm, feature_norms(candidates).amax().to(kth.dtype))
+    base, slope = band_scale(kth, feature_norms(queries.features).to(kth.dtype), TIE_TOLERANCE)
+    # fewer than k valid candidates: all of them
+    lower = torch.where(torch.isnan(kth), float("-inf"), kth - 2 * torch.addcmul(base, slope, candidate_norm))
+    rows, ids = [], []
+    for block in scoring.score_blocks(queries, query_index, entities, slice_size):
+        row, column = (block.scores >= lower.unsqueeze(1)).nonzero(as_tuple=True)  # (NaN: excluded or masked)
+        rows.append(row)
+        ids.append(block.ids[column])
+        del block
+    row, entity = torch.cat(rows), torch.cat(ids)
+    order = torch.argsort(row, stable=True)
+    row, entity = row[order], entity[order]
+    placeholder = torch.zeros(batch_size, 1, dtype=torch.long, device=batch.device)
+    triples = torch.cat([batch, placeholder], dim=1) if target == LABEL_TAIL else torch.cat([placeholder, batch], dim=1)
+    scores = pykeen_pair_scores(scoring.model, target, triples.to(row.device), row, entity)
+    valid = ~torch.isnan(scores)
+    row, entity, scores = row[valid], entity[valid], scores[valid]
+    # one padded [B, M] list per query, merged as the block loop's lists
+    counts = torch.bincount(row, minlength=batch_size)
+    width = max(int(counts.max()) if counts.numel() else 0, 1)
+    slot = torch.arange(row.shape[0], device=row.device) - (torch.cumsum(counts, 0) - counts)[row]
+    padded_scores = scores.new_full((batch_size, width), float("nan"))
+    padded_ids = torch.full((batch_size, width), -1, dtype=torch.long, device=row.device)
+    padded_scores[row, slot] = scores
+    padded_ids[row, slot] = entity
+    merged_scores, merged_ids = merge_top_k(padded_scores, padded_ids, k)
+    return _pad(merged_scores, k, float("nan")), _pad(merged_ids, k, -1)
 
 
 def _pad(x: torch.Tensor, k: int, value: float) -> torch.Tensor:
