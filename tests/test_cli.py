@@ -513,3 +513,75 @@ def test_static_step_flag_sets_the_loop_option() -> None:
         assert kwargs["training_loop_kwargs"]["static_step"] is expected
     kwargs = pipeline_kwargs(build_parser().parse_args(["train", "--static-step", "auto"]))
     assert kwargs["training_loop_kwargs"]["static_step"] is None
+
+
+def test_a_config_keeps_the_loops_defaults_and_its_negatives_yield_to_the_flag(tmp_path: pathlib.Path) -> None:
+    """A configuration trains as pipeline_from_path would (no command-line shard default); --negatives wins.
+
+    HPO's best configurations hold ``training_kwargs.num_negs_per_pos``, which the loop's ``train`` reads.
+    """
+    path = tmp_path / "config.json"
+    pipeline = dict(dataset="nations", model="DistMult", training_loop="bess", training_kwargs=dict(num_negs_per_pos=4))
+    path.write_text(json.dumps(dict(pipeline=pipeline)))
+    kwargs = pipeline_kwargs(build_parser().parse_args(["train", "--config", str(path), "--negatives", "16"]))
+    assert "num_shards" not in kwargs["training_loop_kwargs"]
+    assert kwargs["training_kwargs"]["num_negs_per_pos"] == 16
+    assert kwargs["negative_sampler_kwargs"]["num_negs_per_pos"] == 16
+    assert pipeline_kwargs(build_parser().parse_args(["train"]))["training_loop_kwargs"]["num_shards"] == 2
+
+
+def test_a_rerun_from_metadata_repeats_a_run_without_a_seed(
+    capsys: pytest.CaptureFixture, tmp_path: pathlib.Path
+) -> None:
+    """metadata.json records the seed pipeline() drew, so a configuration without one reruns the same."""
+    path = tmp_path / "config.json"
+    pipeline = dict(
+        dataset="nations",
+        model="DistMult",
+        model_kwargs=dict(embedding_dim=8),
+        training_loop="bess",
+        training_kwargs=dict(num_epochs=2, batch_size=128),
+    )
+    path.write_text(json.dumps(dict(pipeline=pipeline)))
+    code, first, err = run(capsys, "--config", str(path), "--output", str(tmp_path / "one"), "--quiet", "--json")
+    assert code == 0, err
+    seed = json.loads((tmp_path / "one" / "metadata.json").read_text())["pipeline"]["random_seed"]
+    assert isinstance(seed, int)
+    again = str(tmp_path / "one" / "metadata.json")
+    code, second, err = run(capsys, "--config", again, "--output", str(tmp_path / "two"), "--quiet", "--json")
+    assert code == 0, err
+    assert json.loads(first) == json.loads(second)
+
+
+def test_outputs_and_export_are_checked_before_training(capsys: pytest.CaptureFixture, tmp_path: pathlib.Path) -> None:
+    """An output path that is a file, a model PyTorch-BigGraph cannot express, bad stopper values: before any epoch."""
+    (tmp_path / "file").write_text("")
+    code, _, err = run(capsys, *FAST, "--output", str(tmp_path / "file"))
+    assert code == 2 and "--output" in err and "is a file" in err
+    code, _, err = run(capsys, *FAST, "--export-pbg", str(tmp_path / "file"))
+    assert code == 2 and "--export-pbg" in err and "is a file" in err
+    losses: list[list[float]] = []
+    original = BessTrainingLoop._train
+
+    def recorded(self, *args, **kwargs):
+        losses.append(original(self, *args, **kwargs))  # (not reached: refused)
+        return losses[-1]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(BessTrainingLoop, "_train", recorded)
+        code, _, err = run(capsys, *FAST, "--model", "TransE", "--export-pbg", str(tmp_path / "exported"))
+    assert code == 2 and "--export-pbg: PyTorch-BigGraph cannot express TransE" in err and "p=1" in err
+    assert losses == [] and not list((tmp_path / "exported").iterdir())  # refused when training started
+    for flag, value, least in (("--stopper-frequency", "0", 1), ("--stopper-patience", "-1", 0)):
+        code, _, err = run(capsys, *FAST, "--early-stopping", flag, value)
+        assert code == 2 and f"{flag} must be at least {least}" in err
+
+
+def test_storage_kwargs_and_memory_budget_flags(tmp_path: pathlib.Path) -> None:
+    """Every loop option has a flag: the storage tier's options and the memory budget too."""
+    args = build_parser().parse_args(
+        ["train", "--storage", "mmap", "--storage-path", str(tmp_path), "--storage-kwargs", '{"overwrite": true}']
+        + ["--memory-budget", "100000000"]
+    )
+    loop = pipeline_kwargs(args)["training_loop_kwargs"]
+    assert loop["storage_kwargs"] == {"overwrite": True} and loop["memory_budget"] == 100_000_000

@@ -23,13 +23,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import pathlib
 import sys
 import traceback
 from collections.abc import Sequence
 from typing import Any
 
-from .pbg import add_pbg_command, export_pbg, run_pbg
+from .pbg import add_pbg_command, export_check, export_pbg, run_pbg
 from .files import UsageError, load_config, load_dataset, run_metadata
 from .options import DEFAULTS, pipeline_kwargs
 
@@ -188,6 +189,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bess.add_argument("--storage-path", help="the (existing) directory of --storage mmap's files")
     bess.add_argument(
+        "--storage-kwargs",
+        type=_json_object,
+        help="more options of the storage tier as JSON, e.g. '{\"overwrite\": true}' (replace an earlier run's files)",
+    )
+    bess.add_argument(
+        "--memory-budget",
+        type=int,
+        help="bytes the compute device may use: the peak of a memory probe (default: half the available memory on "
+        "the CPU; on a GPU, out-of-memory errors decide); see the options reference",
+    )
+    bess.add_argument(
         "--dense-updates",
         action="store_true",
         help="update the entity tables densely (any optimizer, slower) instead of row-sparsely",
@@ -281,8 +293,22 @@ def train(args: argparse.Namespace) -> tuple[dict[str, float], bool]:
     group = init_from_environment()
     kwargs = pipeline_kwargs(args, in_group=group is not None)
     kwargs["device"] = _available_device(kwargs.get("device"))
+    for flag in ("output", "export_pbg"):  # before training: a run must not end in an unwritable path
+        if flag in args:
+            _check_output_directory(getattr(args, flag), flag)
+    if "export_pbg" in args:
+        training = kwargs.setdefault("training_kwargs", {})
+        if "callbacks_kwargs" not in training:  # (else the model is checked when it is exported)
+            callbacks = training.get("callbacks")
+            given = (
+                [] if callbacks is None else list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
+            )
+            training["callbacks"] = [*given, export_check()]
     kwargs["metadata"] = {**run_metadata(kwargs, args), **(kwargs.get("metadata") or {})}
     result = pipeline(**kwargs)
+    recorded = result.metadata.get("pipeline") if isinstance(result.metadata, dict) else None
+    if isinstance(recorded, dict):  # the seed pipeline() used (drawn, or a resumed checkpoint's): reruns repeat it
+        recorded["random_seed"] = result.random_seed
     if "output" in args:
         from ..distributed import save_to_directory
 
@@ -291,6 +317,22 @@ def train(args: argparse.Namespace) -> tuple[dict[str, float], bool]:
         export_pbg(result, args.export_pbg)
     topology = getattr(result.training_loop, "topology", None)
     return dict(result.metric_results.to_flat_dict()), topology is None or topology.is_main_process
+
+
+def _check_output_directory(path: pathlib.Path, flag: str) -> None:
+    """Create an output directory before training (it may exist).
+
+    :raises UsageError: if it is a file or cannot be created
+    """
+    option = "--" + flag.replace("_", "-")
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{option} {path} is a file, not a directory.")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UsageError(f"{option} {path} cannot be created: {error}") from None
+    if not os.access(path, os.W_OK):
+        raise UsageError(f"{option} {path} is not writable.")
 
 
 def _available_device(device: Any) -> Any:

@@ -76,7 +76,8 @@ def pipeline_kwargs(args: argparse.Namespace, in_group: bool = False) -> dict[st
     :raises UsageError: for inconsistent options
     """
     given = vars(args)
-    if "config" in given:
+    from_config = "config" in given
+    if from_config:
         settings: dict[str, Any] = {}
         kwargs = _PipelineKwargs(load_config(given["config"]))
     else:
@@ -85,7 +86,7 @@ def pipeline_kwargs(args: argparse.Namespace, in_group: bool = False) -> dict[st
     settings.update({key: value for key, value in given.items() if key not in {"command", "config"}})
     _set_dataset(settings, given, kwargs)
     _set_model(settings, kwargs)
-    _set_bess(settings, kwargs, in_group)
+    _set_bess(settings, kwargs, in_group, from_config)
     _set_training(settings, kwargs)
     _set_stopper(settings, kwargs)
     _set_host(settings, kwargs)
@@ -139,11 +140,17 @@ _LOOP_OPTIONS = (
     "exchange",
     "corruption",
     "loss_weighter",
+    "storage_kwargs",
+    "memory_budget",
 )
 
 
-def _set_bess(settings: dict[str, Any], kwargs: _PipelineKwargs, in_group: bool) -> None:
-    """Set the training loop's options: shards, replicas, storage, partition, negatives, updates."""
+def _set_bess(settings: dict[str, Any], kwargs: _PipelineKwargs, in_group: bool, from_config: bool = False) -> None:
+    """Set the training loop's options: shards, replicas, storage, partition, negatives, updates.
+
+    Without ``--config`` (and outside a process group) the command line trains 2 shards unless told otherwise;
+    a configuration keeps the loop's own default, as ``pipeline_from_path`` would.
+    """
     replicated = "replicas" in settings or "replica_grouping" in settings
     if "num_shards" in settings:
         if in_group and not replicated:
@@ -152,7 +159,7 @@ def _set_bess(settings: dict[str, Any], kwargs: _PipelineKwargs, in_group: bool)
                 "replicas every rank holds one shard."
             )
         kwargs.set("training_loop_kwargs", settings["num_shards"], "num_shards")
-    elif not in_group and "num_shards" not in kwargs.inner("training_loop_kwargs"):
+    elif not in_group and not from_config and "num_shards" not in kwargs.inner("training_loop_kwargs"):
         kwargs.set("training_loop_kwargs", 2, "num_shards")
     for flag in _LOOP_OPTIONS:
         if flag in settings:
@@ -166,6 +173,8 @@ def _set_bess(settings: dict[str, Any], kwargs: _PipelineKwargs, in_group: bool)
         kwargs.set("training_loop_kwargs", {"on": True, "off": False}.get(settings["static_step"]), "static_step")
     if "negatives" in settings:
         kwargs.set("negative_sampler_kwargs", settings["negatives"], "num_negs_per_pos")
+        if "num_negs_per_pos" in kwargs.inner("training_kwargs"):  # (HPO's best configurations have it there)
+            kwargs.set("training_kwargs", settings["negatives"], "num_negs_per_pos")
 
 
 def _negatives(settings: dict[str, Any]) -> str | None:
@@ -206,6 +215,9 @@ def _set_stopper(settings: dict[str, Any], kwargs: _PipelineKwargs) -> None:
     stopper_flags = {"stopper_frequency": "frequency", "stopper_patience": "patience", "stopper_metric": "metric"}
     for flag, key in stopper_flags.items():
         if flag in settings:
+            least = {"stopper_frequency": 1, "stopper_patience": 0}.get(flag)
+            if least is not None and settings[flag] < least:
+                raise UsageError(f"--{flag.replace('_', '-')} must be at least {least}, not {settings[flag]}.")
             if kwargs.kwargs.get("stopper") is None:
                 raise UsageError(f"--{flag.replace('_', '-')} needs --early-stopping.")
             kwargs.set("stopper_kwargs", settings[flag], key)

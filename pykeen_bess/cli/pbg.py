@@ -101,6 +101,27 @@ def use_pbg_graph(settings: dict[str, Any], given: Mapping[str, Any], kwargs: di
             settings.pop("dim", None)
 
 
+def export_check() -> Any:
+    """Return a training callback that checks, before the first epoch, that ``--export-pbg`` can export the model.
+
+    :raises UsageError: (when the loop registers it) if PyTorch-BigGraph cannot express the model
+    """
+    from pykeen.training.callbacks import TrainingCallback
+
+    from .files import UsageError
+    from ..pbg.conversion import conversion_for_model
+
+    class ExportCheck(TrainingCallback):
+        def register_training_loop(self, training_loop: Any) -> None:
+            super().register_training_loop(training_loop)
+            try:
+                conversion_for_model(training_loop.model)
+            except ValueError as error:
+                raise UsageError(f"--export-pbg: {error}") from None
+
+    return ExportCheck()
+
+
 def export_pbg(result: Any, directory: pathlib.Path) -> None:
     """``train --export-pbg``: write the pipeline's trained model as a PyTorch-BigGraph checkpoint."""
     from ..pbg.checkpoint import write_checkpoint

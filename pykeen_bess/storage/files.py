@@ -251,7 +251,7 @@ def _key(tensor: torch.Tensor) -> int:
 def _exists_message(file: pathlib.Path) -> str:
     return (
         f"{file} exists (from an earlier run?). Remove it, use another storage_path, or pass "
-        f"storage_kwargs=dict(overwrite=True)."
+        "storage_kwargs=dict(overwrite=True) (on the command line: --storage-kwargs '{\"overwrite\": true}')."
     )
 
 
