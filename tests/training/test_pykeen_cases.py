@@ -239,3 +239,41 @@ def test_batch_norm_model_error_type(factory: CoreTriplesFactory) -> None:
     for error in (NotImplementedError, ValueError, UnsupportedModelError):
         with pytest.raises(error, match="batch normalization"):
             BessTrainingLoop(model=model, triples_factory=factory)
+
+
+@pytest.mark.parametrize(
+    ("model_kwargs", "match"),
+    [
+        (dict(regularizer="normlimit", regularizer_kwargs=dict(max_norm=0.1)), r"NormLimitRegularizer\(dim=-1\)"),
+        (dict(regularizer="lp", regularizer_kwargs=dict(dim=0)), r"LpRegularizer\(dim=0\)"),
+        (dict(regularizer="lp", regularizer_kwargs=dict(apply_only_once=True)), "apply_only_once=True"),
+    ],
+)
+def test_regularizers_bess_cannot_weigh_are_refused(factory: CoreTriplesFactory, model_kwargs, match) -> None:
+    """BESS weighs a step's rows as PyKEEN's per-row-mean regularizers; others would be weighted otherwise, silently.
+
+    (A NormLimitRegularizer sums over rows, an LpRegularizer over dim=0 averages columns, apply_only_once counts
+    only the first lookup of a batch.)
+    """
+    from pykeen.models import DistMult
+
+    model = DistMult(triples_factory=factory, random_seed=0, **model_kwargs)
+    with pytest.raises(UnsupportedModelError, match=match):
+        BessTrainingLoop(model=model, triples_factory=factory)
+
+
+def test_relation_regularizers_applied_once_are_refused(factory: CoreTriplesFactory) -> None:
+    """apply_only_once on a relation table: refused as on entity tables (it was accepted and ignored)."""
+    from pykeen.models import ERModel
+
+    model = ERModel(
+        triples_factory=factory,
+        interaction="DistMult",
+        entity_representations_kwargs=dict(shape=8),
+        relation_representations_kwargs=dict(
+            shape=8, regularizer="lp", regularizer_kwargs=dict(apply_only_once=True, weight=1.0)
+        ),
+        random_seed=0,
+    )
+    with pytest.raises(UnsupportedModelError, match="apply_only_once=True"):
+        BessTrainingLoop(model=model, triples_factory=factory)

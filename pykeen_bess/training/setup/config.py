@@ -13,13 +13,19 @@ import logging
 import math
 import numbers
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from class_resolver import HintOrType, OptionalKwargs
 from pykeen.models import ERModel, Model
 from pykeen.nn.representation import Embedding
-from pykeen.regularizers import NoRegularizer, Regularizer
+from pykeen.regularizers import (
+    CombinedRegularizer,
+    LpRegularizer,
+    NoRegularizer,
+    PowerSumRegularizer,
+    Regularizer,
+)
 from pykeen.sampling import BasicNegativeSampler, NegativeSampler, negative_sampler_resolver
 from pykeen.triples import CoreTriplesFactory
 from pykeen.utils import get_batchnorm_modules
@@ -281,13 +287,19 @@ def check_model(model: Model) -> list[Embedding]:
                 f"entity table every step, which is never in one place under BESS. Give it weight 0 (for TransH: "
                 f"model_kwargs=dict(regularizer='normlimit', regularizer_kwargs=dict(weight=0.0)))."
             )
-    for representation in embeddings:
-        regularizer = representation.regularizer
+    for representation in [*embeddings, *model.relation_representations]:
+        regularizer = getattr(representation, "regularizer", None)
         if regularizer is not None and regularizer.apply_only_once:
             raise UnsupportedModelError(
-                f"BESS does not support regularizers with apply_only_once=True on entity representations "
-                f"({type(regularizer).__name__} of {type(model).__name__}): PyKEEN applies them to the first lookup of "
-                f"a batch only, which has no counterpart in a step split over shards."
+                f"BESS does not support regularizers with apply_only_once=True ({type(regularizer).__name__} of "
+                f"{type(model).__name__}'s {type(representation).__name__}): PyKEEN applies them to the first "
+                f"lookup of a batch only, which has no counterpart in a step split over shards."
+            )
+        if regularizer is not None and bool(regularizer.weight) and not _row_mean(regularizer):
+            raise UnsupportedModelError(
+                f"BESS cannot apply {type(model).__name__}'s {describe_regularizer(regularizer)}: it weighs the rows "
+                f"of a step as PyKEEN's regularizers that average one value per row (LpRegularizer and "
+                f"PowerSumRegularizer over dim=-1, and combinations of them), which this one does not."
             )
     if get_batchnorm_modules(model):
         raise UnsupportedModelError(
@@ -295,6 +307,22 @@ def check_model(model: Model) -> list[Embedding]:
             f"depend on how a step is split into blocks."
         )
     return embeddings  # type: ignore[return-value]
+
+
+def _row_mean(regularizer: Regularizer) -> bool:
+    """Whether a regularizer's term is the mean of one value per row (what BESS's step weighs by rows)."""
+    if isinstance(regularizer, NoRegularizer):
+        return True
+    if type(regularizer).forward is CombinedRegularizer.forward:
+        return all(_row_mean(part) for part in cast(Any, regularizer).regularizers)
+    per_row = type(regularizer).forward in (LpRegularizer.forward, PowerSumRegularizer.forward)
+    return per_row and getattr(regularizer, "dim", None) == -1
+
+
+def describe_regularizer(regularizer: Regularizer) -> str:
+    """Name a regularizer with the settings that decide whether BESS can apply it."""
+    dim = getattr(regularizer, "dim", None)
+    return f"{type(regularizer).__name__}" + (f"(dim={dim})" if dim is not None else "")
 
 
 def check_triples_fit_model(triples_factory: CoreTriplesFactory, model: Model) -> None:
