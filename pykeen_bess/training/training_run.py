@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import pathlib
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +20,8 @@ import torch
 from pykeen.stoppers import Stopper
 from pykeen.trackers import ResultTracker
 from pykeen.training.callbacks import (
+    GradientAbsClippingTrainingCallback,
+    GradientNormClippingTrainingCallback,
     LearningRateSchedulerTrainingCallback,
     MultiTrainingCallback,
     StopperTrainingCallback,
@@ -259,7 +262,28 @@ def register_step_callbacks(
     """Difference 3: BESS's optimizer step (gradients of gathered rows to the tables, global-norm clipping).
 
     The static step updates and clips within the step; the eager step's optimizer step is a callback.
+
+    :raises ValueError: for PyKEEN's gradient-clipping callbacks (their ``pre_step`` edits the gradients
+        ``optimizer.step()`` would read: the static step has applied them before the callbacks run, the eager
+        step's row gradients are sparse), unless the eager step updates densely; under the static step other
+        callbacks with a ``pre_step`` get a warning
     """
+    for given in callback.callbacks:
+        clipping_callback = (GradientNormClippingTrainingCallback, GradientAbsClippingTrainingCallback)
+        if isinstance(given, clipping_callback) and not (eager and not sparse_updates):
+            option = "max_norm" if isinstance(given, GradientNormClippingTrainingCallback) else "max_abs_value"
+            raise ValueError(
+                f"{type(given).__name__} clips the gradients before optimizer.step(), which BESS's steps do not "
+                f"call (they update the tables themselves): pass training_kwargs=dict(gradient_clipping_{option}=...) "
+                "instead, which BESS applies to every step's gradients (over all shards)."
+            )
+        if not eager and type(given).pre_step is not TrainingCallback.pre_step:
+            warnings.warn(
+                f"{type(given).__name__}.pre_step runs after BESS's update of the step (the gradients have been "
+                "applied): changing gradients there has no effect.",
+                UserWarning,
+                stacklevel=2,
+            )
     if eager:
         pre_step: list[TrainingCallback] = []
         if clipping.max_norm is not None:

@@ -277,3 +277,33 @@ def test_relation_regularizers_applied_once_are_refused(factory: CoreTriplesFact
     )
     with pytest.raises(UnsupportedModelError, match="apply_only_once=True"):
         BessTrainingLoop(model=model, triples_factory=factory)
+
+
+@pytest.mark.parametrize("static_step", [True, False])
+def test_pykeens_clipping_callbacks_are_refused(factory: CoreTriplesFactory, static_step: bool) -> None:
+    """PyKEEN's clipping callbacks edit gradients before optimizer.step(), which BESS's steps never call.
+
+    The static step ignored them silently (its update had consumed the gradients); the eager step's sparse row
+    gradients crashed them. The training kwargs clip every step's gradients instead.
+    """
+    from pykeen.training.callbacks import GradientAbsClippingTrainingCallback, GradientNormClippingTrainingCallback
+
+    for callback, option in (
+        (GradientNormClippingTrainingCallback(max_norm=1e-6), "gradient_clipping_max_norm"),
+        (GradientAbsClippingTrainingCallback(clip_value=1e-6), "gradient_clipping_max_abs_value"),
+    ):
+        loop = make_loop(factory, static_step=static_step)
+        with pytest.raises(ValueError, match=option):
+            loop.train(factory, num_epochs=1, batch_size=256, use_tqdm=False, callbacks=callback)
+
+
+def test_a_pre_step_hook_under_the_static_step_is_warned_about(factory: CoreTriplesFactory) -> None:
+    """A callback's pre_step runs after the static step's update: changing gradients there has no effect."""
+
+    class Hook(TrainingCallback):
+        def pre_step(self, **kwargs) -> None:
+            pass
+
+    loop = make_loop(factory, static_step=True)
+    with pytest.warns(UserWarning, match="Hook.pre_step runs after BESS's update"):
+        loop.train(factory, num_epochs=1, batch_size=256, use_tqdm=False, callbacks=Hook())
