@@ -294,3 +294,19 @@ def test_an_epoch_drawn_at_once_or_from_device_draws_equals_the_step_by_step_epo
                 assert not bool(expected.valid.all())
                 for name in fields:
                     assert torch.equal(getattr(rest[step - start], name), getattr(expected, name)), name
+
+
+@pytest.mark.parametrize(
+    ("block_size", "heads", "warned"), [(1, 0, True), (2, 1, False), (3, 1, True), (57, 28, False)]
+)
+def test_small_odd_blocks_say_how_few_heads_ht_corrupts(block_size: int, heads: int, warned: bool) -> None:
+    """corruption='ht' splits a block's slots b // 2 : b - b // 2; one slot corrupts no head: said, not silent."""
+    import warnings
+
+    from pykeen_bess.data.slots import head_slots
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert head_slots(block_size, "ht") == heads
+        assert head_slots(block_size, "h") == block_size and head_slots(block_size, "t") == 0
+    assert bool([w for w in caught if "corruption='ht'" in str(w.message)]) == warned

@@ -54,7 +54,7 @@ from typing import Literal
 import torch
 
 from .batch import BessBatch, EpochDraws, EpochPlan
-from .slots import slot_offsets
+from .slots import head_slots, slot_offsets
 from .partition import ShardPairPartition
 from .seeds import derive_seed
 
@@ -127,12 +127,7 @@ class BessSampler:
         self.num_negs_per_pos = int(num_negs_per_pos)
         self.corruption = corruption
         self.seed = int(seed)
-        if corruption == "h":
-            self.num_head_corrupted = self.block_size
-        elif corruption == "t":
-            self.num_head_corrupted = 0
-        else:
-            self.num_head_corrupted = self.block_size // 2
+        self.num_head_corrupted = head_slots(self.block_size, corruption)
         self._counts = partition.pair_counts.view(-1)
         self._shard_counts = partition.sharding.shard_counts
 

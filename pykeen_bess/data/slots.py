@@ -2,9 +2,37 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
-__all__ = ["slot_offsets"]
+__all__ = ["head_slots", "slot_offsets"]
+
+#: with corruption ``"ht"``, blocks of an odd size below this corrupt heads visibly less often than tails
+#: (``(b - 1) / 2b``: 0% for one slot, 33% for three, ... 44% for nine) and are warned about
+UNEVEN_BELOW = 10
+
+
+def head_slots(block_size: int, corruption: str) -> int:
+    """Return how many leading slots of a block corrupt the head: all (``"h"``), none (``"t"``), ``b // 2`` (``"ht"``).
+
+    With ``"ht"`` and an odd block size below :data:`UNEVEN_BELOW` (one slot: no head corrupted at all) a
+    warning says the share, since PyKEEN's sampler corrupts both sides equally.
+    """
+    if corruption == "h":
+        return block_size
+    if corruption == "t":
+        return 0
+    heads = block_size // 2
+    if block_size % 2 and block_size < UNEVEN_BELOW:
+        warnings.warn(
+            f"corruption='ht' with blocks of {block_size} slots: {heads} of each full block's slots corrupt the head, "
+            f"{heads / block_size:.0%} of the positives (PyKEEN's sampler: 50%). A batch size that gives blocks of "
+            "an even size (a multiple of 2 num_shards^2) corrupts both sides equally.",
+            UserWarning,
+            stacklevel=3,
+        )
+    return heads
 
 
 def slot_offsets(real: torch.Tensor, block_size: int, num_head_corrupted: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,12 +7,15 @@ from typing import Any
 
 import numpy as np
 import torch
+from pykeen.models import ERModel, InductiveERModel
 from pykeen.typing import LABEL_HEAD, LABEL_RELATION, LABEL_TAIL
 
 __all__ = [
     "ENTITY_TARGETS",
     "check_filter_triples",
     "check_ids",
+    "check_model",
+    "check_restricted",
     "check_targets",
     "check_triples",
 ]
@@ -82,6 +85,31 @@ def _id_bounds(triples: torch.Tensor) -> tuple[int, int, int, int]:
         return lowest_entity, highest_entity, lowest_relation, int(array[:, 1].max())
     low, high = (bounds.tolist() for bounds in torch.aminmax(triples, dim=0))
     return min(low[0], low[2]), max(high[0], high[2]), low[1], high[1]
+
+
+def check_model(model: Any) -> ERModel:
+    """Return the model, checked to be a transductive :class:`~pykeen.models.ERModel`.
+
+    :raises TypeError: for another model
+    :raises NotImplementedError: for an inductive model (its entities depend on PyKEEN's evaluation mode)
+    """
+    if not isinstance(model, ERModel):
+        raise TypeError(f"BessEvaluator needs a pykeen.models.ERModel, not {type(model).__name__}.")
+    if isinstance(model, InductiveERModel):
+        raise NotImplementedError(
+            f"BessEvaluator evaluates transductive models only; {type(model).__name__} is inductive (its "
+            "entities depend on the evaluation mode): use PyKEEN's RankBasedEvaluator(mode=...)."
+        )
+    return model
+
+
+def check_restricted(mapped_triples: torch.Tensor) -> None:
+    """Raise a :class:`ValueError` if PyKEEN's restriction to entities and relations kept no triple."""
+    if mapped_triples.shape[0] == 0:
+        raise ValueError(
+            "No evaluation triples remain after restrict_entities_to / restrict_relations_to: there is nothing "
+            "to evaluate."
+        )
 
 
 def check_targets(targets: Collection[str]) -> tuple[str, ...]:

@@ -68,7 +68,7 @@ from typing import Any, cast
 import torch
 from pykeen.evaluation import RankBasedEvaluator
 from pykeen.evaluation.rank_based_evaluator import RankBasedMetricResults
-from pykeen.models import ERModel, InductiveERModel, Model
+from pykeen.models import ERModel, Model
 from pykeen.typing import LABEL_HEAD, LABEL_TAIL, Target
 from tqdm.autonotebook import tqdm
 
@@ -76,7 +76,7 @@ from ..runtime.allocator import AllocatorHint, resolve_allocator
 from ..distributed import ProbeTopology, ProcessGroupHint, join_torchrun_group
 from ..runtime.threads import ThreadPolicy, ThreadsHint, resolve_threads
 from ..tables.representation import ShardedEmbedding
-from .checks import check_filter_triples, check_ids, check_targets, check_triples
+from .checks import check_filter_triples, check_ids, check_model, check_restricted, check_targets, check_triples
 from .counting import TIE_TOLERANCE
 from .coefficients import CoefficientCache
 from .excluded import ExcludedPairsCache
@@ -211,13 +211,7 @@ class BessEvaluator(RankBasedEvaluator):
         """
         self._entered = time.perf_counter()
         targets = check_targets(targets)
-        if not isinstance(model, ERModel):
-            raise TypeError(f"BessEvaluator needs a pykeen.models.ERModel, not {type(model).__name__}.")
-        if isinstance(model, InductiveERModel):  # its entity representations differ by mode: PyKEEN's evaluator
-            raise NotImplementedError(
-                f"BessEvaluator evaluates transductive models only; {type(model).__name__} is inductive (its "
-                "entities depend on the evaluation mode): use PyKEEN's RankBasedEvaluator(mode=...)."
-            )
+        model = check_model(model)
         num_relations = model.num_real_relations
         mapped_triples = check_triples(mapped_triples, model.num_entities, num_relations, "mapped_triples")
         given = additional_filter_triples is not None
@@ -272,11 +266,7 @@ class BessEvaluator(RankBasedEvaluator):
     ) -> RankBasedMetricResults:
         """Evaluate on one device (called by PyKEEN's :meth:`~pykeen.evaluation.Evaluator.evaluate`)."""
         assert isinstance(model, ERModel)
-        if mapped_triples.shape[0] == 0:  # (PyKEEN's restriction to entities and relations kept none)
-            raise ValueError(
-                "No evaluation triples remain after restrict_entities_to / restrict_relations_to: there is nothing "
-                "to evaluate."
-            )
+        check_restricted(mapped_triples)
         was_training = model.training
         model.eval()
         model.to(device)

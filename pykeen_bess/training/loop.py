@@ -131,7 +131,8 @@ class BessTrainingLoop(LoopParts):
             part holds ``d / num_shards`` coordinates of all entities, every process sees the whole
             batch; see :mod:`pykeen_bess.tables.encoding`). Default: what ``exchange`` implies
         :param corruption: corrupt heads (``"h"``), tails (``"t"``) or both (``"ht"``: the first
-            half of every block corrupts heads, the second half tails)
+            half of every block corrupts heads, the second half tails; a block of an odd size ``b`` has
+            ``b // 2`` head slots, none for one slot: small odd blocks are warned about)
         :param num_negs_per_pos: negatives per positive, a multiple of ``num_shards``; also
             accepted from ``negative_sampler_kwargs`` (what ``pipeline()`` passes) and as a
             ``train()`` argument (what HPO tunes). Default: 64 rounded up to a multiple of
