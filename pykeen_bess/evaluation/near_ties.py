@@ -9,6 +9,11 @@ compared by PyKEEN's scores, and a query with non-finite scores an element-by-el
   :func:`resolve_collected` compares them, without scoring any query again;
 * otherwise (and for non-finite scores) :func:`rank_again` scores the flagged queries again, in
   chunks, collecting the band's candidates (or counting exactly).
+
+Queries with non-finite scores, where this process holds the whole model, are counted by PyKEEN's own
+full score rows instead (:func:`count_by_pykeen_rows`): whether a score overflows, becomes infinite or
+NaN depends on how it is computed (a distance's norm expansion turns PyKEEN's ``-inf`` into
+``inf - inf = NaN``), so only PyKEEN's scores give PyKEEN's ranks there.
 """
 
 from __future__ import annotations
@@ -23,7 +28,10 @@ from .counting import band_bounds, band_scale, count_block, count_exactly, pykee
 from .excluded import ExcludedPairs
 from .sharded import ShardedScoring, feature_norms
 
-__all__ = ["band_candidates", "comparison_queries", "rank_again", "resolve_collected"]
+__all__ = ["band_candidates", "comparison_queries", "count_by_pykeen_rows", "rank_again", "resolve_collected"]
+
+#: the most scores of PyKEEN's full rows held at once when queries with non-finite scores are counted by them
+PYKEEN_ROW_SCORES = 2**24
 
 
 def comparison_queries(device: torch.device) -> int:
@@ -201,3 +209,49 @@ def rank_again(
         counts[0] += larger
         counts[1] += not_smaller
     return counts
+
+
+def count_by_pykeen_rows(
+    scoring: ShardedScoring, triples: torch.Tensor, target: str, queries_index: torch.Tensor, pairs: ExcludedPairs
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Count some queries by PyKEEN's own full score rows, element by element (whole model in this process).
+
+    The rows come from :meth:`pykeen.models.Model.predict_t` / :meth:`~pykeen.models.Model.predict_h` of all
+    entities (PyKEEN's evaluation shapes, at least two queries per call), restricted to the candidates; the
+    excluded pairs (filtered, the true entity) are left out, and the true score is taken from the same row.
+
+    :param triples: shape: ``[n, 3]``, the queries' triples
+    :param queries_index: shape: ``[n]``, their global query indices
+    :returns: ``larger``, ``not_smaller``, ``finite``, ``nan`` of shape ``[4, n]`` (long) and the true scores ``[n]``
+    """
+    tables = scoring.device_tables(triples.device)
+    candidate_ids = torch.cat(list(tables.column_ids))
+    offsets = torch.tensor([0, *scoring.candidate_counts], device=triples.device).cumsum(0)[:-1]
+    row, position, column = pairs.of_queries(queries_index, pairs.per_query.shape[0])
+    num_entities = scoring.model.num_entities
+    chunk_size = max(2, PYKEEN_ROW_SCORES // max(num_entities, 1))
+    counts = torch.zeros((4, triples.shape[0]), dtype=torch.long, device=triples.device)
+    true_scores = torch.zeros(triples.shape[0], device=triples.device)
+    column_of_true = 2 if target == LABEL_TAIL else 0
+    for begin in range(0, triples.shape[0], chunk_size):
+        chunk = triples[begin : begin + chunk_size]
+        size = chunk.shape[0]
+        queries = chunk if size > 1 else chunk.repeat(2, 1)  # (PyKEEN's evaluation shapes)
+        if target == LABEL_TAIL:
+            rows = scoring.model.predict_t(queries[:, :2])[:size]
+        else:
+            rows = scoring.model.predict_h(queries[:, 1:])[:size]
+        true = rows[torch.arange(size, device=rows.device), chunk[:, column_of_true]]
+        scores = rows[:, candidate_ids.to(rows.device)]
+        kept = torch.ones(scores.shape, dtype=torch.bool, device=scores.device)
+        here = (row >= begin) & (row < begin + size)
+        kept[row[here] - begin, (offsets[position[here]] + column[here]).to(scores.device)] = False
+        true_column = true.unsqueeze(1)
+        for index, flags in enumerate(
+            (scores > true_column, scores >= true_column, torch.isfinite(scores), torch.isnan(scores))
+        ):
+            counts[index, begin : begin + size] = (flags & kept).sum(dim=1).to(counts.device)
+        if true_scores.dtype != true.dtype:
+            true_scores = true_scores.to(true.dtype)
+        true_scores[begin : begin + size] = true.to(true_scores.device)
+    return counts, true_scores

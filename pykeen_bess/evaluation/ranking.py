@@ -25,12 +25,11 @@
    collected the near-ties' candidates inside the band already (a few host reads per block: nothing
    on the CPU, little against a large block's device work), and they are compared by PyKEEN's scores
    without scoring any query again (:mod:`~pykeen_bess.evaluation.near_ties`). Otherwise they are
-   scored again, in chunks of at
-   most ``B``: near-tie queries as in the first pass (with their excluded pairs masked as NaN)
-   while collecting the candidates inside the band, which are then compared
-   by PyKEEN's own scores (:func:`~pykeen_bess.evaluation.counting.pykeen_comparisons`); queries
-   with non-finite scores element by element against a dense mask. This stage reads sizes on the
-   host a few times per chunk.
+   scored again, in chunks of at most ``B``: near-tie queries as in the first pass (excluded pairs
+   masked as NaN) while collecting the candidates inside the band, which are then compared by
+   PyKEEN's own scores (:func:`~pykeen_bess.evaluation.counting.pykeen_comparisons`); queries with
+   non-finite scores by PyKEEN's full score rows (whole model here), else element by element against
+   a dense mask. This stage reads sizes on the host a few times per chunk.
 
 The ranks and NaN counts (:class:`TargetRanks`, ``[5, Q]``) are returned on the device.
 :func:`rank_triples` ranks every target (replicas split the batches) and copies the ranks of all
@@ -38,12 +37,12 @@ targets to the host in one copy (:class:`HostRanks`); there every process gets e
 ranks (:meth:`HostRanks.gather_replicas`), and they are laid out as PyKEEN's
 :class:`~pykeen.evaluation.RankBasedEvaluator` collects them (:meth:`HostRanks.append_to`).
 
-Memory: the excluded-pair table (``3 * 8 * num_batches * P`` bytes), ``[4, Q]`` counts and
-``[Q]`` true scores per target, one ``[B, k']`` score buffer every block is written into
-(:class:`BlockBuffer`) and per step the block's comparisons
-(:mod:`~pykeen_bess.evaluation.counting`); counting again scores blocks of at most ``B`` of the
-flagged queries with boolean ``[B, k]`` band (and mask) tensors, and PyKEEN scores at most 256
-queries (64 on the CPU) against their true entities and near-ties at a time.
+Memory: the excluded-pair table (``3 * 8 * num_batches * P`` bytes), ``[4, Q]`` counts and ``[Q]``
+true scores per target, one ``[B, k']`` score buffer for every block (:class:`BlockBuffer`) and per
+step the block's comparisons (:mod:`~pykeen_bess.evaluation.counting`); counting again scores blocks
+of at most ``B`` flagged queries with boolean ``[B, k]`` band (and mask) tensors, and PyKEEN scores
+a few queries against their true entities and near-ties at a time (and at most ``2^24`` scores of
+full rows: :data:`~pykeen_bess.evaluation.near_ties.PYKEEN_ROW_SCORES`).
 """
 
 from __future__ import annotations
@@ -69,7 +68,7 @@ from .counting import (
     subtract_excluded,
 )
 from .excluded import ExcludedPairs, ExcludedPairsCache, PairsByBlock
-from .near_ties import band_candidates, rank_again, resolve_collected
+from .near_ties import band_candidates, count_by_pykeen_rows, rank_again, resolve_collected
 from .filtering import FilterIndex
 from .sharded import Queries, ShardedScoring, feature_norms
 
@@ -418,19 +417,19 @@ def rank_target(
         if again.numel() == 0:  # (split would yield one empty chunk, scored against every block)
             continue
         ranked_again += again.shape[0]
-        for chunk in again.split(batch_size):
-            chunk_counts = rank_again(
-                scoring,
-                triples[chunk],
-                target,
-                chunk,
-                pairs,
-                slice_size,
-                tolerance if resolve_ties else 0.0,
-                threads,
-                finite=None if exact else finite[chunk],
-            )
-            larger[chunk], not_smaller[chunk], finite[chunk], nan[chunk] = chunk_counts.unbind(0)
+        if exact and resolve_ties:  # non-finite scores: PyKEEN's own rows decide (see near_ties)
+            counted, true_scores[again] = count_by_pykeen_rows(scoring, triples[again], target, again, pairs)
+        else:
+            again_tolerance = tolerance if resolve_ties else 0.0
+            counted = torch.cat(
+                [
+                    rank_again(scoring, triples[chunk], target, chunk, pairs, slice_size, again_tolerance, threads,
+                               finite=None if exact else finite[chunk])
+                    for chunk in again.split(batch_size)
+                ],
+                dim=1,
+            )  # fmt: skip
+        larger[again], not_smaller[again], finite[again], nan[again] = counted.unbind(0)
     ranks = ranks_from_counts(larger, not_smaller, finite, true_scores, scoring.is_candidate(true))
     values = torch.cat([ranks, nan.unsqueeze(0), torch.isnan(true_scores).long().unsqueeze(0)])
     return TargetRanks(values=values * owned_on_device.long(), ranked_again=ranked_again)

@@ -263,29 +263,58 @@ def test_finite_scores_beyond_the_norms_bound():
 
 @pytest.mark.parametrize("model_name", ["DistMult", "TransE"])
 def test_overflowing_scores_found_by_norms_as_by_row_sums(model_name: str, monkeypatch):
-    """Scores that overflow: the queries the norms flag are ranked as when every block's rows are summed.
+    """Scores that overflow: the queries flagged by the norms or by every block's row sums are ranked as PyKEEN.
 
-    (Where a score overflows, it may overflow otherwise in PyKEEN's own summation order.)
+    Both count the flagged queries by PyKEEN's own rows. (Flagged by row sums only, a query whose block
+    scores stay finite where PyKEEN's overflow keeps the block's count of options: the norms flag it.)
     """
     model, triples, kwargs = huge_candidates(model_name, 3e38, 1e37)
     with torch.inference_mode():
         assert (~torch.isfinite(model.predict(triples, target="tail")[:, 0])).any()
+    reference = RankBasedEvaluator(clear_on_finalize=False)
+    reference.evaluate(model, triples, **kwargs)
     scorer_class = type(get_scorer(model.interaction))
-    results = {}
     for bounded in (True, False):
         monkeypatch.setattr(scorer_class, "bounded_by_feature_norms", bounded)
         evaluator = BessEvaluator(num_shards=2, clear_on_finalize=False)
         evaluator.evaluate(model, triples, **kwargs)
-        results[bounded] = evaluator
-    for target in ("head", "tail"):
-        for rank_type in ("optimistic", "realistic", "pessimistic"):
-            np.testing.assert_array_equal(
-                np.concatenate(results[True].ranks[target, rank_type]),
-                np.concatenate(results[False].ranks[target, rank_type]),
-            )
-        np.testing.assert_array_equal(
-            np.concatenate(results[True].num_candidates[target]), np.concatenate(results[False].num_candidates[target])
-        )
+        for target in ("head", "tail"):
+            for rank_type in ("optimistic", "realistic", "pessimistic"):
+                np.testing.assert_array_equal(
+                    np.concatenate(evaluator.ranks[target, rank_type]),
+                    np.concatenate(reference.ranks[target, rank_type]),
+                )
+            if bounded or model_name != "DistMult":
+                np.testing.assert_array_equal(
+                    np.concatenate(evaluator.num_candidates[target]), np.concatenate(reference.num_candidates[target])
+                )
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize(
+    ("model_name", "value"), [("RotatE", 3e38), ("TransE", 1e20), ("TransE", float("-inf")), ("DistMult", 3e38)]
+)
+@pytest.mark.parametrize("num_shards", [1, 3])
+def test_non_finite_scores_are_counted_by_pykeens_rows(model_name: str, value: float, num_shards: int) -> None:
+    """A row that makes scores overflow or infinite: the queries with non-finite scores are ranked as PyKEEN ranks.
+
+    A distance's norm expansion turns PyKEEN's -inf into inf - inf = NaN (RotatE at 3e38, TransE's L2 at 1e20):
+    PyKEEN's own full score rows count those queries.
+    """
+    data = dataset("nations")
+    cls = {"RotatE": RotatE, "TransE": TransE, "DistMult": DistMult}[model_name]
+    model = cls(triples_factory=data.training, random_seed=0, **({"scoring_fct_norm": 2} if cls is TransE else {}))
+    with torch.no_grad():
+        model.entity_representations[0]._embeddings.weight[3, 0] = value
+    triples = data.testing.mapped_triples
+    kwargs = dict(use_tqdm=False, additional_filter_triples=[data.training.mapped_triples])
+    expected = RankBasedEvaluator().evaluate(model, triples, **kwargs).to_flat_dict()
+    evaluator = BessEvaluator(num_shards=num_shards)
+    actual = evaluator.evaluate(model, triples, **kwargs).to_flat_dict()
+    assert sum(evaluator.last_ranked_again.values()) > 0
+    assert {
+        k: v for k, v in actual.items() if not (v == expected[k] or (math.isnan(v) and math.isnan(expected[k])))
+    } == {}
 
 
 @pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning", "ignore:invalid value:RuntimeWarning")
