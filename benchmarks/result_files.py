@@ -66,8 +66,20 @@ def paired_columns(baseline: Sequence[float], this: Sequence[float], unit: str) 
 
 
 def machine() -> str:
-    """The host's name, architecture and CPU count."""
-    return f"{platform.node()} ({platform.machine()}, {os.cpu_count()} CPUs)"
+    """The host's name, architecture, CPU model (where Linux names it) and CPU count.
+
+    The model matters for ratios to the machine's own matmul rate: on a 2-core "AMD EPYC" VM one
+    evaluation-sized product took about 3x as long as on the 2-core VM of earlier result files, an
+    evaluation about 2x.
+    """
+    model = ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as file:
+            model = next((line.split(":", 1)[1].strip() for line in file if line.startswith("model name")), "")
+    except OSError:
+        pass
+    details = ", ".join(part for part in (platform.machine(), model, f"{os.cpu_count()} CPUs") if part)
+    return f"{platform.node()} ({details})"
 
 
 def command_line(script: str, argv: Sequence[str] | None = None) -> str:
