@@ -296,6 +296,7 @@ def train(args: argparse.Namespace) -> tuple[dict[str, float], bool]:
     for flag in ("output", "export_pbg"):  # before training: a run must not end in an unwritable path
         if flag in args:
             _check_output_directory(getattr(args, flag), flag)
+    kwargs["metadata"] = {**run_metadata(kwargs, args), **(kwargs.get("metadata") or {})}  # (the user's callbacks)
     if "export_pbg" in args:
         training = kwargs.setdefault("training_kwargs", {})
         if "callbacks_kwargs" not in training:  # (else the model is checked when it is exported)
@@ -304,7 +305,6 @@ def train(args: argparse.Namespace) -> tuple[dict[str, float], bool]:
                 [] if callbacks is None else list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
             )
             training["callbacks"] = [*given, export_check()]
-    kwargs["metadata"] = {**run_metadata(kwargs, args), **(kwargs.get("metadata") or {})}
     result = pipeline(**kwargs)
     recorded = result.metadata.get("pipeline") if isinstance(result.metadata, dict) else None
     if isinstance(recorded, dict):  # the seed pipeline() used (drawn, or a resumed checkpoint's): reruns repeat it

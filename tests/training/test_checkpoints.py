@@ -299,10 +299,16 @@ def test_a_new_version_removes_the_temporary_files_of_writers_killed_midway(tmp_
 
     from pykeen_bess.training.checkpoints.files import _host
 
-    host, dead, alive = _host(), _ended_process(), os.getppid()
-    abandoned = [f"run.pt.tmp-{host}-{dead}-1", f"run.pt.v3.rank0-of-2.tmp-{host}-{dead}-2"]
+    import time
+
+    host, dead, alive, now = _host(), _ended_process(), os.getppid(), time.time_ns()
+    abandoned = [
+        f"run.pt.tmp-{host}-{dead}-1",
+        f"run.pt.v3.rank0-of-2.tmp-{host}-{dead}-2",
+        f"run.pt.tmp-{host}-{os.getpid()}-6",  # this process's id, taken after a killed writer named the file
+    ]
     kept = [
-        f"run.pt.tmp-{host}-{alive}-3",  # being written by a running process
+        f"run.pt.tmp-{host}-{alive}-{now}",  # being written by a running process
         f"run.pt.tmp-another{host}-{dead}-4",  # written on another machine
         f"other.pt.tmp-{host}-{dead}-5",  # another checkpoint's
         "run.pt.tmp-123",  # not a name of this module's

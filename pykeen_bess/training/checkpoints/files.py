@@ -86,17 +86,33 @@ def temporary_file(path: pathlib.Path) -> pathlib.Path:
     return path.with_name(f"{path.name}{TEMPORARY_INFIX}{_host()}-{os.getpid()}-{time.time_ns()}")
 
 
-def _ended(pid: int) -> bool:
-    """Whether no process ``pid`` runs on this machine (a process of another user runs)."""
-    if pid == os.getpid():
-        return False
+def _process_start_ns(pid: int) -> int | None:
+    """Return when process ``pid`` of this machine started (ns since the epoch; None where Linux does not say)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as file:
+            started_ticks = int(file.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat", encoding="utf-8") as file:
+            boot = next(int(line.split()[1]) for line in file if line.startswith("btime"))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+    return (boot * 10**9) + started_ticks * 10**9 // os.sysconf("SC_CLK_TCK")
+
+
+def _ended(pid: int, written_ns: int) -> bool:
+    """Whether the process that wrote a temporary file at ``written_ns`` has ended.
+
+    It has if no process ``pid`` runs on this machine, or if the process with that id started after the file
+    was named (the id was reused, e.g. a restarted container's first process; one second of slack for the
+    start time's resolution). A process of another user counts as running.
+    """
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return True
     except (PermissionError, OverflowError, OSError):
         return False
-    return False
+    started = _process_start_ns(pid)
+    return started is not None and started > written_ns + 10**9
 
 
 def remove_abandoned_temporaries(path: pathlib.Path) -> list[pathlib.Path]:
@@ -106,8 +122,10 @@ def remove_abandoned_temporaries(path: pathlib.Path) -> list[pathlib.Path]:
     (``SIGKILL``, out of memory, a lost machine) leaves ``NAME.tmp-TAG`` behind, up to a checkpoint's
     size, and the table copies next to it (``NAME.tables-TAG``, storage="mmap"). Removed are those of the
     pointer or single file ``NAME`` and of every shard file ``NAME.v{version}.rank{s}-of-{n}[.replica...]``
-    written on this machine (:func:`temporary_file`) by a process that no longer runs; files of other
-    machines (a shared checkpoint directory) and of running processes stay.
+    written on this machine (:func:`temporary_file`) by a process that no longer runs (or whose id a later
+    process took); files of other machines (a shared checkpoint directory) and of running processes stay.
+    Machines are told apart by their host name: containers that share one (and their process ids) and a
+    checkpoint directory need distinct checkpoint names.
 
     :returns: the temporary files removed
     """
@@ -115,12 +133,12 @@ def remove_abandoned_temporaries(path: pathlib.Path) -> list[pathlib.Path]:
         return []
     pattern = re.compile(
         rf"^{re.escape(path.name)}(?:\.v\d+\.rank\d+-of-\d+(?:\.replica\d+-of-\d+)?)?"
-        rf"{re.escape(TEMPORARY_INFIX)}{re.escape(_host())}-(\d+)-\d+$"
+        rf"{re.escape(TEMPORARY_INFIX)}{re.escape(_host())}-(\d+)-(\d+)$"
     )
     removed = []
     for candidate in path.parent.iterdir():
         match = pattern.match(candidate.name)
-        if match is None or not _ended(int(match.group(1))) or not candidate.is_file():
+        if match is None or not _ended(int(match.group(1)), int(match.group(2))) or not candidate.is_file():
             continue
         candidate.unlink(missing_ok=True)
         shutil.rmtree(tables_directory(candidate), ignore_errors=True)
