@@ -42,6 +42,8 @@ scores per intra-op thread through one cache-sized float buffer.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from pykeen.models import Model
 from pykeen.typing import LABEL_TAIL
@@ -55,7 +57,10 @@ __all__ = [
     "count_exactly",
     "finite_by_norms",
     "pykeen_comparisons",
+    "PYKEEN_CALL_ELEMENTS",
     "pykeen_pair_scores",
+    "pykeen_slice_size",
+    "row_width",
     "ranks_from_counts",
     "subtract_excluded",
     "unique_pairs",
@@ -312,40 +317,74 @@ def pykeen_comparisons(
     return larger, not_smaller
 
 
+#: the most elements of PyKEEN's scoring intermediates (``[b, m, d]``) per call of its ``predict_t`` / ``predict_h``
+#: by :func:`pykeen_pair_scores` and the evaluator's full rows (128 MiB of float32)
+PYKEEN_CALL_ELEMENTS = 2**25
+
+
+def row_width(model: Model) -> int:
+    """Return the numbers per entity row of a model's entity representations (``d`` of PyKEEN's ``[b, m, d]``)."""
+    width = 0
+    for representation in getattr(model, "entity_representations", ()):
+        width += int(math.prod(getattr(representation, "shape", (1,)) or (1,)))
+    return max(width, 1)
+
+
+def pykeen_slice_size(num: int, size: int) -> int:
+    """Return a slice size (at most ``size`` and at least 2, else the next larger) leaving no one of ``num`` alone.
+
+    PyKEEN orders an interaction's broadcast products by the operands' shapes: a slice of one entity would
+    be multiplied in another order than the others (other roundings).
+    """
+    size = max(2, min(size, num))
+    for candidate in [*range(size, 1, -1), *range(size + 1, num + 1)]:  # (the smallest above, if none below)
+        if num % candidate != 1 or num <= candidate:
+            return candidate
+    return num
+
+
 def pykeen_pair_scores(
-    model: Model, target: str, triples: torch.Tensor, rows: torch.Tensor, entities: torch.Tensor, max_queries: int = 32
+    model: Model, target: str, triples: torch.Tensor, rows: torch.Tensor, entities: torch.Tensor
 ) -> torch.Tensor:
-    """Return PyKEEN's own scores of ``(query, entity)`` pairs, as :func:`pykeen_comparisons` computes them.
+    """Return PyKEEN's own scores of ``(query, entity)`` pairs, as its evaluation computes them.
+
+    Queries are scored in chunks against the entities of their own pairs (PyKEEN's broadcast shapes
+    ``[b, 1, d] x [1, m, d]``, ``b, m >= 2``, as :func:`pykeen_comparisons`), a chunk's queries and
+    entities, sliced where needed, within :data:`PYKEEN_CALL_ELEMENTS` of PyKEEN's intermediates.
 
     :param model: the model
     :param target: ``"head"`` or ``"tail"``
     :param triples: shape: ``[n, 3]``, the queries as triples (the target column is ignored)
     :param rows: shape: ``[m]``, sorted, the query (row of ``triples``) of each pair
     :param entities: shape: ``[m]``, the pairs' entities (global ids)
-    :param max_queries: the number of queries per call of PyKEEN's scoring
     :returns: shape: ``[m]``, the scores (with the model's sigmoid, as ``predict_t`` / ``predict_h``)
     """
-    column = 2 if target == LABEL_TAIL else 0
     result = torch.empty(rows.shape[0], dtype=torch.get_default_dtype(), device=rows.device)
-    starts = torch.arange(0, triples.shape[0] + max_queries, max_queries, device=rows.device)
-    boundaries = torch.searchsorted(rows, starts).tolist()
-    for number, (first, last) in enumerate(zip(boundaries[:-1], boundaries[1:])):
-        if first == last:
-            continue
-        begin = number * max_queries
-        chunk = triples[begin : begin + max_queries]
-        # at least two queries and two entities, as in pykeen_comparisons (PyKEEN's broadcast shapes)
-        queries = chunk if chunk.shape[0] > 1 else chunk.repeat(2, 1)
-        ids = torch.cat([queries[:, column], entities[first:last]])
-        if target == LABEL_TAIL:
-            scores = model.predict_t(queries[:, :2], tails=ids)
-        else:
-            scores = model.predict_h(queries[:, 1:], heads=ids)
-        local = rows[first:last] - begin
-        values = scores[local, torch.arange(last - first, device=local.device) + queries.shape[0]]
-        if result.dtype != values.dtype:
-            result = result.to(values.dtype)
-        result[first:last] = values
+    per_query = torch.bincount(rows, minlength=triples.shape[0]).tolist()  # (sizes are read on the host)
+    width, budget = row_width(model), PYKEEN_CALL_ELEMENTS
+    first = begin = 0
+    while begin < len(per_query):
+        end, count = begin + 1, per_query[begin]
+        while end < len(per_query) and max(end + 1 - begin, 2) * (count + per_query[end]) * width <= budget:
+            count += per_query[end]
+            end += 1
+        if count:
+            chunk = triples[begin:end]
+            queries = chunk if chunk.shape[0] > 1 else chunk.repeat(2, 1)
+            ids = entities[first : first + count]
+            ids = ids if count > 1 else ids.repeat(2)
+            size = pykeen_slice_size(ids.shape[0], budget // (queries.shape[0] * width))
+            slice_size = size if size < ids.shape[0] else None
+            if target == LABEL_TAIL:
+                scores = model.predict_t(queries[:, :2], tails=ids, slice_size=slice_size)
+            else:
+                scores = model.predict_h(queries[:, 1:], heads=ids, slice_size=slice_size)
+            local = rows[first : first + count] - begin
+            values = scores[local, torch.arange(count, device=local.device)]
+            if result.dtype != values.dtype:
+                result = result.to(values.dtype)
+            result[first : first + count] = values
+        first, begin = first + count, end
     return result
 
 

@@ -24,14 +24,20 @@ import torch
 from pykeen.typing import LABEL_TAIL
 
 from ..runtime.threads import ThreadPolicy
-from .counting import band_bounds, band_scale, count_block, count_exactly, pykeen_comparisons
+from .counting import (
+    PYKEEN_CALL_ELEMENTS,
+    band_bounds,
+    band_scale,
+    count_block,
+    count_exactly,
+    pykeen_comparisons,
+    pykeen_slice_size,
+    row_width,
+)
 from .excluded import ExcludedPairs
 from .sharded import ShardedScoring, feature_norms
 
 __all__ = ["band_candidates", "comparison_queries", "count_by_pykeen_rows", "rank_again", "resolve_collected"]
-
-#: the most scores of PyKEEN's full rows held at once when queries with non-finite scores are counted by them
-PYKEEN_ROW_SCORES = 2**24
 
 
 def comparison_queries(device: torch.device) -> int:
@@ -228,8 +234,11 @@ def count_by_pykeen_rows(
     candidate_ids = torch.cat(list(tables.column_ids))
     offsets = torch.tensor([0, *scoring.candidate_counts], device=triples.device).cumsum(0)[:-1]
     row, position, column = pairs.of_queries(queries_index, pairs.per_query.shape[0])
-    num_entities = scoring.model.num_entities
-    chunk_size = max(2, PYKEEN_ROW_SCORES // max(num_entities, 1))
+    num_entities, width = scoring.model.num_entities, row_width(scoring.model)
+    # within PYKEEN_CALL_ELEMENTS of PyKEEN's [b, E, d] intermediates: fewer queries, then slices of the entities
+    chunk_size = max(2, PYKEEN_CALL_ELEMENTS // max(num_entities * width, 1))
+    entity_slice = pykeen_slice_size(num_entities, PYKEEN_CALL_ELEMENTS // (chunk_size * width))
+    slice_size = entity_slice if entity_slice < num_entities else None
     counts = torch.zeros((4, triples.shape[0]), dtype=torch.long, device=triples.device)
     true_scores = torch.zeros(triples.shape[0], device=triples.device)
     column_of_true = 2 if target == LABEL_TAIL else 0
@@ -238,9 +247,9 @@ def count_by_pykeen_rows(
         size = chunk.shape[0]
         queries = chunk if size > 1 else chunk.repeat(2, 1)  # (PyKEEN's evaluation shapes)
         if target == LABEL_TAIL:
-            rows = scoring.model.predict_t(queries[:, :2])[:size]
+            rows = scoring.model.predict_t(queries[:, :2], slice_size=slice_size)[:size]
         else:
-            rows = scoring.model.predict_h(queries[:, 1:])[:size]
+            rows = scoring.model.predict_h(queries[:, 1:], slice_size=slice_size)[:size]
         true = rows[torch.arange(size, device=rows.device), chunk[:, column_of_true]]
         scores = rows[:, candidate_ids.to(rows.device)]
         kept = torch.ones(scores.shape, dtype=torch.bool, device=scores.device)

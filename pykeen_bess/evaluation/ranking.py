@@ -41,8 +41,8 @@ Memory: the excluded-pair table (``3 * 8 * num_batches * P`` bytes), ``[4, Q]`` 
 true scores per target, one ``[B, k']`` score buffer for every block (:class:`BlockBuffer`) and per
 step the block's comparisons (:mod:`~pykeen_bess.evaluation.counting`); counting again scores blocks
 of at most ``B`` flagged queries with boolean ``[B, k]`` band (and mask) tensors, and PyKEEN scores
-a few queries against their true entities and near-ties at a time (and at most ``2^24`` scores of
-full rows: :data:`~pykeen_bess.evaluation.near_ties.PYKEEN_ROW_SCORES`).
+a few queries against their true entities and near-ties at a time (full rows within
+:data:`~pykeen_bess.evaluation.counting.PYKEEN_CALL_ELEMENTS` of its intermediates).
 """
 
 from __future__ import annotations

@@ -201,3 +201,20 @@ def test_pykeen_scores_order_float32_ties():
     for slice_size in (None, 4, 5):
         frame = predict_top_k(model, pairs[:2], k=5, slice_size=slice_size)
         assert predicted_ids(frame, "tail", 2) == [[0, 1, 2, 3, 4]] * 2
+
+
+def test_pykeen_scores_in_bounded_calls(monkeypatch: pytest.MonkeyPatch):
+    """With a tiny bound on PyKEEN's intermediates the pairs are scored in many chunks and slices: the same result."""
+    from pykeen_bess.evaluation import counting
+    from pykeen_bess.evaluation.counting import pykeen_slice_size
+
+    data = Nations()
+    model = DistMult(triples_factory=data.training, embedding_dim=8, random_seed=0)
+    with torch.no_grad():
+        model.entity_representations[0]._embeddings.weight[5:] = model.entity_representations[0]._embeddings.weight[4]
+    pairs = torch.cartesian_prod(torch.arange(data.num_entities), torch.arange(4))
+    expected = predict_top_k(model, pairs, k=9)
+    monkeypatch.setattr(counting, "PYKEEN_CALL_ELEMENTS", 8 * 5)  # two queries against about three entities
+    actual = predict_top_k(model, pairs, k=9)
+    pd.testing.assert_frame_equal(actual, expected)
+    assert [pykeen_slice_size(n, s) for n, s in [(7, 3), (7, 6), (10, 3), (5, 1), (7, 2), (1, 4)]] == [4, 5, 2, 3, 4, 2]
