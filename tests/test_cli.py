@@ -585,3 +585,18 @@ def test_storage_kwargs_and_memory_budget_flags(tmp_path: pathlib.Path) -> None:
     )
     loop = pipeline_kwargs(args)["training_loop_kwargs"]
     assert loop["storage_kwargs"] == {"overwrite": True} and loop["memory_budget"] == 100_000_000
+
+
+def test_num_shards_under_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under torchrun --num-shards may name the world size (every rank one shard); another needs --replicas."""
+    from pykeen_bess.cli import options
+
+    monkeypatch.setattr(options, "_world_size", lambda: 2)
+    kwargs = pipeline_kwargs(build_parser().parse_args(["train", "--num-shards", "2"]), in_group=True)
+    assert kwargs["training_loop_kwargs"]["num_shards"] == 2
+    with pytest.raises(options.UsageError, match="--num-shards 1 under torchrun \\(2 processes\\) needs --replicas"):
+        pipeline_kwargs(build_parser().parse_args(["train", "--num-shards", "1"]), in_group=True)
+    kwargs = pipeline_kwargs(
+        build_parser().parse_args(["train", "--num-shards", "1", "--replicas", "2"]), in_group=True
+    )
+    assert kwargs["training_loop_kwargs"]["replicas"] == 2

@@ -153,10 +153,10 @@ def _set_bess(settings: dict[str, Any], kwargs: _PipelineKwargs, in_group: bool,
     """
     replicated = "replicas" in settings or "replica_grouping" in settings
     if "num_shards" in settings:
-        if in_group and not replicated:
+        if in_group and not replicated and settings["num_shards"] != _world_size():
             raise UsageError(
-                "--num-shards under torchrun needs --replicas (num_shards * replicas = the world size); without "
-                "replicas every rank holds one shard."
+                f"--num-shards {settings['num_shards']} under torchrun ({_world_size()} processes) needs --replicas "
+                "(num_shards * replicas = the world size); without replicas every rank holds one shard."
             )
         kwargs.set("training_loop_kwargs", settings["num_shards"], "num_shards")
     elif not in_group and not from_config and "num_shards" not in kwargs.inner("training_loop_kwargs"):
@@ -175,6 +175,13 @@ def _set_bess(settings: dict[str, Any], kwargs: _PipelineKwargs, in_group: bool,
         kwargs.set("negative_sampler_kwargs", settings["negatives"], "num_negs_per_pos")
         if "num_negs_per_pos" in kwargs.inner("training_kwargs"):  # (HPO's best configurations have it there)
             kwargs.set("training_kwargs", settings["negatives"], "num_negs_per_pos")
+
+
+def _world_size() -> int:
+    """Return the size of the default process group (1 without one)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _negatives(settings: dict[str, Any]) -> str | None:
