@@ -482,5 +482,14 @@ class RowShardCheckpointStore(RankCheckpointStore):
             super().save(path, stopper, best_epoch_model_file_path, triples_factory)
 
     def load(self, path: pathlib.Path, triples_factory: CoreTriplesFactory | None = None) -> Any:  # noqa: D102
-        with self.column_tables.row_shards(self.loop.optimizer, read=False, write=True):
-            return super().load(path, triples_factory)
+        try:
+            with self.column_tables.row_shards(self.loop.optimizer, read=False, write=True):
+                return super().load(path, triples_factory)
+        except CheckpointMismatchError as error:
+            if read_pointer(pathlib.Path(path)) is not None:
+                raise
+            raise CheckpointMismatchError(
+                f"{path} is a checkpoint of one process: with the encoding partition it resumes in one process "
+                f"only (a checkpoint written under torchrun resumes in either). Resume it without torchrun. "
+                f"({error})"
+            ) from error
