@@ -179,9 +179,9 @@ def _set_bess(settings: dict[str, Any], kwargs: _PipelineKwargs, in_group: bool,
 
 def _world_size() -> int:
     """Return the size of the default process group (1 without one)."""
-    import torch.distributed as dist
+    from ..distributed.launch import world_size
 
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return world_size()
 
 
 def _negatives(settings: dict[str, Any]) -> str | None:
