@@ -75,8 +75,8 @@ from tqdm.autonotebook import tqdm
 from ..runtime.allocator import AllocatorHint, resolve_allocator
 from ..distributed import ProbeTopology, ProcessGroupHint, join_torchrun_group
 from ..runtime.threads import ThreadPolicy, ThreadsHint, resolve_threads
-from ..tables.representation import ShardedEmbedding
 from .checks import check_filter_triples, check_ids, check_model, check_restricted, check_targets, check_triples
+from .sharded import holds_whole_model
 from .counting import TIE_TOLERANCE
 from .coefficients import CoefficientCache
 from .excluded import ExcludedPairsCache
@@ -348,7 +348,7 @@ class BessEvaluator(RankBasedEvaluator):
             self.thread_policy, self._thread_device = resolve_threads(self.num_threads, device), device
         resolve_allocator(self.host_allocator, device).apply()
         # near-ties are compared by PyKEEN's own scores, which need the whole model in this process
-        resolve_ties = self.tie_tolerance > 0 and topology.holds_all_shards and _holds_whole_model(model)
+        resolve_ties = self.tie_tolerance > 0 and topology.holds_all_shards and holds_whole_model(model)
         tolerance = self.tie_tolerance if resolve_ties else 0.0
         with progress, self.thread_policy.applied():
             ranked = rank_triples(
@@ -403,11 +403,6 @@ class _DropRecords(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not record.getMessage().startswith(self.prefix)
-
-
-def _holds_whole_model(model: ERModel) -> bool:
-    """Whether PyKEEN's own scoring of the model works in this process (no entity table is distributed)."""
-    return not any(isinstance(r, ShardedEmbedding) and not r.holds_all_shards for r in model.entity_representations)
 
 
 def _block_sizes_for(

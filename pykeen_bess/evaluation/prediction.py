@@ -46,11 +46,10 @@ from pykeen.triples import CoreTriplesFactory
 from pykeen.typing import LABEL_HEAD, LABEL_RELATION, LABEL_TAIL
 
 from ..distributed import ProbeTopology, Topology
-from ..tables.representation import ShardedEmbedding
 from .checks import check_triples
 from .counting import TIE_TOLERANCE, band_scale, pykeen_pair_scores, unique_pairs
 from .filtering import FilterIndex, FilterSide
-from .sharded import ShardedScoring, feature_norms
+from .sharded import ShardedScoring, feature_norms, holds_whole_model
 from .sizes import choose_block_sizes
 
 __all__ = [
@@ -185,9 +184,7 @@ def predict_top_k(
                 scoring, query_ids.shape[0], batch_size, slice_size, probe, device, memory_budget=memory_budget
             )
             # PyKEEN's own scores order the candidates near the k-th score where its scoring works here
-            exact = scoring.topology.holds_all_shards and not any(
-                isinstance(r, ShardedEmbedding) and not r.holds_all_shards for r in model.entity_representations
-            )
+            exact = scoring.topology.holds_all_shards and holds_whole_model(model)
             results = [
                 _top_k_batch(scoring, index, batch, target, k, slice_size, scoring.topology, pykeen_order=exact)
                 for batch in query_ids.split(batch_size)

@@ -47,6 +47,7 @@ __all__ = [
     "ScoreBlock",
     "ShardedScoring",
     "feature_norms",
+    "holds_whole_model",
     "rows_and_topology",
 ]
 
@@ -389,6 +390,13 @@ class ShardedScoring:
 
     def _finish(self, scores: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(scores) if self.model.predict_with_sigmoid else scores
+
+
+def holds_whole_model(model: Model) -> bool:
+    """Whether PyKEEN's own scoring of the model works in this process (no entity table is spread over processes)."""
+    return not any(
+        isinstance(r, ShardedEmbedding) and not r.holds_all_shards for r in getattr(model, "entity_representations", ())
+    )
 
 
 def rows_and_topology(
