@@ -1,7 +1,8 @@
 """The benchmark scripts run end to end on tiny inputs, with ``--device`` as a user passes it.
 
-Each script runs as a user runs it (``python benchmarks/NAME.py ...``, a fresh interpreter) on
-PyKEEN's bundled Nations or a small generated graph, and must print its table; the evaluation
+Each script runs as a user runs it (``python benchmarks/NAME.py ...``: its own ``sys.argv`` and
+``__main__``, in a child forked from an interpreter that has imported PyKEEN) on PyKEEN's bundled
+Nations or a small generated graph, and must print its table; the evaluation
 benchmark must also find every evaluator's metrics equal to PyKEEN's. A CUDA ``--device`` that
 torch cannot use is an error before any work starts (PyKEEN would fall back to the CPU, and the
 table would report CPU figures under a GPU's name).
@@ -19,7 +20,6 @@ import argparse
 import importlib.util
 import json
 import pathlib
-import subprocess
 import sys
 
 import pytest
@@ -37,33 +37,10 @@ def nations_directory() -> str:
     return str(pathlib.Path(nations.__file__).parent)
 
 
-#: seconds after which a benchmark's run counts as hung: a guard, not a speed check (a loaded 2-core machine runs the
-#: quick runs several times slower than an idle one, and a test must not fail because the machine is busy)
-HANG_GUARD = 1800
-
-
-def run_benchmark(name: str, *arguments: str, timeout: int = HANG_GUARD) -> subprocess.CompletedProcess[str]:
-    """Run ``benchmarks/NAME.py`` with ``arguments`` from the repository root, as the README does."""
-    return subprocess.run(
-        [sys.executable, str(BENCHMARKS / f"{name}.py"), *arguments],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
 def table_rows(output: str) -> list[list[str]]:
     """The cells of the markdown table rows an output printed (header and separator lines excluded)."""
     rows = [line.strip().strip("|").split("|") for line in output.splitlines() if line.startswith("|")]
     return [[cell.strip() for cell in row] for row in rows if not row[0].strip().startswith("-")][1:]
-
-
-def successful_run(name: str, *arguments: str) -> tuple[str, list[list[str]]]:
-    """Run a benchmark that must succeed; return its standard output and the rows of its table."""
-    result = run_benchmark(name, *arguments)
-    assert result.returncode == 0, result.stderr
-    return result.stdout, table_rows(result.stdout)
 
 
 def result_file(path: pathlib.Path, benchmark: str, keys: tuple[str, ...]) -> dict:
@@ -177,6 +154,8 @@ def benchmark_runs(results: pathlib.Path, tmp_path_factory: pytest.TempPathFacto
     from forked_programs import run_chains
 
     config = tmp_path_factory.mktemp("quality") / "tiny.json"
+    large, digests = tmp_path_factory.mktemp("large"), tmp_path_factory.mktemp("digests")
+    (large / "tables").mkdir()
     config.write_text(
         json.dumps(
             {
@@ -276,10 +255,28 @@ def benchmark_runs(results: pathlib.Path, tmp_path_factory: pytest.TempPathFacto
             *("--output", str(results / "scale-cpu.json")),
         ),
         parity=("parity", *PARITY_ARGUMENTS, "--seeds", "0", "1", "--output", str(results / "parity-cpu.json")),
+        storage_large=(
+            "storage",
+            *("--large", "1000", "--large-steps", "25", "--batch-size", "64", "--dim", "8", "--negatives", "4"),
+            *("--eval-triples", "10", "--threads", "1", "--storage-dir", str(large / "tables")),
+            *("--output", str(large / "large.json")),
+        ),
+        checkpoints=(
+            "checkpoints",
+            *("--entities", "3000", "--dim", "8", "--repeats", "1", "--tiers", "device", "mmap"),
+            *("--directories", str(digests), "--output", str(digests / "checkpoints.json")),
+        ),
     )
     chains = [[dict(script=str(BENCHMARKS / f"{name}.py"), argv=list(arguments), cwd=str(ROOT))]
               for name, *arguments in runs.values()]  # fmt: skip
-    outcomes = {key: outcome for key, (outcome,) in zip(runs, run_chains(chains, preload="plugin"))}
+    chains[list(runs).index("parity")].append(chains[list(runs).index("parity")][0])  # again: nothing to run
+    chains.append([dict(code=EVALUATION_ROWS, cwd=str(ROOT))])
+    outcomes = {}
+    for key, (outcome, *again) in zip([*runs, "evaluation_rows"], run_chains(chains, preload="plugin")):
+        outcomes[key] = outcome
+        if again:
+            outcomes[f"{key}_again"] = again[0]
+    outcomes["storage_large"]["folder"], outcomes["checkpoints"]["folder"] = large, digests
     print("benchmark runs (s):", {key: round(outcome["seconds"], 1) for key, outcome in outcomes.items()})
     return outcomes
 
@@ -377,9 +374,9 @@ def parity_run(benchmark_runs: dict[str, dict]) -> tuple[str, list[list[str]]]:
 
 
 @pytest.mark.slow
-def test_parity_benchmark(parity_run, results: pathlib.Path):
+def test_parity_benchmark(parity_run, benchmark_runs: dict[str, dict], results: pathlib.Path):
     """Shard counts against one shard through the command line's settings; a second run skips what is written."""
-    output, arguments = results / "parity-cpu.json", PARITY_ARGUMENTS
+    output = results / "parity-cpu.json"
     stdout, rows = parity_run
     assert [(row[0], row[1], row[2], row[3]) for row in rows] == [
         ("nations", "quick", "1", "2"),
@@ -387,8 +384,8 @@ def test_parity_benchmark(parity_run, results: pathlib.Path):
     ]
     written = json.loads(output.read_text())
     assert len(written["runs"]) == 4 and {run["num_shards"] for run in written["runs"]} == {1, 2}
-    again = run_benchmark("parity", *arguments, "--seeds", "0", "1", "--output", str(output))
-    assert again.returncode == 0 and '"mrr"' not in again.stdout  # nothing run again
+    again, _ = finished(benchmark_runs, "parity_again")  # the same command, run after it
+    assert '"mrr"' not in again  # nothing run again
 
 
 @pytest.fixture(scope="module")
@@ -415,19 +412,22 @@ def test_evaluation_benchmark_metrics_equal_pykeen(evaluation_run, results: path
     assert sum(row[1] == "one product" for row in table_rows(output)) == 2
 
 
-def test_evaluation_rows_from_another_script():
+#: ``evaluation_rows`` imported as another script does (a run of :func:`benchmark_runs`)
+EVALUATION_ROWS = (
+    "import json, sys, warnings; sys.path.insert(0, 'benchmarks'); warnings.filterwarnings('ignore')\n"
+    "from evaluation import evaluation_rows\n"
+    "rows = evaluation_rows('cpu', generated='300:5:3000:50', dim=8, train_epochs=1, repeats=1, log=None)\n"
+    "keys = ('dataset', 'name', 'setting', 'seconds', 'speedup', 'percent_of_matmul', 'metrics_equal', "
+    "'max_rel_diff', 'ranked_again')\n"
+    "print(json.dumps([{key: row[key] for key in keys} for row in rows]))\n"
+)
+
+
+@pytest.mark.slow
+def test_evaluation_rows_from_another_script(benchmark_runs: dict[str, dict]):
     """``evaluation_rows`` (imported as another script does) builds a generated graph and returns one row per run."""
-    code = (
-        "import json, sys, warnings; sys.path.insert(0, 'benchmarks'); warnings.filterwarnings('ignore')\n"
-        "from evaluation import evaluation_rows\n"
-        "rows = evaluation_rows('cpu', generated='300:5:3000:50', dim=8, train_epochs=1, repeats=1, log=None)\n"
-        "keys = ('dataset', 'name', 'setting', 'seconds', 'speedup', 'percent_of_matmul', 'metrics_equal', "
-        "'max_rel_diff', 'ranked_again')\n"
-        "print(json.dumps([{key: row[key] for key in keys} for row in rows]))\n"
-    )
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=HANG_GUARD)
-    assert result.returncode == 0, result.stderr
-    rows = json.loads(result.stdout.strip().splitlines()[-1])
+    stdout, _ = finished(benchmark_runs, "evaluation_rows")
+    rows = json.loads(stdout.strip().splitlines()[-1])
     assert [(row["name"], row["setting"]) for row in rows] == [
         ("PyKEEN RankBasedEvaluator", "batch_size=default"),
         ("BessEvaluator", "n=1"),
@@ -561,18 +561,13 @@ def test_distributed_benchmark(distributed_run, results: pathlib.Path):
 
 
 @pytest.mark.slow
-def test_storage_benchmark_large_removes_its_files(tmp_path: pathlib.Path):
+def test_storage_benchmark_large_removes_its_files(benchmark_runs: dict[str, dict]):
     """``--large`` trains from files on the CPU (without ``--device``) and leaves no table files behind."""
-    (tmp_path / "tables").mkdir()
-    output, rows = successful_run(
-        "storage",
-        *("--large", "1000", "--large-steps", "25", "--batch-size", "64", "--dim", "8", "--negatives", "4"),
-        *("--eval-triples", "10", "--threads", "1", "--storage-dir", str(tmp_path / "tables")),
-        *("--output", str(tmp_path / "large.json")),
-    )
+    output, _ = finished(benchmark_runs, "storage_large")
+    folder = benchmark_runs["storage_large"]["folder"]
     assert "25 training steps" in output and "filtered evaluation of 10 triples" in output
-    assert list((tmp_path / "tables").iterdir()) == []
-    written = result_file(tmp_path / "large.json", "storage", ("stage", "seconds", "what"))
+    assert list((folder / "tables").iterdir()) == []
+    written = result_file(folder / "large.json", "storage", ("stage", "seconds", "what"))
     (table,) = written["tables"]
     assert table["command"] == written["command"] and "1,000 entities" in table["title"]
     assert [row["stage"] for row in table["rows"]][-3] == "25 training steps"
@@ -649,20 +644,18 @@ def test_a_step_against_a_baseline_checkout(step_ab_runs, results: pathlib.Path)
     assert (row["layout"], row["exchange"], row["pairs"]) == ("2 x 1", "embedding", 1) and row["this_triples_per_s"] > 0
 
 
-def test_checkpoint_digests_benchmark(tmp_path: pathlib.Path):
+@pytest.mark.slow
+def test_checkpoint_digests_benchmark(benchmark_runs: dict[str, dict]):
     """checkpoints.py writes each tier's checkpoint with and without digests; its rows have the committed keys."""
-    output = tmp_path / "checkpoints.json"
-    completed = run_benchmark(
-        "checkpoints", "--entities", "3000", "--dim", "8", "--repeats", "1", "--tiers", "device", "mmap",
-        "--directories", str(tmp_path), "--output", str(output),
-    )  # fmt: skip
-    assert completed.returncode == 0, completed.stderr[-3000:]
+    finished(benchmark_runs, "checkpoints")
+    folder = benchmark_runs["checkpoints"]["folder"]
+    output = folder / "checkpoints.json"
     rows = json.loads(output.read_text())["rows"]
     assert [row["storage"] for row in rows] == ["device", "mmap"]
     assert all(row["write with digests s"] > 0 and row["write without s"] > 0 and row["verify s"] > 0 for row in rows)
     committed = json.loads((BENCHMARKS / "results" / "checkpoints-cpu.json").read_text())["rows"]
     assert list(rows[0]) == list(committed[0])
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints.json"]  # its files are removed
+    assert sorted(p.name for p in folder.iterdir()) == ["checkpoints.json"]  # its files are removed
 
 
 @pytest.mark.slow

@@ -202,7 +202,7 @@ def test_pipeline_trains_a_sensible_model_and_saves_it(dataset: Nations, tmp_pat
         optimizer="adam",
         optimizer_kwargs=dict(lr=0.02),
         negative_sampler_kwargs=dict(num_negs_per_pos=32),
-        training_kwargs=dict(num_epochs=40, batch_size=256, use_tqdm=False),
+        training_kwargs=dict(num_epochs=15, batch_size=256, use_tqdm=False),
         evaluation_kwargs=dict(use_tqdm=False),
     )
     bess = pipeline(training_loop=BessTrainingLoop, training_loop_kwargs=dict(num_shards=2), **common)
