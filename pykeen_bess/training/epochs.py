@@ -41,6 +41,10 @@ deliberately in these points:
    and, stopping, loads it (:class:`RowShardStopperCallback`); other tables already are row shards.
    The best epoch's state dict holds tables in files by value (PyKEEN's stopper keeps the model's
    state dict, which otherwise names the live files, whose values change).
+10. The stopper's best weights are kept beside every checkpoint and given back to the stopper of a
+    resumed run (:mod:`~pykeen_bess.training.checkpoints.stopper_weights`): PyKEEN's checkpoint keeps the
+    stopper's best epoch but not its weights file, and a run resumed after its best epoch failed when it
+    stopped.
 
 The failure branch otherwise matches PyKEEN's: a ``RuntimeError`` or ``MemoryError`` writes the
 failure checkpoint (handing it the best-epoch model when there is one), deletes the temporary
@@ -66,6 +70,12 @@ from tqdm.autonotebook import tqdm, trange
 from ..distributed import Topology
 from ..runtime.threads import ThreadPolicy
 from .checkpoints.stores import CheckpointStore
+from .checkpoints.stopper_weights import (
+    keep_stopper_weights,
+    process_suffix,
+    prune_stopper_weights,
+    restore_stopper_weights,
+)
 from .epoch_steps import EpochPlans, eager_step, static_steps
 from .steps.static_step import per_step_hooks
 from .steps.static_update import Clipping
@@ -163,6 +173,8 @@ def run_epochs(
         slice_size, sampler, num_workers, drop_last,
     )  # fmt: skip
     run = loop.start_training(triples_factory, start)  # 3.-6.
+    if stopper is not None and save_checkpoints and checkpoint_path is not None:  # 10.: a resumed run's
+        restore_stopper_weights(pathlib.Path(checkpoint_path), stopper, process_suffix(topology))
     callback = run.callback
     static = run.static
     plans = EpochPlans(run.batches.sampler, static, loop._epoch + 1, num_epochs) if static is not None else None
@@ -197,7 +209,7 @@ def run_epochs(
             if save_checkpoints and checkpoint_path is not None:
                 minutes = (time.time() - last_checkpoint) // 60
                 if minutes >= (checkpoint_frequency or 0) or loop._should_stop or epoch == num_epochs:
-                    loop._save_state(checkpoint_path, stopper, best, triples_factory)  # 7.: the store's files
+                    _checkpoint(loop, pathlib.Path(checkpoint_path), stopper, best, triples_factory)  # 7., 10.
                     last_checkpoint = time.time()
             if loop._should_stop:
                 _restore_best(loop, best)
@@ -263,12 +275,22 @@ def _after_failure(
     """PyKEEN's failure branch: the failure checkpoint, except under a process group (difference 7)."""
     logger.warning("The training loop failed during epoch %d: %s", epoch, error)
     if checkpoint_on_failure_file_path and not loop.topology.is_distributed:
-        loop.checkpoints.save(pathlib.Path(checkpoint_on_failure_file_path), stopper, best, triples_factory)
+        _checkpoint(loop, pathlib.Path(checkpoint_on_failure_file_path), stopper, best, triples_factory)
         logger.warning(
             "Saved a failure checkpoint (the current parameters, epoch counter at the last finished "
             "epoch) to %s; pass it as checkpoint_name (in its directory) to resume.",
             checkpoint_on_failure_file_path,
         )
+
+
+def _checkpoint(
+    loop: EpochLoop, path: pathlib.Path, stopper: Stopper | None, best: pathlib.Path | None, triples_factory: Any
+) -> None:
+    """Write a checkpoint through the loop's store (7.), the stopper's best weights beside it (10.)."""
+    suffix = process_suffix(loop.topology)
+    keep_stopper_weights(path, stopper, suffix)
+    loop._save_state(path, stopper, best, triples_factory)
+    prune_stopper_weights(path, stopper, suffix)
 
 
 def _restore_best(loop: EpochLoop, best_epoch_model_file_path: pathlib.Path | None) -> None:

@@ -37,6 +37,7 @@ from ..data.partition import ShardPairPartition
 from ..distributed import Topology
 from ..tables.memory_plan import MemoryPlan
 from ..tables.shard_tables import ShardTables
+from .checkpoints.stopper_weights import process_suffix
 from .epoch_steps import EpochBatches
 from .setup.config import BessConfig
 from .setup.sizes import StepSizes, block_size_for
@@ -180,7 +181,7 @@ def own_best_model_path(stopper: Stopper, topology: Topology) -> None:
     path = getattr(stopper, "best_model_path", None)
     if path is None or not topology.is_distributed:
         return
-    own = f".rank{topology.rank}-of-{topology.world_size}"
+    own = process_suffix(topology)
     path = pathlib.Path(path)
     if not path.stem.endswith(own):
         stopper.best_model_path = path.with_name(f"{path.stem}{own}{path.suffix}")  # type: ignore[attr-defined]

@@ -340,3 +340,120 @@ def test_a_checkpoint_file_write_removes_abandoned_temporary_files(tmp_path: pat
         random_seed=0,
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.pt"]
+
+
+class _Interrupted(Exception):
+    """The kill of a run, raised by a callback after an epoch (before that epoch's checkpoint)."""
+
+
+def _early_stopped_run(tmp_path: pathlib.Path, best_weights: str, die_at: int | None = None):
+    """Nations, DistMult: the stopper's best epoch is 2, it stops at epoch 6 (patience 2, every 2 epochs)."""
+    from pykeen.pipeline import pipeline
+    from pykeen.training.callbacks import TrainingCallback
+
+    from pykeen_bess import BessTrainingLoop
+
+    class Die(TrainingCallback):
+        def post_epoch(self, epoch: int, epoch_loss: float, **kwargs) -> None:
+            if epoch == die_at:
+                raise _Interrupted(epoch)
+
+    return pipeline(
+        dataset="nations",
+        model="DistMult",
+        model_kwargs=dict(embedding_dim=8),
+        random_seed=0,
+        training_loop=BessTrainingLoop,
+        training_loop_kwargs=dict(num_shards=2),
+        training_kwargs=dict(
+            num_epochs=20,
+            batch_size=256,
+            checkpoint_name="run.pt",
+            checkpoint_directory=str(tmp_path / "checkpoints"),
+            checkpoint_frequency=0,
+            callbacks=Die(),
+            use_tqdm=False,
+        ),
+        stopper="early",
+        stopper_kwargs=dict(frequency=2, patience=2, relative_delta=0.5, best_model_path=tmp_path / best_weights),
+        evaluation_kwargs=dict(use_tqdm=False),
+    )
+
+
+def test_an_early_stopped_run_resumed_after_its_best_epoch_restores_the_best_weights(tmp_path: pathlib.Path) -> None:
+    """A run killed after its best epoch resumes, stops and loads the best epoch's weights, as an uninterrupted run.
+
+    The stopper of the resumed run has a file of its own (PyKEEN's default: a new name per run); before, it
+    found no file when it stopped (``FileNotFoundError`` after all the training).
+    """
+    uninterrupted = _early_stopped_run(tmp_path / "uninterrupted", "best.pt")
+    assert uninterrupted.stopper.stopped and uninterrupted.stopper.best_epoch == 2
+    with pytest.raises(_Interrupted):  # after epoch 3: the checkpoint of epoch 2 holds best epoch 2
+        _early_stopped_run(tmp_path / "killed", "best-of-the-killed-run.pt", die_at=3)
+    checkpoints = tmp_path / "killed" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["run.pt", "run.pt.best-weights-epoch2.pt"]
+    resumed = _early_stopped_run(tmp_path / "killed", "best-of-the-resumed-run.pt")
+    assert resumed.stopper.stopped and resumed.stopper.best_epoch == 2
+    assert resumed.stopper.results == uninterrupted.stopper.results
+    assert resumed.metric_results.to_flat_dict() == uninterrupted.metric_results.to_flat_dict()
+    for (name, actual), expected in zip(resumed.model.state_dict().items(), uninterrupted.model.state_dict().values()):
+        torch.testing.assert_close(actual, expected, rtol=0, atol=0, msg=name)
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["run.pt", "run.pt.best-weights-epoch2.pt"]
+
+
+def test_the_stopper_weights_beside_a_checkpoint_follow_its_best_epoch(
+    tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One copy per best epoch, named for the process; older ones go after the checkpoint; a missing one is warned."""
+    import dataclasses
+    import logging
+
+    from pykeen_bess.training.checkpoints.stopper_weights import (
+        keep_stopper_weights,
+        process_suffix,
+        prune_stopper_weights,
+        restore_stopper_weights,
+    )
+
+    @dataclasses.dataclass
+    class Stopper:
+        best_model_path: pathlib.Path
+        best_epoch: int | None = None
+
+    @dataclasses.dataclass
+    class Ranks:
+        rank: int = 1
+        world_size: int = 2
+        is_distributed: bool = True
+
+    checkpoint, suffix = tmp_path / "run.pt", process_suffix(Ranks())
+    assert suffix == ".rank1-of-2" and process_suffix(Ranks(0, 1, False)) == ""
+    stopper = Stopper(tmp_path / "stopper.pt")
+    keep_stopper_weights(checkpoint, stopper, suffix)  # no best epoch yet
+    stopper.best_epoch = 2
+    keep_stopper_weights(checkpoint, stopper, suffix)  # no file yet
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    torch.save({"w": torch.ones(2)}, stopper.best_model_path)
+    keep_stopper_weights(checkpoint, stopper, suffix)
+    (tmp_path / "run.pt.best-weights-epoch1.rank0-of-2.pt").write_bytes(b"another rank's")
+    (tmp_path / "other.pt.best-weights-epoch1.rank1-of-2.pt").write_bytes(b"another checkpoint's")
+    torch.save({"w": torch.full((2,), 4.0)}, stopper.best_model_path)
+    stopper.best_epoch = 4
+    keep_stopper_weights(checkpoint, stopper, suffix)  # the new best: copied before the checkpoint is written
+    assert (tmp_path / "run.pt.best-weights-epoch2.rank1-of-2.pt").is_file()  # the written checkpoint's best
+    prune_stopper_weights(checkpoint, stopper, suffix)  # after it was written
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "other.pt.best-weights-epoch1.rank1-of-2.pt",
+        "run.pt.best-weights-epoch1.rank0-of-2.pt",
+        "run.pt.best-weights-epoch4.rank1-of-2.pt",
+        "stopper.pt",
+    ]
+    # a resumed run's stopper: a file of its own, which does not exist
+    resumed = Stopper(tmp_path / "new" / "stopper.pt", best_epoch=4)
+    restore_stopper_weights(checkpoint, resumed, suffix)
+    assert torch.equal(torch.load(resumed.best_model_path)["w"], torch.full((2,), 4.0))
+    restore_stopper_weights(checkpoint, Stopper(tmp_path / "fresh.pt"), suffix)  # nothing to restore
+    assert not (tmp_path / "fresh.pt").exists()
+    with caplog.at_level(logging.WARNING):
+        restore_stopper_weights(checkpoint, Stopper(tmp_path / "missing.pt", best_epoch=6), suffix)
+    assert "best epoch (6)" in caplog.text and "run.pt.best-weights-epoch6.rank1-of-2.pt" in caplog.text
