@@ -404,7 +404,7 @@ def test_an_early_stopped_run_resumed_after_its_best_epoch_restores_the_best_wei
 def test_the_stopper_weights_beside_a_checkpoint_follow_its_best_epoch(
     tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """One copy per best epoch, named for the process; older ones go after the checkpoint; a missing one is warned."""
+    """One copy per best epoch, named for the process; others go after the checkpoint; a missing one is warned."""
     import dataclasses
     import logging
 
@@ -443,10 +443,18 @@ def test_the_stopper_weights_beside_a_checkpoint_follow_its_best_epoch(
     assert (tmp_path / "run.pt.best-weights-epoch2.rank1-of-2.pt").is_file()  # the written checkpoint's best
     prune_stopper_weights(checkpoint, stopper, suffix)  # after it was written
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "other.pt.best-weights-epoch1.rank1-of-2.pt",
-        "run.pt.best-weights-epoch1.rank0-of-2.pt",
+        "other.pt.best-weights-epoch1.rank1-of-2.pt",  # another checkpoint's
         "run.pt.best-weights-epoch4.rank1-of-2.pt",
         "stopper.pt",
+    ]
+    # another layout's copies (a resharded run's past) go too, this layout's of the best epoch stay
+    for name in ("run.pt.best-weights-epoch4.pt", "run.pt.best-weights-epoch4.rank0-of-3.pt"):
+        (tmp_path / name).write_bytes(b"another layout's")
+    (tmp_path / "run.pt.best-weights-epoch4.rank0-of-2.pt").write_bytes(b"the other rank's")
+    prune_stopper_weights(checkpoint, stopper, suffix)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("run")) == [
+        "run.pt.best-weights-epoch4.rank0-of-2.pt",
+        "run.pt.best-weights-epoch4.rank1-of-2.pt",
     ]
     # a resumed run's stopper: a file of its own, which does not exist
     resumed = Stopper(tmp_path / "new" / "stopper.pt", best_epoch=4)

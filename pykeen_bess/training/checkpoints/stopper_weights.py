@@ -12,10 +12,10 @@ losses to the best epoch, which an uninterrupted run does not do.
 So the loop keeps a copy of the stopper's file beside each checkpoint, named by the best epoch it holds
 (:func:`stopper_weights_file`: ``NAME.best-weights-epochE.pt``, with the rank's suffix under a process
 group): copied before the checkpoint is written (:func:`keep_stopper_weights`), the copies of other
-epochs removed after it was (:func:`prune_stopper_weights`), so the checkpoint and the copy of its best
-epoch are consistent whenever the writer is killed. A resumed run copies it to its stopper's file
-before the first epoch (:func:`restore_stopper_weights`). The copy is one state dict of the model (the
-stopper's file), written once per new best epoch.
+epochs (and of another layout of processes) removed after it was (:func:`prune_stopper_weights`), so
+the checkpoint and the copy of its best epoch are consistent whenever the writer is killed. A resumed
+run copies it to its stopper's file before the first epoch (:func:`restore_stopper_weights`). The copy
+is one state dict of the model (the stopper's file), written once per new best epoch.
 """
 
 from __future__ import annotations
@@ -76,14 +76,21 @@ def keep_stopper_weights(checkpoint: pathlib.Path, stopper: Any, suffix: str = "
 
 
 def prune_stopper_weights(checkpoint: pathlib.Path, stopper: Any, suffix: str = "") -> None:
-    """Remove the copies of other epochs than the stopper's best beside ``checkpoint`` (after it was written)."""
+    """Remove the copies beside ``checkpoint`` (after it was written) that it does not need.
+
+    Those of other epochs than the stopper's best, and those of another layout of processes (a resharded
+    run's past), whichever process wrote them: under a process group every process has written its copy
+    before the checkpoint is complete.
+    """
     best = _best(stopper)
     if best is None or not stopper_weights_file(checkpoint, best[1], suffix).is_file():
         return
-    pattern = re.compile(rf"^{re.escape(checkpoint.name)}\.best-weights-epoch(\d+){re.escape(suffix)}\.pt$")
+    layout = re.fullmatch(r"\.rank\d+(-of-\d+)", suffix)
+    own = layout.group(1) if layout is not None else None
+    pattern = re.compile(rf"^{re.escape(checkpoint.name)}\.best-weights-epoch(\d+)(?:\.rank\d+(-of-\d+))?\.pt$")
     for file in checkpoint.parent.iterdir():
         found = pattern.match(file.name)
-        if found is not None and int(found.group(1)) != best[1]:
+        if found is not None and (int(found.group(1)) != best[1] or found.group(2) != own):
             file.unlink(missing_ok=True)
 
 
