@@ -106,8 +106,14 @@ class MmapStorage(TableStorage):
         self.defer_existing = True
 
     def _entry_values(self, tensors: dict[str, torch.Tensor], directory: pathlib.Path | None) -> dict[str, Any]:
-        """Name the files' copies in ``directory`` (in a checkpoint), else the live files by path."""
+        """Name the files' copies in ``directory`` (in a checkpoint), else the live files by path.
+
+        Outside a checkpoint, tensors this storage did not place (a pickled or copied model's tables, which
+        hold their values as plain tensors, see :meth:`__getstate__`) go into the entry by value.
+        """
         if directory is None:
+            if any(_key(value) not in self.files for value in tensors.values()):
+                return {"tensors": tensors}
             return {"files": {key: str(self.file_of(value)) for key, value in tensors.items()}, "directory": None}
         copies = {key: self.snapshot(value, directory) for key, value in tensors.items()}
         return {
