@@ -5,8 +5,9 @@ model: after training the model still scores, predicts and evaluates with it, bu
 would re-initialise it at a fresh start and then never update it (their optimizer sees only the model's
 parameters), silently. :class:`~pykeen_bess.tables.representation.ShardedEmbedding` refuses a
 re-initialisation of a table that holds a training's values (:func:`refuse_another_loop`) unless BESS's
-loop starts a fresh training of its own (:func:`resets_by_the_loop`); continuing such a table with
-PyKEEN's loops is refused by PyKEEN itself (its new optimizer has no state).
+loop starts a fresh training of its own (:func:`resets_by_the_loop`), and the model refuses it before it
+re-initialises anything (:func:`guard_model_reset`); continuing such a table with PyKEEN's loops is
+refused by PyKEEN itself (its new optimizer has no state).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["LOOP_RESETS", "refuse_another_loop", "resets_by_the_loop"]
+__all__ = ["LOOP_RESETS", "GuardedReset", "guard_model_reset", "refuse_another_loop", "resets_by_the_loop"]
 
 #: set while BESS's training loop re-initialises its tables for a fresh training (:func:`resets_by_the_loop`)
 LOOP_RESETS: contextvars.ContextVar[bool] = contextvars.ContextVar("pykeen_bess_loop_resets", default=False)
@@ -51,3 +52,30 @@ def refuse_another_loop(table: Any, action: str) -> None:
         f"it. Continue with BessTrainingLoop (continue_training=True, or from a checkpoint); the model predicts "
         f"and evaluates as it is."
     )
+
+
+class GuardedReset:
+    """A model's ``reset_parameters_`` that refuses (:func:`refuse_another_loop`) before it re-initialises anything.
+
+    PyKEEN re-initialises a model's modules deepest first, so a relation embedding (``relation_representations.0
+    ._embeddings``) was re-initialised before the entity table, one level up, refused: the trained model lost
+    its relations. Pickled with the model (a model with such tables needs the plugin to load anyway).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def __call__(self) -> Any:
+        """Refuse if a table outside the model holds a training's values (unless BESS's loop resets), else reset."""
+        if not LOOP_RESETS.get():
+            for module in self.model.modules():
+                if getattr(module, "holds_training", False):
+                    refuse_another_loop(module, "re-initialise (and so lose)")
+        return type(self.model).reset_parameters_(self.model)  # type: ignore[attr-defined]
+
+
+def guard_model_reset(model: nn.Module, tables: Any) -> None:
+    """Give ``model`` a :class:`GuardedReset` where one of ``tables`` is kept outside its parameters (host, files)."""
+    if "reset_parameters_" in vars(model) or all(isinstance(table.weight, nn.Parameter) for table in tables):
+        return
+    model.reset_parameters_ = GuardedReset(model)  # type: ignore[assignment]

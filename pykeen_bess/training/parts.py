@@ -23,7 +23,7 @@ from pykeen.triples.weights import loss_weighter_resolver
 
 from ..distributed import Topology
 from ..tables.optim import BessOptimizer
-from ..tables.other_loops import resets_by_the_loop
+from ..tables.other_loops import guard_model_reset, resets_by_the_loop
 from ..data.partition import ShardPairPartition
 from ..data.sampling import BessSampler
 from ..schemes import ExchangeScheme
@@ -106,6 +106,7 @@ class LoopParts(PyKEENHooks):
         """
         for table in self.tables:  # only this loop's fresh training re-initialises them from now on
             table.holds_training = True
+        guard_model_reset(self.model, self.tables)  # and another loop is refused before it resets anything
         if continue_training:
             if not self._epoch and not self.optimizer.state and not self.resumed_from_pbg:  # (an optimizer without
                 raise ValueError("Cannot continue_training without being trained once.")  # state counts epochs)

@@ -273,15 +273,42 @@ def test_another_loop_cannot_reset_or_train_a_stored_table(nations, tmp_path) ->
     train(loop, factory)
     table = loop.tables[0]
     before = table.weight.clone()
+    relations = loop.model.relation_representations[0]().detach().clone()
     other = SLCWATrainingLoop(model=loop.model, triples_factory=factory, optimizer="adam")
     with pytest.raises(RuntimeError, match=r"cannot re-initialise .* storage tier host, outside the model"):
         other.train(factory, num_epochs=1, batch_size=72, use_tqdm=False)
+    # refused before anything is re-initialised (PyKEEN resets the deeper relation embedding first)
+    assert torch.equal(loop.model.relation_representations[0]().detach(), relations)
     with pytest.raises(ValueError, match="without being trained once"):  # PyKEEN's own refusal
         other.train(factory, num_epochs=1, batch_size=72, use_tqdm=False, continue_training=True)
     assert torch.equal(table.weight, before)
     loop.model.score_hrt(factory.mapped_triples[:5])  # scoring reads the rows, in any mode
     loop.train(factory, num_epochs=3, batch_size=72, use_tqdm=False, continue_training=True)  # BESS's loop continues
     assert not torch.equal(loop.tables[0].weight, before)
+
+
+def test_a_copied_or_unpickled_model_of_files_gives_its_state_dict(nations, tmp_path) -> None:
+    """A model trained with tables in files, copied or pickled: its state dict holds the values (not live files)."""
+    import copy
+    import io
+
+    factory = factory_of(nations)
+    loop = make_loop(factory, "mmap", tmp_path)
+    train(loop, factory)
+    expected = loop.tables[0].weight.detach().clone()
+    buffer = io.BytesIO()
+    torch.save(loop.model, buffer)
+    buffer.seek(0)
+    for model in (copy.deepcopy(loop.model), torch.load(buffer, weights_only=False)):
+        (key,) = [key for key in model.state_dict() if key.endswith("stored_table")]
+        entry = model.state_dict()[key]
+        assert entry["tier"] == "mmap" and torch.equal(entry["tensors"]["weight"], expected)
+        copy.deepcopy(loop.model).load_state_dict(model.state_dict())  # and loads into a copy
+    # the trained model itself names its live files, outside a checkpoint
+    assert "files" in loop.model.state_dict()[key]
+    device = make_loop(factory, "device", tmp_path)
+    train(device, factory)
+    assert "reset_parameters_" not in vars(device.model)  # an ordinary PyKEEN model (no guard of the plugin's)
 
 
 def train_with_checkpoints(loop: BessTrainingLoop, factory: CoreTriplesFactory, epochs: int, path: pathlib.Path):
