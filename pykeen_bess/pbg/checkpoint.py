@@ -229,7 +229,7 @@ def write_checkpoint(
                             [entity_rows(representation(indices=chunk)).cpu() for chunk in ids.split(WRITE_CHUNK)]
                         )
                         if ids.numel()
-                        else torch.zeros(0, 0)
+                        else entity_rows(representation(indices=ids)).cpu()  # [0, D]: an empty partition
                     )
                 state = None
                 if optimizer is not None:

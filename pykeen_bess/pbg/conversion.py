@@ -26,6 +26,7 @@ over relations, ``bias``) has no exact counterpart and gets a clear error.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import Any, ClassVar
@@ -250,6 +251,11 @@ class RESCALConversion(Conversion):
     def from_rhs(self, parameters: Mapping[str, torch.Tensor]) -> torch.Tensor:
         return parameters["linear_transformation"]
 
+    def model_kwargs(self, dimension: int) -> dict[str, Any]:
+        # RESCAL takes its default L2 regularizer for regularizer=None; PyKEEN's NoRegularizer adds nothing
+        # (its resolver would hand it the default's keyword arguments unless some are given)
+        return dict(embedding_dim=dimension, regularizer="no", regularizer_kwargs=dict(weight=1.0))
+
 
 #: every conversion, tried in order
 CONVERSIONS: tuple[type[Conversion], ...] = (
@@ -321,10 +327,13 @@ def conversion_for_model_name(name: str) -> Conversion:
 
 
 def entity_rows(values: torch.Tensor) -> torch.Tensor:
-    """Return PyKEEN's entity representation ``[n, d]`` (complex or real) as PBG rows ``[n, D]`` (same precision)."""
+    """Return PyKEEN's entity representation ``[n, *s]`` (complex or real) as PBG rows ``[n, D]`` (same precision).
+
+    ``n`` may be 0 (an empty partition): ``D`` is then still the row width.
+    """
     if values.is_complex():
         values = torch.cat([values.real, values.imag], dim=-1)
-    return values.reshape(values.shape[0], -1)
+    return values.reshape(values.shape[0], math.prod(values.shape[1:]))
 
 
 def rows_to_weight(rows: torch.Tensor, is_complex: bool) -> torch.Tensor:

@@ -108,7 +108,7 @@ class TypedGraph:
         if labels is None:
             return None
         ids = self.schema.partition_range(entity_type, partition)
-        return [self.schema.name_of(labels[i]) for i in ids]
+        return [self.schema.name_of(entity_type, labels[i]) for i in ids]
 
     # -- constructors and changes --------------------------------------------------------------
 

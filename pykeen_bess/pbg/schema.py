@@ -249,9 +249,19 @@ class GraphSchema:
         """Return the PyKEEN label of an entity (its name, or ``"{type}:{name}"`` if names repeat across types)."""
         return f"{self.entity_types[entity_type]}:{name}" if self.qualified_labels else name
 
-    def name_of(self, label: str) -> str:
-        """Return the name of an entity from its PyKEEN label (the inverse of :meth:`label`)."""
-        return label.split(":", 1)[1] if self.qualified_labels else label
+    def name_of(self, entity_type: int, label: str) -> str:
+        """Return the name of an entity of ``entity_type`` from its PyKEEN label (the inverse of :meth:`label`).
+
+        The type's own prefix is removed (a type name may contain ``":"`` itself).
+
+        :raises ValueError: if a qualified label does not start with the type's name
+        """
+        if not self.qualified_labels:
+            return label
+        prefix = f"{self.entity_types[entity_type]}:"
+        if not label.startswith(prefix):
+            raise ValueError(f"The label {label!r} is not of an entity of type {self.entity_types[entity_type]!r}.")
+        return label[len(prefix) :]
 
     # -- changes -----------------------------------------------------------------------------------
 

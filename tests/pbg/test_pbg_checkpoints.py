@@ -274,3 +274,73 @@ def test_a_model_to_fill(tmp_path: pathlib.Path) -> None:
     assert isinstance(target.entity_representations[0], Embedding)
     with pytest.raises(ValueError, match="not the given DistMult"):
         pbg.read_checkpoint(tmp_path, graph, model=DistMult(triples_factory=graph.training, embedding_dim=6))
+
+
+def _empty_partition_graph(tmp_path):
+    """Six users buy three items, each type in 4 partitions: item partition 3 is empty."""
+    from pykeen_bess import pbg
+
+    path = tmp_path / "buys.tsv"
+    path.write_text("".join(f"u{i}\tbuys\ti{i % 3}\n" for i in range(6)))
+    config = dict(
+        entities={"user": {"num_partitions": 4}, "item": {"num_partitions": 4}},
+        relations=[{"name": "buys", "lhs": "user", "rhs": "item", "operator": "diagonal"}],
+        dimension=8,
+        comparator="dot",
+    )
+    graph = pbg.import_tsv(path, config=config)
+    assert graph.schema.partition_sizes[1][3] == 0
+    return graph
+
+
+def test_an_empty_partition_is_written_with_the_row_width(tmp_path) -> None:
+    """PyTorch-BigGraph writes an empty partition as ``[0, D]``; so does write_checkpoint, and it reads back."""
+    from pykeen_bess import pbg
+
+    graph = _empty_partition_graph(tmp_path)
+    model = DistMult(triples_factory=graph.training, embedding_dim=8, random_seed=0)
+    pbg.write_checkpoint(model, graph, tmp_path / "checkpoint")
+    with h5py.File(tmp_path / "checkpoint" / "embeddings_item_3.v0.h5") as file:
+        assert file["embeddings"].shape == (0, 8)
+    restored = pbg.read_checkpoint(tmp_path / "checkpoint", graph)
+    batch = graph.training.mapped_triples
+    torch.testing.assert_close(restored.score_hrt(batch), model.score_hrt(batch))
+
+
+def test_a_training_with_an_empty_partition_writes_pbg_checkpoints(tmp_path) -> None:
+    """checkpoint_format="pbg" with an empty partition (its checkpoint failed after the epoch's training)."""
+    from pykeen.pipeline import pipeline
+
+    graph = _empty_partition_graph(tmp_path)
+    pipeline(
+        training=graph.training,
+        testing=graph.training,
+        model="DistMult",
+        model_kwargs=dict(embedding_dim=8),
+        training_loop="bess",
+        training_loop_kwargs=dict(num_shards=4, checkpoint_format="pbg"),
+        training_kwargs=dict(
+            num_epochs=1, batch_size=2, checkpoint_directory=str(tmp_path / "run"), checkpoint_name="b.pt"
+        ),
+        random_seed=0,
+        evaluation_kwargs=dict(use_tqdm=False),
+    )
+    (written,) = (tmp_path / "run").glob("embeddings_item_3.v*.h5")
+    with h5py.File(written) as file:
+        assert file["embeddings"].shape == (0, 8)
+
+
+def test_rescal_from_a_pbg_checkpoint_is_unregularized() -> None:
+    """PyTorch-BigGraph regularizes nothing: the RESCAL it builds has no L2 term (RESCAL's default is one)."""
+    from pykeen.models import model_resolver
+
+    from pykeen_bess.pbg.conversion import conversion_for_model_name
+
+    dataset = Nations()
+    for name in ("DistMult", "ComplEx", "RESCAL", "TransE"):
+        model = model_resolver.make(
+            name, triples_factory=dataset.training, **conversion_for_model_name(name).model_kwargs(8)
+        )
+        model.train()
+        model.score_hrt(dataset.training.mapped_triples[:10])
+        assert float(model.collect_regularization_term()) == 0.0, name

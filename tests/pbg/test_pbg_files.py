@@ -330,7 +330,8 @@ def test_typed_tsv_import_with_a_config(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "edges.tsv"
     labels = graph.training.label_triples(graph.training.mapped_triples)
     names = labels.copy()  # PyTorch-BigGraph's TSV has names, not labels
-    names[:, [0, 2]] = np.vectorize(graph.schema.name_of)(labels[:, [0, 2]])
+    types = graph.schema.entity_type[graph.training.mapped_triples[:, [0, 2]]].numpy()
+    names[:, [0, 2]] = np.vectorize(graph.schema.name_of)(types, labels[:, [0, 2]])
     np.savetxt(path, names, fmt="%s", delimiter="\t")
     config = _config(graph, tmp_path)
     imported = pbg.import_tsv(path, config=config)

@@ -130,7 +130,7 @@ def test_export_to_tsv_prints_the_models_values(tmp_path: pathlib.Path) -> None:
     labels = graph.entity_labels()
     for index, line in enumerate(lines):
         name, *values = line.split("\t")
-        assert name == graph.schema.name_of(labels[index])
+        assert name == graph.schema.name_of(int(graph.schema.entity_type[index]), labels[index])
         torch.testing.assert_close(torch.tensor([float(v) for v in values]), rows[index], rtol=0, atol=1e-8)
     parameters = relation_parameters(model, graph.schema, conversion_for_model(model))
     relations = (tmp_path / "relations.tsv").read_text().splitlines()

@@ -147,3 +147,36 @@ def test_random_sharding_is_unchanged() -> None:
 def test_typed_sharding_refuses_types_of_another_graph() -> None:
     with pytest.raises(ValueError, match="describe 3 entities"):
         EntitySharding.create(4, 2, strategy=TypedSharding(torch.tensor([0, 0, 1])))
+
+
+def test_type_names_with_colons_keep_their_entity_names(tmp_path) -> None:
+    """Names repeated across types are labelled ``type:name``; a type's own ``:`` stays in the type, not the name."""
+    import json
+
+    from pykeen_bess import pbg
+
+    path = tmp_path / "likes.tsv"
+    path.write_text("n1\tlikes\tn1\nn2\tlikes\tn1\n")
+    config = dict(
+        entities={"ns:user": {"num_partitions": 1}, "item": {"num_partitions": 1}},
+        relations=[{"name": "likes", "lhs": "ns:user", "rhs": "item", "operator": "diagonal"}],
+        dimension=8,
+        comparator="dot",
+    )
+    graph = pbg.import_tsv(path, config=config)
+    assert graph.training.entity_to_id == {"ns:user:n1": 0, "ns:user:n2": 1, "item:n1": 2}
+    pbg.write(graph, tmp_path / "data")
+    assert json.loads((tmp_path / "data" / "entity_names_ns:user_0.json").read_text()) == ["n1", "n2"]
+    assert json.loads((tmp_path / "data" / "entity_names_item_0.json").read_text()) == ["n1"]
+    again = pbg.read(
+        tmp_path / "data",
+        config=dict(
+            config,
+            entity_path=str(tmp_path / "data"),
+            edge_paths=[str(tmp_path / "data" / "training")],
+            checkpoint_path=str(tmp_path / "checkpoints"),
+        ),
+    )
+    assert again.training.entity_to_id == graph.training.entity_to_id
+    with pytest.raises(ValueError, match="not of an entity of type 'item'"):
+        graph.schema.name_of(1, "ns:user:n1")
