@@ -270,16 +270,12 @@ class TableStorage(ABC):
         """
         return f"its rows cross from storage={self.name!r} to the GPU"
 
-    def state_entry(
-        self, table: HeldTable, directory: pathlib.Path | None, omit_weight: bool, by_value: bool = False
-    ) -> dict[str, Any] | None:
+    def state_entry(self, table: HeldTable, directory: pathlib.Path | None, omit_weight: bool) -> dict[str, Any] | None:
         """Return what a state dict holds of a table outside the model: its tensors (and row state).
 
         :param table: the table
         :param directory: while a checkpoint is written, the directory its file copies go to
         :param omit_weight: leave the rows out (a checkpoint whose own files hold them)
-        :param by_value: hold the tensors themselves, also of a tier with files (a state dict that must
-            keep today's values, e.g. PyKEEN's early stopper's best epoch)
         :returns: the entry (None: the table is a parameter, already in the state dict)
         """
         tensors = {"weight": table.weight, **{f"state.{name}": value for name, value in table.row_state.items()}}
@@ -289,7 +285,7 @@ class TableStorage(ABC):
             "tier": self.name,
             "label": table.label,
             "shape": tuple(table.weight.shape),
-            **({"tensors": tensors} if by_value else self._entry_values(tensors, directory)),
+            **self._entry_values(tensors, directory),
         }
 
     def _entry_values(self, tensors: dict[str, torch.Tensor], directory: pathlib.Path | None) -> dict[str, Any]:

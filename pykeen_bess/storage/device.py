@@ -80,9 +80,7 @@ class DeviceStorage(TableStorage):
     def captured_step_obstacle(self) -> str | None:  # noqa: D102
         return None
 
-    def state_entry(
-        self, table: HeldTable, directory: pathlib.Path | None, omit_weight: bool, by_value: bool = False
-    ) -> dict[str, Any] | None:
+    def state_entry(self, table: HeldTable, directory: pathlib.Path | None, omit_weight: bool) -> dict[str, Any] | None:
         """None: the table is a parameter of the model, in the state dict already."""
         return None
 

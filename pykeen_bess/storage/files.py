@@ -106,15 +106,14 @@ class MmapStorage(TableStorage):
         self.defer_existing = True
 
     def _entry_values(self, tensors: dict[str, torch.Tensor], directory: pathlib.Path | None) -> dict[str, Any]:
-        """Name the files' copies in ``directory`` (in a checkpoint), else the live files by path.
+        """Name the files' copies in ``directory`` (in a checkpoint), else hold the tensors themselves.
 
-        Outside a checkpoint, tensors this storage did not place (a pickled or copied model's tables, which
-        hold their values as plain tensors, see :meth:`__getstate__`) go into the entry by value.
+        Outside a checkpoint a state dict holds values, as any module's does: a copy of it (an early stopper's
+        best epoch, a user's snapshot, ``torch.save``) keeps today's values whatever the files hold later.
+        The tensors are views of the memory maps: the state dict itself copies nothing.
         """
         if directory is None:
-            if any(_key(value) not in self.files for value in tensors.values()):
-                return {"tensors": tensors}
-            return {"files": {key: str(self.file_of(value)) for key, value in tensors.items()}, "directory": None}
+            return {"tensors": tensors}
         copies = {key: self.snapshot(value, directory) for key, value in tensors.items()}
         return {
             "files": {key: name for key, (name, _) in copies.items()},

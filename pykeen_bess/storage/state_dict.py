@@ -1,8 +1,9 @@
 """A shard table kept outside the model in the model's state dict (checkpoints of the host and file tiers).
 
 :class:`~pykeen_bess.tables.representation.ShardedEmbedding` registers these hooks: a table in host memory
-goes into the state dict as tensors, a table in files as the names of the files' copies (or, outside
-a checkpoint, the live files' paths), and loading writes them back into the table's tier.
+goes into the state dict as tensors, a table in files as the names of the files' copies in a checkpoint
+(else as tensors too), and loading writes them back into the table's tier. State dicts written before
+by an earlier version may name a table's live files by path: those are read from the files.
 """
 
 from __future__ import annotations
@@ -35,8 +36,6 @@ class StateDictTable(HeldTable, Protocol):
     snapshot_directory: pathlib.Path | None
     #: while a checkpoint whose own files hold the rows is written: omit them
     external_weights: bool
-    #: while a state dict that must keep today's values is taken: the tensors themselves, not the files
-    state_by_value: bool
 
 
 STORED_TABLE_KEY, EXTERNAL_WEIGHT_KEY = "stored_table", "external_weight"
@@ -47,12 +46,10 @@ def add_stored_table(module: StateDictTable, state_dict: dict, prefix: str, loca
 
     Host memory: the tensors themselves. Files: while a checkpoint is written (the store sets
     :attr:`ShardedEmbedding.snapshot_directory`), copies of the flushed files in that directory,
-    referenced by name; while ``state_by_value`` is set (PyKEEN's early stopper keeps the best
-    epoch's state dict), the tensors themselves; otherwise the live files, by path.
+    referenced by name; otherwise the tensors themselves (views of the memory maps), as any module's
+    state dict holds its values.
     """
-    entry = module.storage.state_entry(
-        module, module.snapshot_directory, omit_weight=module.external_weights, by_value=module.state_by_value
-    )
+    entry = module.storage.state_entry(module, module.snapshot_directory, omit_weight=module.external_weights)
     if entry is None:  # a parameter of the model: its rows are in the state dict already
         if module.external_weights:
             del state_dict[prefix + "weight"]

@@ -104,8 +104,6 @@ class ShardedEmbedding(ColumnPart, Representation):
     weight: torch.Tensor
     #: the row-sparse gradient of a table outside the model (a default: tables pickled earlier lack it)
     stored_gradient: torch.Tensor | None = None
-    #: a default: tables pickled earlier lack it
-    state_by_value: bool = False
     #: whether the table holds a BESS training's values (set by the loop; only its own fresh training resets them)
     holds_training: bool = False
 
@@ -191,9 +189,6 @@ class ShardedEmbedding(ColumnPart, Representation):
         self.snapshot_directory: pathlib.Path | None = None
         #: while a checkpoint whose own files hold the rows (PyTorch-BigGraph's layout) is written: omit them
         self.external_weights = False
-        #: while a state dict that must keep today's values is taken (an early stopper's best epoch): a table
-        #: in files goes in by value
-        self.state_by_value = False
         self.register_state_dict_post_hook(add_stored_table)
         self.register_load_state_dict_pre_hook(load_stored_table)
         # the embedding this table replaces (not a submodule: its parameters are not the model's)

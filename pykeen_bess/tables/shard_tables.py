@@ -270,18 +270,6 @@ class ShardTables:
             for table in tables:
                 table.external_weights = False
 
-    @contextlib.contextmanager
-    def values_in_state_dict(self) -> Iterator[None]:
-        """While the block runs, the model's state dict holds tables in files by value (not the live files)."""
-        tables = self.state_dict_tables()
-        for table in tables:
-            table.state_by_value = True
-        try:
-            yield
-        finally:
-            for table in tables:
-                table.state_by_value = False
-
     def constrain_all(self) -> None:
         """Apply the tables' constraints to every real row (after a reset)."""
         for table in self.tables:

@@ -39,8 +39,8 @@ deliberately in these points:
 9. The stopper evaluates the tables as row shards: the encoding partition over processes lends the
    model the row shards its column parts make while the stopper evaluates, keeps the best epoch
    and, stopping, loads it (:class:`RowShardStopperCallback`); other tables already are row shards.
-   The best epoch's state dict holds tables in files by value (PyKEEN's stopper keeps the model's
-   state dict, which otherwise names the live files, whose values change).
+   The best epoch's state dict holds tables in files by value (as every state dict outside a
+   checkpoint does).
 10. The stopper's best weights are kept beside every checkpoint and given back to the stopper of a
     resumed run (:mod:`~pykeen_bess.training.checkpoints.stopper_weights`): PyKEEN's checkpoint keeps the
     stopper's best epoch but not its weights file, and a run resumed after its best epoch failed when it

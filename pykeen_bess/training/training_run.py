@@ -198,8 +198,8 @@ class RowShardStopperCallback(StopperTrainingCallback):
         loop = self.training_loop
         tables = loop.tables  # type: ignore[attr-defined]
         # written back: PyKEEN's EarlyStopper loads the best epoch's weights into the model when it stops;
-        # it keeps them as the model's state dict, in which tables in files must be values, not the live files
-        with tables.row_shards(loop.optimizer, write=True), tables.values_in_state_dict():
+        # it keeps them as the model's state dict (which holds tables in files by value)
+        with tables.row_shards(loop.optimizer, write=True):
             super().post_epoch(epoch=epoch, epoch_loss=epoch_loss, **kwargs)
 
 
