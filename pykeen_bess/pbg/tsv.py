@@ -40,8 +40,11 @@ logger = logging.getLogger(__name__)
 def read_label_columns(path: str | os.PathLike, columns: Sequence[int] = (0, 1, 2), delimiter: str = "\t") -> Any:
     """Read three columns of a delimited text file as Arrow string columns (head, relation, tail).
 
+    The file may have more columns (e.g. a weight), as many on every line as on its first; the others are
+    skipped, as PyTorch-BigGraph's importer skips them.
+
     :raises FileNotFoundError: if the file does not exist
-    :raises ValueError: naming the file, if a line has too few columns
+    :raises ValueError: naming the file, if a line has too few columns, or another number than the first line
     """
     import pyarrow as pa
     import pyarrow.csv as csv
@@ -49,7 +52,10 @@ def read_label_columns(path: str | os.PathLike, columns: Sequence[int] = (0, 1, 
     path = pathlib.Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"Triples file {path} does not exist.")
-    names = [f"column_{i}" for i in range(max(columns) + 1)]
+    with path.open("rb") as file:
+        first = file.readline().rstrip(b"\r\n")
+    width = len(first.split(delimiter.encode())) if first else 0
+    names = [f"column_{i}" for i in range(max(width, max(columns) + 1))]
     try:
         table = csv.read_csv(
             path,

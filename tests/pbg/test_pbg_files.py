@@ -365,6 +365,25 @@ def test_tsv_with_too_few_columns(tmp_path: pathlib.Path) -> None:
         pbg.import_tsv(path)
 
 
+def test_tsv_with_more_columns_reads_the_given_ones(tmp_path: pathlib.Path) -> None:
+    """A weight column (PyTorch-BigGraph's importer and PyKEEN read such files): the given columns are the triples."""
+    path = tmp_path / "weighted.tsv"
+    path.write_text("a\tr\tb\t0.5\nb\tr\tc\t0.7\n")
+    graph = pbg.import_tsv(path, columns=(0, 1, 2))
+    assert sorted(map(tuple, graph.training.label_triples(graph.training.mapped_triples).tolist())) == [
+        ("a", "r", "b"),
+        ("b", "r", "c"),
+    ]
+    swapped = pbg.import_tsv(path, columns=(2, 1, 0))
+    assert sorted(map(tuple, swapped.training.label_triples(swapped.training.mapped_triples).tolist())) == [
+        ("b", "r", "a"),
+        ("c", "r", "b"),
+    ]
+    (tmp_path / "ragged.tsv").write_text("a\tr\tb\t0.5\nb\tr\tc\n")
+    with pytest.raises(ValueError, match="ragged.tsv: not a file of 4"):
+        pbg.import_tsv(tmp_path / "ragged.tsv")
+
+
 def test_checkpoint_datasets_carry_digests_checked_on_read(tmp_path: pathlib.Path) -> None:
     """A changed value in an embeddings or model file is refused naming the file; PyTorch-BigGraph's own files pass."""
     from pykeen_bess import CorruptCheckpointError
