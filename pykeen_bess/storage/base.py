@@ -302,8 +302,12 @@ class TableStorage(ABC):
     def defer_existing_files(self) -> None:  # noqa: B027
         """Place tensors whose file exists beside it until :meth:`claim_existing` decides (tiers with files)."""
 
-    def claim_existing(self, resuming: bool) -> None:  # noqa: B027
-        """Decide about existing files the tensors were placed beside (tiers with files)."""
+    def claim_existing(self, resuming: bool, checkpoint: pathlib.Path | None = None) -> None:  # noqa: B027
+        """Decide about existing files the tensors were placed beside (tiers with files).
+
+        :param resuming: a checkpoint is being resumed
+        :param checkpoint: the checkpoint the run writes (None: none)
+        """
 
 
 def open_source(file: pathlib.Path, tensor: torch.Tensor) -> np.ndarray:

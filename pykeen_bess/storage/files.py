@@ -39,6 +39,8 @@ class MmapStorage(TableStorage):
 
     name = "mmap"
     keeps_files = True
+    #: a default: tiers pickled earlier lack it
+    owner: str | None = None
 
     def __init__(self, storage_path: str | os.PathLike | None = None, overwrite: bool = False) -> None:
         """Keep the tables under ``storage_path``.
@@ -69,6 +71,8 @@ class MmapStorage(TableStorage):
         self.deferred: dict[int, pathlib.Path] = {}
         #: the file of every placed tensor, by the id of its storage
         self.files: dict[int, pathlib.Path] = {}
+        #: the checkpoint of the run whose files these are (set when training starts; None: none)
+        self.owner: str | None = None
         self._arrays: dict[int, np.memmap] = {}
 
     def __getstate__(self) -> dict[str, Any]:
@@ -95,6 +99,7 @@ class MmapStorage(TableStorage):
                 array[start : start + step] = fill
         if file == target:
             hold_for_this_process(target)  # (a file truncated in place keeps its lock)
+            _mark(target, self.owner)  # (optimizer state placed anew once training started)
         tensor = torch.from_numpy(array)
         self.files[_key(tensor)] = file
         self._arrays[_key(tensor)] = array
@@ -122,15 +127,36 @@ class MmapStorage(TableStorage):
             "digests": {key: digest for key, (_, digest) in copies.items()},
         }
 
-    def claim_existing(self, resuming: bool) -> None:
+    def claim_existing(self, resuming: bool, checkpoint: pathlib.Path | None = None) -> None:
         """Decide about the existing files the tensors were placed beside (see :attr:`defer_existing`).
+
+        A run that writes a checkpoint marks its files as that checkpoint's (``FILE.checkpoint`` beside
+        each, naming it), so that the same command run again after a crash before its first checkpoint
+        takes them over (else they would be an earlier run's, refused).
 
         :param resuming: a checkpoint is being resumed: the files are its run's, and are replaced (the
             checkpoint's copies then fill the tables); else the placed files are removed and the files
-            of the earlier run are refused as without deferring
+            of the earlier run are refused as without deferring, unless all are marked as ``checkpoint``'s
+        :param checkpoint: the checkpoint this run writes (None: none)
         :raises FileExistsError: if there are such files and no checkpoint is resumed
         """
         deferred, self.deferred = self.deferred, {}
+        owner = None if checkpoint is None else str(pathlib.Path(checkpoint).resolve())
+        if deferred and not resuming and owner is not None and all(_owner(t) == owner for t in deferred.values()):
+            logger.info(
+                "storage='mmap': the files under %s are of an earlier run of checkpoint %s that wrote no "
+                "checkpoint; this run replaces them.",
+                self.path,
+                owner,
+            )
+            resuming = True
+        self._claim(deferred, resuming)
+        self.owner = owner
+        for file in self.files.values():  # this run's files now
+            _mark(file, owner)
+
+    def _claim(self, deferred: dict[int, pathlib.Path], resuming: bool) -> None:
+        """Replace the existing files by the placed ones (``resuming``), else remove the placed ones and refuse."""
         if not deferred:
             return
         if resuming:
@@ -156,6 +182,7 @@ class MmapStorage(TableStorage):
             if descriptor is not None:  # (an open descriptor would keep the removed file's blocks)
                 os.close(descriptor)
             file.unlink(missing_ok=True)
+            _marker(file).unlink(missing_ok=True)
 
     def file_of(self, tensor: torch.Tensor) -> pathlib.Path:
         """Return the file a tensor of this tier is mapped from."""
@@ -251,6 +278,27 @@ def hold_for_this_process(file: pathlib.Path, renew: bool = False) -> None:
 
 def _key(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage().data_ptr()
+
+
+def _marker(file: pathlib.Path) -> pathlib.Path:
+    """Return the file beside a table file that names the checkpoint of the run that placed it."""
+    return file.with_name(f"{file.name}.checkpoint")
+
+
+def _owner(file: pathlib.Path) -> str | None:
+    """Return the checkpoint a table file's run writes (None: no mark, a run without checkpoints)."""
+    try:
+        return _marker(file).read_text()
+    except OSError:
+        return None
+
+
+def _mark(file: pathlib.Path, owner: str | None) -> None:
+    """Mark a table file as of a run that writes checkpoint ``owner`` (None: remove the mark)."""
+    if owner is None:
+        _marker(file).unlink(missing_ok=True)
+    elif _owner(file) != owner:
+        _marker(file).write_text(owner)
 
 
 def _exists_message(file: pathlib.Path) -> str:

@@ -359,6 +359,11 @@ def staged(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> t
     return request.param, made
 
 
+def table_files(directory: pathlib.Path) -> list[str]:
+    """The names of the table files in a storage directory (not the marks naming the checkpoint of their run)."""
+    return sorted(p.name for p in directory.iterdir() if not p.name.endswith(".checkpoint"))
+
+
 @pytest.mark.parametrize("tier", TIERS)
 def test_checkpoints_resume_identically(nations, tmp_path, tier, staged) -> None:
     """A run checkpointed after an epoch and resumed equals the run in one go (also with staged rows)."""
@@ -372,7 +377,7 @@ def test_checkpoints_resume_identically(nations, tmp_path, tier, staged) -> None
     if tier == "mmap":  # the checkpoint holds copies of the files, not pickled tables, in a directory named for it
         (copies,) = [p for p in path.iterdir() if p.name.startswith("run.pt.tables-")]
         assert not [p for p in path.iterdir() if ".tmp-" in p.name]  # nothing looks disposable
-        assert sorted(p.name for p in copies.iterdir()) == sorted(p.name for p in storage_dir.iterdir())
+        assert sorted(p.name for p in copies.iterdir()) == table_files(storage_dir)
         entry = torch.load(path / "run.pt", weights_only=False)["model_state_dict"][
             "entity_representations.0.stored_table"
         ]
@@ -413,12 +418,58 @@ def test_mmap_files_of_a_resumed_checkpoint_are_reused_without_overwrite(nations
     first = train_with_checkpoints(mmap_loop(), factory, 1, path)
     rest = train_with_checkpoints(mmap_loop(), factory, 2, path)
     assert first + rest == full
-    assert sorted(p.name for p in storage_dir.iterdir()) == sorted(p.name for p in (tmp_path / "a").iterdir())
+    assert table_files(storage_dir) == table_files(tmp_path / "a")
     # no checkpoint to resume: the earlier run's files are refused, and left as they were
     before = {p.name: p.read_bytes() for p in storage_dir.iterdir()}
     with pytest.raises(FileExistsError, match="overwrite=True.*No checkpoint is being resumed"):
         train(mmap_loop(), factory)
     assert {p.name: p.read_bytes() for p in storage_dir.iterdir()} == before
+
+
+class _Crash(Exception):
+    """A crash of a run, raised by a callback after an epoch."""
+
+
+def test_a_checkpointed_run_killed_before_its_first_checkpoint_runs_again(nations, tmp_path) -> None:
+    """The same command again takes over the files of its crashed run, which wrote no checkpoint yet.
+
+    The files of a run of another checkpoint, or of none, stay refused.
+    """
+    from pykeen.training.callbacks import TrainingCallback
+
+    factory = factory_of(nations)
+    (tmp_path / "a").mkdir()
+    full = train(make_loop(factory, "mmap", tmp_path / "a"), factory)
+    storage_dir, checkpoints = tmp_path / "b", tmp_path / "ck"
+    storage_dir.mkdir()
+
+    class Crash(TrainingCallback):
+        def post_epoch(self, epoch: int, epoch_loss: float, **kwargs: Any) -> None:
+            raise _Crash(epoch)
+
+    def run(name: str | None, crash: bool = False) -> list[float]:
+        model = DistMult(triples_factory=factory, embedding_dim=8, random_seed=0)
+        loop = BessTrainingLoop(
+            model=model, triples_factory=factory, num_shards=3, num_negs_per_pos=6, seed=3, optimizer="adam",
+            optimizer_kwargs=dict(lr=0.05), automatic_memory_optimization=False, storage="mmap",
+            storage_path=storage_dir,
+        )  # fmt: skip
+        recorder = StepRecorder()
+        named = dict(checkpoint_name=name, checkpoint_directory=checkpoints) if name else {}
+        callbacks = [recorder, Crash()] if crash else [recorder]
+        loop.train(factory, num_epochs=2, batch_size=72, use_tqdm=False, callbacks=callbacks, **named)
+        return recorder.losses
+
+    with pytest.raises(_Crash):  # after epoch 1; PyKEEN's checkpoint_frequency (30 minutes): no checkpoint yet
+        run("run.pt", crash=True)
+    assert not (checkpoints / "run.pt").exists()
+    assert run("run.pt") == full  # the same command again
+    assert table_files(storage_dir) == table_files(tmp_path / "a")
+    before = {p.name: p.read_bytes() for p in storage_dir.iterdir()}
+    for name in ("other.pt", None):  # another checkpoint's run, a run without one: refused, the files kept
+        with pytest.raises(FileExistsError, match="overwrite=True"):
+            run(name)
+        assert {p.name: p.read_bytes() for p in storage_dir.iterdir()} == before
 
 
 def test_resuming_with_another_storage_is_refused(nations, tmp_path) -> None:
