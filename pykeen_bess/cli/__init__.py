@@ -116,6 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     data.add_argument("--pbg-config", type=pathlib.Path, help="the PyTorch-BigGraph config of --pbg (.py or .json)")
     data.add_argument(
+        "--inverse-triples",
+        action="store_true",
+        help="read --pbg with PyKEEN's inverse triples: a model of dynamic relations that PyTorch-BigGraph trained "
+        "(separate head- and tail-prediction operators) resumes as one with inverse relations",
+    )
+    data.add_argument(
         "--model",
         help="a PyKEEN model name (default: DistMult; with --pbg the config's operator and comparator, starting "
         "from its init_path's embeddings if it has one)",

@@ -107,6 +107,8 @@ def _set_dataset(settings: dict[str, Any], given: dict[str, Any], kwargs: _Pipel
         use_pbg_graph(settings, given, kwargs.kwargs)
     elif "pbg_config" in settings:
         raise UsageError("--pbg-config needs --pbg.")
+    elif "inverse_triples" in settings:
+        raise UsageError("--inverse-triples needs --pbg (for a dataset: dataset_kwargs in a --config).")
     elif "dataset" in settings:
         for key in dataset_keys:
             kwargs.kwargs.pop(key, None)

@@ -90,7 +90,7 @@ def use_pbg_graph(settings: dict[str, Any], given: Mapping[str, Any], kwargs: di
 
     if "dataset" in given:
         raise UsageError("Give either --dataset or --pbg.")
-    graph = load_pbg_graph(settings["pbg"], settings.get("pbg_config"))
+    graph = load_pbg_graph(settings["pbg"], settings.get("pbg_config"), bool(settings.get("inverse_triples")))
     if graph.testing is None:
         raise UsageError(f"{settings['pbg']}: the config's edge paths give no testing split to evaluate.")
     kwargs.update(training=graph.training, testing=graph.testing, validation=graph.validation)
@@ -129,14 +129,14 @@ def export_pbg(result: Any, directory: pathlib.Path) -> None:
     write_checkpoint(result.model, result.training, directory, training_loop=result.training_loop)
 
 
-def load_pbg_graph(directory: pathlib.Path, config: pathlib.Path | None) -> Any:
+def load_pbg_graph(directory: pathlib.Path, config: pathlib.Path | None, inverse_triples: bool = False) -> Any:
     """Read a PyTorch-BigGraph input directory (:func:`pykeen_bess.pbg.read`) as a typed graph."""
     from .files import UsageError
     from ..pbg.inputs import read
 
     if not directory.is_dir():
         raise UsageError(f"PyTorch-BigGraph input directory {directory} does not exist.")
-    return read(directory, config=config)
+    return read(directory, config=config, create_inverse_triples=inverse_triples)
 
 
 def pbg_model_settings(graph: Any, directory: pathlib.Path) -> dict[str, Any]:

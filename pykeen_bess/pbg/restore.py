@@ -283,7 +283,7 @@ def relations_from_parameters(
             raise ValueError(
                 f"{source}: the dynamic relations' head-prediction (rhs) and tail-prediction (lhs) operators differ "
                 f"(PyTorch-BigGraph trains them separately); in PyKEEN that is a model with inverse relations: read "
-                f"the graph with create_inverse_triples=True."
+                f"the graph with create_inverse_triples=True (command line: train --pbg ... --inverse-triples)."
             )
         return forward
     relations = []

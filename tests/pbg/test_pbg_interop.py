@@ -203,3 +203,32 @@ def test_pytorch_biggraphs_typed_partitioned_import(tmp_path: pathlib.Path) -> N
     graph = pbg.read(tmp_path / "data", config=tmp_path / "config.py")
     assert graph.schema.partition_sizes[0] == (15, 15)
     assert labeled(graph.training) == labeled(source.training)
+
+
+def test_the_command_line_resumes_dynamic_relations_pytorch_biggraph_trained(tmp_path: pathlib.Path, capsys) -> None:
+    """The how-to's command-line round trip on an untyped graph (dynamic relations): BESS, PyTorch-BigGraph, BESS.
+
+    PyTorch-BigGraph trains a dynamic relation's head- and tail-prediction operators apart: BESS resumes its
+    version as a model with inverse relations (``--inverse-triples``); without it the error says so.
+    """
+    from pykeen_bess.cli import main
+
+    generator = np.random.default_rng(1)
+    for name, count in (("train", 400), ("test", 40)):
+        rows = generator.integers(0, [30, 4, 30], size=(count, 3))
+        (tmp_path / f"{name}.tsv").write_text("".join(f"e{h}\tr{r}\te{t}\n" for h, r, t in rows))
+    data, checkpoints = tmp_path / "data", tmp_path / "run"
+    files_ = [str(tmp_path / f"{name}.tsv") for name in ("train", "train", "test")]
+    assert main(["pbg", "import", *files_, "--output", str(data), "--partitions", "2", "--dim", "8"]) == 0
+    train = ["train", "--pbg", str(data), "--num-shards", "2", "--checkpoint-format", "pbg", "--quiet"]
+    train += ["--checkpoint-directory", str(checkpoints), "--checkpoint-name", "bess.pt", "--eval-batch-size", "64"]
+    assert main([*train, "--epochs", "1"]) == 0
+    run("torchbiggraph_train", "config.py", "-p", "num_epochs=2", *PBG_TRAINING, cwd=checkpoints)
+    assert files.read_version(checkpoints) == 2
+    capsys.readouterr()
+    assert main([*train, "--epochs", "3"]) == 2
+    assert "--inverse-triples" in capsys.readouterr().err
+    assert main([*train, "--epochs", "3", "--inverse-triples"]) == 0
+    assert files.read_version(checkpoints) == 3
+    assert main(["train", "--dataset", "nations", "--inverse-triples", "--epochs", "1", "--quiet"]) == 2
+    assert "--inverse-triples needs --pbg" in capsys.readouterr().err
