@@ -105,3 +105,22 @@ def run(tool: str, *args: str, cwd: pathlib.Path | None = None, timeout: int = 3
     if result.returncode:
         raise AssertionError(f"{tool} {' '.join(args)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
     return result
+
+
+def import_one_relation(
+    path: pathlib.Path, lines: str, lhs: str, relation: str, rhs: str, num_partitions: int
+) -> tuple[Any, dict[str, Any]]:
+    """Import the TSV ``lines`` of one relation from entity type ``lhs`` to ``rhs``, each in ``num_partitions``.
+
+    :returns: the typed graph and its PyTorch-BigGraph config (dimension 8, ``diagonal`` + ``dot``)
+    """
+    from pykeen_bess import pbg
+
+    path.write_text(lines)
+    config = dict(
+        entities={lhs: {"num_partitions": num_partitions}, rhs: {"num_partitions": num_partitions}},
+        relations=[{"name": relation, "lhs": lhs, "rhs": rhs, "operator": "diagonal"}],
+        dimension=8,
+        comparator="dot",
+    )
+    return pbg.import_tsv(path, config=config), config

@@ -9,7 +9,7 @@ import h5py
 import pytest
 import torch
 from typed_graphs import typed_graph
-from pbg_tools import pbg_config, pbg_model, pbg_scores
+from pbg_tools import import_one_relation, pbg_config, pbg_model, pbg_scores
 from pykeen.datasets import Nations
 from pykeen.models import ComplEx, DistMult, PairRE, RESCAL, RotatE, TransE
 from pykeen.nn.representation import Embedding
@@ -278,17 +278,8 @@ def test_a_model_to_fill(tmp_path: pathlib.Path) -> None:
 
 def _empty_partition_graph(tmp_path):
     """Six users buy three items, each type in 4 partitions: item partition 3 is empty."""
-    from pykeen_bess import pbg
-
-    path = tmp_path / "buys.tsv"
-    path.write_text("".join(f"u{i}\tbuys\ti{i % 3}\n" for i in range(6)))
-    config = dict(
-        entities={"user": {"num_partitions": 4}, "item": {"num_partitions": 4}},
-        relations=[{"name": "buys", "lhs": "user", "rhs": "item", "operator": "diagonal"}],
-        dimension=8,
-        comparator="dot",
-    )
-    graph = pbg.import_tsv(path, config=config)
+    lines = "".join(f"u{i}\tbuys\ti{i % 3}\n" for i in range(6))
+    graph, _ = import_one_relation(tmp_path / "buys.tsv", lines, "user", "buys", "item", num_partitions=4)
     assert graph.schema.partition_sizes[1][3] == 0
     return graph
 

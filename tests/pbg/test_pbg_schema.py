@@ -153,17 +153,12 @@ def test_type_names_with_colons_keep_their_entity_names(tmp_path) -> None:
     """Names repeated across types are labelled ``type:name``; a type's own ``:`` stays in the type, not the name."""
     import json
 
+    from pbg_tools import import_one_relation
+
     from pykeen_bess import pbg
 
-    path = tmp_path / "likes.tsv"
-    path.write_text("n1\tlikes\tn1\nn2\tlikes\tn1\n")
-    config = dict(
-        entities={"ns:user": {"num_partitions": 1}, "item": {"num_partitions": 1}},
-        relations=[{"name": "likes", "lhs": "ns:user", "rhs": "item", "operator": "diagonal"}],
-        dimension=8,
-        comparator="dot",
-    )
-    graph = pbg.import_tsv(path, config=config)
+    lines = "n1\tlikes\tn1\nn2\tlikes\tn1\n"
+    graph, config = import_one_relation(tmp_path / "likes.tsv", lines, "ns:user", "likes", "item", num_partitions=1)
     assert graph.training.entity_to_id == {"ns:user:n1": 0, "ns:user:n2": 1, "item:n1": 2}
     pbg.write(graph, tmp_path / "data")
     assert json.loads((tmp_path / "data" / "entity_names_ns:user_0.json").read_text()) == ["n1", "n2"]
