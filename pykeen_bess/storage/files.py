@@ -39,7 +39,8 @@ class MmapStorage(TableStorage):
 
     name = "mmap"
     keeps_files = True
-    #: a default: tiers pickled earlier lack it
+    #: the checkpoint of the run whose files these are (set when training starts; None: none; a class
+    #: default, which tiers pickled earlier also read)
     owner: str | None = None
 
     def __init__(self, storage_path: str | os.PathLike | None = None, overwrite: bool = False) -> None:
@@ -71,8 +72,6 @@ class MmapStorage(TableStorage):
         self.deferred: dict[int, pathlib.Path] = {}
         #: the file of every placed tensor, by the id of its storage
         self.files: dict[int, pathlib.Path] = {}
-        #: the checkpoint of the run whose files these are (set when training starts; None: none)
-        self.owner: str | None = None
         self._arrays: dict[int, np.memmap] = {}
 
     def __getstate__(self) -> dict[str, Any]:
