@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import pathlib
 
 import pytest
@@ -491,6 +492,28 @@ def test_pytorch_biggraph_import_writes_the_config_of_its_partitions(
     code = main(["pbg", "import", str(tmp_path / "edges.tsv"), "--config", str(config(2, 1)), "--output",
                  str(tmp_path / "mixed")])  # fmt: skip
     assert code == 2 and "give num_partitions (--partitions)" in capsys.readouterr().err
+
+
+def test_train_pbg_names_the_config_training_settings_it_does_not_use(caplog: pytest.LogCaptureFixture) -> None:
+    """PyTorch-BigGraph's epochs, learning rate, loss and negatives in the config are named, unless a flag sets them."""
+    from pykeen_bess.cli.pbg import warn_untaken_settings
+    from pykeen_bess.pbg.config import normalize_config
+
+    config = normalize_config(
+        dict(entities={"e": {"num_partitions": 1}}, relations=[dict(name="r", lhs="e", rhs="e")], dimension=8,
+             num_epochs=50, lr=0.1, loss_fn="softmax", num_uniform_negs=1000, batch_size=1000, workers=4),
+        paths=False,
+    )  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="pykeen_bess"):
+        named = warn_untaken_settings(config, {"epochs": 3})
+    assert named == ["lr=0.1", "loss_fn='softmax'", "num_uniform_negs=1000"]  # batch_size at PBG's default
+    assert "--optimizer-kwargs, --loss, --negatives" in caplog.text and "num_epochs" not in caplog.text
+    assert (
+        warn_untaken_settings(
+            normalize_config(dict(config, lr=0.01, loss_fn="ranking", num_uniform_negs=50)), {"epochs": 3}
+        )
+        == []
+    )
 
 
 def test_pytorch_biggraph_command_errors(capsys: pytest.CaptureFixture, tmp_path: pathlib.Path) -> None:

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import pathlib
 from collections.abc import Mapping
 from typing import Any
@@ -19,7 +20,27 @@ __all__ = [
     "pbg_model_settings",
     "run_pbg",
     "use_pbg_graph",
+    "warn_untaken_settings",
 ]
+
+logger = logging.getLogger(__name__)
+
+#: PyTorch-BigGraph's training settings, which ``train --pbg`` does not take from the config (PBG's
+#: negatives, optimizer and loss have no one-to-one counterpart), and the flags that set them instead
+PBG_TRAINING_FLAGS = {
+    "num_epochs": "--epochs",
+    "batch_size": "--batch-size",
+    "lr": "--optimizer-kwargs",
+    "relation_lr": "--optimizer-kwargs",
+    "loss_fn": "--loss",
+    "margin": "--loss-kwargs",
+    "num_batch_negs": "--negatives",
+    "num_uniform_negs": "--negatives",
+    "disable_lhs_negs": "--corruption",
+    "disable_rhs_negs": "--corruption",
+    "init_scale": "--model-kwargs",
+    "max_norm": "--model-kwargs",
+}
 
 PBG_DESCRIPTION = """PyTorch-BigGraph's files: import label TSV files as a PyTorch-BigGraph input directory (entity
 types and partitions, bucket files), or export a trained PyKEEN model as a PyTorch-BigGraph
@@ -94,11 +115,39 @@ def use_pbg_graph(settings: dict[str, Any], given: Mapping[str, Any], kwargs: di
     if graph.testing is None:
         raise UsageError(f"{settings['pbg']}: the config's edge paths give no testing split to evaluate.")
     kwargs.update(training=graph.training, testing=graph.testing, validation=graph.validation)
+    if graph.config is not None:
+        warn_untaken_settings(graph.config, given)
     if "model" not in given and "model" not in kwargs:
         kwargs.update(pbg_model_settings(graph, settings["pbg"]))
         settings.pop("model", None)
         if "dim" not in given:
             settings.pop("dim", None)
+
+
+def warn_untaken_settings(config: Mapping[str, Any], given: Mapping[str, Any]) -> list[str]:
+    """Warn of the config's training settings off PyTorch-BigGraph's defaults, which ``train --pbg`` does not use.
+
+    A setting whose flag (:data:`PBG_TRAINING_FLAGS`) was given is not named: the flag decides.
+
+    :param config: the normalised PyTorch-BigGraph config
+    :param given: the flags given explicitly (argparse destinations)
+    :returns: the settings named (``key=value``)
+    """
+    from ..pbg.config import DEFAULTS
+
+    untaken = [
+        (f"{key}={config[key]!r}", flag)
+        for key, flag in PBG_TRAINING_FLAGS.items()
+        if config.get(key, DEFAULTS[key]) != DEFAULTS[key] and flag[2:].replace("-", "_") not in given
+    ]
+    if untaken:
+        logger.warning(
+            "train --pbg takes the model from the PyTorch-BigGraph config (operator, comparator, dimension, init_path, "
+            "relation weights), not its training settings; not used: %s (the flags %s set them; see the PBG how-to).",
+            ", ".join(setting for setting, _ in untaken),
+            ", ".join(dict.fromkeys(flag for _, flag in untaken)),
+        )
+    return [setting for setting, _ in untaken]
 
 
 def export_check() -> Any:

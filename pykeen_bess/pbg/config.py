@@ -6,7 +6,9 @@ of partitions, ``featurized``), the relation types (``relations``: name, ``lhs``
 (``entity_path``, ``edge_paths``, ``checkpoint_path``, ``init_path``). Its own loader imports a
 Python file and calls ``get_torchbiggraph_config()``; checkpoints store the config as
 ``config.json``. Both are read here without importing ``torchbiggraph``; keys are normalised as
-PBG normalises them (``numPartitions`` -> ``num_partitions``) and PBG's defaults are filled in.
+PBG normalises them (``numPartitions`` -> ``num_partitions``) and PBG's defaults are filled in. A key
+no PyTorch-BigGraph version knows is refused, as PBG's own loader refuses it (a misspelt key would
+otherwise be ignored silently).
 
 :func:`check_expressible` raises a clear error for what a PyKEEN model cannot express
 (featurized entities, ``all_negs``); :func:`relation_weights` reads the relations' loss weights
@@ -17,6 +19,7 @@ PBG normalises them (``numPartitions`` -> ``num_partitions``) and PBG's defaults
 from __future__ import annotations
 
 import copy
+import difflib
 import importlib.util
 import json
 import math
@@ -75,14 +78,21 @@ DEFAULTS: dict[str, Any] = dict(
     distributed_init_method=None,
     distributed_tree_init_order=True,
 )
+#: top-level keys later PyTorch-BigGraph versions added to 1.0's (GPU training, partition servers): accepted and
+#: kept, none changes what is read here
+LATER_KEYS = ("num_gpus", "num_groups_for_partition_server", "half_precision")
 #: keys of PyTorch-BigGraph's pre-release layout and their PyTorch-BigGraph 1.0 names
 LEGACY_KEYS = {"outdir": "checkpoint_path", "load_path": "init_path"}
 #: the required top-level keys
 REQUIRED = ("entities", "relations", "dimension", "entity_path", "edge_paths", "checkpoint_path")
 #: ``EntitySchema`` defaults
 ENTITY_DEFAULTS: dict[str, Any] = dict(featurized=False)
+#: ``EntitySchema``'s keys (``dimension``, a type's own dimension, from versions after 1.0)
+ENTITY_KEYS = ("num_partitions", "featurized", "dimension")
 #: ``RelationSchema`` defaults
 RELATION_DEFAULTS: dict[str, Any] = dict(weight=1.0, operator="none", all_negs=False)
+#: ``RelationSchema``'s keys
+RELATION_KEYS = ("name", "lhs", "rhs", "weight", "operator", "all_negs")
 #: the operators and comparators of PyTorch-BigGraph 1.0
 OPERATORS = ("none", "diagonal", "translation", "linear", "affine", "complex_diagonal")
 COMPARATORS = ("dot", "cos", "l2", "squared_l2")
@@ -100,13 +110,14 @@ def normalize_config(config: Mapping[str, Any], source: str = "the config", path
     :param source: named in error messages
     :param paths: whether the paths (``entity_path``, ``edge_paths``, ``checkpoint_path``) are required, as
         PyTorch-BigGraph requires them; without, missing ones are empty (an import writes its own)
-    :raises ValueError: for missing required keys, unknown operators or comparators, relations naming
-        unknown entity types
+    :raises ValueError: for unknown or missing required keys, unknown operators or comparators, relations
+        naming unknown entity types
     """
     config = {_snake(key): copy.deepcopy(value) for key, value in config.items()}
     for old, new in LEGACY_KEYS.items():  # the pre-release layout's names
         if old in config and new not in config:
             config[new] = config.pop(old)
+    _check_keys(config, (*DEFAULTS, *REQUIRED, *LATER_KEYS), source)
     if not paths:
         config = {"entity_path": "", "edge_paths": [], "checkpoint_path": "", **config}
     missing = [key for key in REQUIRED if key not in config]
@@ -131,9 +142,25 @@ def normalize_config(config: Mapping[str, Any], source: str = "the config", path
     return config
 
 
+def _check_keys(config: Mapping[str, Any], known: tuple[str, ...], source: str, part: str = "") -> None:
+    """Raise a clear error for keys of a config (or of one of its entity types or relations) PBG does not know.
+
+    :raises ValueError: naming the unknown keys, with the known keys closest to each
+    """
+    unknown = [key for key in config if key not in known]
+    if unknown:
+        hints = [f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key)
+                 for key in unknown for close in [difflib.get_close_matches(key, known, n=1)]]  # fmt: skip
+        raise ValueError(
+            f"{source}{part}: unknown PyTorch-BigGraph keys {', '.join(hints)}; PyTorch-BigGraph's config schema "
+            f"refuses them too."
+        )
+
+
 def _normalize_entity(name: Any, entity: Mapping[str, Any], source: str) -> dict[str, Any]:
     """Return an entity type's config with snake-case keys and defaults (:func:`normalize_config`)."""
     entity = {_snake(key): value for key, value in dict(entity).items()}
+    _check_keys(entity, ENTITY_KEYS, source, f", entity type {name!r}")
     if "num_partitions" not in entity:
         raise ValueError(f"{source}: entity type {name!r} lacks num_partitions.")
     if int(entity["num_partitions"]) < 1:
@@ -146,6 +173,7 @@ def _normalize_relation(
 ) -> dict[str, Any]:
     """Return a relation's config with snake-case keys and defaults, checked against the entity types."""
     relation = {**RELATION_DEFAULTS, **{_snake(key): value for key, value in dict(relation).items()}}
+    _check_keys(relation, RELATION_KEYS, source, f", relation {relation.get('name', index)!r}")
     for key in ("name", "lhs", "rhs"):
         if key not in relation:
             raise ValueError(f"{source}: relation {index} lacks {key!r}.")
@@ -205,13 +233,24 @@ def load_config(config: str | os.PathLike | Mapping[str, Any], paths: bool = Tru
 def check_expressible(config: Mapping[str, Any], source: str = "the config") -> None:
     """Raise a clear error for what a PyKEEN model and BESS cannot express.
 
-    :raises ValueError: for featurized entity types, ``all_negs`` and invalid relation weights
+    :raises ValueError: for featurized entity types, types with a dimension of their own, ``all_negs`` and
+        invalid relation weights
     """
     featurized = [name for name, entity in config["entities"].items() if entity.get("featurized")]
     if featurized:
         raise ValueError(
             f"{source}: entity types {featurized} are featurized (an entity is the mean of feature embeddings); "
             f"PyKEEN's models have one embedding per entity, so featurized graphs cannot be imported."
+        )
+    dimensions = {
+        name: entity["dimension"]
+        for name, entity in config["entities"].items()
+        if entity.get("dimension") is not None and int(entity["dimension"]) != int(config["dimension"])
+    }
+    if dimensions:
+        raise ValueError(
+            f"{source}: entity types have dimensions of their own {dimensions} (the config's dimension is "
+            f"{config['dimension']}); a PyKEEN model embeds every entity in one dimension."
         )
     all_negs = [r["name"] for r in config["relations"] if r.get("all_negs")]
     if all_negs:

@@ -219,6 +219,10 @@ def test_a_relation_whose_triples_violate_its_types(written) -> None:
         (lambda c: c.update(comparator="cosine"), "comparator 'cosine'"),
         (lambda c: c["relations"][0].update(lhs="nobody"), "not one of the entity types"),
         (lambda c: c.pop("dimension"), "lacks the required PyTorch-BigGraph keys"),
+        (lambda c: c.update(num_epoch=5), r"unknown PyTorch-BigGraph keys 'num_epoch' \(did you mean 'num_epochs'\?\)"),
+        (lambda c: c["entities"]["item"].update(partitions=2), r"entity type 'item': unknown .* 'partitions'"),
+        (lambda c: c["relations"][0].update(operater="none"), r"relation '\w+': unknown .* 'operater'"),
+        (lambda c: c["entities"]["item"].update(dimension=3), r"dimensions of their own \{'item': 3\}"),
     ],
 )
 def test_what_pykeen_cannot_express_is_refused(written, change, message) -> None:
@@ -227,6 +231,17 @@ def test_what_pykeen_cannot_express_is_refused(written, change, message) -> None
     change(config)
     with pytest.raises(ValueError, match=message):
         pbg.read(directory, config=config)
+
+
+def test_keys_of_later_pbg_versions_are_read(written) -> None:
+    """Keys PyTorch-BigGraph added after 1.0 (GPU training, a type's own dimension equal to the config's) are read."""
+    graph, directory = written
+    config = _config(graph, directory)
+    config.update(num_gpus=1, half_precision=False, num_groups_for_partition_server=8)
+    config["entities"]["item"]["dimension"] = config["dimension"]
+    again = pbg.read(directory, config=config)
+    assert again.schema.partition_sizes == graph.schema.partition_sizes
+    assert again.config is not None and again.config["num_gpus"] == 1
 
 
 def test_featurized_edge_files_are_refused(written) -> None:
