@@ -461,7 +461,7 @@ def test_pytorch_biggraph_import_train_and_export(capsys: pytest.CaptureFixture,
 def test_pytorch_biggraph_import_writes_the_config_of_its_partitions(
     capsys: pytest.CaptureFixture, tmp_path: pathlib.Path
 ) -> None:
-    """With a config, the partitions default to the config's, and config.json names the partitions written."""
+    """With a config, the partitions default to the config's (per type); config.json names the partitions written."""
     from pykeen_bess import pbg
 
     lines = [f"u{i}\tlikes\ti{(7 * i) % 30}" for i in range(40)] + [f"u{i}\tknows\tu{(i + 1) % 40}" for i in range(40)]
@@ -489,8 +489,16 @@ def test_pytorch_biggraph_import_writes_the_config_of_its_partitions(
         assert sum(map(sum, graph.schema.partition_sizes)) == 40 + 30
         assert all(len(sizes) == expected for sizes in graph.schema.partition_sizes)
         assert graph.splits["training"].num_triples == 80
-    code = main(["pbg", "import", str(tmp_path / "edges.tsv"), "--config", str(config(2, 1)), "--output",
-                 str(tmp_path / "mixed")])  # fmt: skip
+    # PyTorch-BigGraph's rule: the partitioned types share one count, the others have 1 (as its importer splits them)
+    assert main(["pbg", "import", str(tmp_path / "edges.tsv"), "--config", str(config(2, 1)), "--output",
+                 str(tmp_path / "mixed")]) == 0  # fmt: skip
+    capsys.readouterr()
+    written = json.loads((tmp_path / "mixed" / "config.json").read_text())
+    assert {t: e["num_partitions"] for t, e in written["entities"].items()} == {"user": 2, "item": 1}
+    graph = pbg.read(tmp_path / "mixed")
+    assert [len(sizes) for sizes in graph.schema.partition_sizes] == [2, 1] and graph.training.num_triples == 80
+    code = main(["pbg", "import", str(tmp_path / "edges.tsv"), "--config", str(config(3, 2)), "--output",
+                 str(tmp_path / "unequal")])  # fmt: skip
     assert code == 2 and "give num_partitions (--partitions)" in capsys.readouterr().err
 
 

@@ -220,25 +220,32 @@ class TypedGraph:
         )
         return graph.repartition(num_partitions, seed=seed) if num_partitions != schema.num_partitions else graph
 
-    def repartition(self, num_partitions: int, seed: int = 0) -> TypedGraph:
-        """Return the graph with every entity type split into ``num_partitions`` random partitions.
+    def repartition(self, num_partitions: int | Sequence[int], seed: int = 0) -> TypedGraph:
+        """Return the graph with every entity type split into random partitions.
 
         As PyTorch-BigGraph's importer: a type's entities are shuffled (here seeded) and cut into
         partitions of ``ceil(p N / P)`` boundaries; the entity ids change so that every partition is a
         contiguous id range (labels, triples and schema follow).
 
-        :raises ValueError: if ``num_partitions`` is not positive
+        :param num_partitions: the partitions of every type, or per type (in the schema's order; PyTorch-BigGraph's
+            rule: the partitioned types have one count, the others 1)
+        :param seed: the seed of the shuffles
+        :raises ValueError: if a count is not positive, or the counts are not one per type
         """
-        if num_partitions < 1:
-            raise ValueError(f"num_partitions must be positive, not {num_partitions}.")
+        types = len(self.schema.entity_types)
+        counts = [num_partitions] * types if isinstance(num_partitions, int) else [int(c) for c in num_partitions]
+        if len(counts) != types or any(count < 1 for count in counts):
+            raise ValueError(
+                f"num_partitions must be positive, one count or one per entity type, not {num_partitions}."
+            )
         generator = torch.Generator().manual_seed(int(seed))
         old_of_new = []
         sizes = []
-        for t, total in enumerate(sum(s) for s in self.schema.partition_sizes):
+        for t, (total, count) in enumerate(zip((sum(s) for s in self.schema.partition_sizes), counts)):
             start = self.schema.type_offsets[t]
-            order = torch.randperm(total, generator=generator) if num_partitions > 1 else torch.arange(total)
+            order = torch.randperm(total, generator=generator) if count > 1 else torch.arange(total)
             old_of_new.append(order + start)
-            bounds = [math.ceil(p * total / num_partitions) for p in range(num_partitions + 1)]
+            bounds = [math.ceil(p * total / count) for p in range(count + 1)]
             sizes.append(tuple(b - a for a, b in zip(bounds, bounds[1:])))
         old = torch.cat(old_of_new)
         new_of_old = torch.empty_like(old)

@@ -138,14 +138,15 @@ def import_tsv(
         types (default: one entity type, dynamic relations); its paths are not needed (the graph gets
         its own when written)
     :param num_partitions: split every type into this many random partitions (seeded); default: the config's
-        ``num_partitions`` (one count for all its types), else 1
+        ``num_partitions`` of each type (PyTorch-BigGraph's rule: the partitioned types have one count, the
+        others 1), else 1
     :param seed: the seed of the partitions
     :param columns: the head, relation and tail columns (PyTorch-BigGraph's ``-l``, ``--rel-col``, ``-r``)
     :param delimiter: the column separator
     :param create_inverse_triples: PyKEEN's inverse triples
     :returns: the typed graph
     :raises ValueError: for relations missing from a config, malformed files (naming the file), a non-positive
-        ``num_partitions``, or none given with a config whose types are partitioned differently
+        ``num_partitions``, or none given with a config whose partitioned types have different counts
     """
     import pyarrow as pa
 
@@ -157,7 +158,7 @@ def import_tsv(
     read = {name: read_label_columns(path, columns, delimiter) for name, path in paths.items()}
     settings = load_config(config, paths=False) if config is not None else None
     source = str(config) if not isinstance(config, Mapping) else "the config"
-    num_partitions = _partitions(num_partitions, settings, source)
+    partitions = _partitions(num_partitions, settings, source)
     if settings is not None:
         check_expressible(settings, source)
     types = list(settings["entities"]) if settings is not None else [DEFAULT_TYPE]
@@ -233,21 +234,22 @@ def import_tsv(
         schema, triples, entity_labels=labels, create_inverse_triples=create_inverse_triples, config=settings
     )
     logger.info("Imported %s from %s.", schema, ", ".join(str(p) for p in paths.values()))
-    return graph.repartition(num_partitions, seed=seed) if num_partitions > 1 else graph
+    return graph.repartition(partitions, seed=seed) if max(partitions) > 1 else graph
 
 
-def _partitions(num_partitions: int | None, settings: Mapping[str, Any] | None, source: str) -> int:
-    """Return the partitions of every type: ``num_partitions``, else the config's (one count for all types), else 1."""
+def _partitions(num_partitions: int | None, settings: Mapping[str, Any] | None, source: str) -> list[int]:
+    """Return the partitions of every type: ``num_partitions``, else the config's (per type), else 1."""
+    types = len(settings["entities"]) if settings is not None else 1
     if num_partitions is not None:
         if num_partitions < 1:
             raise ValueError(f"num_partitions must be positive, not {num_partitions}.")
-        return num_partitions
+        return [num_partitions] * types
     if settings is None:
-        return 1
+        return [1]
     counts = {name: int(entity["num_partitions"]) for name, entity in settings["entities"].items()}
-    if len(set(counts.values())) > 1:
+    if len({count for count in counts.values() if count > 1}) > 1:
         raise ValueError(
-            f"{source} partitions its entity types differently ({counts}); an import splits every type into the "
-            f"same number of partitions: give num_partitions (--partitions)."
+            f"{source} partitions its entity types into different numbers of partitions ({counts}); PyTorch-BigGraph "
+            f"allows one count for the partitioned types (the others 1): give num_partitions (--partitions)."
         )
-    return next(iter(counts.values()), 1)
+    return list(counts.values())
