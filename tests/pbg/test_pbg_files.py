@@ -233,6 +233,21 @@ def test_what_pykeen_cannot_express_is_refused(written, change, message) -> None
         pbg.read(directory, config=config)
 
 
+def test_repartition_per_type() -> None:
+    """One count per type: the partitioned types share it (PyTorch-BigGraph's rule), the others keep one partition."""
+    graph = typed_graph(1)
+    mixed = graph.repartition([3, 1, 3], seed=1)
+    assert [len(sizes) for sizes in mixed.schema.partition_sizes] == [3, 1, 3]
+    assert [sum(sizes) for sizes in mixed.schema.partition_sizes] == [sum(s) for s in graph.schema.partition_sizes]
+    assert mixed.training.num_triples == graph.training.num_triples
+    # the same shuffles as one count for all types where every type is partitioned
+    assert mixed.schema.partition_sizes[0] == graph.repartition(3, seed=1).schema.partition_sizes[0]
+    with pytest.raises(ValueError, match="one count or one per entity type"):
+        graph.repartition([2, 2])
+    with pytest.raises(ValueError, match="same number of partitions"):
+        graph.repartition([2, 3, 1])
+
+
 def test_keys_of_later_pbg_versions_are_read(written) -> None:
     """Keys PyTorch-BigGraph added after 1.0 (GPU training, a type's own dimension equal to the config's) are read."""
     graph, directory = written
