@@ -337,6 +337,8 @@ class BessOptimizer(Optimizer):
                 row_state[name] = torch.full(shape, fill, dtype=weight.dtype, device=weight.device)
         step = count_step(state)
         cached = table.touched_values if table is not None else None
+        if cached is not None and cached.shape[0] != rows.shape[0]:
+            cached = None  # a callback changed the gradient's rows (e.g. zeroed it: a sparse zero_ drops every row)
         old = cached if cached is not None else storage.read(weight, rows)
         state_rows = {name: storage.read(row_state[name], rows) for name in shapes}
         row_mean = table.row_mean if table is not None and RULES[rule].whole_rows else None

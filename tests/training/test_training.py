@@ -9,7 +9,7 @@ import pytest
 import torch
 from pykeen.datasets import Nations
 from pykeen.losses import SoftplusLoss
-from pykeen.models import DistMult, TransE
+from pykeen.models import ComplEx, DistMult, TransE
 from pykeen.nn.representation import Embedding
 from pykeen.pipeline import pipeline
 from pykeen.training import TrainingCallback
@@ -270,6 +270,34 @@ def test_pykeen_losses(dataset: Nations, loss: str) -> None:
         evaluation_kwargs=dict(use_tqdm=False),
     )
     assert len(result.losses) == 2 and all(torch.isfinite(torch.tensor(result.losses)))
+
+
+def test_a_pre_step_callback_zeroing_the_gradients_leaves_the_model_as_a_zero_learning_rate(dataset: Nations) -> None:
+    """The eager step's row-sparse update reads the rows of the gradient it finds (zero_() drops every row).
+
+    It used the rows gathered before the callback ran: the fused Adam kernel got mismatched shapes and the
+    interpreter crashed (segmentation fault).
+    """
+
+    class ZeroGrads(TrainingCallback):
+        def pre_step(self, **kwargs: Any) -> None:
+            for parameter in self.model.parameters():
+                if parameter.grad is not None:
+                    parameter.grad.zero_()
+
+    models = []
+    for lr, callbacks in ((0.01, [ZeroGrads()]), (0.0, [])):
+        # (no constrainer: a zero learning rate constrains the rows it updates, the zeroed gradients touch none)
+        model = ComplEx(triples_factory=dataset.training, embedding_dim=8, random_seed=0, regularizer=None)
+        loop = BessTrainingLoop(
+            model=model, triples_factory=dataset.training, num_shards=2, static_step=False,
+            optimizer_kwargs=dict(lr=lr),
+        )  # fmt: skip
+        losses = loop.train(dataset.training, num_epochs=2, batch_size=256, use_tqdm=False, callbacks=callbacks)
+        assert all(torch.isfinite(torch.tensor(losses)))
+        models.append(model)
+    for (name, zeroed), (_, unchanged) in zip(models[0].state_dict().items(), models[1].state_dict().items()):
+        torch.testing.assert_close(zeroed, unchanged, rtol=0, atol=0, msg=name)
 
 
 def test_schedulers_stoppers_trackers_callbacks(dataset: Nations) -> None:
