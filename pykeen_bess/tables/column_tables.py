@@ -43,6 +43,8 @@ __all__ = [
 class ColumnShardTables(ShardTables):
     """One column part of every row per process; row shards after training."""
 
+    pykeen_layout_obstacle = "the encoding partition holds column parts of the rows"
+
     def __init__(
         self,
         model: ERModel,

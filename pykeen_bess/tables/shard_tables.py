@@ -16,7 +16,10 @@ manager). What happens afterwards is the one thing that differs between the back
   every lookup by reading rows to its device (the full table need not fit there).
 
 While the tables are installed they own the weights; the full original tables are released once
-the shard tables hold valid weights (an error before that loses nothing).
+the shard tables hold valid weights (an error before that loses nothing). Meanwhile the model's state
+dict holds the tables (shard order, padded rows): :meth:`ShardTables.pykeen_embeddings` gives the model
+its own embeddings back for a while where one process holds every shard on the device (PyKEEN's
+checkpoint callback saves them).
 """
 
 from __future__ import annotations
@@ -284,9 +287,43 @@ class ShardTables:
         """End training: what happens to the tables depends on the back end."""
         raise NotImplementedError
 
+    #: why the model cannot hold its own embeddings during training (:meth:`pykeen_embeddings`), or None
+    pykeen_layout_obstacle: str | None = "the model keeps its shard tables"
+
+    @contextlib.contextmanager
+    def pykeen_embeddings(self) -> Iterator[None]:
+        """While the block runs, the model holds its own embeddings with the tables' rows (PyKEEN's layout).
+
+        :raises ValueError: where the back end cannot (:attr:`pykeen_layout_obstacle`)
+        """
+        if self.pykeen_layout_obstacle is not None:
+            raise ValueError(
+                f"The model cannot hold PyKEEN's embeddings during training: {self.pykeen_layout_obstacle}."
+            )
+        yield
+
 
 class LocalShardTables(ShardTables):
     """All shards in one process: write the tables back into the model's embeddings."""
+
+    pykeen_layout_obstacle = None
+
+    @contextlib.contextmanager
+    def pykeen_embeddings(self) -> Iterator[None]:  # noqa: D102
+        if not (self.is_installed and self.hold_weights):  # the model holds its own embeddings' weights
+            yield
+            return
+        representations = cast(torch.nn.ModuleList, self.model.entity_representations)
+        for index, (embedding, table) in enumerate(zip(self.embeddings, self.tables)):
+            table.copy_to(embedding)
+            representations[index] = embedding
+        try:
+            yield
+        finally:
+            for index, (embedding, table) in enumerate(zip(self.embeddings, self.tables)):
+                representations[index] = table
+                weight = embedding._embeddings.weight
+                weight.data = weight.data.new_empty(0, table.row_width)
 
     def uninstall(self) -> None:  # noqa: D102
         if not self.is_installed:
@@ -306,6 +343,8 @@ class LocalShardTables(ShardTables):
 class DistributedShardTables(ShardTables):
     """Some shards per process: the model stays sharded (no process holds the full table)."""
 
+    pykeen_layout_obstacle = "the tables are spread over the processes (no process holds a full table)"
+
     def uninstall(self) -> None:  # noqa: D102
         for table in self.tables:
             table.defer_constraints = False
@@ -323,6 +362,10 @@ class StoredShardTables(ShardTables):
     every lookup (evaluation, ``predict_target``, scoring) reads the rows it needs to the model's
     device, and :class:`pykeen_bess.BessEvaluator` streams candidate slices.
     """
+
+    pykeen_layout_obstacle = (
+        "the tables live in host memory or files (a full table on the model's device is what the tier avoids)"
+    )
 
     def uninstall(self) -> None:  # noqa: D102
         for table in self.tables:

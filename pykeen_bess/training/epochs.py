@@ -45,6 +45,11 @@ deliberately in these points:
     resumed run (:mod:`~pykeen_bess.training.checkpoints.stopper_weights`): PyKEEN's checkpoint keeps the
     stopper's best epoch but not its weights file, and a run resumed after its best epoch failed when it
     stopped.
+11. PyKEEN's checkpoint callback saves the model with its own embeddings holding the tables' rows
+    (PyKEEN's layout, which a fresh PyKEEN model loads; :func:`pykeen_layout_checkpoints`): during
+    training the model's entity representations are the shard tables. Where no process holds every
+    shard on its device (process groups, tables in host memory or files, the encoding partition) the
+    callback is refused before training.
 
 The failure branch otherwise matches PyKEEN's: a ``RuntimeError`` or ``MemoryError`` writes the
 failure checkpoint (handing it the best-epoch model when there is one), deletes the temporary

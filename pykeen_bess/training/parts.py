@@ -36,6 +36,7 @@ from .training_run import (
     TrainingStart,
     log_plan,
     pykeen_callbacks,
+    pykeen_layout_checkpoints,
     refuse_what_does_not_apply,
     register_step_callbacks,
     step_sizes,
@@ -135,6 +136,7 @@ class LoopParts(PyKEENHooks):
             self.result_tracker, topology, triples_factory, start.callbacks, start.callbacks_kwargs, start.stopper,
             start.last_best_epoch, start.best_epoch_model_file_path,
         )  # fmt: skip
+        pykeen_layout_checkpoints(callbacks, self.tables)  # 11.
         if topology.is_distributed:  # every rank trains with the same settings
             verify_same_configuration(
                 topology, self.run_configuration(triples_factory, static_step=self.static_step, **start.shared())

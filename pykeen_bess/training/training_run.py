@@ -20,6 +20,7 @@ import torch
 from pykeen.stoppers import Stopper
 from pykeen.trackers import ResultTracker
 from pykeen.training.callbacks import (
+    CheckpointTrainingCallback,
     GradientAbsClippingTrainingCallback,
     GradientNormClippingTrainingCallback,
     LearningRateSchedulerTrainingCallback,
@@ -51,6 +52,7 @@ __all__ = [
     "TrainingStart",
     "log_plan",
     "pykeen_callbacks",
+    "pykeen_layout_checkpoints",
     "refuse_what_does_not_apply",
     "register_step_callbacks",
     "step_sizes",
@@ -169,6 +171,37 @@ def pykeen_callbacks(
             )
         )
     return callback
+
+
+def pykeen_layout_checkpoints(callback: MultiTrainingCallback, tables: ShardTables) -> None:
+    """Difference 11: PyKEEN's checkpoint callback saves the model in PyKEEN's layout, or is refused before training.
+
+    During training the model's entity representations are the shard tables: a state dict taken then holds
+    them (shard order, padded rows), which no PyKEEN model loads. The callback's saves run with the model's
+    own embeddings holding the tables' rows meanwhile (:meth:`ShardTables.pykeen_embeddings`: one process
+    holding every shard on its device). Elsewhere no process can give the model its embeddings during
+    training, and the callback is refused.
+
+    :raises ValueError: for PyKEEN's checkpoint callback where the tables cannot lend PyKEEN's layout
+    """
+    for member in callback.callbacks:
+        if not isinstance(member, CheckpointTrainingCallback) or getattr(member, "bess_layout", False):
+            continue
+        if tables.pykeen_layout_obstacle is not None:
+            raise ValueError(
+                f"PyKEEN's checkpoint callback saves the model during training, where {tables.pykeen_layout_obstacle}: "
+                "its files would hold the shard tables, which no PyKEEN model loads. Use BESS's checkpoints "
+                "(training_kwargs checkpoint_name=..., checkpoint_directory=...), which resume, or save the model "
+                "after training."
+            )
+        save = member.post_epoch
+
+        def post_epoch(*args: Any, _save: Any = save, **kwargs: Any) -> None:
+            with tables.pykeen_embeddings():
+                _save(*args, **kwargs)
+
+        member.post_epoch = post_epoch  # type: ignore[method-assign]
+        member.bess_layout = True  # type: ignore[attr-defined]
 
 
 def own_best_model_path(stopper: Stopper, topology: Topology) -> None:

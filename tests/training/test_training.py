@@ -300,6 +300,38 @@ def test_a_pre_step_callback_zeroing_the_gradients_leaves_the_model_as_a_zero_le
         torch.testing.assert_close(zeroed, unchanged, rtol=0, atol=0, msg=name)
 
 
+def test_pykeens_checkpoint_callback_saves_pykeens_layout(dataset: Nations, tmp_path: pathlib.Path) -> None:
+    """Its files load into a fresh PyKEEN model: the saved rows are the model's after that epoch, in entity order.
+
+    (They held the shard tables: a key no PyKEEN model has, rows in shard order.) Where no process can give the
+    model its embeddings during training (tables in host memory here) it is refused before training.
+    """
+    from pykeen.checkpoints.base import load_state_torch
+
+    def run(num_epochs: int, root: pathlib.Path | None, **loop_kwargs: Any) -> Any:
+        every = dict(schedule="every", schedule_kwargs=dict(frequency=1), root=root)
+        callbacks = dict(callbacks="checkpoint", callbacks_kwargs=every) if root else {}
+        return pipeline(
+            dataset=dataset, model="DistMult", model_kwargs=dict(embedding_dim=8), random_seed=0,
+            training_loop=BessTrainingLoop, training_loop_kwargs=dict(num_shards=2, **loop_kwargs),
+            training_kwargs=dict(num_epochs=num_epochs, batch_size=256, use_tqdm=False, **callbacks),
+            evaluation_kwargs=dict(use_tqdm=False),
+        )  # fmt: skip
+
+    result = run(2, tmp_path / "every")
+    files = sorted((tmp_path / "every").iterdir())
+    # (PyKEEN 1.11's callback adds one to the 1-based epoch its loop passes, and so names its own loop's files)
+    assert [file.name for file in files] == ["checkpoint_0000002.pt", "checkpoint_0000003.pt"]
+    for file, model in zip(files, (run(1, None).model, result.model)):
+        fresh = DistMult(triples_factory=dataset.training, embedding_dim=8)
+        fresh.load_state_dict(load_state_torch(file)["state_dict"])
+        for name, value in model.state_dict().items():
+            torch.testing.assert_close(fresh.state_dict()[name], value, rtol=0, atol=0, msg=name)
+    with pytest.raises(ValueError, match="checkpoint callback saves the model during training, where the tables live"):
+        run(1, tmp_path / "host", storage="host")
+    assert not any((tmp_path / "host").iterdir())
+
+
 def test_schedulers_stoppers_trackers_callbacks(dataset: Nations) -> None:
     seen_batches = []
 
