@@ -233,7 +233,24 @@ class RowShardStopperCallback(StopperTrainingCallback):
         # written back: PyKEEN's EarlyStopper loads the best epoch's weights into the model when it stops;
         # it keeps them as the model's state dict (which holds tables in files by value)
         with tables.row_shards(loop.optimizer, write=True):
-            super().post_epoch(epoch=epoch, epoch_loss=epoch_loss, **kwargs)
+            try:
+                super().post_epoch(epoch=epoch, epoch_loss=epoch_loss, **kwargs)
+            except FileNotFoundError as error:
+                # a run resumed on another layout of processes has no copy of the best weights (difference 10):
+                # its training is kept, with the last epoch's weights, rather than lost at its end
+                if not getattr(self.stopper, "stopped", False):
+                    raise
+                logger.warning(
+                    "The early stopper stopped at epoch %d, but the best epoch's (%s) weights are not there (%s): the "
+                    "checkpoint this run resumed was written by another layout of processes, which kept them for its "
+                    "own. The model keeps epoch %d's weights.",
+                    epoch,
+                    getattr(self.stopper, "best_epoch", None),
+                    error,
+                    epoch,
+                )
+                loop._should_stop = True
+                self.model._free_graph_and_cache()
 
 
 def step_sizes(

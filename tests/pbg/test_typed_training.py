@@ -251,6 +251,25 @@ def test_pbg_checkpoints_resume_identically(tmp_path: pathlib.Path, optimizer: s
     torch.testing.assert_close(tail, expected, rtol=1e-5, atol=1e-6)
 
 
+def test_a_pbg_checkpoint_resumes_only_on_the_layout_of_processes_that_wrote_it(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its optimizer state is kept per process: another layout is refused before training (it crashed in the step).
+
+    The pointer says how many processes wrote it; a one-process run reading one written by 2 ranks is simulated
+    by the pointer's reader (the pointer's digest forbids editing it).
+    """
+    from pykeen_bess.training.checkpoints import pbg as pbg_store
+
+    graph = typed_graph(num_partitions=2)
+    train_pbg(graph, tmp_path, 1)
+    pointer = pbg_store.read_pointer(tmp_path / "bess.pt")
+    assert pointer is not None and pointer["processes"] == 1
+    monkeypatch.setattr(pbg_store, "read_pointer", lambda path: dict(pointer, processes=2))
+    with pytest.raises(ValueError, match="was written by 2 processes, and this run has one: .* resumes only on the"):
+        train_pbg(graph, tmp_path, 2)
+
+
 def test_row_wise_adagrad_state_is_pytorch_biggraphs_optimizer_blob(tmp_path: pathlib.Path) -> None:
     from torchbiggraph.row_adagrad import RowAdagrad
 

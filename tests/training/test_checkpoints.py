@@ -401,6 +401,28 @@ def test_an_early_stopped_run_resumed_after_its_best_epoch_restores_the_best_wei
     assert sorted(p.name for p in checkpoints.iterdir()) == ["run.pt", "run.pt.best-weights-epoch2.pt"]
 
 
+def test_a_resumed_run_without_the_best_weights_keeps_its_training(
+    tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Without the copy of the best weights (a checkpoint of another layout of processes) the run ends, warned.
+
+    The model keeps the last epoch's weights (it raised ``FileNotFoundError`` when the stopper stopped,
+    after all the training).
+    """
+    import logging
+
+    with pytest.raises(_Interrupted):
+        _early_stopped_run(tmp_path, "best-of-the-killed-run.pt", die_at=3)
+    (tmp_path / "checkpoints" / "run.pt.best-weights-epoch2.pt").rename(
+        tmp_path / "checkpoints" / "run.pt.best-weights-epoch2.rank0-of-2.pt"  # as two ranks would have kept it
+    )
+    with caplog.at_level(logging.WARNING, logger="pykeen_bess"):
+        resumed = _early_stopped_run(tmp_path, "best-of-the-resumed-run.pt")
+    assert resumed.stopper.stopped and resumed.stopper.best_epoch == 2 and len(resumed.losses) == 6
+    assert "has no weights file run.pt.best-weights-epoch2.pt" in caplog.text
+    assert "The early stopper stopped at epoch 6, but the best epoch's (2) weights are not there" in caplog.text
+
+
 def test_the_stopper_weights_beside_a_checkpoint_follow_its_best_epoch(
     tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture
 ) -> None:

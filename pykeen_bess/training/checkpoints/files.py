@@ -316,6 +316,7 @@ def save_distributed_checkpoint(
             version=version,
             world_size=n_shard,
             replicas=replicas,
+            processes=topology.world_size if topology.is_distributed else 1,
             retrieval="all_replicas" if all_replicas else "one_per_group",
             epoch=epoch,
             seed=seed,

@@ -218,6 +218,15 @@ class PbgCheckpointStore(RankCheckpointStore):
             )
         if pointer.get("pbg_only"):
             return self.adopt(path.parent, int(pointer["version"]), int(pointer["epoch"]))
+        written = pointer.get("processes")  # (pointers of earlier versions do not say)
+        if written is not None and (int(written) > 1) != self.loop.topology.is_distributed:
+            raise ValueError(
+                f"Checkpoint {path} with checkpoint_format='pbg' was written by "
+                f"{'one process' if int(written) == 1 else f'{written} processes'}, and this run has "
+                f"{f'{self.loop.topology.world_size} processes' if self.loop.topology.is_distributed else 'one'}: its "
+                "optimizer state is kept per process, so it resumes only on the layout of processes that wrote it "
+                "(checkpoint_format='pykeen' checkpoints move between one process and ranks)."
+            )
         self.read_partitions(path.parent, int(pointer["version"]))
         return super().load(path, triples_factory)
 

@@ -98,7 +98,8 @@ def restore_stopper_weights(checkpoint: pathlib.Path, stopper: Any, suffix: str 
     """Give a resumed run's stopper the best weights kept beside ``checkpoint`` (before its first epoch).
 
     A warning says when they are not there (a checkpoint of another layout of ranks, or of a version that
-    did not keep them): unless the resumed run finds a better epoch, the stopper then fails when it stops.
+    did not keep them): unless the resumed run finds a better epoch, the model then keeps the last epoch's
+    weights when the stopper stops (:class:`~pykeen_bess.training.training_run.RowShardStopperCallback`).
     """
     best = _best(stopper)
     if best is None or best[0].is_file():
@@ -107,8 +108,9 @@ def restore_stopper_weights(checkpoint: pathlib.Path, stopper: Any, suffix: str 
     source = stopper_weights_file(checkpoint, epoch, suffix)
     if not source.is_file():
         logger.warning(
-            "The early stopper's best epoch (%d) of checkpoint %s has no weights file %s beside it: unless the "
-            "resumed run finds a better epoch, the stopper cannot load the best weights when it stops.",
+            "The early stopper's best epoch (%d) of checkpoint %s has no weights file %s beside it (written by "
+            "another layout of processes, or by a version that did not keep them): unless the resumed run finds a "
+            "better epoch, the model keeps the last epoch's weights when the stopper stops.",
             epoch,
             checkpoint,
             source.name,
