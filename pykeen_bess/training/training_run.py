@@ -185,7 +185,7 @@ def pykeen_layout_checkpoints(callback: MultiTrainingCallback, tables: ShardTabl
     :raises ValueError: for PyKEEN's checkpoint callback where the tables cannot lend PyKEEN's layout
     """
     for member in callback.callbacks:
-        if not isinstance(member, CheckpointTrainingCallback) or getattr(member, "bess_layout", False):
+        if not isinstance(member, CheckpointTrainingCallback):
             continue
         if tables.pykeen_layout_obstacle is not None:
             raise ValueError(
@@ -194,10 +194,12 @@ def pykeen_layout_checkpoints(callback: MultiTrainingCallback, tables: ShardTabl
                 "(training_kwargs checkpoint_name=..., checkpoint_directory=...), which resume, or save the model "
                 "after training."
             )
+        if getattr(member, "bess_layout", False):  # (a callback object given to an earlier train() call)
+            continue
         save = member.post_epoch
 
-        def post_epoch(*args: Any, _save: Any = save, **kwargs: Any) -> None:
-            with tables.pykeen_embeddings():
+        def post_epoch(*args: Any, _save: Any = save, _member: Any = member, **kwargs: Any) -> None:
+            with _member.training_loop.tables.pykeen_embeddings():  # (the tables of the loop's current run)
                 _save(*args, **kwargs)
 
         member.post_epoch = post_epoch  # type: ignore[method-assign]
