@@ -272,6 +272,10 @@ class PyKEENHooks(SLCWATrainingLoop):
             raise RuntimeError("BessTrainingLoop._process_batch computes the loss of a step being run by train().")
         return self.runner.sub_batch_loss(batch, start, stop, label_smoothing)
 
+    def stop_after_this_epoch(self) -> None:
+        """Stop training after the current epoch (what PyKEEN's stopper callback asks by setting ``_should_stop``)."""
+        self._should_stop = True
+
     @property
     def overrides_process_batch(self) -> bool:
         """Whether a subclass overrides :meth:`_process_batch` (the steps then call it for every sub-batch)."""

@@ -251,7 +251,7 @@ class RowShardStopperCallback(StopperTrainingCallback):
                     error,
                     epoch,
                 )
-                loop._should_stop = True
+                loop.stop_after_this_epoch()  # type: ignore[attr-defined]
                 self.model._free_graph_and_cache()
 
 

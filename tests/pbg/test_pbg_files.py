@@ -383,8 +383,11 @@ def test_typed_tsv_import_with_a_config(tmp_path: pathlib.Path) -> None:
     for given, expected in ((None, 2), (3, 3)):
         imported = pbg.import_tsv(path, config=config, num_partitions=given)
         assert all(len(sizes) == expected for sizes in imported.schema.partition_sizes)
-    config["entities"][graph.schema.entity_types[0]]["num_partitions"] = 1
-    with pytest.raises(ValueError, match=r"partitions its entity types differently"):
+    config["entities"][graph.schema.entity_types[0]]["num_partitions"] = 1  # PBG's rule: imported per type
+    imported = pbg.import_tsv(path, config=config)
+    assert [len(sizes) for sizes in imported.schema.partition_sizes] == [1, 2, 2]
+    config["entities"][graph.schema.entity_types[0]]["num_partitions"] = 3
+    with pytest.raises(ValueError, match=r"into different numbers of partitions"):
         pbg.import_tsv(path, config=config)
 
 
