@@ -9,6 +9,7 @@ BESS's optimizer step and clipping as callbacks of the eager step (3), and the l
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import pathlib
@@ -199,7 +200,8 @@ def pykeen_layout_checkpoints(callback: MultiTrainingCallback, tables: ShardTabl
         save = member.post_epoch
 
         def post_epoch(*args: Any, _save: Any = save, _member: Any = member, **kwargs: Any) -> None:
-            with _member.training_loop.tables.pykeen_embeddings():  # (the tables of the loop's current run)
+            tables = getattr(_member.training_loop, "tables", None)  # the loop's current run's (none: PyKEEN's loop)
+            with contextlib.nullcontext() if tables is None else tables.pykeen_embeddings():
                 _save(*args, **kwargs)
 
         member.post_epoch = post_epoch  # type: ignore[method-assign]

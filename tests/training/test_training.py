@@ -327,6 +327,18 @@ def test_pykeens_checkpoint_callback_saves_pykeens_layout(dataset: Nations, tmp_
         fresh.load_state_dict(load_state_torch(file)["state_dict"])
         for name, value in model.state_dict().items():
             torch.testing.assert_close(fresh.state_dict()[name], value, rtol=0, atol=0, msg=name)
+    # the same callback object, given to PyKEEN's own loop afterwards, saves as it does there
+    from pykeen.training.callbacks import CheckpointTrainingCallback
+    from pykeen.training import SLCWATrainingLoop
+
+    callback = CheckpointTrainingCallback(schedule="every", schedule_kwargs=dict(frequency=1), root=tmp_path / "both")
+    for loop_class in (BessTrainingLoop, SLCWATrainingLoop):
+        model = DistMult(triples_factory=dataset.training, embedding_dim=8, random_seed=0)
+        loop_class(model=model, triples_factory=dataset.training).train(
+            dataset.training, num_epochs=1, batch_size=256, use_tqdm=False, callbacks=callback
+        )
+        fresh = DistMult(triples_factory=dataset.training, embedding_dim=8)
+        fresh.load_state_dict(load_state_torch(tmp_path / "both" / "checkpoint_0000002.pt")["state_dict"])
     with pytest.raises(ValueError, match="checkpoint callback saves the model during training, where the tables live"):
         run(1, tmp_path / "host", storage="host")
     assert not any((tmp_path / "host").iterdir())
