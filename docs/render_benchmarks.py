@@ -379,6 +379,11 @@ RENDERERS: dict[str, tuple[str, str, Callable[[Any, Path], str]]] = {
         "python benchmarks/evaluation.py --output FILE",
         evaluation_summary,
     ),
+    "evaluation-ab": (
+        "evaluation-ab-cpu.json",
+        "python benchmarks/evaluation_ab.py --baseline CHECKOUT --data DIR --output FILE",
+        generic,
+    ),
     "distributed": ("distributed-cpu.json", "python benchmarks/distributed.py --output FILE", distributed),
     "training-step-ab": (
         "training-step-ab-cpu.json",
