@@ -44,7 +44,7 @@ deliberately in these points:
 10. The stopper's best weights are kept beside every checkpoint and given back to the stopper of a
     resumed run (:mod:`~pykeen_bess.training.checkpoints.stopper_weights`): PyKEEN's checkpoint keeps the
     stopper's best epoch but not its weights file, and a run resumed after its best epoch failed when it
-    stopped.
+    stopped. A checkpoint read from another layout of shards reshards the copies with it.
 11. PyKEEN's checkpoint callback saves the model with its own embeddings holding the tables' rows
     (PyKEEN's layout, which a fresh PyKEEN model loads; :func:`pykeen_layout_checkpoints`): during
     training the model's entity representations are the shard tables. Where no process holds every
@@ -76,10 +76,13 @@ from ..distributed import Topology
 from ..runtime.threads import ThreadPolicy
 from .checkpoints.stores import CheckpointStore
 from .checkpoints.stopper_weights import (
+    copy_suffix,
     keep_stopper_weights,
-    process_suffix,
+    layout_suffixes,
     prune_stopper_weights,
+    reshard_stopper_weights,
     restore_stopper_weights,
+    table_keys,
 )
 from .epoch_steps import EpochPlans, eager_step, static_steps
 from .steps.static_step import per_step_hooks
@@ -120,7 +123,7 @@ class EpochLoop(Protocol):
 
     @property
     def checkpoints(self) -> CheckpointStore:
-        """The checkpoint store (the failure checkpoint)."""
+        """The checkpoint store (the failure checkpoint; the layout a resumed checkpoint was read from)."""
 
     def start_training(self, triples_factory: CoreTriplesFactory, start: TrainingStart) -> TrainingRun:
         """Build the run's batches, steps and callbacks before its first epoch."""
@@ -179,7 +182,7 @@ def run_epochs(
     )  # fmt: skip
     run = loop.start_training(triples_factory, start)  # 3.-6.
     if stopper is not None and save_checkpoints and checkpoint_path is not None:  # 10.: a resumed run's
-        restore_stopper_weights(pathlib.Path(checkpoint_path), stopper, process_suffix(topology))
+        _restore_stopper_weights(loop, pathlib.Path(checkpoint_path), stopper)
     callback = run.callback
     static = run.static
     plans = EpochPlans(run.batches.sampler, static, loop._epoch + 1, num_epochs) if static is not None else None
@@ -292,10 +295,26 @@ def _checkpoint(
     loop: EpochLoop, path: pathlib.Path, stopper: Stopper | None, best: pathlib.Path | None, triples_factory: Any
 ) -> None:
     """Write a checkpoint through the loop's store (7.), the stopper's best weights beside it (10.)."""
-    suffix = process_suffix(loop.topology)
+    suffix = copy_suffix(loop.topology)
     keep_stopper_weights(path, stopper, suffix)
     loop._save_state(path, stopper, best, triples_factory)
-    prune_stopper_weights(path, stopper, suffix)
+    prune_stopper_weights(path, stopper, suffix, layout_suffixes(loop.topology))
+
+
+def _restore_stopper_weights(loop: EpochLoop, checkpoint: pathlib.Path, stopper: Stopper) -> None:
+    """Give a resumed run's stopper its best weights (10.): its copies, or resharded from the checkpoint's layout's."""
+    store, topology = loop.checkpoints, loop.topology
+    files = store.resharded_from
+    resharded = None
+    if files is not None:  # the checkpoint's copies hold other shards than this process'
+
+        def resharded(target: pathlib.Path, epoch: int) -> bool:
+            keys = table_keys(loop.model, store.held_tables())
+            return reshard_stopper_weights(
+                checkpoint, epoch, target, files, store.sharding, topology.local_shards, keys
+            )
+
+    restore_stopper_weights(checkpoint, stopper, topology, resharded)
 
 
 def _restore_best(loop: EpochLoop, best_epoch_model_file_path: pathlib.Path | None) -> None:

@@ -124,6 +124,7 @@ class PyKEENHooks(SLCWATrainingLoop):
 
     def _load_state(self, path: str | pathlib.Path, triples_factory: CoreTriplesFactory | None = None) -> Any:
         """Load a checkpoint through the loop's checkpoint store; the shard tables then hold the weights."""
+        self.checkpoints.resharded_from = None
         result = self.checkpoints.load(pathlib.Path(path), triples_factory)
         self.tables.now_hold_weights()
         return result

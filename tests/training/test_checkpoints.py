@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 
 import pytest
@@ -346,7 +347,9 @@ class _Interrupted(Exception):
     """The kill of a run, raised by a callback after an epoch (before that epoch's checkpoint)."""
 
 
-def _early_stopped_run(tmp_path: pathlib.Path, best_weights: str, die_at: int | None = None):
+def _early_stopped_run(
+    tmp_path: pathlib.Path, best_weights: str, die_at: int | None = None, num_shards: int = 2, num_epochs: int = 20
+):
     """Nations, DistMult: the stopper's best epoch is 2, it stops at epoch 6 (patience 2, every 2 epochs)."""
     from pykeen.pipeline import pipeline
     from pykeen.training.callbacks import TrainingCallback
@@ -364,9 +367,9 @@ def _early_stopped_run(tmp_path: pathlib.Path, best_weights: str, die_at: int | 
         model_kwargs=dict(embedding_dim=8),
         random_seed=0,
         training_loop=BessTrainingLoop,
-        training_loop_kwargs=dict(num_shards=2),
+        training_loop_kwargs=dict(num_shards=num_shards),
         training_kwargs=dict(
-            num_epochs=20,
+            num_epochs=num_epochs,
             batch_size=256,
             checkpoint_name="run.pt",
             checkpoint_directory=str(tmp_path / "checkpoints"),
@@ -391,20 +394,48 @@ def test_an_early_stopped_run_resumed_after_its_best_epoch_restores_the_best_wei
     with pytest.raises(_Interrupted):  # after epoch 3: the checkpoint of epoch 2 holds best epoch 2
         _early_stopped_run(tmp_path / "killed", "best-of-the-killed-run.pt", die_at=3)
     checkpoints = tmp_path / "killed" / "checkpoints"
-    assert sorted(p.name for p in checkpoints.iterdir()) == ["run.pt", "run.pt.best-weights-epoch2.pt"]
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["run.pt", "run.pt.best-weights-epoch2.2-shards.pt"]
     resumed = _early_stopped_run(tmp_path / "killed", "best-of-the-resumed-run.pt")
     assert resumed.stopper.stopped and resumed.stopper.best_epoch == 2
     assert resumed.stopper.results == uninterrupted.stopper.results
     assert resumed.metric_results.to_flat_dict() == uninterrupted.metric_results.to_flat_dict()
     for (name, actual), expected in zip(resumed.model.state_dict().items(), uninterrupted.model.state_dict().values()):
         torch.testing.assert_close(actual, expected, rtol=0, atol=0, msg=name)
-    assert sorted(p.name for p in checkpoints.iterdir()) == ["run.pt", "run.pt.best-weights-epoch2.pt"]
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["run.pt", "run.pt.best-weights-epoch2.2-shards.pt"]
+
+
+@pytest.mark.parametrize("num_shards", [1, 4])
+@pytest.mark.parametrize("legacy_name", [False, True], ids=["copy", "earlier-versions-copy"])
+def test_a_run_resumed_on_other_shards_restores_the_best_weights_resharded(
+    tmp_path: pathlib.Path, num_shards: int, legacy_name: bool
+) -> None:
+    """A checkpoint of 2 logical shards resumed with 1 or 4: the stopper restores the best epoch's rows, resharded.
+
+    Nations has 14 entities, so one and two shards' tables both have 14 rows: the copy of two shards' rows
+    loaded as one shard's gave entities each other's rows, silently (the model of the resumed run then
+    differed from the best epoch's by up to 1.09).
+    """
+    best = _early_stopped_run(tmp_path / "best", "best.pt", num_epochs=2)  # the best epoch's model
+    expected = best.model.entity_representations[0](indices=None).detach()
+    with pytest.raises(_Interrupted):
+        _early_stopped_run(tmp_path / "killed", "best-of-the-killed-run.pt", die_at=3)
+    checkpoints = tmp_path / "killed" / "checkpoints"
+    if legacy_name:  # as the version before named one process' copy
+        (checkpoints / "run.pt.best-weights-epoch2.2-shards.pt").rename(checkpoints / "run.pt.best-weights-epoch2.pt")
+    resumed = _early_stopped_run(tmp_path / "killed", "best-of-the-resumed-run.pt", num_shards=num_shards)
+    assert resumed.stopper.stopped and resumed.stopper.best_epoch == 2
+    actual = resumed.model.entity_representations[0](indices=None).detach()
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+    assert sorted(p.name for p in checkpoints.iterdir()) == [
+        "run.pt",
+        f"run.pt.best-weights-epoch2.{num_shards}-shards.pt",
+    ]
 
 
 def test_a_resumed_run_without_the_best_weights_keeps_its_training(
     tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Without the copy of the best weights (a checkpoint of another layout of processes) the run ends, warned.
+    """Without a copy of the best weights for its shards the run ends, warned.
 
     The model keeps the last epoch's weights (it raised ``FileNotFoundError`` when the stopper stopped,
     after all the training).
@@ -413,26 +444,41 @@ def test_a_resumed_run_without_the_best_weights_keeps_its_training(
 
     with pytest.raises(_Interrupted):
         _early_stopped_run(tmp_path, "best-of-the-killed-run.pt", die_at=3)
-    (tmp_path / "checkpoints" / "run.pt.best-weights-epoch2.pt").rename(
-        tmp_path / "checkpoints" / "run.pt.best-weights-epoch2.rank0-of-2.pt"  # as two ranks would have kept it
+    (tmp_path / "checkpoints" / "run.pt.best-weights-epoch2.2-shards.pt").rename(
+        tmp_path / "checkpoints" / "run.pt.best-weights-epoch2.shard0-of-2.pt"  # only another layout's copy
     )
     with caplog.at_level(logging.WARNING, logger="pykeen_bess"):
         resumed = _early_stopped_run(tmp_path, "best-of-the-resumed-run.pt")
     assert resumed.stopper.stopped and resumed.stopper.best_epoch == 2 and len(resumed.losses) == 6
-    assert "has no weights file run.pt.best-weights-epoch2.pt" in caplog.text
+    assert "has no copy of its weights for this run's shards beside it (run.pt.best-weights-epoch2.2-shards.pt" in (
+        caplog.text
+    )
     assert "The early stopper stopped at epoch 6, but the best epoch's (2) weights are not there" in caplog.text
+
+
+@dataclasses.dataclass
+class _Layout:
+    """The parts of a process topology the stopper's copies are named by (rank 1 of two ranks, one shard each)."""
+
+    rank: int = 1
+    world_size: int = 2
+    is_distributed: bool = True
+    n_shard: int = 2
+    local_shards: tuple[int, ...] = (1,)
+    replica: int = 0
+    replicas: int = 1
 
 
 def test_the_stopper_weights_beside_a_checkpoint_follow_its_best_epoch(
     tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """One copy per best epoch, named for the process; others go after the checkpoint; a missing one is warned."""
-    import dataclasses
+    """One copy per best epoch, named for its shards; others go after the checkpoint; a missing one is warned."""
     import logging
 
     from pykeen_bess.training.checkpoints.stopper_weights import (
+        copy_suffix,
         keep_stopper_weights,
-        process_suffix,
+        layout_suffixes,
         prune_stopper_weights,
         restore_stopper_weights,
     )
@@ -442,14 +488,11 @@ def test_the_stopper_weights_beside_a_checkpoint_follow_its_best_epoch(
         best_model_path: pathlib.Path
         best_epoch: int | None = None
 
-    @dataclasses.dataclass
-    class Ranks:
-        rank: int = 1
-        world_size: int = 2
-        is_distributed: bool = True
-
-    checkpoint, suffix = tmp_path / "run.pt", process_suffix(Ranks())
-    assert suffix == ".rank1-of-2" and process_suffix(Ranks(0, 1, False)) == ""
+    ranks = _Layout()
+    checkpoint, suffix, layout = tmp_path / "run.pt", copy_suffix(ranks), layout_suffixes(ranks)
+    assert suffix == ".shard1-of-2" and layout == {".shard0-of-2", ".shard1-of-2"}
+    assert copy_suffix(_Layout(0, 1, False, 4, (0, 1, 2, 3))) == ".4-shards"
+    assert copy_suffix(_Layout(3, 4, True, 2, (1,), 1, 2)) == ".shard1-of-2.replica1-of-2"
     stopper = Stopper(tmp_path / "stopper.pt")
     keep_stopper_weights(checkpoint, stopper, suffix)  # no best epoch yet
     stopper.best_epoch = 2
@@ -457,33 +500,88 @@ def test_the_stopper_weights_beside_a_checkpoint_follow_its_best_epoch(
     assert sorted(p.name for p in tmp_path.iterdir()) == []
     torch.save({"w": torch.ones(2)}, stopper.best_model_path)
     keep_stopper_weights(checkpoint, stopper, suffix)
-    (tmp_path / "run.pt.best-weights-epoch1.rank0-of-2.pt").write_bytes(b"another rank's")
-    (tmp_path / "other.pt.best-weights-epoch1.rank1-of-2.pt").write_bytes(b"another checkpoint's")
+    (tmp_path / "run.pt.best-weights-epoch1.shard0-of-2.pt").write_bytes(b"another rank's")
+    (tmp_path / "other.pt.best-weights-epoch1.shard1-of-2.pt").write_bytes(b"another checkpoint's")
     torch.save({"w": torch.full((2,), 4.0)}, stopper.best_model_path)
     stopper.best_epoch = 4
     keep_stopper_weights(checkpoint, stopper, suffix)  # the new best: copied before the checkpoint is written
-    assert (tmp_path / "run.pt.best-weights-epoch2.rank1-of-2.pt").is_file()  # the written checkpoint's best
-    prune_stopper_weights(checkpoint, stopper, suffix)  # after it was written
+    assert (tmp_path / "run.pt.best-weights-epoch2.shard1-of-2.pt").is_file()  # the written checkpoint's best
+    prune_stopper_weights(checkpoint, stopper, suffix, layout)  # after it was written
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "other.pt.best-weights-epoch1.rank1-of-2.pt",  # another checkpoint's
-        "run.pt.best-weights-epoch4.rank1-of-2.pt",
+        "other.pt.best-weights-epoch1.shard1-of-2.pt",  # another checkpoint's
+        "run.pt.best-weights-epoch4.shard1-of-2.pt",
         "stopper.pt",
     ]
-    # another layout's copies (a resharded run's past) go too, this layout's of the best epoch stay
-    for name in ("run.pt.best-weights-epoch4.pt", "run.pt.best-weights-epoch4.rank0-of-3.pt"):
-        (tmp_path / name).write_bytes(b"another layout's")
-    (tmp_path / "run.pt.best-weights-epoch4.rank0-of-2.pt").write_bytes(b"the other rank's")
-    prune_stopper_weights(checkpoint, stopper, suffix)
+    # other layouts' copies (a resharded run's past, earlier versions' names) go too, this layout's of the best
+    # epoch stay
+    for name in ("2-shards", "shard0-of-3", "rank0-of-2", "shard0-of-2.replica1-of-2"):
+        (tmp_path / f"run.pt.best-weights-epoch4.{name}.pt").write_bytes(b"another layout's")
+    (tmp_path / "run.pt.best-weights-epoch4.pt").write_bytes(b"another layout's")
+    (tmp_path / "run.pt.best-weights-epoch4.shard0-of-2.pt").write_bytes(b"the other rank's")
+    prune_stopper_weights(checkpoint, stopper, suffix, layout)
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("run")) == [
-        "run.pt.best-weights-epoch4.rank0-of-2.pt",
-        "run.pt.best-weights-epoch4.rank1-of-2.pt",
+        "run.pt.best-weights-epoch4.shard0-of-2.pt",
+        "run.pt.best-weights-epoch4.shard1-of-2.pt",
     ]
     # a resumed run's stopper: a file of its own, which does not exist
     resumed = Stopper(tmp_path / "new" / "stopper.pt", best_epoch=4)
-    restore_stopper_weights(checkpoint, resumed, suffix)
+    restore_stopper_weights(checkpoint, resumed, ranks)
     assert torch.equal(torch.load(resumed.best_model_path)["w"], torch.full((2,), 4.0))
-    restore_stopper_weights(checkpoint, Stopper(tmp_path / "fresh.pt"), suffix)  # nothing to restore
+    # the same shard under replicas: any replica's copy
+    replica = Stopper(tmp_path / "replica.pt", best_epoch=4)
+    restore_stopper_weights(checkpoint, replica, _Layout(3, 4, True, 2, (1,), 1, 2))
+    assert torch.equal(torch.load(replica.best_model_path)["w"], torch.full((2,), 4.0))
+    restore_stopper_weights(checkpoint, Stopper(tmp_path / "fresh.pt"), ranks)  # nothing to restore
     assert not (tmp_path / "fresh.pt").exists()
     with caplog.at_level(logging.WARNING):
-        restore_stopper_weights(checkpoint, Stopper(tmp_path / "missing.pt", best_epoch=6), suffix)
-    assert "best epoch (6)" in caplog.text and "run.pt.best-weights-epoch6.rank1-of-2.pt" in caplog.text
+        restore_stopper_weights(checkpoint, Stopper(tmp_path / "missing.pt", best_epoch=6), ranks)
+    assert "best epoch (6)" in caplog.text and "run.pt.best-weights-epoch6.shard1-of-2.pt" in caplog.text
+    # a checkpoint read from another layout: never this layout's names, only what resharding builds
+    caplog.clear()
+    other = Stopper(tmp_path / "other.pt", best_epoch=4)
+    with caplog.at_level(logging.WARNING):
+        restore_stopper_weights(checkpoint, other, ranks, resharded=lambda target, epoch: False)
+    assert not other.best_model_path.exists() and "best epoch (4)" in caplog.text
+    restore_stopper_weights(checkpoint, other, ranks, resharded=lambda target, epoch: target.write_bytes(b"built") > 0)
+    assert other.best_model_path.read_bytes() == b"built"
+
+
+@pytest.mark.parametrize(
+    ("names", "replicas"),
+    [
+        ([".shard0-of-2", ".shard1-of-2"], 1),
+        ([".rank0-of-2", ".rank1-of-2"], 1),  # as the version before named a rank's copy (rank s holds shard s)
+        ([".shard0-of-2.replica1-of-2", ".shard1-of-2.replica0-of-2"], 2),  # any replica's copy of each shard
+    ],
+    ids=["ranks", "earlier-versions-ranks", "replicas"],
+)
+@pytest.mark.parametrize(("n_shard", "shards"), [(1, [0]), (4, [3]), (4, [0, 1, 2, 3])])
+def test_the_copies_of_ranks_are_resharded_for_other_shards(
+    tmp_path: pathlib.Path, names: list[str], replicas: int, n_shard: int, shards: list[int]
+) -> None:
+    """The copies two ranks kept give one process, or a rank of four shards, the rows of its entities."""
+    from pykeen_bess.data.sharding import EntitySharding
+    from pykeen_bess.training.checkpoints.resharding import ShardFiles
+    from pykeen_bess.training.checkpoints.stopper_weights import reshard_stopper_weights, stopper_weights_file
+
+    old = EntitySharding.create(14, 2, seed=0)
+    checkpoint = tmp_path / "run.pt"
+    for shard, name in enumerate(names):  # every row holds its entity's id (padding rows: -1)
+        rows = old.shard_entities[shard].to(torch.float32).view(-1, 1).expand(-1, 3).clone()
+        torch.save(
+            {"entity_representations.0.weight": rows, "w": torch.ones(2)}, stopper_weights_file(checkpoint, 2, name)
+        )
+    files = ShardFiles(checkpoint, 2, {"replicas": replicas, "processes": 2 * replicas})
+    new = old.with_shards(n_shard)
+    target = tmp_path / "stopper.pt"
+    assert reshard_stopper_weights(checkpoint, 2, target, files, new, shards, ["entity_representations.0.weight"])
+    state = torch.load(target)
+    wanted = torch.cat([new.shard_entities[shard] for shard in shards])
+    expected = torch.where(wanted >= 0, wanted, 0).to(torch.float32).view(-1, 1).expand(-1, 3)  # padding: zero
+    torch.testing.assert_close(state["entity_representations.0.weight"], expected, rtol=0, atol=0)
+    assert torch.equal(state["w"], torch.ones(2))
+    # a copy missing: nothing is written
+    stopper_weights_file(checkpoint, 2, names[1]).unlink()
+    target.unlink()
+    assert not reshard_stopper_weights(checkpoint, 2, target, files, new, shards, ["entity_representations.0.weight"])
+    assert not target.exists()

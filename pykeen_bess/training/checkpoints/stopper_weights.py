@@ -10,29 +10,45 @@ PyKEEN writes that only for runs resumed with one, and loading it would reset th
 losses to the best epoch, which an uninterrupted run does not do.
 
 So the loop keeps a copy of the stopper's file beside each checkpoint, named by the best epoch it holds
-(:func:`stopper_weights_file`: ``NAME.best-weights-epochE.pt``, with the rank's suffix under a process
-group): copied before the checkpoint is written (:func:`keep_stopper_weights`), the copies of other
-epochs (and of another layout of processes) removed after it was (:func:`prune_stopper_weights`), so
-the checkpoint and the copy of its best epoch are consistent whenever the writer is killed. A resumed
-run copies it to its stopper's file before the first epoch (:func:`restore_stopper_weights`). The copy
-is one state dict of the model (the stopper's file), written once per new best epoch.
+and by the layout of shards it holds (:func:`stopper_weights_file` with :func:`copy_suffix`:
+``NAME.best-weights-epochE.N-shards.pt`` for one process holding all ``N`` shards,
+``NAME.best-weights-epochE.shardS-of-N.pt`` for a rank holding shard ``S``, with ``.replicaR-of-P`` under
+replicas): copied before the checkpoint is written (:func:`keep_stopper_weights`), the copies of other
+epochs (and of other layouts) removed after it was (:func:`prune_stopper_weights`), so the checkpoint
+and the copies of its best epoch are consistent whenever the writer is killed. A resumed run copies its
+own to its stopper's file before the first epoch (:func:`restore_stopper_weights`); a run resumed on
+another layout (another number of shards, or ranks instead of one process), whose checkpoint was
+resharded, builds its shards' rows from the copies of the checkpoint's layout as the checkpoint's own
+rows are (:func:`reshard_stopper_weights`), never taking a copy of other shards for its own. The copy is
+one state dict of the model (the stopper's file), written once per new best epoch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import pathlib
 import re
 import shutil
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import torch
+
+from ...data.sharding import EntitySharding
+from .resharding import ShardFiles, reshard_rank_state
+
 __all__ = [
+    "copy_suffix",
     "keep_stopper_weights",
+    "layout_suffixes",
     "process_suffix",
     "prune_stopper_weights",
+    "reshard_stopper_weights",
     "restore_stopper_weights",
     "stopper_weights_file",
+    "table_keys",
 ]
 
 logger = logging.getLogger(__name__)
@@ -43,10 +59,35 @@ def process_suffix(topology: Any) -> str:
     return f".rank{topology.rank}-of-{topology.world_size}" if topology.is_distributed else ""
 
 
+def copy_suffix(topology: Any) -> str:
+    """Return the suffix of this process' copies of the stopper's weights: the layout of the shards it holds.
+
+    ``.N-shards`` for one process (all ``N`` shards), ``.shardS-of-N`` for a rank of a process group (with
+    ``.replicaR-of-P`` under replicas).
+    """
+    shard, distributed = topology.local_shards[0], topology.is_distributed
+    return _suffix(topology.n_shard, shard, topology.replica, topology.replicas, distributed)
+
+
+def layout_suffixes(topology: Any) -> set[str]:
+    """Return the suffixes of the copies every process of ``topology``'s layout keeps (see :func:`copy_suffix`)."""
+    if not topology.is_distributed:
+        return {copy_suffix(topology)}
+    n, replicas = topology.n_shard, topology.replicas
+    return {_suffix(n, shard, replica, replicas, True) for shard in range(n) for replica in range(replicas)}
+
+
+def _suffix(n_shard: int, shard: int, replica: int, replicas: int, distributed: bool) -> str:
+    if not distributed:
+        return f".{n_shard}-shards"
+    return f".shard{shard}-of-{n_shard}" + (f".replica{replica}-of-{replicas}" if replicas > 1 else "")
+
+
 def stopper_weights_file(checkpoint: pathlib.Path, epoch: int, suffix: str = "") -> pathlib.Path:
     """Return the copy of the stopper's best weights of ``epoch`` beside ``checkpoint``.
 
-    :param suffix: the process' own suffix under a process group (``.rankR-of-W``), else empty
+    :param suffix: the layout of the shards it holds (:func:`copy_suffix`; empty or a process' suffix
+        ``.rankR-of-W``: the names of earlier versions)
     """
     return checkpoint.with_name(f"{checkpoint.name}.best-weights-epoch{epoch}{suffix}.pt")
 
@@ -75,47 +116,176 @@ def keep_stopper_weights(checkpoint: pathlib.Path, stopper: Any, suffix: str = "
     os.replace(temporary, target)
 
 
-def prune_stopper_weights(checkpoint: pathlib.Path, stopper: Any, suffix: str = "") -> None:
+def prune_stopper_weights(checkpoint: pathlib.Path, stopper: Any, suffix: str, layout: set[str]) -> None:
     """Remove the copies beside ``checkpoint`` (after it was written) that it does not need.
 
-    Those of other epochs than the stopper's best, and those of another layout of processes (a resharded
-    run's past), whichever process wrote them: under a process group every process has written its copy
-    before the checkpoint is complete.
+    Those of other epochs than the stopper's best, and those of other layouts (a resharded run's past, or
+    earlier versions' names), whichever process wrote them: under a process group every process has
+    written its copy before the checkpoint is complete.
+
+    :param suffix: this process' (:func:`copy_suffix`)
+    :param layout: the suffixes of every process of the layout (:func:`layout_suffixes`)
     """
     best = _best(stopper)
     if best is None or not stopper_weights_file(checkpoint, best[1], suffix).is_file():
         return
-    layout = re.fullmatch(r"\.rank\d+(-of-\d+)", suffix)
-    own = layout.group(1) if layout is not None else None
-    pattern = re.compile(rf"^{re.escape(checkpoint.name)}\.best-weights-epoch(\d+)(?:\.rank\d+(-of-\d+))?\.pt$")
-    for file in checkpoint.parent.iterdir():
-        found = pattern.match(file.name)
-        if found is not None and (int(found.group(1)) != best[1] or found.group(2) != own):
+    for file, epoch, file_suffix in _copies(checkpoint):
+        if epoch != best[1] or file_suffix not in layout:
             file.unlink(missing_ok=True)
 
 
-def restore_stopper_weights(checkpoint: pathlib.Path, stopper: Any, suffix: str = "") -> None:
+def _copies(checkpoint: pathlib.Path) -> list[tuple[pathlib.Path, int, str]]:
+    """Return every copy beside ``checkpoint``: its file, best epoch and suffix."""
+    pattern = re.compile(rf"^{re.escape(checkpoint.name)}\.best-weights-epoch(\d+)(\.[^/]*?)?\.pt$")
+    found = []
+    for file in checkpoint.parent.iterdir():
+        match = pattern.match(file.name)
+        if match is not None:
+            found.append((file, int(match.group(1)), match.group(2) or ""))
+    return found
+
+
+def restore_stopper_weights(
+    checkpoint: pathlib.Path,
+    stopper: Any,
+    topology: Any,
+    resharded: Callable[[pathlib.Path, int], bool] | None = None,
+) -> None:
     """Give a resumed run's stopper the best weights kept beside ``checkpoint`` (before its first epoch).
 
-    A warning says when they are not there (a checkpoint of another layout of ranks, or of a version that
-    did not keep them): unless the resumed run finds a better epoch, the model then keeps the last epoch's
-    weights when the stopper stops (:class:`~pykeen_bess.training.training_run.RowShardStopperCallback`).
+    Its own copy (:func:`copy_suffix`), else a copy of its shard written by another replica, else (a
+    checkpoint read as written, so of this layout) the copy of an earlier version's name. A resharded
+    checkpoint's copies hold other shards: ``resharded`` builds this process' from them instead
+    (:func:`reshard_stopper_weights`). A warning says when none is there: unless the resumed run finds a
+    better epoch, the model then keeps the last epoch's weights when the stopper stops
+    (:class:`~pykeen_bess.training.training_run.RowShardStopperCallback`).
+
+    :param topology: this run's process topology
+    :param resharded: for a checkpoint read from another layout of shards, builds the stopper's file (its
+        path) of the best epoch (the int) from that layout's copies and returns whether it could; None: the
+        checkpoint was read as written
     """
     best = _best(stopper)
     if best is None or best[0].is_file():
         return
     path, epoch = best
-    source = stopper_weights_file(checkpoint, epoch, suffix)
-    if not source.is_file():
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if resharded is not None:
+        if resharded(path, epoch):
+            logger.info("The early stopper's best weights (epoch %d) are resharded from their copies.", epoch)
+            return
+        source = None
+    else:
+        source = next((file for file in _own_candidates(checkpoint, epoch, topology) if file.is_file()), None)
+    if source is None:
         logger.warning(
-            "The early stopper's best epoch (%d) of checkpoint %s has no weights file %s beside it (written by "
-            "another layout of processes, or by a version that did not keep them): unless the resumed run finds a "
-            "better epoch, the model keeps the last epoch's weights when the stopper stops.",
+            "The early stopper's best epoch (%d) of checkpoint %s has no copy of its weights for this run's shards "
+            "beside it (%s; a copy is missing, its tables are outside the model, or it was written by a version "
+            "that did not keep them): unless the resumed run finds a better epoch, the model keeps the last epoch's "
+            "weights when the stopper stops.",
             epoch,
             checkpoint,
-            source.name,
+            stopper_weights_file(checkpoint, epoch, copy_suffix(topology)).name,
         )
         return
-    path.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(source, path)
     logger.info("The early stopper's best weights (epoch %d) are restored from %s.", epoch, source)
+
+
+def _own_candidates(checkpoint: pathlib.Path, epoch: int, topology: Any) -> list[pathlib.Path]:
+    """Return the copies that hold this process' shards, in the order to try: its own, another replica's, legacy."""
+    own = stopper_weights_file(checkpoint, epoch, copy_suffix(topology))
+    candidates = [own]
+    if topology.is_distributed:
+        shard = f".shard{topology.local_shards[0]}-of-{topology.n_shard}"
+        candidates += sorted(
+            file
+            for file, found, suffix in _copies(checkpoint)
+            if found == epoch and (suffix == shard or suffix.startswith(f"{shard}.replica"))
+        )
+    return candidates + [stopper_weights_file(checkpoint, epoch, process_suffix(topology))]
+
+
+def table_keys(model: Any, tables: Sequence[Any]) -> list[str]:
+    """Return the state-dict keys of the entity tables ``tables`` (their weights, as parameters of ``model``)."""
+    weights = {id(table.weight) for table in tables}
+    return [name for name, parameter in model.named_parameters() if id(parameter) in weights]
+
+
+def reshard_stopper_weights(
+    checkpoint: pathlib.Path,
+    epoch: int,
+    target: pathlib.Path,
+    files: ShardFiles,
+    sharding: EntitySharding,
+    shards: Sequence[int],
+    keys: Sequence[str],
+) -> bool:
+    """Write this process' stopper file ``target`` from the copies of another layout beside ``checkpoint``.
+
+    The copies of the best ``epoch`` written by the layout of ``files`` (the checkpoint's files, which were
+    resharded) hold its shards; this process' rows (``shards`` of ``sharding``) are taken from them, one
+    copy at a time, as a resharded checkpoint's rows are
+    (:func:`~pykeen_bess.training.checkpoints.resharding.reshard_rank_state`); the rest of the state dict is
+    the first copy's (replicated).
+
+    :param keys: the state-dict keys of the entity tables (:func:`table_keys`; none: tables outside the model,
+        whose copies are not resharded)
+    :returns: whether every copy needed was there (else nothing is written)
+    """
+    if not keys:
+        return False
+    sources = _layout_copies(checkpoint, epoch, files)
+    if sources is None:
+        return False
+    state = reshard_rank_state(
+        CopiedShards(files.path, files.n_shard, sources=tuple(sources)), sharding, shards, list(keys), []
+    )
+    temporary = target.with_name(f"{target.name}.tmp-{os.getpid()}")
+    torch.save(state["model_state_dict"], temporary)
+    os.replace(temporary, target)
+    return True
+
+
+def _layout_copies(
+    checkpoint: pathlib.Path, epoch: int, files: ShardFiles
+) -> list[tuple[pathlib.Path, tuple[int, ...]]] | None:
+    """Return the copies of ``epoch`` written by the layout of ``files``, each with the shards it holds (None: missing).
+
+    One process' copy holds all its shards (or, from an earlier version, has no suffix); a rank's holds its
+    shard (any replica's: replicas hold the same; from an earlier version ``.rankS-of-W`` without replicas,
+    where rank ``S`` holds shard ``S``).
+    """
+    n = files.n_shard
+    if files.pointer is None:
+        named = [stopper_weights_file(checkpoint, epoch, name) for name in (f".{n}-shards", "")]
+        found = next((file for file in named if file.is_file()), None)
+        return None if found is None else [(found, tuple(range(n)))]
+    copies = {(found, suffix): file for file, found, suffix in _copies(checkpoint)}
+    replicas = int(files.pointer.get("replicas", 1))
+    processes = int(files.pointer.get("processes", n * replicas))
+    sources: list[tuple[pathlib.Path, tuple[int, ...]]] = []
+    for shard in range(n):
+        names = [f".shard{shard}-of-{n}", *(f".shard{shard}-of-{n}.replica{r}-of-{replicas}" for r in range(replicas))]
+        if replicas == 1:
+            names.append(f".rank{shard}-of-{processes}")
+        file = next((copies[epoch, name] for name in names if (epoch, name) in copies), None)
+        if file is None:
+            return None
+        sources.append((file, (shard,)))
+    return sources
+
+
+@dataclasses.dataclass(frozen=True)
+class CopiedShards(ShardFiles):
+    """The copies of the stopper's weights of one layout, read as a checkpoint's shard files (model state only)."""
+
+    #: every copy, with the shards its tables hold (in their order)
+    sources: tuple[tuple[pathlib.Path, tuple[int, ...]], ...] = ()
+
+    def shards(self, sharding: EntitySharding) -> Iterator[tuple[torch.Tensor, dict[str, Any]]]:
+        """Yield every copy's rows as global entity ids and its state dict as a checkpoint's (no optimizer state)."""
+        for file, held in self.sources:
+            rows = torch.cat([sharding.shard_entities[shard] for shard in held])
+            state = torch.load(file, map_location="cpu", weights_only=False)  # the stopper's own file, copied
+            yield rows, {"model_state_dict": state, "optimizer_state_dict": {"state": {}}}

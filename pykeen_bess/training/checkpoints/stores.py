@@ -187,6 +187,8 @@ class CheckpointStore(ABC):
     def __init__(self, loop: CheckpointedLoop):
         """Serve ``loop`` (a :class:`~pykeen_bess.training.BessTrainingLoop`)."""
         self.loop = loop
+        #: the files of the last checkpoint read if it was resharded (another layout of shards), else None
+        self.resharded_from: ShardFiles | None = None
 
     @property
     def topology(self) -> Topology:
@@ -268,6 +270,7 @@ class CheckpointStore(ABC):
         """
         loop = self.loop
         shards = list(self.topology.local_shards)
+        self.resharded_from = files
         logger.warning(
             "Resharding checkpoint %s into shard(s) %s of %d.", files.describe(), shards, self.topology.n_shard
         )
