@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import pathlib
 from collections.abc import Iterator
@@ -21,6 +22,8 @@ import torch
 from .launch import world_size
 from .lookup import ShardedTable, table_topology
 from .topology import LocalTopology, Topology
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "check_whole_model",
@@ -129,14 +132,21 @@ def check_whole_model(model: Any) -> None:
 
 
 def guard_pipeline_results() -> None:
-    """Make ``PipelineResult.save_model`` and ``save_to_directory`` refuse a partial model before writing anything.
+    """Make ``PipelineResult.save_model`` and ``save_to_directory`` safe after training under a process group.
 
-    Pickling a partial table fails (:meth:`~pykeen_bess.tables.representation.ShardedEmbedding.check_whole`),
-    but only once :func:`torch.save` has opened the file: a good model at that path would be replaced
-    by a truncated file (and ``save_to_directory`` would first replace the directory's results). The
-    training loop installs this guard (once, idempotently) when training leaves the model sharded over
-    processes; a whole model (e.g. inside :func:`save_to_directory` of this module) saves as before.
-    Saving a partial model with ``torch.save`` directly still fails only while writing.
+    * **A partial model is refused before anything is written.** Pickling a partial table fails
+      (:meth:`~pykeen_bess.tables.representation.ShardedEmbedding.check_whole`), but only once
+      :func:`torch.save` has opened the file: a good model at that path would be replaced by a truncated
+      file (and ``save_to_directory`` would first replace the directory's results).
+    * **A whole model is written by the main process only** where its BESS training loop ran over a
+      process group (replicas of one shard: every process holds the same model): every rank wrote the
+      same files at once, each with its own timings in ``results.json``, so the files could interleave
+      two writers' bytes. The other processes write nothing (logged); per-rank copies are made with
+      ``torch.save`` directly.
+
+    The training loop installs this guard (once, idempotently) when it trains over a process group; a
+    whole model outside one (e.g. inside :func:`save_to_directory` of this module, on the main process)
+    saves as before. Saving a partial model with ``torch.save`` directly still fails only while writing.
     """
     from pykeen.pipeline.api import PipelineResult
 
@@ -147,17 +157,35 @@ def guard_pipeline_results() -> None:
     @functools.wraps(save_model)
     def guarded_save_model(self: Any, path: Any, *args: Any, **kwargs: Any) -> None:
         check_whole_model(self.model)
+        if _another_process_writes(self, path):
+            return
         save_model(self, path, *args, **kwargs)
 
     @functools.wraps(save_directory)
     def guarded_save_to_directory(self: Any, directory: Any, *args: Any, **kwargs: Any) -> None:
         if kwargs.get("save_replicates", True):
             check_whole_model(self.model)
+        if _another_process_writes(self, directory):
+            return
         save_directory(self, directory, *args, **kwargs)
 
     guarded_save_model._bess_guarded = True  # type: ignore[attr-defined]
     PipelineResult.save_model = guarded_save_model  # type: ignore[method-assign]
     PipelineResult.save_to_directory = guarded_save_to_directory  # type: ignore[method-assign]
+
+
+def _another_process_writes(result: Any, target: Any) -> bool:
+    """Whether a pipeline result's BESS training ran over a process group whose main process is another (logged)."""
+    topology = getattr(result.training_loop, "topology", None)
+    if not isinstance(topology, Topology) or not topology.is_distributed or topology.is_main_process:
+        return False
+    logger.info(
+        "Rank %d does not write %s: the model is the same in every process of its process group, whose main process "
+        "writes it.",
+        topology.rank,
+        target,
+    )
+    return True
 
 
 def save_to_directory(result: Any, directory: str | os.PathLike, **kwargs: Any) -> None:

@@ -328,6 +328,10 @@ class LocalShardTables(ShardTables):
     def uninstall(self) -> None:  # noqa: D102
         if not self.is_installed:
             return
+        if self.topology.is_distributed:  # replicas of one shard: only the main process writes the model
+            from ..distributed.export import guard_pipeline_results
+
+            guard_pipeline_results()
         representations = cast(torch.nn.ModuleList, self.model.entity_representations)
         for index, (embedding, table) in enumerate(zip(self.embeddings, self.tables)):
             table.defer_constraints = False
