@@ -20,8 +20,8 @@ import importlib
 import logging
 import sys
 import threading
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, cast
 
 __all__ = [
     "register",
@@ -86,6 +86,21 @@ def _register_class(resolver: Any, cls: type) -> None:
     resolver.register(cls)
 
 
+def _register_hpo_defaults() -> None:
+    """Give ``hpo_pipeline`` the plugin optimizer's default search space: Adagrad's (the learning rate).
+
+    PyKEEN keeps its optimizers' spaces in a table of its own (``optimizers_hpo_defaults``), which ``hpo_pipeline``
+    reads for any optimizer it is given: without an entry it failed with a bare ``KeyError``.
+    """
+    import torch
+    from pykeen.optimizers import optimizers_hpo_defaults
+
+    from .tables.optim import RowwiseAdagrad
+
+    defaults = cast(dict[type[torch.optim.Optimizer], Mapping[str, Any]], optimizers_hpo_defaults)  # a dict
+    defaults.setdefault(RowwiseAdagrad, dict(defaults[torch.optim.Adagrad]))
+
+
 def register() -> None:
     """Register the plugin's training loop, evaluator, interactions, models and optimizer (idempotent).
 
@@ -104,6 +119,7 @@ def register() -> None:
                 resolver.register_entrypoint(group)
                 for cls in classes:
                     _register_class(resolver, cls)
+            _register_hpo_defaults()
             _registered = True
         finally:
             _registering = False

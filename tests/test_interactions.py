@@ -145,6 +145,17 @@ def test_model_overrides(kwargs, nations):
         assert not torch.allclose(norms, torch.ones_like(norms))
 
 
+@pytest.mark.parametrize("initializer", [torch.nn.init.uniform_, "uniform", "uniform_"])
+@pytest.mark.parametrize("model_cls", MODELS)
+def test_a_uniform_initializer_by_name_keeps_the_default_range(model_cls, initializer, nations):
+    """``uniform`` draws from ``[-1/d, 1/d]`` given as the function or by name (as a configuration file gives it)."""
+    model = model_cls(
+        triples_factory=nations.training, embedding_dim=8, random_seed=0, relation_initializer=initializer
+    )
+    weight = model.relation_representations[0]._embeddings.weight
+    assert float(weight.abs().max()) <= 1 / 8 and float(weight.abs().max()) > 1 / 16
+
+
 def test_model_overrides_wrong_length(nations):
     """Per-representation overrides must match the number of representations."""
     with pytest.raises(ValueError, match="Expected 3"):

@@ -404,6 +404,20 @@ def test_memory_search_computes_the_weights_once(factory: CoreTriplesFactory) ->
     assert Counting.calls == 1
 
 
+def test_weighted_nssa_refuses_lcwa_weights_with_the_reason() -> None:
+    """PyKEEN's LCWA loop passes a weight per label: refused, saying the loss weighs sLCWA positives."""
+    from pykeen.losses import NoSampleWeightSupportError
+
+    loss = WeightedNSSALoss()
+    predictions, labels = torch.randn(3, 5), torch.zeros(3, 5)
+    labels[:, 0] = 1
+    with pytest.raises(NoSampleWeightSupportError, match="weighs the positives of sLCWA training"):
+        loss.process_lcwa_scores(predictions, labels, weights=torch.ones(3, 5))
+    torch.testing.assert_close(
+        loss.process_lcwa_scores(predictions, labels), NSSALoss().process_lcwa_scores(predictions, labels)
+    )
+
+
 def test_weighted_nssa_equals_nssa_without_weights_and_weighs_each_positive_term() -> None:
     """WeightedNSSA: PyKEEN's NSSA without weights; with weights, each positive's whole term scaled."""
     generator = torch.Generator().manual_seed(0)
@@ -439,9 +453,12 @@ def test_subsampling_weights_follow_sun_et_al() -> None:
     torch.testing.assert_close(raw.weight_triples(triples), expected.to(torch.get_default_dtype()))
     normalized = SubsamplingLossWeighter(triples)
     assert float(normalized.weight_triples(triples).double().mean()) == pytest.approx(1.0)
-    # unseen pairs and relations count 0 (relation 5 must not alias entity 1's relation 0)
-    unseen = raw(h=torch.tensor([4, 0]), r=torch.tensor([0, 5]), t=torch.tensor([4, 0]))
+    # unseen pairs count 0
+    unseen = raw(h=torch.tensor([4, 0]), r=torch.tensor([0, 1]), t=torch.tensor([4, 4]))
     torch.testing.assert_close(unseen, torch.full((2,), 6**-0.5))
+    # a relation id beyond the fitted ones (inverse triples: another relation's counts) is refused
+    with pytest.raises(ValueError, match="fitted on relation ids below 2, but weighs relation id 5"):
+        raw(h=torch.tensor([4, 0]), r=torch.tensor([0, 5]), t=torch.tensor([4, 0]))
     with pytest.raises(ValueError, match="not fitted"):
         SubsamplingLossWeighter()(h=triples[:, 0], r=triples[:, 1], t=triples[:, 2])
 

@@ -178,6 +178,19 @@ def test_rowwise_adagrad_is_pytorch_biggraphs_rule_dense_sparse_and_row_sparse()
         assert optimizer.state[parameter]["sum"].shape == (12,)
 
 
+def test_rowwise_adagrad_refuses_eps_zero_without_an_initial_accumulator() -> None:
+    """A row whose gradients are all zero so far would divide 0 by 0 (NaN rows, then a non-finite loss)."""
+    from pykeen_bess.tables.optim import RowwiseAdagrad
+
+    with pytest.raises(ValueError, match="eps=0 needs initial_accumulator_value > 0"):
+        RowwiseAdagrad([torch.nn.Parameter(torch.ones(3, 2))], lr=0.1, eps=0.0)
+    parameter = torch.nn.Parameter(torch.ones(3, 2))
+    optimizer = RowwiseAdagrad([parameter], lr=0.1, eps=0.0, initial_accumulator_value=0.1)
+    parameter.grad = torch.tensor([[1.0, 1.0], [0.0, 0.0], [1.0, 1.0]])
+    optimizer.step()
+    assert bool(torch.isfinite(parameter).all()) and torch.equal(parameter[1], torch.ones(2))
+
+
 def test_rowwise_adagrad_without_rows_is_adagrad_and_complex_is_its_real_view() -> None:
     from pykeen_bess.tables.optim import RowwiseAdagrad
 

@@ -173,6 +173,7 @@ from pykeen.hpo import hpo_pipeline
 result = hpo_pipeline(
     dataset="nations", model="DistMult", model_kwargs=dict(embedding_dim=8),
     training_loop="bess", training_loop_kwargs=dict(num_shards=2), evaluator="bess",
+    optimizer="rowwise_adagrad",  # the plugin's optimizer has hpo_pipeline's default space (the learning rate)
     training_kwargs=dict(num_epochs=1, use_tqdm=False),
     training_kwargs_ranges=dict(batch_size=dict(type=int, low=6, high=7, scale="power_two"),
                                 num_negs_per_pos=dict(type=int, low=1, high=2, scale="power_two")),
@@ -181,6 +182,7 @@ result = hpo_pipeline(
 trials = result.study.trials
 assert len(trials) == 2 and all(t.state.name == "COMPLETE" for t in trials), trials
 assert all("training.num_negs_per_pos" in t.params for t in trials), trials[0].params
+assert all("optimizer.lr" in t.params for t in trials), trials[0].params
 """
 
 

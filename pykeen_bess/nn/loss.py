@@ -44,6 +44,7 @@ from ..data.batch import BlockScores
 from ..data.partition import ShardPairPartition
 
 __all__ = [
+    "LcwaWeightsError",
     "SubsamplingLossWeighter",
     "WeightedNSSALoss",
     "block_loss",
@@ -361,6 +362,17 @@ def weight_convention(loss: Loss) -> str:
     return convention
 
 
+class LcwaWeightsError(NoSampleWeightSupportError):
+    """PyKEEN's LCWA loop passed loss weights to :class:`WeightedNSSALoss`, which weighs sLCWA positives only."""
+
+    def __str__(self) -> str:
+        return (
+            f"{type(self.instance).__name__} weighs the positives of sLCWA training (training_loop='slcwa' or 'bess'); "
+            f"PyKEEN's LCWA loop passes one weight per label, which it does not take. Train with sLCWA, or without "
+            f"a loss weighter."
+        )
+
+
 class WeightedNSSALoss(NSSALoss):
     """PyKEEN's self-adversarial negative sampling loss, with per-positive loss weights.
 
@@ -407,6 +419,20 @@ class WeightedNSSALoss(NSSALoss):
         attention = negative_scores.detach().mul(self.inverse_softmax_temperature).softmax(dim=-1)
         negative = (attention * self.negative_loss_term_unreduced(negative_scores)).sum(dim=-1)
         return self.factor * (self._reduction_method(weights * positive) + self._reduction_method(weights * negative))
+
+    def process_lcwa_scores(  # noqa: D102
+        self,
+        predictions: FloatTensor,
+        labels: FloatTensor,
+        label_smoothing: float | None = None,
+        num_entities: int | None = None,
+        weights: FloatTensor | None = None,
+    ) -> FloatTensor:
+        if weights is not None:
+            raise LcwaWeightsError(self)
+        return super().process_lcwa_scores(
+            predictions=predictions, labels=labels, label_smoothing=label_smoothing, num_entities=num_entities
+        )
 
 
 class SubsamplingLossWeighter(LossWeighter):
@@ -473,8 +499,9 @@ class SubsamplingLossWeighter(LossWeighter):
     def __call__(self, h: LongTensor | None, r: LongTensor | None, t: LongTensor | None) -> FloatTensor:
         """Return the weights of the (broadcast) triples ``(h, r, t)``.
 
-        :raises ValueError: if the weighter is not fitted, or an argument is None (all entities or
-            relations: not supported)
+        :raises ValueError: if the weighter is not fitted, an argument is None (all entities or relations: not
+            supported), or a relation id is beyond the fitted triples' (a loop training with inverse triples:
+            relation ``r``'s ids are ``2r`` and ``2r + 1`` there, so every count would be another relation's)
         """
         if self._counts is None:
             raise ValueError("SubsamplingLossWeighter is not fitted: pass mapped_triples or call fit().")
@@ -483,10 +510,16 @@ class SubsamplingLossWeighter(LossWeighter):
         width, (head_keys, head_counts), (tail_keys, tail_counts) = self._counts
         device = h.device
         h, r, t = torch.broadcast_tensors(h.cpu().long(), r.cpu().long(), t.cpu().long())
-        known = r < width  # a relation id beyond the fitted ones has no pairs (and must not alias another key)
+        if r.numel() and int(r.max()) >= width:
+            raise ValueError(
+                f"The SubsamplingLossWeighter was fitted on relation ids below {width}, but weighs relation id "
+                f"{int(r.max())}: fit it on the triples the loop trains on (with inverse triples: "
+                f"factory._add_inverse_triples_if_necessary(factory.mapped_triples)), or pass it unfitted to the BESS "
+                f"loop (loss_weighter='subsampling'), which fits it so."
+            )
         count = (
-            torch.where(known, self._count(h * width + r, head_keys, head_counts), 0)
-            + torch.where(known, self._count(t * width + r, tail_keys, tail_counts), 0)
+            self._count(h * width + r, head_keys, head_counts)
+            + self._count(t * width + r, tail_keys, tail_counts)
             + 2 * (self.start - 1)
         )
         return (count.to(torch.float64).rsqrt() * self.scale).to(torch.get_default_dtype()).to(device)

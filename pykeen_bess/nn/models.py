@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 from class_resolver import OneOrManyOptionalKwargs
 from pykeen.constants import DEFAULT_EMBEDDING_HPO_EMBEDDING_DIM_RANGE
 from pykeen.losses import Loss, NSSALoss
+from pykeen.nn.init import initializer_resolver
 from pykeen.models import ERModel
 from pykeen.typing import Hint, Initializer, Normalizer
 from torch.nn import functional
@@ -31,8 +32,13 @@ __all__ = [
 def _uniform_kwargs(
     initializer: Hint[Initializer], kwargs: Mapping[str, Any] | None, embedding_dim: int
 ) -> dict[str, Any] | None:
-    """Default :func:`torch.nn.init.uniform_` to BESS-KGE's ``init_KGE_uniform`` range ``[-1/d, 1/d]``."""
+    """Default :func:`torch.nn.init.uniform_` to BESS-KGE's ``init_KGE_uniform`` range ``[-1/d, 1/d]``.
+
+    The initializer given by name (``"uniform"``, as in a configuration file) is the same function.
+    """
     kwargs = dict(kwargs or {})
+    if isinstance(initializer, str) and initializer.strip():
+        initializer = initializer_resolver.lookup(initializer)
     if initializer is uniform_:
         kwargs.setdefault("a", -1.0 / embedding_dim)
         kwargs.setdefault("b", 1.0 / embedding_dim)

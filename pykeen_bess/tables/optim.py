@@ -121,13 +121,19 @@ class RowwiseAdagrad(Optimizer):
         :param eps: added to the square root of the accumulator
         :param initial_accumulator_value: the accumulators' start value
         :param maximize: maximize the objective instead of minimizing it
-        :raises ValueError: for negative values
+        :raises ValueError: for negative values, or ``eps=0`` with ``initial_accumulator_value=0`` (a row whose
+            gradients are all zero so far would divide 0 by 0)
         """
         for name, value in (("lr", lr), ("lr_decay", lr_decay), ("eps", eps)):
             if not value >= 0:
                 raise ValueError(f"RowwiseAdagrad needs {name} >= 0, not {value!r}.")
         if not initial_accumulator_value >= 0:
             raise ValueError(f"RowwiseAdagrad needs initial_accumulator_value >= 0, not {initial_accumulator_value!r}.")
+        if eps == 0 and initial_accumulator_value == 0:
+            raise ValueError(
+                "RowwiseAdagrad with eps=0 needs initial_accumulator_value > 0: a row whose gradients are all zero so "
+                "far would be divided by 0 (NaN)."
+            )
         defaults = dict(
             lr=lr, lr_decay=lr_decay, eps=eps, initial_accumulator_value=initial_accumulator_value, maximize=maximize
         )
