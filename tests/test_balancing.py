@@ -91,7 +91,7 @@ def test_balanced_sharding_deals_every_entity_once_in_equal_shards() -> None:
 
 
 def test_balanced_sharding_rejects_triples_of_other_entities() -> None:
-    with pytest.raises(ValueError, match="beyond the 10"):
+    with pytest.raises(ValueError, match="name entity id 10, but the model has 10 entities"):
         EntitySharding.create(10, 2, strategy=BalancedSharding.from_triples(torch.tensor([[0, 0, 10]])))
 
 

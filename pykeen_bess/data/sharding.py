@@ -98,7 +98,11 @@ class BalancedSharding(ShardingStrategy):
     def check(self, num_entities: int, n_shard: int) -> None:  # noqa: D102
         ends = self.triples[:, 0::2]
         if ends.numel() and int(ends.max()) >= num_entities:
-            raise ValueError(f"The triples to balance name entities beyond the {num_entities} to shard.")
+            raise ValueError(
+                f"The training triples name entity id {int(ends.max())}, but the model has {num_entities} entities: "
+                f"train with the triples factory the model was built from (triples_factory=...), whose ids are the "
+                f"model's."
+            )
 
     def deal(self, num_entities: int, n_shard: int, generator: torch.Generator) -> torch.Tensor:  # noqa: D102
         permutation = torch.randperm(num_entities, generator=generator)

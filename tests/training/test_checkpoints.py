@@ -149,6 +149,33 @@ def test_a_mismatching_checkpoint_says_what_differs(tmp_path: pathlib.Path, chan
     assert "What differs: " in str(error.value)
 
 
+def test_a_mismatching_checkpoint_with_padded_shards_says_what_differs(tmp_path: pathlib.Path) -> None:
+    """UMLS (135 entities) in 2 shards has 136 rows: the error said num_shards must be at most 135, not what differs.
+
+    Looking for the number of logical shards that wrote the one-process file tried 136 shards of 135 entities.
+    """
+    from pykeen.datasets import UMLS
+    from pykeen.models import DistMult
+    from pykeen.training.training_loop import CheckpointMismatchError
+
+    from pykeen_bess.training import BessTrainingLoop
+
+    factory = UMLS().training
+
+    def train(num_epochs: int, lr: float) -> None:
+        model = DistMult(triples_factory=factory, embedding_dim=4, random_seed=0)
+        optimizer = torch.optim.Adam(model.get_grad_params(), lr=lr)
+        loop = BessTrainingLoop(model=model, triples_factory=factory, optimizer=optimizer, num_shards=2, num_threads=1)
+        loop.train(
+            factory, num_epochs=num_epochs, batch_size=2048, use_tqdm=False, checkpoint_name="run.pt",
+            checkpoint_directory=tmp_path, checkpoint_frequency=0,
+        )  # fmt: skip
+
+    train(1, lr=0.01)
+    with pytest.raises(CheckpointMismatchError, match="lr: checkpoint 0.01, this run 0.005"):
+        train(2, lr=0.005)
+
+
 @pytest.mark.filterwarnings("error:Detected call of `lr_scheduler.step()` before `optimizer.step()`")
 def test_a_checkpoint_written_after_a_scheduler_changed_the_rate_resumes(tmp_path: pathlib.Path) -> None:
     """PyKEEN's checksum saw the scheduled learning rate (its own loops refuse such a checkpoint): resumed exactly.

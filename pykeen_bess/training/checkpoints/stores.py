@@ -133,7 +133,7 @@ def one_process_shards(store: CheckpointStore, path: pathlib.Path) -> int | None
         return None
     loop, sharding = store.loop, store.sharding
     model, optimizer = str(loop.model), optimizer_text(loop.optimizer).encode("utf-8")
-    for k in range(1, rows + 1):
+    for k in range(1, min(rows, sharding.num_entities) + 1):  # (more shards than entities: no sharding)
         if k * -(-sharding.num_entities // k) != rows:
             continue
         candidate = model.replace(loop.sharding.fingerprint, sharding.with_shards(k).fingerprint)
