@@ -339,7 +339,8 @@ class ShardedEmbedding(ColumnPart, Representation):
             raise pickle.PicklingError(
                 f"This entity table holds {self.n_local} of {self.sharding.n_shard} shards (a torch.distributed run). "
                 f"Save the full model with pykeen_bess.distributed.save_to_directory(result, directory) or "
-                f"pykeen_bess.distributed.export_model(model, path), called on every rank."
+                f"pykeen_bess.distributed.export_model(model, path), called on every rank (hpo_pipeline saves every "
+                f"trial's model this way with save_model_directory: leave it out under torch.distributed)."
             )
 
     def __getstate__(self) -> dict:
