@@ -515,7 +515,9 @@ def test_train_pbg_names_the_config_training_settings_it_does_not_use(caplog: py
     with caplog.at_level(logging.WARNING, logger="pykeen_bess"):
         named = warn_untaken_settings(config, {"epochs": 3})
     assert named == ["lr=0.1", "loss_fn='softmax'", "num_uniform_negs=1000"]  # batch_size at PBG's default
-    assert "--optimizer-kwargs, --loss, --negatives" in caplog.text and "num_epochs" not in caplog.text
+    assert "--lr, --loss, --negatives" in caplog.text and "num_epochs" not in caplog.text
+    # the learning rate's own flag decides it (the warning pointed to --optimizer-kwargs, and --lr did not count)
+    assert "lr=0.1" not in warn_untaken_settings(config, {"epochs": 3, "lr": 0.01})
     assert (
         warn_untaken_settings(
             normalize_config(dict(config, lr=0.01, loss_fn="ranking", num_uniform_negs=50)), {"epochs": 3}

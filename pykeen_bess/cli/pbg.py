@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 PBG_TRAINING_FLAGS = {
     "num_epochs": "--epochs",
     "batch_size": "--batch-size",
-    "lr": "--optimizer-kwargs",
+    "lr": "--lr",
     "relation_lr": "--optimizer-kwargs",
     "loss_fn": "--loss",
     "margin": "--loss-kwargs",

@@ -240,14 +240,14 @@ class RowShardStopperCallback(StopperTrainingCallback):
             try:
                 super().post_epoch(epoch=epoch, epoch_loss=epoch_loss, **kwargs)
             except FileNotFoundError as error:
-                # a run resumed on another layout of processes has no copy of the best weights (difference 10):
+                # a run resumed on another layout of shards may have no copy of the best weights (difference 10):
                 # its training is kept, with the last epoch's weights, rather than lost at its end
                 if not getattr(self.stopper, "stopped", False):
                     raise
                 logger.warning(
                     "The early stopper stopped at epoch %d, but the best epoch's (%s) weights are not there (%s): the "
-                    "checkpoint this run resumed was written by another layout of processes, which kept them for its "
-                    "own. The model keeps epoch %d's weights.",
+                    "checkpoint this run resumed was written by another layout of shards, whose copies of them could "
+                    "not be resharded for this run (see the warning at the start). The model keeps epoch %d's weights.",
                     epoch,
                     getattr(self.stopper, "best_epoch", None),
                     error,

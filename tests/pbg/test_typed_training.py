@@ -142,6 +142,8 @@ def make_loop(factory, **kwargs) -> BessTrainingLoop:
         (lambda: typed_graph().training, dict(negatives="kinds"), "Unknown negatives='kinds'"),
         (lambda: typed_graph(2).training, dict(num_shards=3, checkpoint_format="pbg"), "user: 2, item: 2, tag: 2"),
         (lambda: Nations().training, dict(num_shards=2, checkpoint_format="pbg"), "num_partitions=2"),
+        # one shard of one partition: dealt randomly, not PyTorch-BigGraph's id order (an AssertionError before)
+        (lambda: Nations().training, dict(num_shards=1, checkpoint_format="pbg"), "entities in id order"),
         (lambda: typed_graph().training, dict(checkpoint_format="pbg", partition="encoding"), "partition='token'"),
         (lambda: typed_graph().training, dict(checkpoint_format="hdf5"), "Unknown checkpoint_format"),
         (lambda: typed_graph().training, dict(num_shards=2, sharding="random"), "does not apply to a typed graph"),

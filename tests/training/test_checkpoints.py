@@ -432,15 +432,20 @@ def test_an_early_stopped_run_resumed_after_its_best_epoch_restores_the_best_wei
 
 
 @pytest.mark.parametrize("num_shards", [1, 4])
-@pytest.mark.parametrize("legacy_name", [False, True], ids=["copy", "earlier-versions-copy"])
+@pytest.mark.parametrize(
+    ("legacy_name", "same_path"),
+    [(False, False), (True, False), (False, True)],
+    ids=["copy", "earlier-versions-copy", "the-killed-runs-stopper-path"],
+)
 def test_a_run_resumed_on_other_shards_restores_the_best_weights_resharded(
-    tmp_path: pathlib.Path, num_shards: int, legacy_name: bool
+    tmp_path: pathlib.Path, num_shards: int, legacy_name: bool, same_path: bool
 ) -> None:
     """A checkpoint of 2 logical shards resumed with 1 or 4: the stopper restores the best epoch's rows, resharded.
 
     Nations has 14 entities, so one and two shards' tables both have 14 rows: the copy of two shards' rows
     loaded as one shard's gave entities each other's rows, silently (the model of the resumed run then
-    differed from the best epoch's by up to 1.09).
+    differed from the best epoch's by up to 1.09). A stopper path the user gives again holds the killed
+    run's file, of the other layout: it is replaced (it was loaded as it was: a failure after the training).
     """
     best = _early_stopped_run(tmp_path / "best", "best.pt", num_epochs=2)  # the best epoch's model
     expected = best.model.entity_representations[0](indices=None).detach()
@@ -449,7 +454,10 @@ def test_a_run_resumed_on_other_shards_restores_the_best_weights_resharded(
     checkpoints = tmp_path / "killed" / "checkpoints"
     if legacy_name:  # as the version before named one process' copy
         (checkpoints / "run.pt.best-weights-epoch2.2-shards.pt").rename(checkpoints / "run.pt.best-weights-epoch2.pt")
-    resumed = _early_stopped_run(tmp_path / "killed", "best-of-the-resumed-run.pt", num_shards=num_shards)
+    if same_path:
+        assert (tmp_path / "killed" / "best-of-the-killed-run.pt").is_file()
+    path = "best-of-the-killed-run.pt" if same_path else "best-of-the-resumed-run.pt"
+    resumed = _early_stopped_run(tmp_path / "killed", path, num_shards=num_shards)
     assert resumed.stopper.stopped and resumed.stopper.best_epoch == 2
     actual = resumed.model.entity_representations[0](indices=None).detach()
     torch.testing.assert_close(actual, expected, rtol=0, atol=0)

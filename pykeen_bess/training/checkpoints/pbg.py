@@ -97,7 +97,13 @@ class PbgCheckpointStore(RankCheckpointStore):
                 ids = schema.partition_range(t, shard)
                 held = sharding.shard_entities[shard, start : start + len(ids)]
                 if not torch.equal(held, torch.arange(ids.start, ids.stop)):
-                    raise AssertionError("The sharding does not hold partition k of every type in shard k.")
+                    raise ValueError(
+                        f"checkpoint_format='pbg' writes shard k as partition k of every entity type, its entities in "
+                        f"id order; the sharding holds them in another order ({n} shard(s) of a graph whose types "
+                        f"have one partition are dealt randomly). Train a typed graph with num_shards > 1 partitions "
+                        f"(pykeen_bess.pbg.TypedGraph.from_factories(training, ..., num_partitions=n)), or write a "
+                        f"PyTorch-BigGraph checkpoint after training (pykeen_bess.pbg.write_checkpoint)."
+                    )
                 parts.append((t, start, len(ids)))
                 start += len(ids)
             self.layout.append(parts)

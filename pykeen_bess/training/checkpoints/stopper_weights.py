@@ -156,9 +156,10 @@ def restore_stopper_weights(
     Its own copy (:func:`copy_suffix`), else a copy of its shard written by another replica, else (a
     checkpoint read as written, so of this layout) the copy of an earlier version's name. A resharded
     checkpoint's copies hold other shards: ``resharded`` builds this process' from them instead
-    (:func:`reshard_stopper_weights`). A warning says when none is there: unless the resumed run finds a
-    better epoch, the model then keeps the last epoch's weights when the stopper stops
-    (:class:`~pykeen_bess.training.training_run.RowShardStopperCallback`).
+    (:func:`reshard_stopper_weights`), replacing a file at the stopper's path (a path the user gave, written by
+    the other layout), which is removed where nothing can be built. A warning says when none is there:
+    unless the resumed run finds a better epoch, the model then keeps the last epoch's weights when the
+    stopper stops (:class:`~pykeen_bess.training.training_run.RowShardStopperCallback`).
 
     :param topology: this run's process topology
     :param resharded: for a checkpoint read from another layout of shards, builds the stopper's file (its
@@ -166,14 +167,16 @@ def restore_stopper_weights(
         checkpoint was read as written
     """
     best = _best(stopper)
-    if best is None or best[0].is_file():
+    if best is None or (best[0].is_file() and resharded is None):  # (a file of this layout: the run's own)
         return
     path, epoch = best
     path.parent.mkdir(parents=True, exist_ok=True)
-    if resharded is not None:
+    if resharded is not None:  # a file at the stopper's path (a path the user gave) holds another layout's rows
         if resharded(path, epoch):
             logger.info("The early stopper's best weights (epoch %d) are resharded from their copies.", epoch)
             return
+        if path.is_file():  # never loaded as this layout's (its rows are in the copies beside the checkpoint)
+            path.unlink()
         source = None
     else:
         source = next((file for file in _own_candidates(checkpoint, epoch, topology) if file.is_file()), None)

@@ -402,7 +402,7 @@ def check_train_arguments(
         raise ValueError(
             "Cannot continue_training: the optimizer (and its state) was released after the last training, as "
             "train() and pipeline() do by default (clear_optimizer=True). Train with clear_optimizer=False "
-            "(pipeline: training_kwargs=dict(clear_optimizer=False)) to continue training later."
+            "(pipeline(..., clear_optimizer=False)) to continue training later."
         )
     if batch_size is not None:
         check_integer("batch_size", batch_size, minimum=1, hint="or None to search the largest that fits")
