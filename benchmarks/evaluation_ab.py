@@ -194,7 +194,6 @@ def main() -> None:
             rows,
             configuration,
             describe(torch.device("cpu")),
-            command="python " + " ".join(sys.argv),
         )
 
 

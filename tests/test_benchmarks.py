@@ -208,6 +208,11 @@ def benchmark_runs(results: pathlib.Path, tmp_path_factory: pytest.TempPathFacto
             *("--negatives", "4", "--batch-size", "64", "--baseline", str(ROOT), "--ab-runs", "1"),
             *("--output", str(results / "distributed-step-ab-cpu.json")),
         ),
+        evaluation_ab=(
+            "evaluation_ab",
+            *("--baseline", str(ROOT), "--generated", "300:10:3000:100", "--shards", "1", "--pairs", "1"),
+            *("--repeats", "1", "--output", str(results / "evaluation-ab-cpu.json")),
+        ),
         step_ab_training=(
             "training",
             *("--data", nations_directory(), "--dim", "8", "--negatives", "4", "--batch-size", "32", "--epochs", "2"),
@@ -644,6 +649,22 @@ def test_a_step_against_a_baseline_checkout(step_ab_runs, results: pathlib.Path)
     assert (row["layout"], row["exchange"], row["pairs"]) == ("2 x 1", "embedding", 1) and row["this_triples_per_s"] > 0
 
 
+@pytest.fixture(scope="module")
+def evaluation_ab_run(benchmark_runs: dict[str, dict]) -> str:
+    return finished(benchmark_runs, "evaluation_ab")[0]
+
+
+@pytest.mark.slow
+def test_the_evaluator_against_a_baseline_checkout(evaluation_ab_run: str, results: pathlib.Path):
+    """evaluation_ab.py: a child of either checkout (this one twice) per pair; both evaluate the same model alike."""
+    assert "pair 1" in evaluation_ab_run and "ratio" in evaluation_ab_run
+    keys = ("dataset", "num_shards", "baseline_seconds", "this_seconds", "ratio_median", "pairs", "identical_mrr")
+    written = result_file(results / "evaluation-ab-cpu.json", "evaluation-ab", keys)
+    (row,) = written["rows"]
+    assert row["num_shards"] == 1 and row["pairs"] == 1 and row["this_seconds"] > 0
+    assert row["identical_mrr"] and row["baseline_mrr"] == row["this_mrr"]  # the same evaluator and model
+
+
 @pytest.mark.slow
 def test_checkpoint_digests_benchmark(benchmark_runs: dict[str, dict]):
     """checkpoints.py writes each tier's checkpoint with and without digests; its rows have the committed keys."""
@@ -667,6 +688,7 @@ def test_the_benchmarks_page_renders_the_scripts_result_files(
     pbg_run,
     parity_run,
     evaluation_run,
+    evaluation_ab_run,
     scale_run,
     quality_run,
     storage_run,
