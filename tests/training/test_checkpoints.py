@@ -620,3 +620,25 @@ def test_the_copies_of_ranks_are_resharded_for_other_shards(
     target.unlink()
     assert not reshard_stopper_weights(checkpoint, 2, target, files, new, shards, ["entity_representations.0.weight"])
     assert not target.exists()
+
+
+def test_a_one_process_checkpoint_removes_the_shard_files_of_the_distributed_one_it_replaces(
+    tmp_path: pathlib.Path,
+) -> None:
+    """One process writing over a distributed checkpoint's pointer leaves none of its shard files (they stayed)."""
+    from pykeen.datasets import Nations
+
+    from pykeen_bess.training import BessTrainingLoop
+
+    stale = ["run.pt.v3.rank0-of-2", "run.pt.v3.rank1-of-2", "run.pt.v2.rank0-of-4.replica1-of-2"]
+    for name in [*stale, "other.pt.v3.rank0-of-2"]:
+        (tmp_path / name).write_bytes(b"a shard file")
+    (tmp_path / "run.pt.v3.rank0-of-2.tables-1").mkdir()  # the copies of tables in files beside a shard file
+    factory = Nations().training
+    model = DistMult(triples_factory=factory, embedding_dim=4, random_seed=0)
+    loop = BessTrainingLoop(model=model, triples_factory=factory, num_shards=2, num_threads=1)
+    loop.train(
+        factory, num_epochs=1, batch_size=256, use_tqdm=False, checkpoint_name="run.pt", checkpoint_directory=tmp_path,
+        checkpoint_frequency=0,
+    )  # fmt: skip
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other.pt.v3.rank0-of-2", "run.pt"]

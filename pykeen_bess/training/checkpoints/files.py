@@ -34,6 +34,7 @@ import pathlib
 import re
 import shutil
 import socket
+import sys
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -53,6 +54,7 @@ __all__ = [
     "pointer_shards",
     "read_pointer",
     "remove_abandoned_temporaries",
+    "remove_shard_files",
     "save_distributed_checkpoint",
     "shard_file",
     "stale_tables_directories",
@@ -339,6 +341,18 @@ def save_distributed_checkpoint(
             shutil.rmtree(tables, ignore_errors=True)  # copies of tables in files (storage="mmap")
     remove_abandoned_temporaries(path)  # (of processes killed while writing)
     return target
+
+
+def remove_shard_files(path: pathlib.Path) -> None:
+    """Remove every shard file of the checkpoint ``path`` (any version and layout) and their tables' copies.
+
+    After one process replaced a distributed checkpoint's pointer by its own file, no shard file is read
+    again: they would stay beside it, as large as the tables, until ranks wrote the checkpoint again.
+    """
+    for old_file in _older_files(path, sys.maxsize):
+        old_file.unlink(missing_ok=True)
+        for tables in stale_tables_directories(old_file):
+            shutil.rmtree(tables, ignore_errors=True)
 
 
 def _older_files(path: pathlib.Path, version: int) -> list[pathlib.Path]:

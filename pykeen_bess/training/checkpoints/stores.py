@@ -50,6 +50,7 @@ from .files import (
     pointer_shards,
     read_pointer,
     remove_abandoned_temporaries,
+    remove_shard_files,
     save_distributed_checkpoint,
     shard_file,
     stale_tables_directories,
@@ -334,6 +335,7 @@ class FileCheckpointStore(CheckpointStore):
                 if old.name != keep:
                     shutil.rmtree(old, ignore_errors=True)
         remove_abandoned_temporaries(path)  # (of processes killed while writing)
+        remove_shard_files(path)  # (of the distributed checkpoint this file replaced, if any)
 
     def load(self, path: pathlib.Path, triples_factory: CoreTriplesFactory | None = None) -> Any:  # noqa: D102
         path = pathlib.Path(path)
