@@ -493,3 +493,12 @@ def test_delta_pointwise_loss_leaves_other_losses_to_pykeen() -> None:
     positive, negative = torch.zeros(3, 1), torch.zeros(3, 4)
     for loss in (BCEWithLogitsLoss(), MarginRankingLoss(), Scaled()):
         assert delta_pointwise_loss(loss, positive, negative) is None
+
+
+@pytest.mark.parametrize("start", [0, -1, 2.9, True, "4"])
+def test_subsampling_start_below_one_is_refused(factory: CoreTriplesFactory, start) -> None:
+    """start=0 weighed pairs seen once c / 0 (NaN after normalizing); 2.9 was cut to 2."""
+    with pytest.raises(ValueError, match="start must be an integer >= 1"):
+        SubsamplingLossWeighter(factory.mapped_triples, start=start)
+    weights = SubsamplingLossWeighter(factory.mapped_triples, start=1).weight_triples(factory.mapped_triples)
+    assert bool(torch.isfinite(weights).all())

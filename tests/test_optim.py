@@ -222,6 +222,27 @@ def test_rowwise_adagrad_by_name_and_bad_values() -> None:
     assert optimizer_resolver.lookup("rowwise_adagrad") is RowwiseAdagrad
     with pytest.raises(ValueError, match="lr >= 0"):
         RowwiseAdagrad([torch.nn.Parameter(torch.zeros(2, 2))], lr=-1.0)
+    with pytest.raises(ValueError, match="maximize=True or False, not 'no'"):  # "no" maximized
+        RowwiseAdagrad([torch.nn.Parameter(torch.zeros(2, 2))], maximize="no")
+
+
+def test_rowwise_adagrad_takes_a_gradient_sparse_in_every_dimension() -> None:
+    """``dense.to_sparse()`` (an entry per value) updates its touched rows as the row-sparse gradient does."""
+    from pykeen_bess.tables.optim import RowwiseAdagrad
+
+    start = torch.randn(6, 3, dtype=torch.float64)
+    grad = torch.zeros(6, 3, dtype=torch.float64)
+    grad[1, 0], grad[4] = 0.5, torch.tensor([1.0, -2.0, 0.25], dtype=torch.float64)
+    element, row = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
+    optimizers = [RowwiseAdagrad([element], lr=0.1), RowwiseAdagrad([row], lr=0.1)]
+    for _ in range(2):
+        element.grad, row.grad = grad.to_sparse(), grad.to_sparse(1)
+        assert element.grad.sparse_dim() == 2
+        for optimizer in optimizers:
+            optimizer.step()
+    torch.testing.assert_close(element.detach(), row.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(optimizers[0].state[element]["sum"], optimizers[1].state[row]["sum"], rtol=0, atol=0)
+    assert not torch.equal(element.detach()[4], start[4]) and torch.equal(element.detach()[0], start[0])
 
 
 @pytest.mark.parametrize("cls", [torch.optim.AdamW, torch.optim.Adam, torch.optim.RMSprop, torch.optim.SGD])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -60,6 +61,17 @@ def test_sharding_depends_on_seed_only() -> None:
 def test_sharding_rejects_bad_shard_counts(num_entities: int, n_shard: int) -> None:
     with pytest.raises(ValueError):
         EntitySharding.create(num_entities, n_shard)
+
+
+def test_sharding_refuses_fractions_negative_seeds_and_strategy_names() -> None:
+    """2.7 shards became 2 and seed=-1 was taken (the sampler refuses it); a name failed with an AttributeError."""
+    with pytest.raises(ValueError, match="num_shards must be an integer, but is 2.7"):
+        EntitySharding.create(10, 2.7)
+    with pytest.raises(ValueError, match="seed must be an integer >= 0"):
+        EntitySharding.create(10, 2, seed=-1)
+    with pytest.raises(TypeError, match="strategy must be a ShardingStrategy.*resolve_sharding"):
+        EntitySharding.create(10, 2, strategy="balanced")
+    assert EntitySharding.create(10, torch.tensor(2), seed=np.int64(3)).n_shard == 2  # integers of any kind
 
 
 # -- partition ------------------------------------------------------------------------------------
@@ -250,8 +262,6 @@ def test_sampler_rejects_bad_parameters(kwargs: dict, message: str) -> None:
 
 def test_random_streams_are_derived_with_seed_sequence() -> None:
     """The epoch order and the negatives come from generators seeded by SeedSequence, not Python's hash()."""
-    import numpy as np
-
     from pykeen_bess.data.seeds import derive_seed
 
     sampler = make_sampler()

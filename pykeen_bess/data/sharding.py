@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import operator
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
@@ -241,11 +242,22 @@ class EntitySharding:
         :param seed: the seed of the strategy's random draws
         :param strategy: how entities are dealt; default: a random permutation (:class:`RandomSharding`)
         :returns: the sharding
-        :raises ValueError: for an invalid number of shards, or one the strategy cannot deal
+        :raises ValueError: for an invalid number of shards (also a fractional one), a negative or fractional
+            seed, or one the strategy cannot deal
+        :raises TypeError: for a strategy that is not a :class:`ShardingStrategy` (a loop's ``sharding`` takes
+            names: :func:`resolve_sharding`)
         """
         num_entities = int(num_entities)
-        n_shard = int(n_shard)
+        n_shard = _whole_number("num_shards", n_shard)
+        seed = _whole_number("seed", seed)
+        if seed < 0:
+            raise ValueError(f"seed must be an integer >= 0, but is {seed}.")
         strategy = RandomSharding() if strategy is None else strategy
+        if not isinstance(strategy, ShardingStrategy):
+            raise TypeError(
+                f"strategy must be a ShardingStrategy (e.g. RandomSharding(), BalancedSharding.from_triples(...)), not "
+                f"{strategy!r}; the names {SHARDINGS} are resolved by resolve_sharding()."
+            )
         if num_entities < 1:
             raise ValueError(f"Cannot shard {num_entities=}: there must be at least one entity.")
         if not 1 <= n_shard <= num_entities:
@@ -337,6 +349,16 @@ class EntitySharding:
             f"{self.num_entities:,} entities in {self.n_shard} shards of {self.shard_size:,} rows "
             f"({min(counts):,}-{max(counts):,} real entities per shard, seed={self.seed}{strategy})"
         )
+
+
+def _whole_number(name: str, value: Any) -> int:
+    """Return an integer (also a NumPy integer or a one-element integer tensor); refuse fractions and booleans."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an integer, but is {value!r}.") from None
 
 
 #: the names of the sharding strategies a loop accepts

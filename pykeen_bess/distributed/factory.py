@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias, cast
 import torch
 import torch.distributed as dist
 
-from .groups import RankLayout
+from .groups import GROUPINGS, RankLayout
 from .launch import join_torchrun_group
 from .process_group import ColumnTopology, DistributedTopology
 from .topology import LocalTopology, Topology
@@ -46,10 +46,19 @@ def make_topology(
     :param columns: split every row's columns instead of the rows (the encoding partition):
         ``num_shards`` column parts, one per rank under a process group (:class:`ColumnTopology`)
     :returns: the topology
-    :raises ValueError: for settings that do not fit the processes
+    :raises ValueError: for settings that do not fit the processes, or an unknown ``replica_grouping``
+    :raises TypeError: for a ``process_group`` that is a name or a number
     """
     if replicas is not None and (isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1):
         raise ValueError(f"replicas must be a positive integer or None, but is {replicas!r}.")
+    if replica_grouping is not None and replica_grouping not in GROUPINGS:  # before any message about ranks
+        raise ValueError(f"Unknown replica_grouping={replica_grouping!r}; expected one of {GROUPINGS} or None.")
+    if isinstance(process_group, str | int | float):  # e.g. "world", "gloo": a backend's name is not a group
+        raise TypeError(
+            f"process_group must be a torch.distributed process group (e.g. dist.group.WORLD or dist.new_group(...)), "
+            f"a DeviceMesh with the dimensions ('replica', 'shard'), or None (the initialised world, or torchrun's), "
+            f"not {process_group!r}."
+        )
     if in_process:
         return LocalTopology(1 if num_shards is None else num_shards)
     if columns:

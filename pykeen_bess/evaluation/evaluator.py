@@ -57,6 +57,8 @@ per known triple) and, per target, ``[4, Q]`` counts and the table of excluded p
 
 from __future__ import annotations
 
+import numbers
+
 import logging
 import time
 import warnings
@@ -116,12 +118,14 @@ class BessEvaluator(RankBasedEvaluator):
         """Create the evaluator.
 
         :param num_shards: the number of entity shards; None: the model's sharding if its entity
-            representations are :class:`~pykeen_bess.tables.representation.ShardedEmbedding` tables, else 1
+            representations are :class:`~pykeen_bess.tables.representation.ShardedEmbedding` tables, else the
+            sharding a :class:`~pykeen_bess.training.BessTrainingLoop` trained the model with in one process,
+            else 1
         :param batch_size: evaluation triples per batch (both targets are ranked per batch); None:
             chosen by the memory search (the ``batch_size`` of :meth:`evaluate` takes precedence)
         :param slice_size: candidates scored at once per shard; None: chosen by the memory search
         :param filtered: whether to exclude the known triples (the evaluation triples and
-            ``additional_filter_triples``) from the candidates
+            ``additional_filter_triples``) from the candidates: True or False
         :param memory_budget: the largest peak memory of a probe step in bytes (default: half the available memory
             on the CPU, where an eighth of it needs no probe; out-of-memory errors on a GPU)
         :param process_group: the process group of a model sharded over processes (default: the
@@ -141,9 +145,11 @@ class BessEvaluator(RankBasedEvaluator):
         """
         if kwargs.get("mode") is not None:
             raise NotImplementedError("BessEvaluator supports transductive evaluation only (mode=None).")
+        if not isinstance(filtered, bool | numbers.Integral) or filtered not in (0, 1):  # not "no"
+            raise ValueError(f"filtered must be True or False, not {filtered!r}.")
         if process_group is None:
             join_torchrun_group()
-        super().__init__(filtered=filtered, batch_size=batch_size, slice_size=slice_size, **kwargs)
+        super().__init__(filtered=bool(filtered), batch_size=batch_size, slice_size=slice_size, **kwargs)
         for name, value in (("num_shards", num_shards), ("memory_budget (bytes)", memory_budget)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, but is {value!r}.")

@@ -138,7 +138,7 @@ def predict_top_k(
         ``head_label``, ``relation_label``, ``tail_label`` with a triples factory that has
         labels), ``score`` (as :meth:`pykeen.models.Model.predict` computes it, including the
         model's sigmoid) and ``rank`` (1-based position within the query)
-    :raises ValueError: for invalid queries, ``k`` or targets
+    :raises ValueError: for invalid queries, ``k``, targets, or sizes and budgets other than positive integers
     :raises NotImplementedError: for relation prediction
     """
     if target == LABEL_RELATION:
@@ -147,6 +147,13 @@ def predict_top_k(
         raise ValueError(f"Invalid target={target!r}; expected 'head' or 'tail'.")
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"k must be a positive integer, but is {k!r}.")
+    for name, value in (
+        ("batch_size", batch_size),
+        ("slice_size", slice_size),
+        ("memory_budget (bytes)", memory_budget),
+    ):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be a positive integer or None, but is {value!r}.")
     if not isinstance(model, ERModel):
         raise TypeError(f"predict_top_k needs a pykeen.models.ERModel, not {type(model).__name__}.")
     query_ids = _query_ids(queries, target, triples_factory)

@@ -9,6 +9,8 @@ sLCWA loop.
 
 from __future__ import annotations
 
+import numbers
+
 from typing import Any
 
 import torch
@@ -111,10 +113,14 @@ class SubsamplingLossWeighter(LossWeighter):
         """Create the weighter.
 
         :param mapped_triples: shape: ``[T, 3]``, the triples to count (None: fitted later by :meth:`fit`)
-        :param start: the count of a pair's first occurrence (Sun et al.: 4)
+        :param start: the count of a pair's first occurrence (Sun et al.: 4), an integer ``>= 1``
         :param normalize: scale the weights to mean 1 over the fitted triples
+        :raises ValueError: if ``start`` is not an integer ``>= 1`` (below, a triple whose pairs occur once
+            would weigh ``c / 0``)
         """
         super().__init__()
+        if isinstance(start, bool) or not isinstance(start, numbers.Integral) or start < 1:
+            raise ValueError(f"SubsamplingLossWeighter's start must be an integer >= 1, but is {start!r}.")
         self.start = int(start)
         self.normalize = normalize
         self.scale = 1.0

@@ -9,6 +9,7 @@ try:
     import fcntl
 except ImportError:  # pragma: no cover - Windows
     fcntl = None  # type: ignore[assignment]
+import numbers
 import os
 import pathlib
 import shutil
@@ -48,11 +49,14 @@ class MmapStorage(TableStorage):
 
         :param storage_path: an existing, writable directory
         :param overwrite: replace files of an earlier run with the same names
-        :raises ValueError: if no path is given
+        :raises ValueError: if no path is given, or ``overwrite`` is not True or False (a string such as ``"no"``
+            would count as true and replace the files)
         :raises FileNotFoundError: if the path is not a directory
         :raises PermissionError: if it is not writable
         """
         super().__init__()
+        if not isinstance(overwrite, bool | numbers.Integral) or overwrite not in (0, 1):
+            raise ValueError(f"overwrite must be True or False, not {overwrite!r}.")
         if storage_path is None:
             raise ValueError(
                 "storage='mmap' keeps the tables in files: pass storage_path='/a/directory' (command line: "

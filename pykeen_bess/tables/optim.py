@@ -46,6 +46,8 @@ step count); its state tensors stay in its tier, never in the optimizer's ``stat
 
 from __future__ import annotations
 
+import numbers
+
 import inspect
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
@@ -121,12 +123,14 @@ class RowwiseAdagrad(Optimizer):
         :param eps: added to the square root of the accumulator
         :param initial_accumulator_value: the accumulators' start value
         :param maximize: maximize the objective instead of minimizing it
-        :raises ValueError: for negative values, or ``eps=0`` with ``initial_accumulator_value=0`` (a row whose
-            gradients are all zero so far would divide 0 by 0)
+        :raises ValueError: for negative values, ``maximize`` other than True or False, or ``eps=0`` with
+            ``initial_accumulator_value=0`` (a row whose gradients are all zero so far would divide 0 by 0)
         """
         for name, value in (("lr", lr), ("lr_decay", lr_decay), ("eps", eps)):
             if not value >= 0:
                 raise ValueError(f"RowwiseAdagrad needs {name} >= 0, not {value!r}.")
+        if not isinstance(maximize, bool | numbers.Integral) or maximize not in (0, 1):  # not "no"
+            raise ValueError(f"RowwiseAdagrad needs maximize=True or False, not {maximize!r}.")
         if not initial_accumulator_value >= 0:
             raise ValueError(f"RowwiseAdagrad needs initial_accumulator_value >= 0, not {initial_accumulator_value!r}.")
         if eps == 0 and initial_accumulator_value == 0:
@@ -135,7 +139,11 @@ class RowwiseAdagrad(Optimizer):
                 "far would be divided by 0 (NaN)."
             )
         defaults = dict(
-            lr=lr, lr_decay=lr_decay, eps=eps, initial_accumulator_value=initial_accumulator_value, maximize=maximize
+            lr=lr,
+            lr_decay=lr_decay,
+            eps=eps,
+            initial_accumulator_value=initial_accumulator_value,
+            maximize=bool(maximize),
         )
         super().__init__(params, defaults)
         #: per parameter (by ``id``): the mean over each row's entries ``[U, *] -> [U]`` (default: the row's own)
@@ -362,12 +370,22 @@ _PARAMETER_STORAGE = DeviceStorage()
 
 
 def _sparse_rows(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return ``(rows, values)`` of a row-sparse gradient (coalescing if necessary)."""
+    """Return ``(rows, values)`` of a sparse gradient (coalescing if necessary): its touched rows, whole.
+
+    A gradient sparse in more dimensions than the rows (e.g. ``dense.to_sparse()``, every value its own entry)
+    is gathered into its touched rows, the entries it does not hold 0.
+    """
     if not grad.is_sparse:
         raise ValueError("Shard tables expect row-sparse gradients; the training loop sets them.")
     if not grad.is_coalesced():
         grad = grad.coalesce()
-    return grad._indices()[0], grad._values()
+    indices = grad._indices()
+    if grad.sparse_dim() == 1:
+        return indices[0], grad._values()
+    rows, position = torch.unique(indices[0], return_inverse=True)
+    values = grad._values().new_zeros(rows.shape[0], *grad.shape[1:])
+    values[(position, *indices[1:])] = grad._values()
+    return rows, values
 
 
 def row_sparse_grad(param: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

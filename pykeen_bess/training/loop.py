@@ -154,7 +154,9 @@ class BessTrainingLoop(LoopParts):
             replica; resumable on any numbers of shards and replicas) or ``"all_replicas"`` (every
             process writes its own file; resuming checks that the replicas agree)
         :param memory_budget: bytes the compute device may use: the peak of a memory probe (default: half the
-            available memory on the CPU; on a GPU, out-of-memory errors decide), and, with tables in host memory or
+            available memory on the CPU; on a GPU, out-of-memory errors decide; on the CPU the peak is the growth
+            of the process' resident memory, so a probe served from memory the process already holds counts
+            0 bytes), and, with tables in host memory or
             files staged on a GPU, the staging buffers with the replicated parameters and their optimizer state
             (default: a quarter of the GPU's free memory for the buffers); see the storage how-to
         :param storage: where the process keeps its shard tables and optimizer state (:mod:`pykeen_bess.storage`):

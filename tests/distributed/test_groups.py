@@ -99,6 +99,12 @@ def test_replicas_need_a_process_group() -> None:
     with pytest.raises(ValueError, match="need a process group"):
         make_topology(2, replica_grouping="orthogonal")
     assert make_topology(2, replicas=1).n_shard == 2
+    # a misspelt grouping is named, not taken for one that needs ranks
+    with pytest.raises(ValueError, match="Unknown replica_grouping='orthogonl'"):
+        make_topology(2, replica_grouping="orthogonl")
+    # a backend's or group's name is not a process group (an AttributeError on .size() before)
+    with pytest.raises(TypeError, match="process_group must be a torch.distributed process group.*not 'world'"):
+        make_topology(2, process_group="world")
 
 
 def test_differences_name_the_setting_and_every_rank() -> None:

@@ -396,6 +396,13 @@ def test_bad_memory_budget(memory_budget) -> None:
         BessEvaluator(memory_budget=memory_budget)
 
 
+@pytest.mark.parametrize("filtered", ["no", "False", 2, None])
+def test_filtered_must_be_a_boolean(filtered) -> None:
+    """filtered="no" filtered (a non-empty string is true)."""
+    with pytest.raises(ValueError, match="filtered must be True or False"):
+        BessEvaluator(filtered=filtered)
+
+
 def test_given_block_sizes_beyond_the_queries_and_candidates_are_capped() -> None:
     """A batch of a million queries against slices of a million candidates: the queries and candidates there are."""
     data = dataset("nations")

@@ -610,6 +610,8 @@ def test_bad_storage_settings_fail_before_training(nations, tmp_path, monkeypatc
     MmapStorage(tmp_path).place("table", (3, 2), torch.float32)
     with pytest.raises(FileExistsError, match="overwrite=True"):
         MmapStorage(tmp_path).place("table", (3, 2), torch.float32)
+    with pytest.raises(ValueError, match="overwrite must be True or False, not 'no'"):  # "no" overwrote
+        MmapStorage(tmp_path, overwrite="no")
     with pytest.raises(TypeError, match="supports"):
         MmapStorage(tmp_path).place("other", (3, 2), torch.bfloat16)
     # not writable (os.access, which root always passes: its answer is simulated)

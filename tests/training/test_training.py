@@ -539,6 +539,15 @@ def test_transe_trains_with_scores_moving(small_factory: CoreTriplesFactory) -> 
         (dict(batch_size=16, sub_batch_size=0), "sub_batch_size must be a positive integer"),
         (dict(batch_size=16, num_epochs=-1), "num_epochs must be an integer >= 0"),
         (dict(batch_size=16, num_negs_per_pos=0), "num_negs_per_pos must be a positive integer"),
+        # a negative bound flips or fixes every gradient, 0 stops learning: refused, not clipped
+        (dict(batch_size=16, gradient_clipping_max_norm=-1.0), "gradient_clipping_max_norm must be a positive finite"),
+        (dict(batch_size=16, gradient_clipping_max_norm=0), "gradient_clipping_max_norm must be a positive finite"),
+        (dict(batch_size=16, gradient_clipping_max_abs_value=-1.0), "gradient_clipping_max_abs_value must be a posit"),
+        (dict(batch_size=16, gradient_clipping_max_abs_value="1"), "gradient_clipping_max_abs_value must be a posit"),
+        (
+            dict(batch_size=16, gradient_clipping_max_norm=1.0, gradient_clipping_norm_type=-3),
+            "gradient_clipping_norm_type must be a positive number or inf",
+        ),
     ],
 )
 def test_bad_sizes_are_rejected_before_training(

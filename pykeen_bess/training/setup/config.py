@@ -48,6 +48,7 @@ __all__ = [
     "BessConfig",
     "UnsupportedModelError",
     "check_integer",
+    "check_positive",
     "check_train_arguments",
     "check_model",
     "check_triples_fit_model",
@@ -189,6 +190,15 @@ def check_integer(name: str, value: Any, minimum: int, hint: str = "") -> int:
         expected = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
         raise ValueError(f"{name} must be {expected}{' ' + hint if hint else ''}, but is {value!r}.")
     return int(value)
+
+
+def check_positive(name: str, value: Any, allow_inf: bool = False) -> float:
+    """Return ``value`` as a ``float`` if it is a positive real number (finite unless ``allow_inf``); else raise."""
+    number = float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) else math.nan
+    if not (number > 0 and (allow_inf or math.isfinite(number))):
+        expected = "a positive number or inf" if allow_inf else "a positive finite number"
+        raise ValueError(f"{name} must be {expected} (or None), but is {value!r}.")
+    return number
 
 
 def round_num_negs(num_negs_per_pos: Any, n_shard: int) -> int:
@@ -394,8 +404,9 @@ def check_train_arguments(
 ) -> None:
     """Check the arguments of ``BessTrainingLoop.train()`` before any work.
 
-    :raises ValueError: for an invalid number of epochs, batch or sub-batch size, or ``continue_training``
-        without the optimizer (and its state) of the last training
+    :raises ValueError: for an invalid number of epochs, batch or sub-batch size, gradient clipping values
+        other than positive numbers (a norm's order may be ``inf``), or ``continue_training`` without the
+        optimizer (and its state) of the last training
     """
     check_integer("num_epochs", num_epochs, minimum=0)
     if train_kwargs.get("continue_training") and not has_optimizer:
@@ -408,3 +419,10 @@ def check_train_arguments(
         check_integer("batch_size", batch_size, minimum=1, hint="or None to search the largest that fits")
     if train_kwargs.get("sub_batch_size") is not None:
         check_integer("sub_batch_size", train_kwargs["sub_batch_size"], minimum=1, hint="or None")
+    for option, allow_inf in (
+        ("gradient_clipping_max_norm", False),
+        ("gradient_clipping_max_abs_value", False),
+        ("gradient_clipping_norm_type", True),
+    ):
+        if train_kwargs.get(option) is not None:
+            check_positive(option, train_kwargs[option], allow_inf=allow_inf)
