@@ -101,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--config",
         type=pathlib.Path,
         help="a PyKEEN pipeline configuration (.json, .yaml), as for 'pykeen experiments run'; the flags given "
-        "explicitly override its values, the defaults below apply only without it",
+        "explicitly override its values, the defaults below apply only without it (but --threads and "
+        "--host-allocator: auto unless the configuration sets num_threads / host_allocator)",
     )
     data.add_argument(
         "--dataset",
