@@ -294,7 +294,9 @@ def _in_pykeen_order(
     candidate_norm = torch.zeros((), dtype=kth.dtype, device=kth.device)
     for position in range(len(scoring.local_shards)):
         for _, _, candidates in scoring.candidate_blocks(queries.side, position, slice_size, kth.device):
-            candidate_norm = torch.maximum(candidate_norm, feature_norms(candidates).amax().to(kth.dtype))
+            # a candidate with NaN features has NaN scores, ranked by no band: its norm must not make the band NaN
+            norms = torch.nan_to_num(feature_norms(candidates), nan=0.0, posinf=float("inf"))
+            candidate_norm = torch.maximum(candidate_norm, norms.amax().to(kth.dtype))
     base, slope = band_scale(kth, feature_norms(queries.features).to(kth.dtype), TIE_TOLERANCE)
     # fewer than k valid candidates: all of them
     lower = torch.where(torch.isnan(kth), float("-inf"), kth - 2 * torch.addcmul(base, slope, candidate_norm))

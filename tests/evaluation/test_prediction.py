@@ -152,6 +152,23 @@ def test_nan_scores_are_skipped():
     assert len(frame) == 10 * (data.num_entities - 5) - (pairs[:, 0] < 5).sum().item() * (data.num_entities - 5)
 
 
+def test_a_nan_candidate_leaves_the_top_k_of_the_others():
+    """One NaN entity row made the band around the k-th score NaN: every query's top 5 came back empty."""
+    data = Nations()
+    model = DistMult(triples_factory=data.training, embedding_dim=8, random_seed=0)
+    with torch.no_grad():
+        model.entity_representations[0]._embeddings.weight[3] = float("nan")
+    pairs = torch.tensor([[0, 0], [5, 2], [7, 9]])
+    with pytest.warns(RuntimeWarning, match="NaN scores"):
+        frame = predict_top_k(model, pairs, k=5)
+    assert len(frame) == 15 and not frame["tail_id"].isin([3]).any()
+    with torch.no_grad():
+        scores = model.score_t(pairs).numpy()
+    for query, (row, group) in enumerate(frame.groupby("query")):
+        expected = [e for e in np.argsort(-np.nan_to_num(scores[query], nan=-np.inf), kind="stable") if e != 3][:5]
+        assert group["tail_id"].tolist() == expected
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
