@@ -38,6 +38,7 @@ _EXPORTS = {
     "LocalTopology": "distributed",
     "DistributedTopology": "distributed",
     "ShardedEmbedding": "tables.representation",
+    "unshard_model": "tables.unshard",
     "get_scorer": "scoring",
     "CorruptCheckpointError": "storage.digests",
 }
@@ -140,6 +141,7 @@ __all__ = [
     "predict_top_k",
     "register",
     "register_when_ready",
+    "unshard_model",
     "__version__",
 ]
 

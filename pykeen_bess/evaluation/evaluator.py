@@ -117,15 +117,13 @@ class BessEvaluator(RankBasedEvaluator):
     ):
         """Create the evaluator.
 
-        :param num_shards: the number of entity shards; None: the model's sharding if its entity
-            representations are :class:`~pykeen_bess.tables.representation.ShardedEmbedding` tables, else the
-            sharding a :class:`~pykeen_bess.training.BessTrainingLoop` trained the model with in one process,
-            else 1
+        :param num_shards: the number of entity shards; None: the model's (its ``ShardedEmbedding`` tables', else
+            the one a :class:`~pykeen_bess.training.BessTrainingLoop` trained it with in one process), else 1
         :param batch_size: evaluation triples per batch (both targets are ranked per batch); None:
             chosen by the memory search (the ``batch_size`` of :meth:`evaluate` takes precedence)
         :param slice_size: candidates scored at once per shard; None: chosen by the memory search
         :param filtered: whether to exclude the known triples (the evaluation triples and
-            ``additional_filter_triples``) from the candidates: True or False
+            ``additional_filter_triples``) from the candidates
         :param memory_budget: the largest peak memory of a probe step in bytes (default: half the available memory
             on the CPU, where an eighth of it needs no probe; out-of-memory errors on a GPU)
         :param process_group: the process group of a model sharded over processes (default: the
@@ -145,8 +143,7 @@ class BessEvaluator(RankBasedEvaluator):
         """
         if kwargs.get("mode") is not None:
             raise NotImplementedError("BessEvaluator supports transductive evaluation only (mode=None).")
-        if not isinstance(filtered, bool | numbers.Integral) or filtered not in (0, 1):  # not "no"
-            raise ValueError(f"filtered must be True or False, not {filtered!r}.")
+        _check_flag("filtered", filtered)  # not "no", which would filter
         if process_group is None:
             join_torchrun_group()
         super().__init__(filtered=bool(filtered), batch_size=batch_size, slice_size=slice_size, **kwargs)
@@ -452,3 +449,9 @@ def _block_sizes_for(
 
 def _no_probe(batch_size: int, slice_size: int) -> None:
     """Stand in for a probe that is never run (both sizes given)."""
+
+
+def _check_flag(name: str, value: Any) -> None:
+    """Raise a ``ValueError`` unless ``value`` is True or False (or 1 or 0)."""
+    if not isinstance(value, bool | numbers.Integral) or value not in (0, 1):
+        raise ValueError(f"{name} must be True or False, not {value!r}.")

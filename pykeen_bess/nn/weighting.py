@@ -119,11 +119,12 @@ class SubsamplingLossWeighter(LossWeighter):
             would weigh ``c / 0``)
         """
         super().__init__()
-        if isinstance(start, bool) or not isinstance(start, numbers.Integral) or start < 1:
+        whole = start if isinstance(start, numbers.Integral) and not isinstance(start, bool) else None
+        if whole is None or whole < 1:
             raise ValueError(f"SubsamplingLossWeighter's start must be an integer >= 1, but is {start!r}.")
-        self.start = int(start)
-        self.normalize = normalize
-        self.scale = 1.0
+        self.start: int = int(whole)
+        self.normalize: bool = normalize
+        self.scale: float = 1.0
         self._counts: tuple[Any, ...] | None = None
         if mapped_triples is not None:
             self.fit(mapped_triples)

@@ -182,6 +182,10 @@ def matmul_scores(query: torch.Tensor, candidates: torch.Tensor, out: torch.Tens
     ``[b, k]`` view with row stride ``>= k``): the BLAS product into rows of an odd width ran at
     about half speed (``[2000, 256] x [256, 3627]``: 50 GFLOP/s on one thread; 95 into rows of 3,648).
     """
+    if query.dtype != candidates.dtype:  # promoted as elementwise products are (e.g. a model moved to float64 whose
+        # entity table stays float32 in host memory, as PyKEEN's scoring of it promotes)
+        dtype = torch.promote_types(query.dtype, candidates.dtype)
+        query, candidates = query.to(dtype), candidates.to(dtype)
     k = candidates.shape[-2]
     if (
         out is not None

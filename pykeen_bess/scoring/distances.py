@@ -154,9 +154,13 @@ def l1_distances(query: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
     :func:`torch.cdist`, except for training on a GPU: there ``cdist``'s backward for ``p=1`` writes a
     ``[*B, k, b, d]`` buffer and runs far slower than its forward, so the distances are one kernel
     compiled by ``torch.compile`` (forward and backward each a fused reduction; nothing of size
-    ``b k d`` is stored); if compiling fails, ``cdist`` (logged once).
+    ``b k d`` is stored); if compiling fails, ``cdist`` (logged once). Half-precision rows on the CPU, where
+    ``cdist`` has no kernel for them, are measured in float32 and the distances rounded to their dtype.
     """
     global _compiled_l1
+    if query.device.type == "cpu" and query.dtype in (torch.float16, torch.bfloat16):
+        # the CPU's cdist has no half-precision kernel: computed in float32, rounded once (differentiable)
+        return torch.cdist(query.float(), candidates.float(), p=1).to(query.dtype)
     training = torch.is_grad_enabled() and (query.requires_grad or candidates.requires_grad)
     if query.device.type != "cuda" or not training or _compiled_l1 is False:
         return torch.cdist(query, candidates, p=1)

@@ -384,7 +384,7 @@ def _sparse_rows(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return indices[0], grad._values()
     rows, position = torch.unique(indices[0], return_inverse=True)
     values = grad._values().new_zeros(rows.shape[0], *grad.shape[1:])
-    values[(position, *indices[1:])] = grad._values()
+    values.index_put_((position, *indices[1:]), grad._values())
     return rows, values
 
 

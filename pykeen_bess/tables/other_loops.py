@@ -49,8 +49,10 @@ def refuse_another_loop(table: Any, action: str) -> None:
     raise RuntimeError(
         f"Another training loop cannot {action} this model's entity table: {type(table).__name__} keeps it in the "
         f"storage tier {table.storage.describe()}, outside the model's parameters, where only BESS's loop updates "
-        f"it. Continue with BessTrainingLoop (continue_training=True, or from a checkpoint); the model predicts "
-        f"and evaluates as it is."
+        f"it. Continue the BessTrainingLoop that trained it (train(..., continue_training=True) after training with "
+        f"clear_optimizer=False) or its checkpoint, or make it an ordinary PyKEEN model first: "
+        f"pykeen_bess.unshard_model(model) reads the table into its embedding (in memory; a new BessTrainingLoop "
+        f"does the same). The model predicts and evaluates as it is."
     )
 
 

@@ -49,6 +49,7 @@ from .steps.runner import StepRunner
 from .setup.arguments import LoopSettings
 from .setup.assembly import checkpoint_path, graph_loss_weighter
 from ..tables.shard_tables import materialize
+from ..tables.unshard import unshard_model
 
 __all__ = [
     "BessTrainingLoop",
@@ -215,6 +216,8 @@ class BessTrainingLoop(LoopParts):
         if kwargs.get("mode") is not None:
             raise NotImplementedError("BessTrainingLoop supports transductive training only (mode=None).")
         self.refuse_uncalled_hooks()
+        # a model an earlier loop trained with tables in host memory or files: its embeddings again
+        unshard_model(model)
         num_negs_per_pos = resolve_negative_sampler(negative_sampler, negative_sampler_kwargs, num_negs_per_pos)
         super().__init__(model=model, triples_factory=triples_factory, **kwargs)
         table_storage = make_storage(storage, storage_path, storage_kwargs)

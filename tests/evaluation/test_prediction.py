@@ -164,7 +164,7 @@ def test_a_nan_candidate_leaves_the_top_k_of_the_others():
     assert len(frame) == 15 and not frame["tail_id"].isin([3]).any()
     with torch.no_grad():
         scores = model.score_t(pairs).numpy()
-    for query, (row, group) in enumerate(frame.groupby("query")):
+    for query, (_, group) in enumerate(frame.groupby("query")):
         expected = [e for e in np.argsort(-np.nan_to_num(scores[query], nan=-np.inf), kind="stable") if e != 3][:5]
         assert group["tail_id"].tolist() == expected
 

@@ -733,3 +733,33 @@ def test_l1_distances_as_a_broadcast_reduction_equal_cdist_forward_and_backward(
         torch.autograd.grad(expected, (query, candidates), weights),
     ):
         torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_l1_distances_of_half_precision_rows_on_the_cpu(dtype: torch.dtype) -> None:
+    """The CPU's cdist has no half kernel ("cdist" not implemented for 'Half': TransE with p=1 failed to train)."""
+    from pykeen_bess.scoring.distances import l1_distances
+
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(3, 5, 7, generator=generator).to(dtype).requires_grad_()
+    candidates = torch.randn(3, 4, 7, generator=generator).to(dtype)
+    distances = l1_distances(query, candidates)
+    assert distances.dtype == dtype
+    torch.testing.assert_close(distances, torch.cdist(query.float(), candidates.float(), p=1).to(dtype))
+    distances.sum().backward()
+    assert query.grad is not None and query.grad.dtype == dtype
+
+
+def test_matmul_scores_promote_mixed_dtypes() -> None:
+    """A model moved to float64 keeps a host table's float32 rows: the product promotes, as PyKEEN's scoring does
+    (BessEvaluator failed with "expected scalar type Double but found Float")."""
+    from pykeen_bess.scoring.base import matmul_scores
+
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(4, 6, dtype=torch.float64, generator=generator)
+    candidates = torch.randn(70, 6, generator=generator)
+    scores = matmul_scores(query, candidates)
+    assert scores.dtype == torch.float64
+    torch.testing.assert_close(scores, query @ candidates.double().t(), rtol=0, atol=0)
+    buffer = torch.empty(8, 80, dtype=torch.float64)
+    torch.testing.assert_close(matmul_scores(query, candidates, out=buffer), scores, rtol=0, atol=0)

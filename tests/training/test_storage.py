@@ -18,6 +18,7 @@ import torch
 from capturable import default_dtype
 from pykeen.datasets import Nations
 from pykeen.models import DistMult
+from pykeen.nn import Embedding
 from pykeen.training import TrainingCallback
 from pykeen.triples import CoreTriplesFactory
 
@@ -285,6 +286,45 @@ def test_another_loop_cannot_reset_or_train_a_stored_table(nations, tmp_path) ->
     loop.model.score_hrt(factory.mapped_triples[:5])  # scoring reads the rows, in any mode
     loop.train(factory, num_epochs=3, batch_size=72, use_tqdm=False, continue_training=True)  # BESS's loop continues
     assert not torch.equal(loop.tables[0].weight, before)
+
+
+@pytest.mark.parametrize("tier", ["host", "mmap"])
+def test_unshard_model_makes_an_ordinary_pykeen_model_that_any_loop_trains(nations, tmp_path, tier) -> None:
+    """A new BESS loop refused the model of a host or file table ("not a plain pykeen.nn.Embedding"), as did PyKEEN's
+    loops, whose message sent the user to it; its state dict was not PyKEEN's and its pickle held the tier."""
+    import io
+
+    from pykeen.training import SLCWATrainingLoop
+
+    from pykeen_bess import unshard_model
+
+    factory = factory_of(nations)
+    loop = make_loop(factory, tier, tmp_path)
+    train(loop, factory)
+    model = loop.model
+    triples = factory.mapped_triples[:20]
+    scores = model.score_hrt(triples).detach()
+    with pytest.raises(RuntimeError, match=r"pykeen_bess\.unshard_model\(model\)"):
+        SLCWATrainingLoop(model=model, triples_factory=factory).train(factory, num_epochs=1, use_tqdm=False)
+    plain = DistMult(triples_factory=factory, embedding_dim=8, random_seed=1)
+    assert unshard_model(model) is model
+    assert type(model.entity_representations[0]) is Embedding and "reset_parameters_" not in vars(model)
+    torch.testing.assert_close(model.score_hrt(triples).detach(), scores, rtol=0, atol=0)
+    plain.load_state_dict(model.state_dict())  # PyKEEN's keys
+    torch.testing.assert_close(plain.score_hrt(triples).detach(), scores, rtol=0, atol=0)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    assert buffer.tell() < 3 * sum(p.numel() * p.element_size() for p in model.parameters()) + 40_000
+    assert unshard_model(model) is model  # nothing to do
+    # PyKEEN's loop trains it, and so does a new BESS loop (given the model of a stored table, it unshards first)
+    SLCWATrainingLoop(model=model, triples_factory=factory).train(factory, num_epochs=1, use_tqdm=False)
+    stored = make_loop(factory, tier, tmp_path)
+    train(stored, factory)
+    fresh = BessTrainingLoop(
+        model=stored.model, triples_factory=factory, num_shards=2, automatic_memory_optimization=False
+    )
+    assert type(stored.model.entity_representations[0]) is Embedding
+    assert len(fresh.train(factory, num_epochs=1, batch_size=72, use_tqdm=False)) == 1
 
 
 def test_a_copied_or_unpickled_model_of_files_gives_its_state_dict(nations, tmp_path) -> None:
