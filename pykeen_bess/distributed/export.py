@@ -30,6 +30,7 @@ __all__ = [
     "export_model",
     "gathered_model",
     "guard_pipeline_results",
+    "plain_stored_tables",
     "save_to_directory",
     "writer_topology",
 ]
@@ -89,7 +90,11 @@ def gathered_model(model: Any, topology: Topology | None = None) -> Iterator[Any
     """
     tables = [(i, r) for i, r in enumerate(model.entity_representations) if isinstance(r, ShardedTable)]
     if not tables or all(table.holds_all_shards for _, table in tables):
-        yield model if writer_topology(model, topology=topology).is_main_process else None
+        if not writer_topology(model, topology=topology).is_main_process:
+            yield None
+            return
+        with plain_stored_tables(model):
+            yield model
         return
     shards = table_topology(tables[0][1])
     full = [(index, table, _gather_table(table, shards)) for index, table in tables]
@@ -108,6 +113,47 @@ def gathered_model(model: Any, topology: Topology | None = None) -> Iterator[Any
             base = table.base_embedding
             base._embeddings.weight.data = base._embeddings.weight.data.new_empty(0, table.row_width)
             model.entity_representations[index] = table
+
+
+@contextlib.contextmanager
+def plain_stored_tables(model: Any) -> Iterator[Any]:
+    """While the block runs, whole tables kept outside the model (host memory, files) are plain embeddings.
+
+    The rows are read into each table's own :class:`pykeen.nn.Embedding` (in memory, as pickling the table
+    would), so that saving writes an ordinary PyKEEN model: PyKEEN's state dict keys, the weights alone (not
+    the table's tier with its optimizer state and sharding). Tables on the device (parameters) and tables
+    spread over processes are left as they are. See :func:`~pykeen_bess.tables.unshard.unshard_model` for
+    the lasting change.
+
+    :yields: the model
+    """
+    representations = model.entity_representations
+    stored = [
+        (index, table)
+        for index, table in enumerate(representations)
+        if isinstance(table, ShardedTable)
+        and table.holds_all_shards
+        and table.column_part is None
+        and not isinstance(table.weight, torch.nn.Parameter)
+    ]
+    if not stored:
+        yield model
+        return
+    # the model's guard of those tables against PyKEEN's resets (a class of this plugin): not saved with it
+    guard = vars(model).pop("reset_parameters_", None)
+    try:
+        for index, table in stored:
+            base = table.base_embedding
+            base._embeddings.weight.data = table.full_table().to(base._embeddings.weight.device).clone()
+            representations[index] = base
+        yield model
+    finally:
+        for index, table in stored:
+            base = table.base_embedding
+            base._embeddings.weight.data = base._embeddings.weight.data.new_empty(0, table.row_width)
+            representations[index] = table
+        if guard is not None:
+            model.reset_parameters_ = guard
 
 
 def export_model(model: Any, path: str | os.PathLike, topology: Topology | None = None) -> None:
@@ -132,7 +178,7 @@ def check_whole_model(model: Any) -> None:
 
 
 def guard_pipeline_results() -> None:
-    """Make ``PipelineResult.save_model`` and ``save_to_directory`` safe after training under a process group.
+    """Make ``PipelineResult.save_model`` and ``save_to_directory`` safe after training on ranks or stored tables.
 
     * **A partial model is refused before anything is written.** Pickling a partial table fails
       (:meth:`~pykeen_bess.tables.representation.ShardedEmbedding.check_whole`), but only once
@@ -144,9 +190,14 @@ def guard_pipeline_results() -> None:
       two writers' bytes. The other processes write nothing (logged); per-rank copies are made with
       ``torch.save`` directly.
 
-    The training loop installs this guard (once, idempotently) when it trains over a process group; a
-    whole model outside one (e.g. inside :func:`save_to_directory` of this module, on the main process)
-    saves as before. Saving a partial model with ``torch.save`` directly still fails only while writing.
+    * **Whole tables kept outside the model (host memory, files) are written as plain embeddings**
+      (:func:`plain_stored_tables`): the file is an ordinary PyKEEN model, not the table's tier with its
+      optimizer state and the sharding's triples.
+
+    The training loop installs this guard (once, idempotently) when it trains over a process group or with
+    tables outside the model; a whole model outside a process group (e.g. inside :func:`save_to_directory`
+    of this module, on the main process) saves as before. Saving a partial model with ``torch.save``
+    directly still fails only while writing; ``torch.save`` of a model with stored tables pickles them.
     """
     from pykeen.pipeline.api import PipelineResult
 
@@ -159,7 +210,8 @@ def guard_pipeline_results() -> None:
         check_whole_model(self.model)
         if _another_process_writes(self, path):
             return
-        save_model(self, path, *args, **kwargs)
+        with plain_stored_tables(self.model):
+            save_model(self, path, *args, **kwargs)
 
     @functools.wraps(save_directory)
     def guarded_save_to_directory(self: Any, directory: Any, *args: Any, **kwargs: Any) -> None:
@@ -167,7 +219,8 @@ def guard_pipeline_results() -> None:
             check_whole_model(self.model)
         if _another_process_writes(self, directory):
             return
-        save_directory(self, directory, *args, **kwargs)
+        with plain_stored_tables(self.model):
+            save_directory(self, directory, *args, **kwargs)
 
     guarded_save_model._bess_guarded = True  # type: ignore[attr-defined]
     PipelineResult.save_model = guarded_save_model  # type: ignore[method-assign]

@@ -78,6 +78,9 @@ class ShardedTable(Protocol):
     def shard_tables(self) -> torch.Tensor:
         """Return the local shards as ``[L, shard_size, row_width]``."""
 
+    def full_table(self) -> torch.Tensor:
+        """Return the full ``[num_entities, row_width]`` table in global order (all shards local)."""
+
     def check_whole(self) -> None:
         """Raise :class:`pickle.PicklingError` if this process holds only some shards."""
 

@@ -372,6 +372,9 @@ class StoredShardTables(ShardTables):
     )
 
     def uninstall(self) -> None:  # noqa: D102
+        from ..distributed.export import guard_pipeline_results
+
+        guard_pipeline_results()  # the pipeline's result saves the tables as plain embeddings
         for table in self.tables:
             table.defer_constraints = False
         setattr(self.model, "bess_sharding", dict(num_shards=self.sharding.n_shard, seed=self.sharding.seed))  # noqa: B010

@@ -327,6 +327,37 @@ def test_unshard_model_makes_an_ordinary_pykeen_model_that_any_loop_trains(natio
     assert len(fresh.train(factory, num_epochs=1, batch_size=72, use_tqdm=False)) == 1
 
 
+@pytest.mark.parametrize("tier", ["host", "mmap"])
+def test_the_pipeline_result_saves_stored_tables_as_an_ordinary_model(nations, tmp_path, tier) -> None:
+    """save_to_directory pickled the tier: the optimizer state and the sharding's triples (17x the weights)."""
+    from pykeen.pipeline import pipeline
+
+    storage = dict(storage=tier, storage_path=tmp_path / "tables") if tier == "mmap" else dict(storage=tier)
+    (tmp_path / "tables").mkdir()
+    result = pipeline(
+        dataset=nations,
+        model="DistMult",
+        model_kwargs=dict(embedding_dim=8),
+        training_loop="bess",
+        training_loop_kwargs=dict(num_shards=2, **storage),
+        training_kwargs=dict(num_epochs=1, batch_size=128, use_tqdm=False),
+        evaluation_kwargs=dict(use_tqdm=False),
+        random_seed=0,
+    )
+    triples = nations.testing.mapped_triples[:10]
+    scores = result.model.score_hrt(triples).detach()
+    result.save_to_directory(tmp_path / "out")
+    file = tmp_path / "out" / "trained_model.pkl"
+    weights = sum(p.numel() * p.element_size() for p in result.model.parameters()) + 14 * 8 * 4
+    assert file.stat().st_size < weights + 12_000
+    loaded = torch.load(file, weights_only=False)
+    assert type(loaded.entity_representations[0]) is Embedding and "reset_parameters_" not in vars(loaded)
+    torch.testing.assert_close(loaded.score_hrt(triples).detach(), scores, rtol=0, atol=0)
+    # the result's model keeps its tables (and their guard)
+    assert isinstance(result.model.entity_representations[0], ShardedEmbedding)
+    assert "reset_parameters_" in vars(result.model)
+
+
 def test_a_copied_or_unpickled_model_of_files_gives_its_state_dict(nations, tmp_path) -> None:
     """A model trained with tables in files (also copied or pickled): its state dict holds values, not the live files.
 
