@@ -502,3 +502,53 @@ def test_subsampling_start_below_one_is_refused(factory: CoreTriplesFactory, sta
         SubsamplingLossWeighter(factory.mapped_triples, start=start)
     weights = SubsamplingLossWeighter(factory.mapped_triples, start=1).weight_triples(factory.mapped_triples)
     assert bool(torch.isfinite(weights).all())
+
+
+@pytest.mark.parametrize(
+    ("loss", "setting", "value"),
+    [
+        (MarginRankingLoss(margin=1.0), "margin", 5.0),
+        (NSSALoss(margin=9.0), "margin", 1.0),
+        (NSSALoss(), "inverse_softmax_temperature", 5.0),
+    ],
+)
+def test_a_loss_setting_changed_between_steps_counts(loss: Loss, setting: str, value: float) -> None:
+    """The summing copy was made once per loss: a margin a callback changed after the first step was ignored."""
+    from pykeen_bess.nn.loss import summed_loss
+
+    generator = torch.Generator().manual_seed(0)
+    positive = torch.randn(4, 1, generator=generator, dtype=torch.float64)
+    negative = torch.randn(4, 3, generator=generator, dtype=torch.float64)
+    before = summed_loss(loss, positive, negative)
+    setattr(loss, setting, value)
+    summed = summed_loss(loss, positive, negative)
+    assert before is not None and summed is not None
+    total, per_positive = summed
+    expected = loss.process_slcwa_scores(positive_scores=positive, negative_scores=negative)
+    torch.testing.assert_close(total / (4 * per_positive), expected)
+    assert not torch.allclose(before[0], total)
+
+
+def test_the_weight_convention_depends_on_the_reduction() -> None:
+    """A weighted run with reduction="sum" cached "count" for the class: a later "mean" run divided wrongly."""
+    from pykeen_bess.nn import loss as bess_loss
+
+    bess_loss._CONVENTIONS.clear()
+    assert bess_loss.weight_convention(SoftplusLoss(reduction="sum")) == "count"
+    assert bess_loss.weight_convention(SoftplusLoss(reduction="mean")) == "sum"
+    assert bess_loss.weight_convention(BCEWithLogitsLoss(reduction="mean")) == "count"
+
+
+def test_a_relation_weighter_subclass_weighing_by_entity_is_refused(factory: CoreTriplesFactory) -> None:
+    """Only RelationLossWeighter's own __call__ gives a negative its positive's weight."""
+
+    class ByTail(RelationLossWeighter):
+        def __call__(self, h, r, t):
+            return super().__call__(h, r, t) * (1.0 + (t % 3))
+
+    partition = ShardPairPartition.from_triples(factory.mapped_triples, EntitySharding.create(factory.num_entities, 2))
+    weights = torch.ones(factory.num_relations)
+    with pytest.raises(ValueError, match="ByTail depends on the negative entity"):
+        partition_weights(ByTail(weights), SoftplusLoss(), partition)
+    assert partition_weights(RelationLossWeighter(weights), SoftplusLoss(), partition) is not None
+    assert partition_weights(ByTail(weights), WeightedNSSALoss(), partition) is not None

@@ -164,13 +164,18 @@ _PER_POSITIVE: dict[tuple[type, int], int | None] = {}
 
 
 def _summing(loss: Loss) -> Loss:
-    """Return a shallow copy of ``loss`` that sums its values (PyKEEN's ``reduction="sum"``)."""
-    if loss not in _SUMMING:
-        summing = copy.copy(loss)
-        summing.reduction = "sum"
-        summing._reduction_method = torch.sum
-        _SUMMING[loss] = summing
-    return _SUMMING[loss]
+    """Return a shallow copy of ``loss`` that sums its values (PyKEEN's ``reduction="sum"``).
+
+    The copy takes the loss's current attributes at every call: a callback may change a margin or a
+    temperature between steps (a copy made once kept the first step's).
+    """
+    summing = _SUMMING.get(loss)
+    if summing is None:
+        summing = _SUMMING[loss] = copy.copy(loss)
+    summing.__dict__.update(loss.__dict__)
+    summing.reduction = "sum"
+    summing._reduction_method = torch.sum
+    return summing
 
 
 def _values_per_positive(loss: Loss, num_negatives: int) -> int | None:
@@ -239,6 +244,15 @@ def delta_pointwise_loss(
     return total / (positive.numel() + negative.numel()) if reduce and loss.reduction == "mean" else total
 
 
+def _weighs_by_relation(weighter: LossWeighter) -> bool:
+    """Whether a weighter weighs by the relation alone, as PyKEEN's ``RelationLossWeighter`` does.
+
+    Then its weight of a negative triple is its positive's. A subclass that overrides ``__call__`` may weigh by
+    the entities, so it does not count.
+    """
+    return isinstance(weighter, RelationLossWeighter) and type(weighter).__call__ is RelationLossWeighter.__call__
+
+
 def partition_weights(weighter: LossWeighter | None, loss: Loss, partition: ShardPairPartition) -> torch.Tensor | None:
     """Return the loss weight of every training triple, in partition order (the sampler's ``weights``).
 
@@ -261,7 +275,7 @@ def partition_weights(weighter: LossWeighter | None, loss: Loss, partition: Shar
     if weighter is None:
         return None
     weight_convention(loss)  # refuses a loss without weights, or with a weighted mean of unknown form
-    if not isinstance(loss, WeightedNSSALoss) and not isinstance(weighter, RelationLossWeighter):
+    if not isinstance(loss, WeightedNSSALoss) and not _weighs_by_relation(weighter):
         raise ValueError(
             f"BESS gives every negative triple its positive's loss weight. With {type(loss).__name__}, PyKEEN weighs "
             f"each negative triple by the weighter itself, which for {type(weighter).__name__} depends on the "
@@ -300,7 +314,8 @@ def partition_weights(weighter: LossWeighter | None, loss: Loss, partition: Shar
     return weights
 
 
-_CONVENTIONS: dict[type, str] = {}
+#: per loss class and reduction, its weight convention (a "sum" reduction answers "count" for its class only)
+_CONVENTIONS: dict[tuple[type, str], str] = {}
 
 
 def weight_convention(loss: Loss) -> str:
@@ -313,14 +328,15 @@ def weight_convention(loss: Loss) -> str:
     blocks accordingly. Measured (so a user's loss is handled, too) by evaluating the loss on a
     small batch with the weights ``w`` and ``2 w`` (every negative weighing its positive's weight,
     as BESS passes them): a value that stays is divided by the weights' sum, one that doubles by
-    their number. Cached per loss class.
+    their number. Cached per loss class and reduction.
 
     :raises ValueError: if the loss refuses weights (PyKEEN's pairwise and adversarial losses), or its
         value neither stays nor doubles
     """
     cls = type(loss)
-    if cls in _CONVENTIONS:
-        return _CONVENTIONS[cls]
+    key = (cls, str(loss.reduction))
+    if key in _CONVENTIONS:
+        return _CONVENTIONS[key]
     buffer = next(iter(loss.buffers()), None)
     device = buffer.device if buffer is not None else torch.device("cpu")
     dtype = buffer.dtype if buffer is not None and buffer.is_floating_point() else torch.get_default_dtype()
@@ -354,5 +370,5 @@ def weight_convention(loss: Loss) -> str:
             f"The loss {cls.__name__} weighs its values neither by the weights' sum nor by their number "
             f"(value {values[0]} with weights w, {values[1]} with 2 w); BESS cannot split its mean over blocks."
         )
-    _CONVENTIONS[cls] = convention
+    _CONVENTIONS[key] = convention
     return convention
