@@ -608,6 +608,13 @@ def test_outputs_and_export_are_checked_before_training(capsys: pytest.CaptureFi
     for flag, value, least in (("--stopper-frequency", "0", 1), ("--stopper-patience", "-1", 0)):
         code, _, err = run(capsys, *FAST, "--early-stopping", flag, value)
         assert code == 2 and f"{flag} must be at least {least}" in err
+    # evaluation sizes too: they were checked when the evaluation started, after the whole training
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(BessTrainingLoop, "_train", recorded)
+        for flag, value in (("--eval-batch-size", "0"), ("--eval-slice-size", "-3")):
+            code, _, err = run(capsys, *FAST, flag, value)
+            assert code == 2 and f"{flag} must be at least 1, not {value}" in err
+    assert losses == []
 
 
 def test_storage_kwargs_and_memory_budget_flags(tmp_path: pathlib.Path) -> None:
@@ -616,8 +623,10 @@ def test_storage_kwargs_and_memory_budget_flags(tmp_path: pathlib.Path) -> None:
         ["train", "--storage", "mmap", "--storage-path", str(tmp_path), "--storage-kwargs", '{"overwrite": true}']
         + ["--memory-budget", "100000000"]
     )
-    loop = pipeline_kwargs(args)["training_loop_kwargs"]
+    kwargs = pipeline_kwargs(args)
+    loop = kwargs["training_loop_kwargs"]
     assert loop["storage_kwargs"] == {"overwrite": True} and loop["memory_budget"] == 100_000_000
+    assert kwargs["evaluator_kwargs"]["memory_budget"] == 100_000_000  # the bess evaluator's device budget, too
 
 
 def test_num_shards_under_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -203,8 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
     bess.add_argument(
         "--memory-budget",
         type=int,
-        help="bytes the compute device may use: the peak of a memory probe (default: half the available memory on "
-        "the CPU; on a GPU, out-of-memory errors decide); see the options reference",
+        help="bytes the compute device may use, training and the bess evaluator: the peak of a memory probe "
+        "(default: half the available memory on the CPU, where the peak is the growth of resident memory; on a GPU, "
+        "out-of-memory errors decide); see the options reference",
     )
     bess.add_argument(
         "--dense-updates",

@@ -248,7 +248,12 @@ def _set_host(settings: dict[str, Any], kwargs: _PipelineKwargs) -> None:
 
 
 def _set_evaluation(settings: dict[str, Any], kwargs: _PipelineKwargs) -> None:
-    """Set the evaluation's batch and slice sizes."""
+    """Set the evaluation's batch and slice sizes (checked here: the evaluation runs after the training)."""
+    for flag in ("eval_batch_size", "eval_slice_size"):
+        if flag in settings and settings[flag] < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} must be at least 1, not {settings[flag]}.")
+    if "memory_budget" in settings and kwargs.bess_evaluator():  # the budget of the device, evaluation too
+        kwargs.set("evaluator_kwargs", settings["memory_budget"], "memory_budget")
     if "eval_batch_size" in settings:
         kwargs.set("evaluation_kwargs", settings["eval_batch_size"], "batch_size")
     if "eval_slice_size" in settings:

@@ -124,8 +124,8 @@ class BessEvaluator(RankBasedEvaluator):
         :param slice_size: candidates scored at once per shard; None: chosen by the memory search
         :param filtered: whether to exclude the known triples (the evaluation triples and
             ``additional_filter_triples``) from the candidates
-        :param memory_budget: the largest peak memory of a probe step in bytes (default: half the available memory
-            on the CPU, where an eighth of it needs no probe; out-of-memory errors on a GPU)
+        :param memory_budget: the largest peak of a probe step in bytes (CPU: resident memory's growth; default half
+            the available memory, an eighth of it needs no probe; out-of-memory errors on a GPU)
         :param process_group: the process group of a model sharded over processes (default: the
             default group); unused in one process
         :param num_threads: intra-op CPU threads of the score blocks (:mod:`pykeen_bess.runtime.threads`):

@@ -297,6 +297,19 @@ def step_sizes(
         block_size = largest
     if sub_batch_size is not None:
         sub_block_size = max(1, min(block_size, sub_batch_size // n2))
+        used = sub_block_size * n2
+        if used != sub_batch_size and sub_block_size < block_size and not probing:
+            # a sub-batch takes the same slots of every block: a multiple of num_shards**2 slots
+            log = logger.warning if used > sub_batch_size else logger.info
+            log(
+                "sub_batch_size=%d %s to %d: a sub-batch takes the same slots of each of the %d blocks "
+                "(num_shards**2), here %d each.",
+                sub_batch_size,
+                "raised" if used > sub_batch_size else "rounded down",
+                used,
+                n2,
+                sub_block_size,
+            )
     elif automatic_memory_optimization and not probing:
         sub_block_size = sizes.sub_block_size(partition, block_size, label_smoothing, device)
     else:

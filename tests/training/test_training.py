@@ -599,6 +599,22 @@ def test_batch_size_is_rounded_quietly(dataset: Nations, caplog: pytest.LogCaptu
     assert any("batch_size=256 rounded up to 261" in r.getMessage() for r in bess_records)
 
 
+def test_sub_batch_size_rounding_is_logged(small_factory: CoreTriplesFactory, caplog: pytest.LogCaptureFixture) -> None:
+    """A sub-batch takes the same slots of all num_shards**2 blocks: 5 became 9 (above the bound asked for) silently."""
+    import logging
+
+    for sub_batch_size, level, message in (
+        (5, logging.WARNING, "raised to 9"),
+        (17, logging.INFO, "rounded down to 9"),
+    ):
+        caplog.clear()
+        loop = make_loop(small_factory, num_shards=3, num_negs_per_pos=3)
+        with caplog.at_level(logging.INFO, logger="pykeen_bess"):
+            loop.train(small_factory, num_epochs=1, batch_size=90, sub_batch_size=sub_batch_size, use_tqdm=False)
+        records = [r for r in caplog.records if f"sub_batch_size={sub_batch_size} {message}" in r.getMessage()]
+        assert records and records[0].levelno == level, [r.getMessage() for r in caplog.records]
+
+
 def test_batch_search_does_not_pick_a_mostly_padded_epoch() -> None:
     """Kinships has 8,544 training triples: a batch of 8,192 would make two steps with 48% padding."""
     from pykeen.datasets import Kinships
