@@ -552,3 +552,19 @@ def test_a_relation_weighter_subclass_weighing_by_entity_is_refused(factory: Cor
         partition_weights(ByTail(weights), SoftplusLoss(), partition)
     assert partition_weights(RelationLossWeighter(weights), SoftplusLoss(), partition) is not None
     assert partition_weights(ByTail(weights), WeightedNSSALoss(), partition) is not None
+
+
+def test_a_loss_whose_count_cannot_be_measured_does_not_decide_for_its_class() -> None:
+    """A first run with MarginRankingLoss(margin=-10) (a zero mean on the probe) cached "no count" for the class:
+    every later run of the class in the process scaled the mean instead of summing (other rounding)."""
+    from pykeen.losses import MarginRankingLoss
+
+    from pykeen_bess.nn import loss as bess_loss
+    from pykeen_bess.nn.loss import summed_loss
+
+    bess_loss._PER_POSITIVE.clear()
+    positive, negative = torch.zeros(4, 1, dtype=torch.float64), torch.ones(4, 3, dtype=torch.float64)
+    assert summed_loss(MarginRankingLoss(margin=-10.0), positive, negative) is None
+    summed = summed_loss(MarginRankingLoss(margin=1.0), positive, negative)
+    assert summed is not None and summed[1] == 3
+    assert summed_loss(MarginRankingLoss(margin=-10.0), positive, negative) is not None  # the class's count

@@ -159,8 +159,11 @@ def summed_loss(
 
 #: per loss, a shallow copy that sums instead of averaging (its submodules and buffers are the loss's)
 _SUMMING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-#: per loss class and number of negatives, the values per positive its mean divides by (None: not such a mean)
-_PER_POSITIVE: dict[tuple[type, int], int | None] = {}
+#: per loss class and number of negatives, the values per positive its mean divides by (measured on an instance)
+_PER_POSITIVE: dict[tuple[type, int], int] = {}
+#: per loss instance, the numbers of negatives for which it measured no count (not such a mean, or its
+#: settings gave a zero mean: another instance of the class may measure it)
+_NO_COUNT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _summing(loss: Loss) -> Loss:
@@ -181,7 +184,7 @@ def _summing(loss: Loss) -> Loss:
 def _values_per_positive(loss: Loss, num_negatives: int) -> int | None:
     """Measure ``c`` of :func:`summed_loss`: the summing copy's value over the loss's, on two positives."""
     key = (type(loss), num_negatives)
-    if key not in _PER_POSITIVE:
+    if key not in _PER_POSITIVE and num_negatives not in _NO_COUNT.get(loss, ()):
         buffer = next(iter(loss.buffers()), None)
         device = buffer.device if buffer is not None else torch.device("cpu")
         generator = torch.Generator().manual_seed(0)
@@ -197,8 +200,11 @@ def _values_per_positive(loss: Loss, num_negatives: int) -> int | None:
                 result = round(count)
         except (RuntimeError, ValueError, TypeError, AttributeError):  # a loss that cannot sum: the mean stays
             result = None
-        _PER_POSITIVE[key] = result
-    return _PER_POSITIVE[key]
+        if result is None:  # for this instance only: a class's count stays what a measurable instance gave
+            _NO_COUNT.setdefault(loss, set()).add(num_negatives)
+        else:
+            _PER_POSITIVE[key] = result
+    return _PER_POSITIVE.get(key)
 
 
 def _negative_weights(loss: Loss, weights: torch.Tensor | None, negative: torch.Tensor) -> torch.Tensor | None:

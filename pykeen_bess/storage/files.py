@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import logging
 import mmap
 
@@ -13,6 +15,7 @@ import numbers
 import os
 import pathlib
 import shutil
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence
 from typing import Any
@@ -89,7 +92,7 @@ class MmapStorage(TableStorage):
             raise TypeError(f"storage='mmap' supports {sorted(map(str, NUMPY_DTYPES))} tables, not {dtype}.")
         file = target = self.path / f"{label}.npy"
         if target.exists():
-            hold_for_this_process(target)  # refused while another process maps it
+            hold_for_this_process(target, self)  # refused while another process, or another model here, maps it
         if file.exists() and not self.overwrite:
             if not self.defer_existing:
                 raise FileExistsError(_exists_message(file))
@@ -101,8 +104,9 @@ class MmapStorage(TableStorage):
             for start in range(0, array.shape[0], step):
                 array[start : start + step] = fill
         if file == target:
-            hold_for_this_process(target)  # (a file truncated in place keeps its lock)
+            hold_for_this_process(target, self)  # (a file truncated in place keeps its lock)
             _mark(target, self.owner)  # (optimizer state placed anew once training started)
+            mapped_by(target, array, self)
         tensor = torch.from_numpy(array)
         self.files[_key(tensor)] = file
         self._arrays[_key(tensor)] = array
@@ -166,11 +170,13 @@ class MmapStorage(TableStorage):
             for key, target in deferred.items():
                 os.replace(self.files[key], target)  # the memory map stays valid: it maps the file, not its name
                 self.files[key] = target
-                hold_for_this_process(target, renew=True)  # the lock of the file now under the name
+                hold_for_this_process(target, self, renew=True)  # the lock of the file now under the name
+                mapped_by(target, self._arrays[key], self)
             logger.info("storage='mmap': resuming a checkpoint, its run's files under %s are replaced.", self.path)
             return
-        for key in deferred:
+        for key, target in deferred.items():
             self.files[key].unlink(missing_ok=True)
+            _unmapped(str(target), None)  # the earlier run's file: this process does not map it
         raise FileExistsError(
             f"{_exists_message(min(deferred.values()))} No checkpoint is being resumed (train(checkpoint_name=...) "
             f"with an existing checkpoint would resume it and reuse the files)."
@@ -181,9 +187,9 @@ class MmapStorage(TableStorage):
         self._arrays.pop(_key(tensor), None)
         self.deferred.pop(_key(tensor), None)
         if file is not None:
-            descriptor = _HELD.pop(str(file), None)
-            if descriptor is not None:  # (an open descriptor would keep the removed file's blocks)
-                os.close(descriptor)
+            lock = _HELD.pop(str(file), None)
+            if lock is not None:  # (an open descriptor would keep the removed file's blocks)
+                os.close(lock.descriptor)
             file.unlink(missing_ok=True)
             _marker(file).unlink(missing_ok=True)
 
@@ -242,27 +248,54 @@ class MmapStorage(TableStorage):
         return f"mmap ({self.path})"
 
 
-#: the table files the storages of this process map, and the descriptors of their locks (held to the end)
-_HELD: dict[str, int] = {}
+@dataclasses.dataclass(eq=False)
+class _Lock:
+    """The lock of a table file this process maps: its descriptor, and the arrays mapping the file."""
+
+    descriptor: int
+    #: the storage that placed each array of this process that maps the file (by the array's id)
+    arrays: dict[int, weakref.ref[MmapStorage]] = dataclasses.field(default_factory=dict)
+
+    def mapped_by_another(self, storage: MmapStorage) -> bool:
+        """Whether an array another storage placed maps the file (a storage gone, its tables still used: another)."""
+        return any(holder() is not storage for holder in self.arrays.values())
 
 
-def hold_for_this_process(file: pathlib.Path, renew: bool = False) -> None:
-    """Hold an exclusive lock (``flock``) on a table file for the rest of the process.
+#: the table files the storages of this process map, and their locks (held while an array maps the file)
+_HELD: dict[str, _Lock] = {}
+
+
+def hold_for_this_process(file: pathlib.Path, storage: MmapStorage, renew: bool = False) -> None:
+    """Hold an exclusive lock (``flock``) on a table file while this process maps it (:func:`mapped_by`).
 
     Another process placing the same table (a second run started with the same ``storage_path``, e.g. the
     same checkpointed command twice) is refused before it touches the files: resuming would otherwise move
-    its new files over the names the running process maps and snapshots into its checkpoints. The lock
-    goes with the process (also when it is killed); storages of one process share it. Where the platform
-    has no ``fcntl`` (Windows) nothing is locked.
+    its new files over the names the running process maps and snapshots into its checkpoints. So is another
+    storage of this process while the tables of the first one are alive (a second run in a notebook while
+    the first run's model is kept): it would rewrite the first model's rows, or shrink the files under its
+    memory maps (which kills the process). The lock goes when no array maps the file any more (the model
+    and its storage were collected), and with the process (also when it is killed). Where the platform has
+    no ``fcntl`` (Windows) nothing is locked.
 
     :param file: an existing table file
+    :param storage: the storage placing it
     :param renew: lock the file now under the name (another file replaced the locked one)
-    :raises RuntimeError: if another process holds the lock
+    :raises RuntimeError: if another process holds the lock, or another storage's tables of this process map it
     """
     if fcntl is None:
         return
     key = str(file)
-    if key in _HELD and not renew:
+    lock = _HELD.get(key)
+    if lock is not None and lock.mapped_by_another(storage):
+        gc.collect()  # an earlier run's loop and model in reference cycles, unreachable but not yet collected
+        lock = _HELD.get(key)
+    if lock is not None and lock.mapped_by_another(storage):
+        raise RuntimeError(
+            f"{file} is in use by another model's tables in this process (a second run with the same "
+            f"storage_path while the first run's model is alive?): writing it would change that model's rows. "
+            f"Give this run another storage_path, or drop the other model first (del result; gc.collect())."
+        )
+    if lock is not None and not renew:
         return
     descriptor = os.open(file, os.O_RDONLY)
     try:
@@ -273,10 +306,27 @@ def hold_for_this_process(file: pathlib.Path, renew: bool = False) -> None:
             f"{file} is in use by another process (a second run with the same storage_path?): one process at a "
             f"time may train a table in files. Wait for the other run, or give this one another storage_path."
         ) from None
-    previous = _HELD.pop(key, None)
-    if previous is not None:
-        os.close(previous)
-    _HELD[key] = descriptor
+    _HELD[key] = _Lock(descriptor, {} if lock is None else lock.arrays)
+    if lock is not None:
+        os.close(lock.descriptor)
+
+
+def mapped_by(file: pathlib.Path, array: np.memmap, storage: MmapStorage) -> None:
+    """Keep the lock of a table file while ``array`` maps it (the array's tensors and the storage hold it)."""
+    lock = _HELD.get(str(file))
+    if lock is None:  # nothing locked (no fcntl)
+        return
+    lock.arrays[id(array)] = weakref.ref(storage)
+    weakref.finalize(array, _unmapped, str(file), id(array))
+
+
+def _unmapped(key: str, array_id: int | None) -> None:
+    """Let go of a table file's lock when the last array of this process mapping it is gone (None: none did)."""
+    lock = _HELD.get(key)
+    if lock is None or (array_id is not None and lock.arrays.pop(array_id, None) is None) or lock.arrays:
+        return
+    del _HELD[key]
+    os.close(lock.descriptor)
 
 
 def _key(tensor: torch.Tensor) -> int:

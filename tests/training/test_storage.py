@@ -318,7 +318,8 @@ def test_unshard_model_makes_an_ordinary_pykeen_model_that_any_loop_trains(natio
     assert unshard_model(model) is model  # nothing to do
     # PyKEEN's loop trains it, and so does a new BESS loop (given the model of a stored table, it unshards first)
     SLCWATrainingLoop(model=model, triples_factory=factory).train(factory, num_epochs=1, use_tqdm=False)
-    stored = make_loop(factory, tier, tmp_path)
+    (tmp_path / "second").mkdir()  # (the first loop still maps its files: it may go on training them)
+    stored = make_loop(factory, tier, tmp_path / "second")
     train(stored, factory)
     fresh = BessTrainingLoop(
         model=stored.model, triples_factory=factory, num_shards=2, automatic_memory_optimization=False
@@ -1066,7 +1067,8 @@ def test_a_second_process_cannot_take_the_table_files_of_a_running_one(tmp_path:
     holder = subprocess.Popen(
         [sys.executable, "-c", (
             "import sys, torch; from pykeen_bess.storage import MmapStorage; "
-            f"MmapStorage({str(tmp_path)!r}).place('table0', (4, 2), torch.float32); print('ready', flush=True); "
+            f"table = MmapStorage({str(tmp_path)!r}).place('table0', (4, 2), torch.float32); "
+            "print('ready', flush=True); "
             "sys.stdin.read()"
         )],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
@@ -1080,3 +1082,53 @@ def test_a_second_process_cannot_take_the_table_files_of_a_running_one(tmp_path:
         holder.kill()
         holder.wait()
     MmapStorage(tmp_path, overwrite=True).place("table0", (4, 2), torch.float32)  # the lock went with the process
+
+
+def test_a_second_model_in_this_process_cannot_take_the_table_files_of_a_live_one(nations, tmp_path) -> None:
+    """Two runs with one storage_path in a notebook: the second rewrote the first model's rows (or shrank its files,
+    which killed the process with SIGBUS); only another process was refused. Unreachable models do not count."""
+    import gc
+
+    factory = factory_of(nations)
+    first = make_loop(factory, "mmap", tmp_path)
+    train(first, factory)
+    rows = first.model.entity_representations[0](indices=None).detach().clone()
+    with pytest.raises(RuntimeError, match="in use by another model's tables in this process"):
+        make_loop(factory, "mmap", tmp_path)  # (the loop places the tables)
+    torch.testing.assert_close(first.model.entity_representations[0](indices=None).detach(), rows, rtol=0, atol=0)
+    del first
+    gc.collect()
+    train(make_loop(factory, "mmap", tmp_path), factory)  # the first model is gone: its files are free
+
+
+def test_table_files_are_let_go_with_their_model(tmp_path) -> None:
+    """Every table file kept an open descriptor to the end of the process: removed files kept their disk blocks."""
+    import gc
+    import os
+
+    from pykeen_bess.storage import MmapStorage
+    from pykeen_bess.storage import files
+
+    def descriptors_of_removed_files() -> list[str]:
+        links = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                links.append(os.readlink(f"/proc/self/fd/{fd}"))
+            except OSError:  # (the listing's own descriptor)
+                pass
+        return [link for link in links if str(tmp_path) in link and link.endswith("(deleted)")]
+
+    storage = MmapStorage(tmp_path)
+    tables = [storage.place(f"table{i}", (4, 2), torch.float32) for i in range(2)]
+    view = tables[0][1:]  # a view keeps its file mapped
+    del storage, tables
+    gc.collect()
+    assert [key for key in files._HELD if str(tmp_path) in key] == [str(tmp_path / "table0.npy")]
+    del view
+    gc.collect()
+    assert not [key for key in files._HELD if str(tmp_path) in key]
+    for file in tmp_path.iterdir():
+        file.unlink()
+    if pathlib.Path("/proc/self/fd").is_dir():
+        assert descriptors_of_removed_files() == []
+    MmapStorage(tmp_path).place("table0", (4, 2), torch.float32)  # placed anew
