@@ -91,8 +91,8 @@ class MmapStorage(TableStorage):
         if dtype not in NUMPY_DTYPES:
             raise TypeError(f"storage='mmap' supports {sorted(map(str, NUMPY_DTYPES))} tables, not {dtype}.")
         file = target = self.path / f"{label}.npy"
-        if target.exists():
-            hold_for_this_process(target, self)  # refused while another process, or another model here, maps it
+        if target.exists():  # refused while another process maps it, or another model here maps what overwrite rewrites
+            hold_for_this_process(target, self, in_place=self.overwrite)
         if file.exists() and not self.overwrite:
             if not self.defer_existing:
                 raise FileExistsError(_exists_message(file))
@@ -104,7 +104,7 @@ class MmapStorage(TableStorage):
             for start in range(0, array.shape[0], step):
                 array[start : start + step] = fill
         if file == target:
-            hold_for_this_process(target, self)  # (a file truncated in place keeps its lock)
+            hold_for_this_process(target, self, in_place=True)  # (a file truncated in place keeps its lock)
             _mark(target, self.owner)  # (optimizer state placed anew once training started)
             mapped_by(target, array, self)
         tensor = torch.from_numpy(array)
@@ -265,31 +265,36 @@ class _Lock:
 _HELD: dict[str, _Lock] = {}
 
 
-def hold_for_this_process(file: pathlib.Path, storage: MmapStorage, renew: bool = False) -> None:
+def hold_for_this_process(
+    file: pathlib.Path, storage: MmapStorage, renew: bool = False, in_place: bool = False
+) -> None:
     """Hold an exclusive lock (``flock``) on a table file while this process maps it (:func:`mapped_by`).
 
     Another process placing the same table (a second run started with the same ``storage_path``, e.g. the
     same checkpointed command twice) is refused before it touches the files: resuming would otherwise move
     its new files over the names the running process maps and snapshots into its checkpoints. So is another
-    storage of this process while the tables of the first one are alive (a second run in a notebook while
-    the first run's model is kept): it would rewrite the first model's rows, or shrink the files under its
-    memory maps (which kills the process). The lock goes when no array maps the file any more (the model
-    and its storage were collected), and with the process (also when it is killed). Where the platform has
-    no ``fcntl`` (Windows) nothing is locked.
+    storage of this process rewriting the file in place (``overwrite=True``) while the tables of the first one
+    are alive (a second run in a notebook while the first run's model is kept): it would rewrite the first
+    model's rows, or shrink the file under its memory maps (which kills the process). (Files a resumed run
+    moves over the names are new files: the first model keeps mapping its own.) The lock goes when no array
+    maps the file any more (the model and its storage were collected), and with the process (also when it is
+    killed). Where the platform has no ``fcntl`` (Windows) nothing is locked.
 
     :param file: an existing table file
     :param storage: the storage placing it
     :param renew: lock the file now under the name (another file replaced the locked one)
-    :raises RuntimeError: if another process holds the lock, or another storage's tables of this process map it
+    :param in_place: the storage writes this file itself (not a new file moved over the name later)
+    :raises RuntimeError: if another process holds the lock, or, ``in_place``, another storage's tables of this
+        process map the file
     """
     if fcntl is None:
         return
     key = str(file)
     lock = _HELD.get(key)
-    if lock is not None and lock.mapped_by_another(storage):
+    if in_place and lock is not None and lock.mapped_by_another(storage):
         gc.collect()  # an earlier run's loop and model in reference cycles, unreachable but not yet collected
         lock = _HELD.get(key)
-    if lock is not None and lock.mapped_by_another(storage):
+    if in_place and lock is not None and lock.mapped_by_another(storage):
         raise RuntimeError(
             f"{file} is in use by another model's tables in this process (a second run with the same "
             f"storage_path while the first run's model is alive?): writing it would change that model's rows. "
