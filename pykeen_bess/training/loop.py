@@ -32,6 +32,7 @@ from ..data.sharding import ShardingStrategy
 from ..storage import TableStorage, make_storage
 from ..runtime.threads import ThreadsHint, resolve_threads
 from .checkpoints.pbg import PbgCheckpointStore, prepare_pbg_checkpoint
+from .checkpoints.stopper_weights import stopper_file_layout
 from .setup.config import (
     check_train_arguments,
     check_model,
@@ -319,8 +320,13 @@ class BessTrainingLoop(LoopParts):
         self.choose_partition(batch_size, kwargs)
         # without continue_training the tables are re-initialised (or loaded from a checkpoint)
         self.host_allocator.apply()
-        with self.tables.installed(copy_weights=bool(kwargs.get("continue_training"))), self.thread_policy.applied():
-            return super().train(triples_factory, num_epochs=num_epochs, batch_size=batch_size, **kwargs)
+        installed = self.tables.installed(copy_weights=bool(kwargs.get("continue_training")))
+        try:
+            with installed, self.thread_policy.applied():
+                return super().train(triples_factory, num_epochs=num_epochs, batch_size=batch_size, **kwargs)
+        finally:
+            if not self.topology.is_distributed:  # the stopper's file: the model's state dict (difference 12)
+                stopper_file_layout(kwargs.get("stopper"), self.model.entity_representations, self.tables.tables)
 
     def _train(self, triples_factory: CoreTriplesFactory, **kwargs: Any) -> list[float] | None:  # type: ignore[override]
         """Run the BESS epochs (called by PyKEEN's ``TrainingLoop.train``); see :func:`.epochs.run_epochs`."""

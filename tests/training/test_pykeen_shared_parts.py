@@ -147,3 +147,68 @@ def test_a_checkpoint_holds_what_pykeens_holds(dataset: Nations, tmp_path: pathl
     for key in ("epoch", "random_seed"):
         assert contents[True][key] == contents[False][key]
     assert len(contents[True]["loss"]) == len(contents[False]["loss"]) == 2
+
+
+@pytest.mark.parametrize("partition", ["token", "encoding"])
+def test_the_stoppers_file_after_training_is_the_models_state_dict(
+    dataset: Nations, tmp_path: pathlib.Path, partition: str
+) -> None:
+    """PyKEEN's best_model_path file held the shard tables (key ``...0.weight``, rows in shard order): PyKEEN's
+    ``model.load_state_dict(torch.load(path))`` failed, and with the key renamed it gave entities other rows."""
+    model = DistMult(triples_factory=dataset.training, embedding_dim=16, random_seed=1)
+    loop = BessTrainingLoop(
+        model=model, triples_factory=dataset.training, num_shards=2, num_negs_per_pos=4, num_threads=1,
+        automatic_memory_optimization=False, partition=partition, optimizer_kwargs=dict(lr=0.05),
+    )  # fmt: skip
+    path = tmp_path / "best.pt"
+    stopper = EarlyStopper(
+        model=model, evaluator=RankBasedEvaluator(), training_triples_factory=dataset.training,
+        evaluation_triples_factory=dataset.validation, frequency=1, patience=50, best_model_path=path,
+        clean_up_checkpoint=False, evaluation_batch_size=256, metric="mrr",
+    )  # fmt: skip
+
+    def metric() -> float:
+        results = RankBasedEvaluator().evaluate(
+            model, dataset.validation.mapped_triples, additional_filter_triples=dataset.training.mapped_triples,
+            batch_size=256, use_tqdm=False,
+        )  # fmt: skip
+        return results.get_metric("mrr")
+
+    train(loop, dataset, num_epochs=4, stopper=stopper)
+    state = torch.load(path, weights_only=False)
+    assert set(state) == set(model.state_dict())
+    last = {key: value.clone() for key, value in model.state_dict().items()}
+    model.load_state_dict(state)  # PyKEEN's recipe
+    assert metric() == stopper.best_metric
+    model.load_state_dict(last)
+    # trained on with the same stopper, which stops at once: it loads its file with the tables in the model
+    stopper._stopper.remaining_patience = 1
+    for group in loop.optimizer.param_groups:
+        group["lr"] = 0.0
+    train(loop, dataset, num_epochs=5, stopper=stopper, continue_training=True)
+    assert stopper.stopped
+    assert metric() == stopper.best_metric
+    torch.testing.assert_close(model.state_dict(), torch.load(path, weights_only=False), rtol=0, atol=0)
+
+
+def test_the_model_of_a_checkpoint_by_resuming_it_with_its_epochs(dataset: Nations, tmp_path: pathlib.Path) -> None:
+    """The documented way to the model of a checkpoint, whose model_state_dict holds the shard tables."""
+
+    def loop() -> BessTrainingLoop:
+        model = DistMult(triples_factory=dataset.training, embedding_dim=8, random_seed=1)
+        return BessTrainingLoop(
+            model=model, triples_factory=dataset.training, num_shards=2, automatic_memory_optimization=False
+        )
+
+    kwargs = dict(num_epochs=3, batch_size=128, checkpoint_name="c.pt", checkpoint_directory=tmp_path, use_tqdm=False)
+    trained = loop()
+    trained.train(dataset.training, **kwargs)
+    with pytest.raises(RuntimeError, match="Missing key"):
+        DistMult(triples_factory=dataset.training, embedding_dim=8).load_state_dict(
+            torch.load(tmp_path / "c.pt", weights_only=False)["model_state_dict"]
+        )
+    resumed = loop()
+    resumed.train(dataset.training, **kwargs)  # nothing left to train
+    plain = DistMult(triples_factory=dataset.training, embedding_dim=8)
+    plain.load_state_dict(resumed.model.state_dict())
+    torch.testing.assert_close(plain.state_dict(), trained.model.state_dict(), rtol=0, atol=0)

@@ -47,6 +47,7 @@ __all__ = [
     "prune_stopper_weights",
     "reshard_stopper_weights",
     "restore_stopper_weights",
+    "stopper_file_layout",
     "stopper_weights_file",
     "table_keys",
 ]
@@ -292,3 +293,41 @@ class CopiedShards(ShardFiles):
             rows = torch.cat([sharding.shard_entities[shard] for shard in held])
             state = torch.load(file, map_location="cpu", weights_only=False)  # the stopper's own file, copied
             yield rows, {"model_state_dict": state, "optimizer_state_dict": {"state": {}}}
+
+
+def stopper_file_layout(stopper: Any, representations: Any, tables: Sequence[Any]) -> None:
+    """Rewrite the early stopper's best-weights file in the layout the model's entity representations have now.
+
+    PyKEEN documents the file (``best_model_path``, left behind when training ends without stopping, or with
+    ``clean_up_checkpoint=False``) as the best epoch's ``model.state_dict()``. During training the stopper
+    saves and loads it with the shard tables in the model (``entity_representations.I.weight``, rows in shard
+    order); after training, where the model holds its own embeddings again, the file gets their key
+    (``entity_representations.I._embeddings.weight``) and rows in entity order, so that PyKEEN's
+    ``model.load_state_dict(torch.load(path))`` restores the best epoch; when a later training of the model
+    evaluates with the same stopper, it goes back to the tables' layout (the padding rows, which training
+    never changes, from the tables). One process holding every shard only (under a process group each rank
+    keeps its own shards' file).
+
+    :param stopper: the early stopper (anything without a best-weights file is left alone)
+    :param representations: the model's entity representations now (a module list)
+    :param tables: the tables the loop trains, ``[padded_rows, row_width]`` each with its ``entity_rows``
+    """
+    path = getattr(stopper, "best_model_path", None)
+    if path is None or not pathlib.Path(path).is_file():
+        return
+    state = torch.load(path, weights_only=False, map_location="cpu")
+    changed = False
+    for index, (representation, table) in enumerate(zip(representations, tables)):
+        table_key = f"entity_representations.{index}.weight"
+        pykeen_key = f"entity_representations.{index}._embeddings.weight"
+        rows = table.entity_rows.cpu()
+        if hasattr(representation, "entity_rows") and pykeen_key in state:  # the tables again
+            weight = representation.weight.detach().to("cpu", copy=True)
+            weight[rows] = state.pop(pykeen_key).to(weight)
+            state[table_key], changed = weight, True
+        elif not hasattr(representation, "entity_rows") and table_key in state:  # the model's embeddings again
+            state[pykeen_key], changed = state.pop(table_key)[rows], True
+    if changed:
+        temporary = pathlib.Path(path).with_name(f"{pathlib.Path(path).name}.tmp-{os.getpid()}")
+        torch.save(state, temporary)
+        os.replace(temporary, path)
