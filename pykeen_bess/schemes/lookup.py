@@ -203,8 +203,8 @@ class RowLookup:
                 x = torch.cat([plain_rows(representation, part) for part in indices.split(1)])
             else:
                 x = plain_rows(representation, indices)
-            if representation.normalizer is not None:
-                x = representation.normalizer(x)
+            if representation.normalizer is not None:  # on [rows, *shape], as PyKEEN's [batch, *shape] (dim=1)
+                x = representation.normalizer(x.reshape(-1, *x.shape[indices.ndim :])).view(x.shape)
             rows = x.reshape(-1, *x.shape[indices.ndim :])
             if representation.regularizer is not None and weights is not None:
                 if not is_plain_l2(representation.regularizer, rows):
