@@ -202,16 +202,24 @@ DENSE_REQUIRED_OPTIONS: dict[str, Any] = dict(differentiable=False)
 
 
 def optimizer_hyperparameters(optimizer: Optimizer) -> dict[str, Any]:
-    """Return the hyper-parameters of an optimizer's first parameter group (without parameters)."""
+    """Return the hyper-parameters of an optimizer's first parameter group (without parameters).
+
+    A learning-rate scheduler made for the optimizer records the rate it was given as ``initial_lr`` and
+    may have scaled ``lr`` already (``LinearLR``, ``ConstantLR``: by their start factor): the rate is the
+    given one, which the scheduler rebuilt for the loop's optimizer scales once.
+    """
     group = optimizer.param_groups[0] if optimizer.param_groups else optimizer.defaults
     accepted = inspect.signature(type(optimizer).__init__).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
     # a group may hold keys its class' constructor does not take (torch's AdamW keeps Adam's decoupled_weight_decay)
-    return {
+    settings = {
         key: value
         for key, value in group.items()
         if key not in {"params", "initial_lr"} and (takes_any or key in accepted)
     }
+    if "initial_lr" in group and "lr" in settings:
+        settings["lr"] = group["initial_lr"]
+    return settings
 
 
 class BessOptimizer(Optimizer):

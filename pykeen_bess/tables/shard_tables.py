@@ -278,10 +278,11 @@ class ShardTables:
         for table in self.tables:
             constrain_all_rows(table)
 
-    def constrain(self, rows: torch.Tensor) -> None:
-        """Apply the tables' constraints to the given flat rows (after a dense update)."""
+    def constrain_entity_rows(self) -> None:
+        """Apply the tables' constraints to every entity's row (after a dense update, as PyKEEN after every step)."""
         for table in self.tables:
-            table.constrain_rows(rows)
+            if table.constrainer is not None:
+                table.constrain_rows(table.real_rows())
 
     def uninstall(self) -> None:
         """End training: what happens to the tables depends on the back end."""

@@ -34,7 +34,7 @@ from ..data.batch import BessBatch
 from ..distributed import Topology
 from ..scoring import SharedCandidateScorer
 from ..data.sharding import EntitySharding
-from .checkpoints.checkpointed import optimizer_text
+from .checkpoints.checkpointed import optimizer_text, scheduler_text
 from .checkpoints.stores import CheckpointStore
 from .setup.config import BessConfig
 from ..tables.memory_plan import MemoryPlan
@@ -113,13 +113,15 @@ class PyKEENHooks(SLCWATrainingLoop):
 
     @property
     def checksum(self) -> str:
-        """PyKEEN's checksum of the model and the optimizer, at the optimizer's initial learning rates.
+        """PyKEEN's checksum of the model and the optimizer (at its initial learning rates), and of the scheduler.
 
         A checkpoint written after a learning-rate scheduler changed the rate resumes (see
         :func:`~pykeen_bess.training.checkpoints.checkpointed.optimizer_text`); PyKEEN's own loops refuse it.
+        The scheduler's class and settings count (:func:`~.checkpoints.checkpointed.scheduler_text`).
         """
         digest = hashlib.md5(str(self.model).encode("utf-8"))
         digest.update(optimizer_text(self.optimizer).encode("utf-8"))
+        digest.update(scheduler_text(self.lr_scheduler).encode("utf-8"))
         return digest.hexdigest()
 
     def _load_state(self, path: str | pathlib.Path, triples_factory: CoreTriplesFactory | None = None) -> Any:

@@ -209,6 +209,53 @@ def test_a_checkpoint_written_after_a_scheduler_changed_the_rate_resumes(tmp_pat
     assert torch.equal(resumed[1], whole[1])
 
 
+def test_a_checkpoint_resumes_only_with_its_learning_rate_scheduler(tmp_path: pathlib.Path) -> None:
+    """A checkpoint resumed with another scheduler (or other settings) loaded its state into it silently (StepLR
+    gamma 0.5 went on with a user's 0.9 ignored); one written without a scheduler failed with a bare TypeError."""
+    from pykeen.datasets import Nations
+    from pykeen.training.training_loop import CheckpointMismatchError
+
+    from pykeen_bess.training import BessTrainingLoop
+    from pykeen_bess.training.checkpoints import checkpointed
+
+    factory = Nations().training
+
+    def train(num_epochs: int, scheduler: str | None, **kwargs) -> list[float]:
+        model = DistMult(triples_factory=factory, embedding_dim=8, random_seed=0)
+        loop = BessTrainingLoop(
+            model=model, triples_factory=factory, num_shards=2, num_threads=1, optimizer="adam",
+            optimizer_kwargs=dict(lr=0.01), lr_scheduler=scheduler, lr_scheduler_kwargs=kwargs or None,
+        )  # fmt: skip
+        return loop.train(
+            factory, num_epochs=num_epochs, batch_size=256, use_tqdm=False, checkpoint_name="run.pt",
+            checkpoint_directory=tmp_path, checkpoint_frequency=0,
+        )  # fmt: skip
+
+    train(1, "StepLR", step_size=1, gamma=0.5)
+    for scheduler, kwargs, message in (
+        ("StepLR", dict(step_size=1, gamma=0.9), "this run has StepLR.gamma=0.9, step_size=1.*'gamma': 0.5"),
+        ("ExponentialLR", dict(gamma=0.5), "this run has ExponentialLR.gamma=0.5.*another class"),
+        (None, {}, "the checkpoint was written with one, this run has none"),
+    ):
+        with pytest.raises(CheckpointMismatchError, match=f"learning-rate scheduler: {message}"):
+            train(2, scheduler, **kwargs)
+    (tmp_path / "run.pt").unlink()
+    train(1, None)
+    with pytest.raises(
+        CheckpointMismatchError, match="learning-rate scheduler: the checkpoint has none, this run StepLR"
+    ):
+        train(2, "StepLR", step_size=1, gamma=0.5)
+    # a checkpoint written before the checksum covered the scheduler resumes with the same settings
+    (tmp_path / "run.pt").unlink()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(checkpointed, "scheduler_text", lambda scheduler: "")
+        from pykeen_bess.training import hooks
+
+        patch.setattr(hooks, "scheduler_text", lambda scheduler: "")
+        first = train(1, "StepLR", step_size=1, gamma=0.5)
+    assert len(first + train(2, "StepLR", step_size=1, gamma=0.5)[1:]) == 2
+
+
 def test_a_checkpoint_of_another_loss_names_the_loss(tmp_path: pathlib.Path) -> None:
     """The loss is in the checksum but not in the checkpoint: the error names it among what may differ."""
     from pykeen.datasets import Nations

@@ -8,6 +8,8 @@ and a reader sees what a checkpoint depends on. :class:`~pykeen_bess.training.Be
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -20,7 +22,7 @@ from ...tables.shard_tables import ShardTables
 if TYPE_CHECKING:  # the configuration module resolves partitions, whose checkpoint stores see this protocol
     from ..setup.config import BessConfig
 
-__all__ = ["CheckpointedLoop", "optimizer_text"]
+__all__ = ["CheckpointedLoop", "optimizer_text", "scheduler_settings", "scheduler_text"]
 
 
 def optimizer_text(optimizer: torch.optim.Optimizer | None) -> str:
@@ -47,6 +49,36 @@ def optimizer_text(optimizer: torch.optim.Optimizer | None) -> str:
             group.update(before)
 
 
+#: a scheduler's state entries that change as it steps, or do not configure it
+_SCHEDULER_STATE = frozenset({"optimizer", "last_epoch", "verbose"})
+
+
+def scheduler_settings(state: Mapping[str, Any] | None, cls: type) -> dict[str, Any] | None:
+    """Return the settings of a learning-rate scheduler of class ``cls`` in a scheduler state dict (None: none).
+
+    The entries of the state named as arguments of the class's constructor, but for the epoch it reached:
+    two schedulers of one class with equal settings schedule alike; another class's state lacks entries.
+    """
+    if state is None:
+        return None
+    accepted = inspect.signature(cls).parameters  # the constructor's
+    return {key: value for key, value in state.items() if key in accepted and key not in _SCHEDULER_STATE}
+
+
+def scheduler_text(scheduler: Any) -> str:
+    """Return the text of a learning-rate scheduler the checkpoint checksum covers (``""`` without one).
+
+    Its class and settings (:func:`scheduler_settings`): a checkpoint resumed with another scheduler, or
+    other settings, would schedule with the checkpoint's state loaded into it (PyKEEN loads the state
+    blindly), and one written without a scheduler cannot resume with one. Without a scheduler the
+    checksum is as before.
+    """
+    if scheduler is None:
+        return ""
+    settings = scheduler_settings(scheduler.state_dict(), type(scheduler)) or {}
+    return f"{type(scheduler).__name__}({', '.join(f'{k}={v!r}' for k, v in sorted(settings.items()))})"
+
+
 class CheckpointedLoop(Protocol):
     """The parts of a BESS training loop that its checkpoints hold or check."""
 
@@ -57,6 +89,8 @@ class CheckpointedLoop(Protocol):
     #: the class and hyper-parameters of the user's optimizer
     optimizer_cls: type[torch.optim.Optimizer]
     optimizer_kwargs: dict[str, Any]
+    #: the learning-rate scheduler whose state a checkpoint holds (None: none)
+    lr_scheduler: Any
     #: the completed epochs
     _epoch: int
     #: the loss of every completed epoch

@@ -9,9 +9,9 @@ from typing import Any
 import torch
 
 from ...data.sharding import EntitySharding, RandomSharding
-from .checkpointed import CheckpointedLoop, optimizer_text
+from .checkpointed import CheckpointedLoop, optimizer_text, scheduler_settings, scheduler_text
 
-__all__ = ["describe_mismatch"]
+__all__ = ["describe_mismatch", "legacy_checksum", "predated_checks"]
 
 
 def _shapes(state_dict: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -75,6 +75,9 @@ def describe_mismatch(loop: CheckpointedLoop, state: Mapping[str, Any], triples_
         another = any(set(a) != set(b) for a, b in zip(groups_theirs, groups_ours))
         kind = " (another optimizer)" if another else ""
         differences.append(f"the optimizer's settings{kind}: {', '.join(changed.values())}")
+    scheduler = _scheduler_difference(loop, state)
+    if scheduler is not None:
+        differences.append(scheduler)
     written_sharding = _find_sharding(loop, state)
     if written_sharding is not None:
         differences.append(
@@ -92,6 +95,57 @@ def describe_mismatch(loop: CheckpointedLoop, state: Mapping[str, Any], triples_
         f"checkpoint was written with (e.g. training_loop_kwargs=dict(sharding='random') for checkpoints written "
         f"before 'balanced' became the default)."
     )
+
+
+def _scheduler_difference(loop: CheckpointedLoop, state: Mapping[str, Any]) -> str | None:
+    """Say how the checkpoint's learning-rate scheduler differs from this run's (None: as far as it shows, alike)."""
+    written, scheduler = state.get("lr_scheduler_state_dict"), loop.lr_scheduler
+    if written is None and scheduler is None:
+        return None
+    if scheduler is None:
+        return "the learning-rate scheduler: the checkpoint was written with one, this run has none"
+    if written is None:
+        return f"the learning-rate scheduler: the checkpoint has none, this run {type(scheduler).__name__}"
+    state = scheduler.state_dict()
+    if set(written) != set(state):  # a class's state always has the same entries
+        return f"the learning-rate scheduler: this run has {scheduler_text(scheduler)}, the checkpoint another class"
+    theirs, ours = scheduler_settings(written, type(scheduler)), scheduler_settings(state, type(scheduler))
+    if theirs == ours:
+        return None
+    return (
+        f"the learning-rate scheduler: this run has {scheduler_text(scheduler)}, the checkpoint's settings are {theirs}"
+    )
+
+
+def legacy_checksum(loop: CheckpointedLoop) -> str:
+    """Return the loop's checkpoint checksum as written before the shard tables' ``repr`` named their sharding."""
+    model = str(loop.model)
+    for table in loop.tables:
+        model = model.replace(f"ShardedEmbedding({table.sharding.fingerprint})", "ShardedEmbedding()")
+    digest = hashlib.md5(model.encode("utf-8"))  # the digest PyKEEN checksums with
+    digest.update(optimizer_text(loop.optimizer).encode("utf-8"))
+    return digest.hexdigest()
+
+
+def predated_checks(loop: CheckpointedLoop, state: Mapping[str, Any]) -> str | None:
+    """Say which checks a checkpoint was written before, where it fits this run as far as those versions checked.
+
+    - the sharding: written before the checksum named the sharding (then always random), for a random one;
+    - the scheduler: written before the checksum covered the learning-rate scheduler, with a state of this
+      run's scheduler settings (a checkpoint of another scheduler class with the same settings cannot be
+      told apart).
+
+    :returns: the checks (None: the checkpoint does not fit)
+    """
+    if isinstance(loop.sharding.strategy, RandomSharding) and state.get("checksum") == legacy_checksum(loop):
+        return "sharding checks (the sharding was random)"
+    if loop.lr_scheduler is None:
+        return None
+    digest = hashlib.md5(str(loop.model).encode("utf-8"))
+    digest.update(optimizer_text(loop.optimizer).encode("utf-8"))
+    if state.get("checksum") == digest.hexdigest() and _scheduler_difference(loop, state) is None:
+        return "scheduler checks (its scheduler's settings are this run's)"
+    return None
 
 
 def _find_sharding(loop: CheckpointedLoop, state: Mapping[str, Any]) -> tuple[str, str] | None:
@@ -135,6 +189,7 @@ def _find_sharding(loop: CheckpointedLoop, state: Mapping[str, Any]) -> tuple[st
                     continue
                 digest = hashlib.md5(model.replace(current.fingerprint, candidate.fingerprint).encode("utf-8"))
                 digest.update(optimizer.encode("utf-8"))
+                digest.update(scheduler_text(loop.lr_scheduler).encode("utf-8"))
                 if digest.hexdigest() != checksum:
                     continue
                 arguments = [f"num_shards={n}"] if n != current.n_shard else []

@@ -38,7 +38,7 @@ from ...data.sharding import EntitySharding, RandomSharding
 from ...distributed import Topology
 from ...storage.digests import write_with_digests
 from ...tables.representation import ShardedEmbedding
-from .mismatch import describe_mismatch
+from .mismatch import describe_mismatch, predated_checks
 from .checkpointed import CheckpointedLoop, optimizer_text
 from ...tables.column_tables import ColumnShardTables
 from .resharding import ShardFiles, reshard_rank_state, reshard_stored_tables
@@ -76,16 +76,6 @@ logger = logging.getLogger(__name__)
 CHECKPOINT_RETRIEVALS = ("one_per_group", "all_replicas")
 #: the checkpoint layouts (``checkpoint_format=``): PyKEEN's files, or PyTorch-BigGraph's
 CHECKPOINT_FORMATS = ("pykeen", "pbg")
-
-
-def legacy_checksum(loop: CheckpointedLoop) -> str:
-    """Return the loop's checkpoint checksum as written before the shard tables' ``repr`` named their sharding."""
-    model = str(loop.model)
-    for table in loop.tables:
-        model = model.replace(f"ShardedEmbedding({table.sharding.fingerprint})", "ShardedEmbedding()")
-    digest = hashlib.md5(model.encode("utf-8"))  # the digest PyKEEN checksums with
-    digest.update(optimizer_text(loop.optimizer).encode("utf-8"))
-    return digest.hexdigest()
 
 
 def check_pointer_sharding(path: pathlib.Path, pointer: Mapping[str, Any], sharding: Any) -> None:
@@ -243,10 +233,9 @@ class CheckpointStore(ABC):
                 return TrainingLoop._load_state(pykeen_loop, path=path, triples_factory=triples_factory)
         except CheckpointMismatchError as error:
             state = torch.load(path, weights_only=False)
-            if isinstance(self.loop.sharding.strategy, RandomSharding) and state.get("checksum") == legacy_checksum(
-                self.loop
-            ):  # written before the checksum named the sharding, which was then always random
-                logger.warning("Checkpoint %s predates sharding checks; resuming it with the random sharding.", path)
+            checks = predated_checks(self.loop, state)  # written before the checksum covered the sharding, ...
+            if checks is not None:
+                logger.warning("Checkpoint %s predates %s; resuming it as it is.", path, checks)
                 return self.read_checksummed(state, triples_factory, tables=pathlib.Path(path).parent)
             raise CheckpointMismatchError(f"{error} {describe_mismatch(self.loop, state, triples_factory)}") from error
 

@@ -13,9 +13,9 @@
   its state, on the device, which costs about what the optimizer's own whole-table update costs, and is
   done only while those copies take at most :data:`DENSE_COPY_SHARE` of the available memory). A table's
   dense gradient ``[R, W]`` is built from its rows' sums (zero elsewhere, as the eager step builds it), and
-  its constraint applies to the step's real rows (fixed shapes: every occurrence's row, the others written
-  back unchanged). The first step of a parameter creates its state and reads ``ok`` on the host (a warm-up
-  step, before a graph is captured);
+  its constraint applies to every entity's row afterwards (the update moves rows outside the step too, and
+  PyKEEN constrains the whole table). The first step of a parameter creates its state and reads ``ok`` on
+  the host (a warm-up step, before a graph is captured);
 * **by a device rule** (on a GPU, for the optimizers torch has no capturable form of: Adagrad, SGD,
   row-wise Adagrad): the row rule (:data:`~pykeen_bess.tables.row_rules.RULES`) applied to the whole tensor,
   with the step count and learning rate as device tensors, gated by ``ok`` without a host read;
@@ -92,6 +92,7 @@ class DenseUpdate:
         in_dense_groups = {id(p) for group in optimizer.dense_groups for p in group["params"] if p.requires_grad}
         #: the trainable tables in the dense groups (``sparse_updates=False``): the user's optimizer updates them whole
         self.tables = [table for table in trainable if id(table.optimizer_parameter) in in_dense_groups]
+        self._rows_of_entities: dict[int, torch.Tensor] = {}  # per table (by id), its entities' flat rows
         #: per trainable table (in order), whether it is updated here
         self.updates_table = [id(table.optimizer_parameter) in in_dense_groups for table in trainable]
         tables = {id(table.optimizer_parameter) for table in self.tables}
@@ -229,21 +230,25 @@ class DenseUpdate:
         return gradients
 
     def _constrain_tables(self, step_rows: StepRows) -> None:
-        """Apply the tables' constraints to the step's real rows, with fixed shapes (no host read).
+        """Apply the tables' constraints to every entity's row, with fixed shapes (no host read).
 
-        Every occurrence's row is read and written back: constrained if the row is real, unchanged otherwise
-        (the occurrences of a row agree on whether it is real, so repeated rows write the same values).
+        A dense update moves rows outside the step too (Adam's and momentum's running averages, weight decay):
+        PyKEEN constrains the whole table after every step, and so does this (its entities' rows, not the
+        padding). The rows' index is made at the first (warm-up) step, before a graph is captured.
         """
         for table in self.tables:
             if table.constrainer is None:
                 continue
-            weight = table.weight
+            rows = self._entity_rows(table)
             with torch.no_grad():
-                values = weight.index_select(0, step_rows.rows)
-                constrained = table.constrain_values(values)
-                if step_rows.real is not None:
-                    constrained = torch.where(step_rows.real.unsqueeze(1), constrained, values)
-                weight.index_copy_(0, step_rows.rows, constrained)
+                table.weight.index_copy_(0, rows, table.constrain_values(table.weight.index_select(0, rows)))
+
+    def _entity_rows(self, table: Any) -> torch.Tensor:
+        """Return the flat rows of a table's entities (no padding), on its device (kept: the first call reads)."""
+        rows = self._rows_of_entities.get(id(table))
+        if rows is None:
+            rows = self._rows_of_entities[id(table)] = table.real_rows().to(table.weight.device)
+        return rows
 
     @contextlib.contextmanager
     def _capturable_groups(self) -> Iterator[None]:
@@ -272,7 +277,7 @@ class DenseUpdate:
         """Hand the dense groups their gradients and run the user's optimizer (nothing if ``ok`` is False).
 
         A table updated densely gets the dense gradient ``[R, W]`` of its rows' sums (zero elsewhere, as the eager
-        step builds it); after the update its constraint applies to the step's real rows, as the eager step's.
+        step builds it); after the update its constraint applies to every entity's row, as the eager step's.
         """
         if not bool(ok):
             return
@@ -284,10 +289,9 @@ class DenseUpdate:
         self.optimizer.dense_step()
         for param in self.parameters:
             param.grad = None
-        rows = step_rows.rows if step_rows.real is None else step_rows.rows[step_rows.real]
-        for table in self.tables:
+        for table in self.tables:  # every entity's row: the update moved rows outside the step too
             table.optimizer_parameter.grad = None
-            table.constrain_rows(rows)
+            table.constrain_rows(self._entity_rows(table))
 
     def _state(self, param: torch.Tensor, group: dict) -> dict:
         """Return a replicated parameter's optimizer state (created as its optimizer creates it at its first step)."""

@@ -348,8 +348,8 @@ class BessOptimizerCallback(TrainingCallback):
         :param runner: the step runner (the rows of the current step)
         :param tables: the shard tables
         :param pre_step_callbacks: run in order before the optimizer step
-        :param constrain_rows: apply the tables' constraints to the step's rows after the update
-            (dense updates; the row-sparse rules constrain within the update)
+        :param constrain_rows: apply the tables' constraints to every entity's row after the update
+            (dense updates, which move rows outside the step too; the row-sparse rules constrain within the update)
         """
         super().__init__()
         self.runner = runner
@@ -369,8 +369,8 @@ class BessOptimizerCallback(TrainingCallback):
         for callback in self.pre_step_callbacks:
             callback.pre_step(epoch=epoch, **kwargs)
         self.optimizer.step()
-        if self.constrain_rows and self.runner.updated_rows is not None:
-            self.tables.constrain(self.runner.updated_rows)
+        if self.constrain_rows and self.runner.updated_rows is not None:  # the update moved rows outside the step
+            self.tables.constrain_entity_rows()
         self.model.post_parameter_update()
         self.optimizer.zero_grad(set_to_none=True)
         self.runner.rows = self.runner.updated_rows = None
