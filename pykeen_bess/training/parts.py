@@ -189,9 +189,22 @@ class LoopParts(PyKEENHooks):
         return self.tables.make_optimizer(self.optimizer_cls, self.optimizer_kwargs, self.config.sparse_updates)
 
     def rebuild_lr_scheduler(self) -> Any:
-        """Build the learning-rate scheduler again, for the current optimizer."""
+        """Build the learning-rate scheduler again, for the current optimizer (from its state, as PyKEEN's loops do).
+
+        :raises ValueError: for a scheduler whose state does not keep its settings (``OneCycleLR``, ``CyclicLR``,
+            ``LambdaLR``, ...; PyKEEN's own loops fail on them when they rebuild it)
+        """
         assert self.lr_scheduler is not None
-        return self.lr_scheduler.__class__(optimizer=self.optimizer, **_get_lr_scheduler_kwargs(self.lr_scheduler))
+        cls = self.lr_scheduler.__class__
+        try:
+            return cls(optimizer=self.optimizer, **_get_lr_scheduler_kwargs(self.lr_scheduler))
+        except TypeError as error:
+            raise ValueError(
+                f"lr_scheduler={cls.__name__} cannot be made again for the loop's optimizer of the shard tables: its "
+                f"state does not keep all its settings ({error}); PyKEEN's own loops rebuild schedulers the same "
+                f"way. Use one whose state keeps them (StepLR, MultiStepLR, ExponentialLR, CosineAnnealingLR, "
+                f"LinearLR, ...)."
+            ) from error
 
     def partition(self, triples_factory: CoreTriplesFactory) -> ShardPairPartition:
         """Return the training triples (with inverse triples if the model uses them) by shardpair, cached.

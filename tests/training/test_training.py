@@ -407,6 +407,15 @@ def test_a_scheduler_that_scales_the_rate_when_made_scales_it_once(dataset: Nati
     assert [rates[epoch] for epoch in sorted(rates)] == pytest.approx(expected, rel=1e-12)
 
 
+def test_a_scheduler_whose_state_lacks_its_settings_is_refused_clearly(dataset: Nations) -> None:
+    """OneCycleLR failed with "missing 1 required positional argument: 'max_lr'" from the loop's rebuilding."""
+    with pytest.raises(ValueError, match="lr_scheduler=OneCycleLR cannot be made again.*StepLR"):
+        BessTrainingLoop(
+            model=DistMult(triples_factory=dataset.training, embedding_dim=8), triples_factory=dataset.training,
+            lr_scheduler="OneCycleLR", lr_scheduler_kwargs=dict(max_lr=0.1, total_steps=10, cycle_momentum=False),
+        )  # fmt: skip
+
+
 def test_inverse_triples_and_gradient_clipping(dataset: Nations) -> None:
     inverse = Nations(create_inverse_triples=True)
     result = pipeline(
