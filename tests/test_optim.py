@@ -286,3 +286,18 @@ def test_a_rules_in_place_and_device_forms_agree(name: str) -> None:
         torch.testing.assert_close(device[0], in_place[0], rtol=1e-12, atol=1e-12)
         for key in state:
             torch.testing.assert_close(device[1][key], in_place[1][key], rtol=1e-12, atol=1e-12)
+
+
+def test_momentum_a_scheduler_set_is_named() -> None:
+    """OneCycleLR (cycle_momentum=True) gave SGD momentum 0.95: the error blamed an option the user never set."""
+    from pykeen.datasets import Nations
+    from pykeen.models import DistMult
+
+    from pykeen_bess.training import BessTrainingLoop
+
+    factory = Nations().training
+    with pytest.raises(ValueError, match=r"momentum=0.95.*OneCycleLR and CyclicLR set it"):
+        BessTrainingLoop(
+            model=DistMult(triples_factory=factory, embedding_dim=8), triples_factory=factory, optimizer="sgd",
+            lr_scheduler="OneCycleLR", lr_scheduler_kwargs=dict(max_lr=0.1, total_steps=10),
+        )  # fmt: skip

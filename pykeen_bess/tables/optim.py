@@ -282,10 +282,11 @@ class BessOptimizer(Optimizer):
             defaults.update({k: v for k, v in hyperparameters.items() if k in defaults or k in required_options})
             for key, required in required_options.items():
                 if key in defaults and defaults.pop(key) != required:
+                    cycled = " (OneCycleLR and CyclicLR set it, unless cycle_momentum=False)" * (key == "momentum")
                     raise ValueError(
                         f"{optimizer_cls.__name__}({key}={hyperparameters[key]!r}) has no row-sparse meaning; use "
-                        f"{key}={required!r}, or pass sparse_updates=False (command line: --dense-updates) to "
-                        f"update the shard tables densely."
+                        f"{key}={required!r}{cycled}, or pass sparse_updates=False (command line: --dense-updates) "
+                        f"to update the shard tables densely."
                     )
             groups.append(dict(params=table_params, rule=rule, **defaults))
         if not groups:
