@@ -301,3 +301,21 @@ def test_momentum_a_scheduler_set_is_named() -> None:
             model=DistMult(triples_factory=factory, embedding_dim=8), triples_factory=factory, optimizer="sgd",
             lr_scheduler="OneCycleLR", lr_scheduler_kwargs=dict(max_lr=0.1, total_steps=10),
         )  # fmt: skip
+
+
+def test_without_a_scheduler_the_optimizers_current_rate_counts() -> None:
+    """An optimizer a scheduler had decayed, given without the scheduler, trained at its initial rate (100x)."""
+    from pykeen.datasets import Nations
+    from pykeen.models import DistMult
+
+    from pykeen_bess.training import BessTrainingLoop
+
+    factory = Nations().training
+    model = DistMult(triples_factory=factory, embedding_dim=8)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.1)
+    for _ in range(2):
+        optimizer.step()
+        scheduler.step()
+    loop = BessTrainingLoop(model=model, triples_factory=factory, optimizer=optimizer, num_shards=2)
+    assert loop.optimizer.param_groups[0]["lr"] == pytest.approx(0.001)

@@ -95,6 +95,7 @@ class MmapStorage(TableStorage):
             hold_for_this_process(target, self, in_place=self.overwrite)
         if file.exists() and not self.overwrite:
             if not self.defer_existing:
+                _unmapped(str(target), None)  # (its lock, if nothing here maps it)
                 raise FileExistsError(_exists_message(file))
             file = file.with_name(f"{file.name}.new-{os.getpid()}")  # beside it; the existing file stays
         array = np.lib.format.open_memmap(file, mode="w+", dtype=NUMPY_DTYPES[dtype], shape=tuple(shape))
@@ -106,7 +107,7 @@ class MmapStorage(TableStorage):
         if file == target:
             hold_for_this_process(target, self, in_place=True)  # (a file truncated in place keeps its lock)
             _mark(target, self.owner)  # (optimizer state placed anew once training started)
-            mapped_by(target, array, self)
+        mapped_by(target, array, self)  # (the existing file's lock, for a file placed beside it)
         tensor = torch.from_numpy(array)
         self.files[_key(tensor)] = file
         self._arrays[_key(tensor)] = array
@@ -289,6 +290,17 @@ def hold_for_this_process(
     """
     if fcntl is None:
         return
+    enabled = gc.isenabled()
+    gc.disable()  # no finalizer lets go of this file's lock meanwhile (it would close a descriptor replaced here)
+    try:
+        _hold(file, storage, renew, in_place)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _hold(file: pathlib.Path, storage: MmapStorage, renew: bool, in_place: bool) -> None:
+    """Take (or renew) the lock of :func:`hold_for_this_process`, the garbage collector disabled."""
     key = str(file)
     lock = _HELD.get(key)
     if in_place and lock is not None and lock.mapped_by_another(storage):
@@ -311,7 +323,7 @@ def hold_for_this_process(
             f"{file} is in use by another process (a second run with the same storage_path?): one process at a "
             f"time may train a table in files. Wait for the other run, or give this one another storage_path."
         ) from None
-    _HELD[key] = _Lock(descriptor, {} if lock is None else lock.arrays)
+    _HELD[key] = _Lock(descriptor)  # (renewed: the arrays of the replaced file do not map this one)
     if lock is not None:
         os.close(lock.descriptor)
 

@@ -201,12 +201,13 @@ SPARSE_RULES: dict[type[Optimizer], str] = {
 DENSE_REQUIRED_OPTIONS: dict[str, Any] = dict(differentiable=False)
 
 
-def optimizer_hyperparameters(optimizer: Optimizer) -> dict[str, Any]:
+def optimizer_hyperparameters(optimizer: Optimizer, scheduled: bool = False) -> dict[str, Any]:
     """Return the hyper-parameters of an optimizer's first parameter group (without parameters).
 
-    A learning-rate scheduler made for the optimizer records the rate it was given as ``initial_lr`` and
-    may have scaled ``lr`` already (``LinearLR``, ``ConstantLR``: by their start factor): the rate is the
-    given one, which the scheduler rebuilt for the loop's optimizer scales once.
+    :param scheduled: a learning-rate scheduler made for the optimizer will be made again for the loop's: it
+        recorded the rate it was given as ``initial_lr`` and may have scaled ``lr`` already (``LinearLR``,
+        ``ConstantLR``: by their start factor), so the rate is the given one, which the rebuilt scheduler
+        scales once (without a scheduler, the optimizer's current rate)
     """
     group = optimizer.param_groups[0] if optimizer.param_groups else optimizer.defaults
     accepted = inspect.signature(type(optimizer).__init__).parameters
@@ -217,7 +218,7 @@ def optimizer_hyperparameters(optimizer: Optimizer) -> dict[str, Any]:
         for key, value in group.items()
         if key not in {"params", "initial_lr"} and (takes_any or key in accepted)
     }
-    if "initial_lr" in group and "lr" in settings:
+    if scheduled and "initial_lr" in group and "lr" in settings:
         settings["lr"] = group["initial_lr"]
     return settings
 

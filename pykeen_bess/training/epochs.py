@@ -53,8 +53,8 @@ deliberately in these points:
 12. The early stopper's best-weights file left after training (``best_model_path``: training ended without
     stopping, or ``clean_up_checkpoint=False``) is rewritten as the trained model's state dict (PyKEEN's
     keys and entity order where the model holds its own embeddings again; :func:`stopper_file_layout`),
-    and back in the tables' layout when a later training evaluates with the same stopper. In one process;
-    under a process group every rank keeps its own shards' file.
+    and back in the tables' layout when a later training with the same stopper starts. Only a file the
+    stopper wrote; in one process (under a process group every rank keeps its own shards' file).
 
 The failure branch otherwise matches PyKEEN's: a ``RuntimeError`` or ``MemoryError`` writes the
 failure checkpoint (handing it the best-epoch model when there is one), deletes the temporary

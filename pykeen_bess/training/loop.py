@@ -32,7 +32,7 @@ from ..data.sharding import ShardingStrategy
 from ..storage import TableStorage, make_storage
 from ..runtime.threads import ThreadsHint, resolve_threads
 from .checkpoints.pbg import PbgCheckpointStore, prepare_pbg_checkpoint
-from .checkpoints.stopper_weights import stopper_file_layout
+from .checkpoints.stopper_weights import pykeen_layout_stopper_file, stopper_file_layout
 from .setup.config import (
     check_train_arguments,
     check_model,
@@ -229,7 +229,7 @@ class BessTrainingLoop(LoopParts):
             raise ValueError(f"device={device!r} is for a model built on the meta device, not one on {model.device}.")
         # the optimizer the base class built (or the pipeline passed) defines class and hyper-parameters
         self.optimizer_cls = type(self.optimizer)
-        self.optimizer_kwargs = optimizer_hyperparameters(self.optimizer)
+        self.optimizer_kwargs = optimizer_hyperparameters(self.optimizer, scheduled=self.lr_scheduler is not None)
         #: the settings the partition-dependent parts are built from (again if exchange="auto" changes it)
         self.settings = LoopSettings(
             model=cast(ERModel, model),
@@ -321,12 +321,15 @@ class BessTrainingLoop(LoopParts):
         # without continue_training the tables are re-initialised (or loaded from a checkpoint)
         self.host_allocator.apply()
         installed = self.tables.installed(copy_weights=bool(kwargs.get("continue_training")))
+        own_layout = not self.topology.is_distributed  # the stopper's file in the tables' layout meanwhile (12.)
+        if own_layout:
+            stopper_file_layout(kwargs.get("stopper"), self.tables.tables)
         try:
             with installed, self.thread_policy.applied():
                 return super().train(triples_factory, num_epochs=num_epochs, batch_size=batch_size, **kwargs)
         finally:
-            if not self.topology.is_distributed:  # the stopper's file: the model's state dict (difference 12)
-                stopper_file_layout(kwargs.get("stopper"), self.model.entity_representations, self.tables.tables)
+            if own_layout:
+                pykeen_layout_stopper_file(kwargs.get("stopper"), self.tables.tables, self.model.entity_representations)
 
     def _train(self, triples_factory: CoreTriplesFactory, **kwargs: Any) -> list[float] | None:  # type: ignore[override]
         """Run the BESS epochs (called by PyKEEN's ``TrainingLoop.train``); see :func:`.epochs.run_epochs`."""

@@ -39,7 +39,7 @@ from ..data.partition import ShardPairPartition
 from ..distributed import Topology
 from ..tables.memory_plan import MemoryPlan
 from ..tables.shard_tables import ShardTables
-from .checkpoints.stopper_weights import process_suffix, stopper_file_layout
+from .checkpoints.stopper_weights import process_suffix
 from .epoch_steps import EpochBatches
 from .setup.config import BessConfig
 from .setup.sizes import StepSizes, block_size_for
@@ -237,10 +237,6 @@ class RowShardStopperCallback(StopperTrainingCallback):
         # written back: PyKEEN's EarlyStopper loads the best epoch's weights into the model when it stops;
         # it keeps them as the model's state dict (which holds tables in files by value)
         with tables.row_shards(loop.optimizer, write=True):
-            if not loop.topology.is_distributed and not getattr(self, "file_in_table_layout", False):  # type: ignore[attr-defined]
-                # an earlier training left it in the layout of the model's embeddings (difference 12)
-                stopper_file_layout(self.stopper, self.model.entity_representations, tables.tables)
-                self.file_in_table_layout = True
             try:
                 super().post_epoch(epoch=epoch, epoch_loss=epoch_loss, **kwargs)
             except FileNotFoundError as error:

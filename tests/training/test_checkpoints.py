@@ -256,6 +256,29 @@ def test_a_checkpoint_resumes_only_with_its_learning_rate_scheduler(tmp_path: pa
     assert len(first + train(2, "StepLR", step_size=1, gamma=0.5)[1:]) == 2
 
 
+def test_a_checkpoint_with_a_scheduler_resumes_on_another_number_of_shards(tmp_path: pathlib.Path) -> None:
+    """The search for the writer's shard count checksummed without the scheduler: resharding failed."""
+    from pykeen.datasets import Nations
+
+    from pykeen_bess.training import BessTrainingLoop
+
+    factory = Nations().training
+
+    def run(num_shards: int, num_epochs: int) -> list[float]:
+        model = DistMult(triples_factory=factory, embedding_dim=8, random_seed=0)
+        loop = BessTrainingLoop(
+            model=model, triples_factory=factory, num_shards=num_shards, num_threads=1, optimizer="adam",
+            optimizer_kwargs=dict(lr=0.01), lr_scheduler="StepLR", lr_scheduler_kwargs=dict(step_size=1, gamma=0.5),
+        )  # fmt: skip
+        return loop.train(
+            factory, num_epochs=num_epochs, batch_size=256, use_tqdm=False, checkpoint_name="run.pt",
+            checkpoint_directory=tmp_path, checkpoint_frequency=0,
+        )  # fmt: skip
+
+    first = run(2, 1)
+    assert run(3, 2)[:1] == first
+
+
 def test_a_checkpoint_of_another_loss_names_the_loss(tmp_path: pathlib.Path) -> None:
     """The loss is in the checksum but not in the checkpoint: the error names it among what may differ."""
     from pykeen.datasets import Nations

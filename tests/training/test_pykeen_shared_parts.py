@@ -212,3 +212,36 @@ def test_the_model_of_a_checkpoint_by_resuming_it_with_its_epochs(dataset: Natio
     plain = DistMult(triples_factory=dataset.training, embedding_dim=8)
     plain.load_state_dict(resumed.model.state_dict())
     torch.testing.assert_close(plain.state_dict(), trained.model.state_dict(), rtol=0, atol=0)
+
+
+def test_the_stoppers_file_is_in_the_tables_layout_while_training_goes_on(
+    dataset: Nations, tmp_path: pathlib.Path
+) -> None:
+    """Training on wrote a checkpoint before the stopper's first evaluation: the copy of its file beside it was in
+    PyKEEN's layout, and resuming the checkpoint on another number of shards failed (KeyError). A file this stopper
+    did not write (another run's, at the same path) is not rewritten."""
+    path = tmp_path / "best.pt"
+    torch.save({"another run's": torch.zeros(3)}, path)
+
+    def make(num_shards: int) -> tuple[BessTrainingLoop, EarlyStopper]:
+        model = DistMult(triples_factory=dataset.training, embedding_dim=8, random_seed=1)
+        loop = BessTrainingLoop(
+            model=model, triples_factory=dataset.training, num_shards=num_shards, num_threads=1,
+            automatic_memory_optimization=False,
+        )  # fmt: skip
+        stopper = EarlyStopper(
+            model=model, evaluator=RankBasedEvaluator(), training_triples_factory=dataset.training,
+            evaluation_triples_factory=dataset.validation, frequency=2, patience=50, best_model_path=path,
+            clean_up_checkpoint=False, evaluation_batch_size=256,
+        )  # fmt: skip
+        return loop, stopper
+
+    loop, stopper = make(2)
+    loop.train(dataset.training, num_epochs=2, batch_size=256, use_tqdm=False, stopper=stopper)
+    kwargs = dict(batch_size=256, use_tqdm=False, checkpoint_name="c.pt", checkpoint_directory=tmp_path)
+    loop.train(dataset.training, num_epochs=3, stopper=stopper, continue_training=True, **kwargs)
+    (copy,) = tmp_path.glob("c.pt.best-weights*")
+    assert "entity_representations.0.weight" in torch.load(copy, weights_only=False)  # the tables' layout
+    loop, stopper = make(3)
+    assert len(loop.train(dataset.training, num_epochs=4, stopper=stopper, **kwargs)) == 4
+    assert "entity_representations.0._embeddings.weight" in torch.load(path, weights_only=False)

@@ -1132,3 +1132,24 @@ def test_table_files_are_let_go_with_their_model(tmp_path) -> None:
     if pathlib.Path("/proc/self/fd").is_dir():
         assert descriptors_of_removed_files() == []
     MmapStorage(tmp_path).place("table0", (4, 2), torch.float32)  # placed anew
+
+
+def test_a_resumed_file_is_locked_while_its_own_arrays_map_it(tmp_path) -> None:
+    """A resumed run's new file took over the lock record with the replaced file's arrays: its lock outlived every
+    array mapping it, and a later overwrite=True run was refused as if it rewrote the first model's rows."""
+    import gc
+
+    from pykeen_bess.storage import MmapStorage
+    from pykeen_bess.storage import files
+
+    first = MmapStorage(tmp_path).place("t", (4, 2), torch.float32)  # kept: it maps the replaced file
+    storage = MmapStorage(tmp_path)
+    storage.defer_existing_files()
+    second = storage.place("t", (4, 2), torch.float32)
+    storage.claim_existing(resuming=True)  # its file under the name
+    assert len(files._HELD[str(tmp_path / "t.npy")].arrays) == 1
+    del second, storage
+    gc.collect()
+    assert str(tmp_path / "t.npy") not in files._HELD
+    MmapStorage(tmp_path, overwrite=True).place("t", (4, 2), torch.float32)
+    assert first.shape == (4, 2)

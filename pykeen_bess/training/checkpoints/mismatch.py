@@ -11,7 +11,7 @@ import torch
 from ...data.sharding import EntitySharding, RandomSharding
 from .checkpointed import CheckpointedLoop, optimizer_text, scheduler_settings, scheduler_text
 
-__all__ = ["describe_mismatch", "legacy_checksum", "predated_checks"]
+__all__ = ["describe_mismatch", "legacy_checksum", "predated_checks", "scheduler_difference"]
 
 
 def _shapes(state_dict: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -75,7 +75,7 @@ def describe_mismatch(loop: CheckpointedLoop, state: Mapping[str, Any], triples_
         another = any(set(a) != set(b) for a, b in zip(groups_theirs, groups_ours))
         kind = " (another optimizer)" if another else ""
         differences.append(f"the optimizer's settings{kind}: {', '.join(changed.values())}")
-    scheduler = _scheduler_difference(loop, state)
+    scheduler = scheduler_difference(loop, state)
     if scheduler is not None:
         differences.append(scheduler)
     written_sharding = _find_sharding(loop, state)
@@ -97,7 +97,7 @@ def describe_mismatch(loop: CheckpointedLoop, state: Mapping[str, Any], triples_
     )
 
 
-def _scheduler_difference(loop: CheckpointedLoop, state: Mapping[str, Any]) -> str | None:
+def scheduler_difference(loop: CheckpointedLoop, state: Mapping[str, Any]) -> str | None:
     """Say how the checkpoint's learning-rate scheduler differs from this run's (None: as far as it shows, alike)."""
     written, scheduler = state.get("lr_scheduler_state_dict"), loop.lr_scheduler
     if written is None and scheduler is None:
@@ -107,7 +107,7 @@ def _scheduler_difference(loop: CheckpointedLoop, state: Mapping[str, Any]) -> s
     if written is None:
         return f"the learning-rate scheduler: the checkpoint has none, this run {type(scheduler).__name__}"
     state = scheduler.state_dict()
-    if set(written) != set(state):  # a class's state always has the same entries
+    if _public(written) != _public(state):  # a class's state always has the same entries (private ones may vary)
         return f"the learning-rate scheduler: this run has {scheduler_text(scheduler)}, the checkpoint another class"
     theirs, ours = scheduler_settings(written, type(scheduler)), scheduler_settings(state, type(scheduler))
     if theirs == ours:
@@ -115,6 +115,11 @@ def _scheduler_difference(loop: CheckpointedLoop, state: Mapping[str, Any]) -> s
     return (
         f"the learning-rate scheduler: this run has {scheduler_text(scheduler)}, the checkpoint's settings are {theirs}"
     )
+
+
+def _public(state: Mapping[str, Any]) -> set[str]:
+    """Return the entries of a scheduler's state but torch's private ones (which torch versions add)."""
+    return {key for key in state if not key.startswith("_")}
 
 
 def legacy_checksum(loop: CheckpointedLoop) -> str:
@@ -143,7 +148,7 @@ def predated_checks(loop: CheckpointedLoop, state: Mapping[str, Any]) -> str | N
         return None
     digest = hashlib.md5(str(loop.model).encode("utf-8"))
     digest.update(optimizer_text(loop.optimizer).encode("utf-8"))
-    if state.get("checksum") == digest.hexdigest() and _scheduler_difference(loop, state) is None:
+    if state.get("checksum") == digest.hexdigest() and scheduler_difference(loop, state) is None:
         return "scheduler checks (its scheduler's settings are this run's)"
     return None
 

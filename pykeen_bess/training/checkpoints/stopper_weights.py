@@ -47,6 +47,7 @@ __all__ = [
     "prune_stopper_weights",
     "reshard_stopper_weights",
     "restore_stopper_weights",
+    "pykeen_layout_stopper_file",
     "stopper_file_layout",
     "stopper_weights_file",
     "table_keys",
@@ -295,39 +296,59 @@ class CopiedShards(ShardFiles):
             yield rows, {"model_state_dict": state, "optimizer_state_dict": {"state": {}}}
 
 
-def stopper_file_layout(stopper: Any, representations: Any, tables: Sequence[Any]) -> None:
-    """Rewrite the early stopper's best-weights file in the layout the model's entity representations have now.
+def stopper_file_layout(stopper: Any, tables: Sequence[Any], representations: Any = None) -> None:
+    """Rewrite the early stopper's best-weights file in PyKEEN's layout after training, or back before it.
 
     PyKEEN documents the file (``best_model_path``, left behind when training ends without stopping, or with
     ``clean_up_checkpoint=False``) as the best epoch's ``model.state_dict()``. During training the stopper
     saves and loads it with the shard tables in the model (``entity_representations.I.weight``, rows in shard
-    order); after training, where the model holds its own embeddings again, the file gets their key
-    (``entity_representations.I._embeddings.weight``) and rows in entity order, so that PyKEEN's
-    ``model.load_state_dict(torch.load(path))`` restores the best epoch; when a later training of the model
-    evaluates with the same stopper, it goes back to the tables' layout (the padding rows, which training
-    never changes, from the tables). One process holding every shard only (under a process group each rank
-    keeps its own shards' file).
+    order, padding rows zero); after training, where the model holds its own embeddings again
+    (``representations`` given: their key ``entity_representations.I._embeddings.weight``, rows in entity
+    order), it gets their layout, so that PyKEEN's ``model.load_state_dict(torch.load(path))`` restores the
+    best epoch; before a later training with the same stopper (``representations`` None) it goes back to the
+    tables' layout (for the stopper, and for the copies kept beside checkpoints). Only a file this stopper
+    wrote (it has a best epoch); one process holding every shard only (under a process group each rank keeps
+    its own shards' file).
 
-    :param stopper: the early stopper (anything without a best-weights file is left alone)
-    :param representations: the model's entity representations now (a module list)
-    :param tables: the tables the loop trains, ``[padded_rows, row_width]`` each with its ``entity_rows``
+    :param stopper: the early stopper (anything without a best epoch or a best-weights file is left alone)
+    :param tables: the tables the loop trains, ``[padded_rows, row_width]`` each (or column parts of such rows)
+        with its ``entity_rows``
+    :param representations: the model's entity representations after training (a module list), or None
     """
     path = getattr(stopper, "best_model_path", None)
-    if path is None or not pathlib.Path(path).is_file():
+    if path is None or getattr(stopper, "best_epoch", None) is None or not pathlib.Path(path).is_file():
         return
     state = torch.load(path, weights_only=False, map_location="cpu")
     changed = False
-    for index, (representation, table) in enumerate(zip(representations, tables)):
+    for index, table in enumerate(tables):
         table_key = f"entity_representations.{index}.weight"
         pykeen_key = f"entity_representations.{index}._embeddings.weight"
         rows = table.entity_rows.cpu()
-        if hasattr(representation, "entity_rows") and pykeen_key in state:  # the tables again
-            weight = representation.weight.detach().to("cpu", copy=True)
-            weight[rows] = state.pop(pykeen_key).to(weight)
+        if representations is None and pykeen_key in state:  # the tables again (their padding rows are zero)
+            values = state.pop(pykeen_key)
+            weight = values.new_zeros(table.weight.shape[0], *values.shape[1:])
+            weight[rows] = values
             state[table_key], changed = weight, True
-        elif not hasattr(representation, "entity_rows") and table_key in state:  # the model's embeddings again
-            state[pykeen_key], changed = state.pop(table_key)[rows], True
+        elif representations is not None and index < len(representations) and table_key in state:
+            if not hasattr(representations[index], "entity_rows"):  # the model's own embedding again
+                state[pykeen_key], changed = state.pop(table_key)[rows], True
     if changed:
         temporary = pathlib.Path(path).with_name(f"{pathlib.Path(path).name}.tmp-{os.getpid()}")
         torch.save(state, temporary)
         os.replace(temporary, path)
+
+
+def pykeen_layout_stopper_file(stopper: Any, tables: Sequence[Any], representations: Any) -> None:
+    """Rewrite the stopper's file in PyKEEN's layout after training (:func:`stopper_file_layout`); never raises.
+
+    It runs after the training, also one that failed: a file it cannot rewrite is left as it is (logged),
+    rather than replacing the training's result or exception.
+    """
+    try:
+        stopper_file_layout(stopper, tables, representations)
+    except Exception as error:  # noqa: BLE001 - after training: its outcome comes first
+        logger.warning(
+            "The early stopper's file %s stays in the layout of the shard tables: %s",
+            getattr(stopper, "best_model_path", None),
+            error,
+        )

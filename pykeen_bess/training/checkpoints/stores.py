@@ -38,8 +38,8 @@ from ...data.sharding import EntitySharding, RandomSharding
 from ...distributed import Topology
 from ...storage.digests import write_with_digests
 from ...tables.representation import ShardedEmbedding
-from .mismatch import describe_mismatch, predated_checks
-from .checkpointed import CheckpointedLoop, optimizer_text
+from .mismatch import describe_mismatch, predated_checks, scheduler_difference
+from .checkpointed import CheckpointedLoop, optimizer_text, scheduler_text
 from ...tables.column_tables import ColumnShardTables
 from .resharding import ShardFiles, reshard_rank_state, reshard_stored_tables
 from .files import (
@@ -124,14 +124,17 @@ def one_process_shards(store: CheckpointStore, path: pathlib.Path) -> int | None
         return None
     loop, sharding = store.loop, store.sharding
     model, optimizer = str(loop.model), optimizer_text(loop.optimizer).encode("utf-8")
+    scheduler = scheduler_text(loop.lr_scheduler).encode("utf-8")  # (b"": a checkpoint of an earlier version)
     for k in range(1, min(rows, sharding.num_entities) + 1):  # (more shards than entities: no sharding)
         if k * -(-sharding.num_entities // k) != rows:
             continue
         candidate = model.replace(loop.sharding.fingerprint, sharding.with_shards(k).fingerprint)
-        digest = hashlib.md5(candidate.encode("utf-8"))  # the digest PyKEEN checksums with
-        digest.update(optimizer)
-        if digest.hexdigest() == content["checksum"]:
-            return k
+        for text in dict.fromkeys([scheduler, b""]):
+            digest = hashlib.md5(candidate.encode("utf-8"))  # the digest PyKEEN checksums with
+            digest.update(optimizer)
+            digest.update(text)
+            if digest.hexdigest() == content["checksum"]:
+                return k
     return None
 
 
@@ -244,6 +247,9 @@ class CheckpointStore(ABC):
 
         :param tables: the directory of the checkpoint's table files (default: none besides the dictionary)
         """
+        difference = scheduler_difference(self.loop, state)  # (its checksum is replaced: the scheduler by its state)
+        if difference is not None:
+            raise CheckpointMismatchError(f"The checkpoint does not fit this run: {difference}.")
         state["checksum"] = self.loop.checksum  # the representation of the shard tables names the sharding
         with tempfile.TemporaryDirectory() as directory:
             file = pathlib.Path(directory, f"checkpoint-{os.getpid()}.pt")
