@@ -11,7 +11,6 @@ run, and the loss of given triples as PyKEEN's ``SLCWATrainingLoop`` computes it
 
 from __future__ import annotations
 
-import hashlib
 import pathlib
 from typing import Any
 
@@ -34,7 +33,7 @@ from ..data.batch import BessBatch
 from ..distributed import Topology
 from ..scoring import SharedCandidateScorer
 from ..data.sharding import EntitySharding
-from .checkpoints.checkpointed import optimizer_text, scheduler_text
+from .checkpoints.checkpointed import checksum, optimizer_text, scheduler_text
 from .checkpoints.stores import CheckpointStore
 from .setup.config import BessConfig
 from ..tables.memory_plan import MemoryPlan
@@ -119,10 +118,7 @@ class PyKEENHooks(SLCWATrainingLoop):
         :func:`~pykeen_bess.training.checkpoints.checkpointed.optimizer_text`); PyKEEN's own loops refuse it.
         The scheduler's class and settings count (:func:`~.checkpoints.checkpointed.scheduler_text`).
         """
-        digest = hashlib.md5(str(self.model).encode("utf-8"))
-        digest.update(optimizer_text(self.optimizer).encode("utf-8"))
-        digest.update(scheduler_text(self.lr_scheduler).encode("utf-8"))
-        return digest.hexdigest()
+        return checksum(str(self.model), optimizer_text(self.optimizer), scheduler_text(self.lr_scheduler))
 
     def _load_state(self, path: str | pathlib.Path, triples_factory: CoreTriplesFactory | None = None) -> Any:
         """Load a checkpoint through the loop's checkpoint store; the shard tables then hold the weights."""

@@ -8,6 +8,7 @@ and a reader sees what a checkpoint depends on. :class:`~pykeen_bess.training.Be
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
@@ -22,7 +23,7 @@ from ...tables.shard_tables import ShardTables
 if TYPE_CHECKING:  # the configuration module resolves partitions, whose checkpoint stores see this protocol
     from ..setup.config import BessConfig
 
-__all__ = ["CheckpointedLoop", "optimizer_text", "scheduler_settings", "scheduler_text"]
+__all__ = ["CheckpointedLoop", "checksum", "optimizer_text", "scheduler_settings", "scheduler_text"]
 
 
 def optimizer_text(optimizer: torch.optim.Optimizer | None) -> str:
@@ -77,6 +78,18 @@ def scheduler_text(scheduler: Any) -> str:
         return ""
     settings = scheduler_settings(scheduler.state_dict(), type(scheduler)) or {}
     return f"{type(scheduler).__name__}({', '.join(f'{k}={v!r}' for k, v in sorted(settings.items()))})"
+
+
+def checksum(model: str, optimizer: str, scheduler: str = "") -> str:
+    """Return PyKEEN's checkpoint checksum of a model's and an optimizer's text, and a scheduler's.
+
+    PyKEEN hashes ``str(model)`` and ``str(optimizer)``; the loop hashes :func:`optimizer_text` and the scheduler's
+    text too (empty without a scheduler: the checksum is then PyKEEN's formula).
+    """
+    digest = hashlib.md5(model.encode("utf-8"))
+    digest.update(optimizer.encode("utf-8"))
+    digest.update(scheduler.encode("utf-8"))
+    return digest.hexdigest()
 
 
 class CheckpointedLoop(Protocol):

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from ...data.sharding import EntitySharding, RandomSharding
-from .checkpointed import CheckpointedLoop, optimizer_text, scheduler_settings, scheduler_text
+from .checkpointed import CheckpointedLoop, checksum, optimizer_text, scheduler_settings, scheduler_text
 
 __all__ = ["describe_mismatch", "legacy_checksum", "predated_checks", "scheduler_difference"]
 
@@ -127,9 +126,7 @@ def legacy_checksum(loop: CheckpointedLoop) -> str:
     model = str(loop.model)
     for table in loop.tables:
         model = model.replace(f"ShardedEmbedding({table.sharding.fingerprint})", "ShardedEmbedding()")
-    digest = hashlib.md5(model.encode("utf-8"))  # the digest PyKEEN checksums with
-    digest.update(optimizer_text(loop.optimizer).encode("utf-8"))
-    return digest.hexdigest()
+    return checksum(model, optimizer_text(loop.optimizer))
 
 
 def predated_checks(loop: CheckpointedLoop, state: Mapping[str, Any]) -> str | None:
@@ -146,9 +143,8 @@ def predated_checks(loop: CheckpointedLoop, state: Mapping[str, Any]) -> str | N
         return "sharding checks (the sharding was random)"
     if loop.lr_scheduler is None:
         return None
-    digest = hashlib.md5(str(loop.model).encode("utf-8"))
-    digest.update(optimizer_text(loop.optimizer).encode("utf-8"))
-    if state.get("checksum") == digest.hexdigest() and scheduler_difference(loop, state) is None:
+    written = checksum(str(loop.model), optimizer_text(loop.optimizer))  # without the scheduler's text
+    if state.get("checksum") == written and scheduler_difference(loop, state) is None:
         return "scheduler checks (its scheduler's settings are this run's)"
     return None
 
@@ -164,10 +160,10 @@ def _find_sharding(loop: CheckpointedLoop, state: Mapping[str, Any]) -> tuple[st
     """
     from ...data.sharding import resolve_sharding
 
-    checksum = state.get("checksum")
+    written = state.get("checksum")
     current = loop.sharding
     model, optimizer = str(loop.model), optimizer_text(loop.optimizer)
-    if checksum is None or current.fingerprint not in model:
+    if written is None or current.fingerprint not in model:
         return None
     num_entities = current.num_entities
     rows = {
@@ -192,10 +188,8 @@ def _find_sharding(loop: CheckpointedLoop, state: Mapping[str, Any]) -> tuple[st
                     continue
                 if candidate.fingerprint == current.fingerprint:
                     continue
-                digest = hashlib.md5(model.replace(current.fingerprint, candidate.fingerprint).encode("utf-8"))
-                digest.update(optimizer.encode("utf-8"))
-                digest.update(scheduler_text(loop.lr_scheduler).encode("utf-8"))
-                if digest.hexdigest() != checksum:
+                candidate_model = model.replace(current.fingerprint, candidate.fingerprint)
+                if checksum(candidate_model, optimizer, scheduler_text(loop.lr_scheduler)) != written:
                     continue
                 arguments = [f"num_shards={n}"] if n != current.n_shard else []
                 arguments += [f"seed={seed}"] if seed != current.seed else []

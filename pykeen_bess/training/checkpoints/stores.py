@@ -39,7 +39,7 @@ from ...distributed import Topology
 from ...storage.digests import write_with_digests
 from ...tables.representation import ShardedEmbedding
 from .mismatch import describe_mismatch, predated_checks, scheduler_difference
-from .checkpointed import CheckpointedLoop, optimizer_text, scheduler_text
+from .checkpointed import CheckpointedLoop, checksum, optimizer_text, scheduler_text
 from ...tables.column_tables import ColumnShardTables
 from .resharding import ShardFiles, reshard_rank_state, reshard_stored_tables
 from .files import (
@@ -123,18 +123,14 @@ def one_process_shards(store: CheckpointStore, path: pathlib.Path) -> int | None
     if rows is None:
         return None
     loop, sharding = store.loop, store.sharding
-    model, optimizer = str(loop.model), optimizer_text(loop.optimizer).encode("utf-8")
-    scheduler = scheduler_text(loop.lr_scheduler).encode("utf-8")  # (b"": a checkpoint of an earlier version)
+    model, optimizer = str(loop.model), optimizer_text(loop.optimizer)
+    scheduler = scheduler_text(loop.lr_scheduler)  # (and "": a checkpoint of an earlier version)
     for k in range(1, min(rows, sharding.num_entities) + 1):  # (more shards than entities: no sharding)
         if k * -(-sharding.num_entities // k) != rows:
             continue
         candidate = model.replace(loop.sharding.fingerprint, sharding.with_shards(k).fingerprint)
-        for text in dict.fromkeys([scheduler, b""]):
-            digest = hashlib.md5(candidate.encode("utf-8"))  # the digest PyKEEN checksums with
-            digest.update(optimizer)
-            digest.update(text)
-            if digest.hexdigest() == content["checksum"]:
-                return k
+        if content["checksum"] in {checksum(candidate, optimizer, text) for text in (scheduler, "")}:
+            return k
     return None
 
 
