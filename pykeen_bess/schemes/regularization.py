@@ -49,6 +49,10 @@ class RowTermGradient:
         factor = self.coefficient.unsqueeze(-1)
         return self.values * factor if gradient is None else torch.addcmul(gradient, self.values, factor)
 
+    def add_into(self, gradient: torch.Tensor) -> None:
+        """Add ``coefficient[:, None] * values`` to a gradient in place (one fused ``addcmul_``)."""
+        gradient.addcmul_(self.values, self.coefficient.unsqueeze(-1))
+
 
 class Accumulator:
     """Sums weighted regularization terms.
@@ -79,11 +83,12 @@ class Accumulator:
         """
         if self.gradients is None or target is None:
             return False
-        with torch.no_grad():
-            values = torch.view_as_real(rows).flatten(-2) if rows.is_complex() else rows
-            if (values.data_ptr(), values.shape, values.stride()) != (target.data_ptr(), target.shape, target.stride()):
-                return False
-            term, coefficient = _l2_value(regularizer, rows, row_weights)
+        values = rows.detach()  # (no autograd node: the gradient is the step's to add)
+        if values.is_complex():
+            values = torch.view_as_real(values).flatten(-2)
+        if (values.data_ptr(), values.shape, values.stride()) != (target.data_ptr(), target.shape, target.stride()):
+            return False
+        term, coefficient = _norms_term(values, row_weights, regularizer.weight, _scale(regularizer, rows.shape[-1]))
         self.add(term)
         if target.requires_grad:
             self.gradients.append(RowTermGradient(target, values, coefficient))
@@ -149,15 +154,9 @@ def is_plain_l2_regularizer(regularizer: Any) -> bool:
     )
 
 
-def _l2_value(regularizer: Any, rows: torch.Tensor, row_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return the term ``[1]`` of rows ``[N, d]`` and its coefficients ``[N]`` as :class:`_WeightedRowNorms` does.
-
-    :param rows: shape: ``[N, d]``, real or complex (then computed on the real view)
-    :param row_weights: shape: ``[N]``, on the rows' device, in their real dtype
-    """
-    scale = 1.0 / get_expected_norm(p=regularizer.p, d=rows.shape[-1]) if regularizer.normalize else 1.0
-    x = torch.view_as_real(rows).flatten(-2) if rows.is_complex() else rows
-    return _norms_term(x, row_weights, regularizer.weight, scale)
+def _scale(regularizer: Any, dim: int) -> float:
+    """Return the factor of the regularizer's norms of rows of ``dim`` (complex: their complex) dimensions."""
+    return 1.0 / get_expected_norm(p=regularizer.p, d=dim) if regularizer.normalize else 1.0
 
 
 def _norms_term(
@@ -186,8 +185,7 @@ def l2_term(regularizer: Any, rows: torch.Tensor, row_weights: torch.Tensor) -> 
     :param row_weights: shape: ``[N]``, on the rows' device, in their real dtype
     :returns: the rows ``[N, d]`` (a view of ``rows``) and the term, shape: ``[1]``, as PyKEEN's terms
     """
-    scale = 1.0 / get_expected_norm(p=regularizer.p, d=rows.shape[-1]) if regularizer.normalize else 1.0
-    return _WeightedRowNorms.apply(rows, row_weights, regularizer.weight, scale)
+    return _WeightedRowNorms.apply(rows, row_weights, regularizer.weight, _scale(regularizer, rows.shape[-1]))
 
 
 class _WeightedRowNorms(torch.autograd.Function):
@@ -240,7 +238,26 @@ def add_term_gradients(
     :param inputs: the tensors differentiated
     :param grads: their gradients (None: none yet), in the order of ``inputs``
     """
-    for term_gradient in term_gradients:
-        position = next((i for i, x in enumerate(inputs) if x is term_gradient.target), None)
-        if position is not None:
-            grads[position] = term_gradient.add_to(grads[position])
+    with torch.no_grad():  # (a gradient the backward pass returned may be a view made without grad mode)
+        for term_gradient in term_gradients:
+            position = next((i for i, x in enumerate(inputs) if x is term_gradient.target), None)
+            if position is None:
+                continue
+            gradient = grads[position]
+            if gradient is not None and _owned(gradient, grads, position):
+                term_gradient.add_into(gradient)
+            else:
+                grads[position] = term_gradient.add_to(gradient)
+
+
+def _owned(gradient: torch.Tensor, grads: Sequence[torch.Tensor | None], position: int) -> bool:
+    """Whether a gradient may be modified in place: no other input's gradient shares its memory.
+
+    The backward pass may return one tensor for several inputs (the gradients of ``a + b``).
+    """
+    storage = gradient.untyped_storage().data_ptr()
+    return not any(
+        other is not None and other.untyped_storage().data_ptr() == storage
+        for index, other in enumerate(grads)
+        if index != position
+    )

@@ -347,12 +347,14 @@ def test_l2_regularization_equals_pykeens_per_group(dataset: Nations, model_name
 @pytest.mark.parametrize("n_shard", [1, 3])
 def test_l2_terms_with_deferred_gradients_equal_autograds(dataset: Nations, model_name: str, n_shard: int) -> None:
     """A static step's L2 terms on its leaves and on the relation table: each term's value without an autograd node,
-    its gradient added by the step (``RowTermGradient.add_to``), equal the terms differentiated by autograd (float64).
+    its gradient added by the step (``add_term_gradients``), equal the terms differentiated by autograd (float64).
     Blocks of 64 slots look up more relations than there are (the relation term is then the table's, per relation).
     """
     import dataclasses
 
     from pykeen.regularizers import LpRegularizer
+
+    from pykeen_bess.schemes.regularization import add_term_gradients
 
     model, _, tables, batch = make_setup(dataset, model_name, n_shard, block_size=64)
     for representation in (*tables, *model.relation_representations):  # every table regularized by L2
@@ -367,10 +369,8 @@ def test_l2_terms_with_deferred_gradients_equal_autograds(dataset: Nations, mode
         scores = step.scores(batch, gathered)
         total = scores.positive.sum() + (scores.negative * 0.5).sum() + scores.regularization.sum()
         targets = [*gathered.leaves, relation_weight]
-        grads = list(torch.autograd.grad(total, targets))
-        for term_gradient in gathered.term_gradients or ():
-            index = next(i for i, target in enumerate(targets) if target is term_gradient.target)
-            grads[index] = term_gradient.add_to(grads[index])
+        grads: list[torch.Tensor | None] = list(torch.autograd.grad(total, targets))
+        add_term_gradients(gathered.term_gradients or (), targets, grads)
         assert scores.regularization.requires_grad != deferred
         results.append((scores.regularization.detach(), grads, len(gathered.term_gradients or ())))
     (term, grads, _), (deferred_term, deferred_grads, count) = results
@@ -379,6 +379,39 @@ def test_l2_terms_with_deferred_gradients_equal_autograds(dataset: Nations, mode
     torch.testing.assert_close(deferred_term, term, rtol=1e-12, atol=0)
     for actual, expected in zip(deferred_grads, grads):
         torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-15)
+
+
+def test_deferred_l2_gradients_leave_a_gradient_shared_with_another_input_unchanged() -> None:
+    """The backward pass may return one tensor as two inputs' gradients (``a + b``): a term's gradient is added to its
+    own input's alone (in place only into a gradient no other input shares), equal to autograd's.
+    """
+    from pykeen.regularizers import LpRegularizer
+
+    from pykeen_bess.schemes.regularization import Accumulator, add_term_gradients
+
+    regularizer = LpRegularizer(weight=0.5, p=2.0)
+    a = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
+    weights = torch.rand(6, dtype=torch.float64)
+    accumulator = Accumulator([])
+    assert accumulator.add_l2(regularizer, a, weights, a)
+    loss = ((a + b) ** 2).sum()
+    grads: list[torch.Tensor | None] = list(torch.autograd.grad(loss, [a, b]))
+    shared = grads[0] is grads[1] or grads[0].untyped_storage().data_ptr() == grads[1].untyped_storage().data_ptr()
+    assert shared  # (torch's AddBackward passes one gradient on to both)
+    before = grads[1].clone()
+    add_term_gradients(accumulator.gradients, [a, b], grads)
+    term = regularizer.weight * (a.norm(dim=-1) * weights).sum()
+    expected = torch.autograd.grad(((a + b) ** 2).sum() + term, [a, b])
+    torch.testing.assert_close(grads[0], expected[0], rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(grads[1], before, rtol=0, atol=0)
+    torch.testing.assert_close(grads[1], expected[1], rtol=1e-12, atol=1e-15)
+    # a gradient of its own is added to in place
+    own = [torch.zeros(6, 4, dtype=torch.float64), None]
+    memory = own[0].data_ptr()
+    add_term_gradients(accumulator.gradients, [a, b], own)
+    assert own[0].data_ptr() == memory
+    torch.testing.assert_close(own[0], expected[0] - 2 * (a + b).detach(), rtol=1e-12, atol=1e-14)
 
 
 def test_an_l2_term_is_deferred_only_for_rows_viewing_their_target_whole() -> None:
