@@ -54,6 +54,8 @@ INITIALIZATION_STREAM = 1
 FULL_DRAW_BYTES = 1 << 30
 #: entities per chunk of a chunked initialisation
 INITIALIZATION_CHUNK_ROWS = 1 << 20
+#: bytes per chunk of the rows a constraint runs on in place in host memory (chunks that stay in the CPU's cache)
+CONSTRAINT_CHUNK_BYTES = 1 << 21
 
 
 class ColumnPart:
@@ -315,6 +317,36 @@ class ShardedEmbedding(ColumnPart, Representation):
             return
         with torch.no_grad():
             self.weight.index_copy_(0, rows, self.constrain_values(self.weight.index_select(0, rows)))
+
+    def constrain_entity_rows(self) -> None:
+        """Apply the constrainer to every entity's row in place (after a dense update, as PyKEEN after every step).
+
+        Run by run of consecutive entity rows (the padding untouched), in chunks that stay in the cache on the
+        CPU: fixed shapes, no host read once the runs are known (the first call finds them).
+        """
+        if self.constrainer is None:
+            return
+        with torch.no_grad():
+            for start, stop in self._entity_chunks():
+                values = self.weight[start:stop]
+                values.copy_(self.constrain_values(values))
+
+    def _entity_chunks(self) -> list[tuple[int, int]]:
+        """Return the ``(start, stop)`` of the chunks of consecutive entity rows (kept while the rows' index is)."""
+        kept = vars(self).get("_kept_entity_chunks")
+        if kept is not None and kept[0] is self.entity_rows:
+            return kept[1]
+        rows = self.real_rows().cpu().sort().values
+        breaks = ((rows[1:] != rows[:-1] + 1).nonzero().view(-1) + 1).tolist()
+        size = rows.numel() or 1
+        if self.weight.device.type == "cpu":
+            size = max(1, CONSTRAINT_CHUNK_BYTES // (self.row_width * self.weight.element_size()))
+        chunks = []
+        for first, end in zip([0, *breaks], [*breaks, rows.numel()]):
+            start, stop = int(rows[first]), int(rows[end - 1]) + 1
+            chunks += [(position, min(position + size, stop)) for position in range(start, stop, size)]
+        vars(self)["_kept_entity_chunks"] = (self.entity_rows, chunks)
+        return chunks
 
     def constrain_values(self, values: torch.Tensor) -> torch.Tensor:
         """Apply the constrainer to stored rows ``[U, row_width]``; returns the constrained rows."""

@@ -279,18 +279,9 @@ class ShardTables:
             constrain_all_rows(table)
 
     def constrain_entity_rows(self) -> None:
-        """Apply the tables' constraints to every entity's row (after a dense update, as PyKEEN after every step).
-
-        The rows of each table's entities are found once (a mask's selection reads the device).
-        """
-        cache = vars(self).setdefault("_entity_rows", {})
+        """Apply the tables' constraints to every entity's row (after a dense update, as PyKEEN after every step)."""
         for table in self.tables:
-            if table.constrainer is None:
-                continue
-            cached = cache.get(id(table))
-            if cached is None or cached[0] is not table.entity_rows:
-                cached = cache[id(table)] = (table.entity_rows, table.real_rows())
-            table.constrain_rows(cached[1])
+            table.constrain_entity_rows()
 
     def uninstall(self) -> None:
         """End training: what happens to the tables depends on the back end."""

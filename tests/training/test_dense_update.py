@@ -114,3 +114,37 @@ def test_optimizers_without_a_capturable_form_use_their_device_rule(optimizer_cl
     parameter = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
     dense, _, _ = _update(optimizer_cls, [parameter], 0.1)
     assert not dense.capturable and dense.rule_obstacle is None and not dense.by_the_optimizer
+
+
+@pytest.mark.parametrize("chunk_bytes", [1 << 21, 3 * 8 * 8], ids=["runs", "chunks-of-3-rows"])
+def test_every_entity_row_is_constrained_in_place_and_the_padding_left(monkeypatch, chunk_bytes: int) -> None:
+    """After a dense update every entity's row is constrained (run by run of consecutive rows, in chunks on the CPU):
+    equal to constraining the entities' rows selected one by one; the padding rows keep their values; a table whose
+    rows' index is replaced (a reset) finds its runs again.
+    """
+    from pykeen.models import DistMult
+    from pykeen.triples import CoreTriplesFactory
+
+    from pykeen_bess.data.sharding import EntitySharding
+    from pykeen_bess.tables import representation
+
+    monkeypatch.setattr(representation, "CONSTRAINT_CHUNK_BYTES", chunk_bytes)
+    factory = CoreTriplesFactory.create(mapped_triples=torch.tensor([[0, 0, 1]]), num_entities=22, num_relations=1)
+    model = DistMult(triples_factory=factory, embedding_dim=8, random_seed=0)
+    sharding = EntitySharding.create(22, 3, seed=1)  # 8 rows per shard: shards 1 and 2 end with a padding row
+    table = representation.ShardedEmbedding(model.entity_representations[0], sharding, [1, 2])  # two shards here
+    table.copy_from(model.entity_representations[0])
+    real = table.real_rows()
+    padding = torch.ones(table.weight.shape[0], dtype=torch.bool)
+    padding[real] = False
+    assert padding.tolist() == [False] * 7 + [True] + [False] * 7 + [True]  # two runs of rows
+    for scale in (3.0, 0.5):
+        with torch.no_grad():
+            table.weight.mul_(scale)  # rows off the unit sphere
+            table.weight[padding] = 7.0
+        expected = table.weight.detach().clone()
+        expected[real] = table.constrain_values(expected[real])
+        table.constrain_entity_rows()
+        torch.testing.assert_close(table.weight.detach(), expected, rtol=0, atol=1e-15)
+        assert bool((table.weight.detach()[padding] == 7.0).all())
+        table.entity_rows = table.entity_rows.clone()  # a new index: its runs are found again

@@ -92,7 +92,6 @@ class DenseUpdate:
         in_dense_groups = {id(p) for group in optimizer.dense_groups for p in group["params"] if p.requires_grad}
         #: the trainable tables in the dense groups (``sparse_updates=False``): the user's optimizer updates them whole
         self.tables = [table for table in trainable if id(table.optimizer_parameter) in in_dense_groups]
-        self._rows_of_entities: dict[int, torch.Tensor] = {}  # per table (by id), its entities' flat rows
         #: per trainable table (in order), whether it is updated here
         self.updates_table = [id(table.optimizer_parameter) in in_dense_groups for table in trainable]
         tables = {id(table.optimizer_parameter) for table in self.tables}
@@ -234,21 +233,10 @@ class DenseUpdate:
 
         A dense update moves rows outside the step too (Adam's and momentum's running averages, weight decay):
         PyKEEN constrains the whole table after every step, and so does this (its entities' rows, not the
-        padding). The rows' index is made at the first (warm-up) step, before a graph is captured.
+        padding). The runs of entity rows are found at the first (warm-up) step, before a graph is captured.
         """
         for table in self.tables:
-            if table.constrainer is None:
-                continue
-            rows = self._entity_rows(table)
-            with torch.no_grad():
-                table.weight.index_copy_(0, rows, table.constrain_values(table.weight.index_select(0, rows)))
-
-    def _entity_rows(self, table: Any) -> torch.Tensor:
-        """Return the flat rows of a table's entities (no padding), on its device (kept: the first call reads)."""
-        rows = self._rows_of_entities.get(id(table))
-        if rows is None:
-            rows = self._rows_of_entities[id(table)] = table.real_rows().to(table.weight.device)
-        return rows
+            table.constrain_entity_rows()
 
     @contextlib.contextmanager
     def _capturable_groups(self) -> Iterator[None]:
@@ -291,7 +279,7 @@ class DenseUpdate:
             param.grad = None
         for table in self.tables:  # every entity's row: the update moved rows outside the step too
             table.optimizer_parameter.grad = None
-            table.constrain_rows(self._entity_rows(table))
+            table.constrain_entity_rows()
 
     def _state(self, param: torch.Tensor, group: dict) -> dict:
         """Return a replicated parameter's optimizer state (created as its optimizer creates it at its first step)."""
