@@ -251,10 +251,13 @@ def add_term_gradients(
 
 
 def _owned(gradient: torch.Tensor, grads: Sequence[torch.Tensor | None], position: int) -> bool:
-    """Whether a gradient may be modified in place: no other input's gradient shares its memory.
+    """Whether a gradient may be modified in place: its own memory, which no other input's gradient shares.
 
-    The backward pass may return one tensor for several inputs (the gradients of ``a + b``).
+    The backward pass may return one tensor for several inputs (the gradients of ``a + b``), or one value
+    broadcast to every element (of ``a.sum()``).
     """
+    if not gradient.is_contiguous():
+        return False
     storage = gradient.untyped_storage().data_ptr()
     return not any(
         other is not None and other.untyped_storage().data_ptr() == storage

@@ -401,11 +401,19 @@ def test_deferred_l2_gradients_leave_a_gradient_shared_with_another_input_unchan
     assert shared  # (torch's AddBackward passes one gradient on to both)
     before = grads[1].clone()
     add_term_gradients(accumulator.gradients, [a, b], grads)
-    term = regularizer.weight * (a.norm(dim=-1) * weights).sum()
-    expected = torch.autograd.grad(((a + b) ** 2).sum() + term, [a, b])
+
+    def term() -> torch.Tensor:
+        return regularizer.weight * (a.norm(dim=-1) * weights).sum()
+
+    expected = torch.autograd.grad(((a + b) ** 2).sum() + term(), [a, b])
     torch.testing.assert_close(grads[0], expected[0], rtol=1e-12, atol=1e-15)
     torch.testing.assert_close(grads[1], before, rtol=0, atol=0)
     torch.testing.assert_close(grads[1], expected[1], rtol=1e-12, atol=1e-15)
+    # a gradient broadcast from one value (of a sum) is added to out of place
+    broadcast: list[torch.Tensor | None] = list(torch.autograd.grad(a.sum(), [a]))
+    assert broadcast[0].stride() == (0, 0)
+    add_term_gradients(accumulator.gradients, [a], broadcast)
+    torch.testing.assert_close(broadcast[0], torch.autograd.grad(a.sum() + term(), [a])[0], rtol=1e-12, atol=1e-15)
     # a gradient of its own is added to in place
     own = [torch.zeros(6, 4, dtype=torch.float64), None]
     memory = own[0].data_ptr()
