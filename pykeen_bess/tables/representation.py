@@ -339,8 +339,8 @@ class ShardedEmbedding(ColumnPart, Representation):
         rows = self.real_rows().cpu().sort().values
         breaks = ((rows[1:] != rows[:-1] + 1).nonzero().view(-1) + 1).tolist()
         size = rows.numel() or 1
-        if self.weight.device.type == "cpu":
-            size = max(1, CONSTRAINT_CHUNK_BYTES // (self.row_width * self.weight.element_size()))
+        if self.weight.device.type == "cpu":  # by whole rows: every column part's constraint is one collective
+            size = max(1, CONSTRAINT_CHUNK_BYTES // ((self.whole_width or self.row_width) * self.weight.element_size()))
         chunks = []
         for first, end in zip([0, *breaks], [*breaks, rows.numel()]):
             start, stop = int(rows[first]), int(rows[end - 1]) + 1

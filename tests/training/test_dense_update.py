@@ -148,3 +148,26 @@ def test_every_entity_row_is_constrained_in_place_and_the_padding_left(monkeypat
         torch.testing.assert_close(table.weight.detach(), expected, rtol=0, atol=1e-15)
         assert bool((table.weight.detach()[padding] == 7.0).all())
         table.entity_rows = table.entity_rows.clone()  # a new index: its runs are found again
+
+
+def test_column_parts_of_other_widths_constrain_the_same_chunks(monkeypatch) -> None:
+    """A column part's constraint is a collective of all parts (whole rows' norms): parts of different widths
+    (7 coordinates: 4 and 3) must run it on the same chunks of rows, or the processes would wait for each other.
+    """
+    from pykeen.models import DistMult
+    from pykeen.triples import CoreTriplesFactory
+
+    from pykeen_bess.data.sharding import EntitySharding
+    from pykeen_bess.tables import representation
+
+    monkeypatch.setattr(representation, "CONSTRAINT_CHUNK_BYTES", 3 * 7 * 8)  # 3 whole rows of float64
+    factory = CoreTriplesFactory.create(mapped_triples=torch.tensor([[0, 0, 1]]), num_entities=22, num_relations=1)
+    chunks = []
+    for part, width in enumerate((4, 3)):
+        model = DistMult(triples_factory=factory, embedding_dim=width, random_seed=0)
+        table = representation.ShardedEmbedding(
+            model.entity_representations[0], EntitySharding.create(22, 3, seed=1), [0, 1, 2]
+        )
+        table.hold_column_part(part, model.entity_representations[0], whole_width=7)
+        chunks.append(table._entity_chunks())
+    assert chunks[0] == chunks[1] and len(chunks[0]) > 3
