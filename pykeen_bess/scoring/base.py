@@ -290,18 +290,19 @@ def product_sum_query_features(q0: torch.Tensor, factors: Sequence[torch.Tensor]
                   + \sum_{k < l} 2 Re<\bar{q}_k q_l, \bar{c}_k c_l>
 
     which is one inner product of the query features
-    ``[|q_0|^2, R(2 q_0 conj(q_k))_k, (|q_k|^2)_k, R(2 q_k conj(q_l))_{k<l}]`` with
-    :func:`product_sum_candidate_features` ``[1, R(c_k)_k, (|c_k|^2)_k, R(conj(c_k) c_l)_{k<l}]``.
-    Works for real and complex tensors.
+    ``[R(2 q_0 conj(q_k))_k, R(2 q_k conj(q_l))_{k<l}, (|q_k|^2)_k, |q_0|^2]`` with
+    :func:`product_sum_candidate_features` ``[R(c_k)_k, R(conj(c_k) c_l)_{k<l}, (|c_k|^2)_k, 1]``.
+    Works for real and complex tensors. The real views of complex blocks come first: each starts at an
+    even column, as the backward pass of a complex tensor's real view needs of a single row's gradient.
 
     :param q0: shape: ``[*, d]``, the candidate-independent term
     :param factors: ``K`` tensors of shape ``[*, d]``, the per-query factors ``q_k``
-    :returns: shape: ``[*, 1 + K w + K d + K (K - 1) / 2 w]``, ``w = d`` (real) or ``2d`` (complex)
+    :returns: shape: ``[*, K w + K (K - 1) / 2 w + K d + 1]``, ``w = d`` (real) or ``2d`` (complex)
     """
-    parts = [sum_column(squared_modulus(q0))]
-    parts.extend(real_view(2 * q0 * q.conj()) for q in factors)
-    parts.extend(squared_modulus(q) for q in factors)
+    parts = [real_view(2 * q0 * q.conj()) for q in factors]
     parts.extend(real_view(2 * q_k * q_l.conj()) for q_k, q_l in itertools.combinations(factors, 2))
+    parts.extend(squared_modulus(q) for q in factors)
+    parts.append(sum_column(squared_modulus(q0)))
     return torch.cat(parts, dim=-1)
 
 
@@ -309,12 +310,12 @@ def product_sum_candidate_features(candidates: Sequence[torch.Tensor]) -> torch.
     """Candidate features matching :func:`product_sum_query_features`.
 
     :param candidates: ``K`` tensors of shape ``[*, d]``, the candidate factors ``c_k``
-    :returns: shape: ``[*, 1 + K w + K d + K (K - 1) / 2 w]``
+    :returns: shape: ``[*, K w + K (K - 1) / 2 w + K d + 1]``
     """
-    parts = [ones_column(candidates[0])]
-    parts.extend(real_view(c) for c in candidates)
-    parts.extend(squared_modulus(c) for c in candidates)
+    parts = [real_view(c) for c in candidates]
     parts.extend(real_view(c_k.conj() * c_l) for c_k, c_l in itertools.combinations(candidates, 2))
+    parts.extend(squared_modulus(c) for c in candidates)
+    parts.append(ones_column(candidates[0]))
     return torch.cat(parts, dim=-1)
 
 

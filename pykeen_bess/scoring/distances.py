@@ -241,8 +241,8 @@ class RotatEScorer(NormScorer):
 
     Tails: the translation ``||q - t||`` with ``q = h * r`` (:func:`difference_query_features`,
     ``[*, 2d + 2]``). Heads, exact for any modulus of ``r``: ``x = r * h - t``, the product-sum form
-    with ``q_0 = -t``, ``q_1 = r``, i.e. query features ``[|t|^2, R(-2 t conj(r)), |r|^2]`` (the middle
-    block is ``[-2 Re w, 2 Im w]`` for ``w = r conj(t)``) against ``[1, R(h), |h|^2]``
+    with ``q_0 = -t``, ``q_1 = r``, i.e. query features ``[R(-2 t conj(r)), |r|^2, |t|^2]`` (the first
+    block is ``[-2 Re w, 2 Im w]`` for ``w = r conj(t)``) against ``[R(h), |h|^2, 1]``
     (``[*, 3d + 1]``): ``|r h - t|^2 = |t|^2 - 2 Re(w h) + |r|^2 |h|^2`` elementwise.
     """
 

@@ -911,3 +911,22 @@ def test_a_relation_normalizer_normalizes_each_row(dataset: Nations, num_shards:
     got = torch.cat(seen)
     distance = (got.unsqueeze(1) - truth.unsqueeze(0)).abs().min(dim=1).values  # every positive is some triple's score
     assert got.numel() >= factory.num_triples and float(distance.max()) < 1e-5
+
+
+@pytest.mark.parametrize("static_step", [True, False])
+@pytest.mark.parametrize(("batch_size", "settings"), [(2, {}), (8, dict(num_negs_per_pos=1))])
+def test_rotate_trains_steps_with_one_head_corrupted_slot_or_one_negative(
+    static_step: bool, batch_size: int, settings: dict
+) -> None:
+    """RotatE's head-side features of one row (one head-corrupted slot, or one negative) failed in the backward pass
+    ("storage_offset divisible by 2") where PyKEEN trains."""
+    from pykeen.models import RotatE
+
+    triples = torch.tensor([[0, 0, 1], [1, 0, 2], [2, 1, 3], [3, 1, 4]])
+    factory = CoreTriplesFactory.create(mapped_triples=triples, num_entities=5, num_relations=2)
+    model = RotatE(triples_factory=factory, embedding_dim=2, random_seed=0)
+    loop = BessTrainingLoop(
+        model=model, triples_factory=factory, num_shards=1, num_threads=1, static_step=static_step, **settings
+    )
+    losses = loop.train(factory, num_epochs=2, batch_size=batch_size, use_tqdm=False)
+    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
