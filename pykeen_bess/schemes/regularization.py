@@ -143,10 +143,19 @@ def is_plain_l2(regularizer: Any, rows: torch.Tensor) -> bool:
     )
 
 
+#: the methods of :class:`~pykeen.regularizers.LpRegularizer` whose work the L2 fast path does itself
+_L2_PATH_METHODS = ("forward", "update", "pop_regularization_term", "reset")
+
+
 def is_plain_l2_regularizer(regularizer: Any) -> bool:
-    """Whether a regularizer is :class:`~pykeen.regularizers.LpRegularizer`'s L2 norm of each row, weighed per step."""
+    """Whether a regularizer is :class:`~pykeen.regularizers.LpRegularizer`'s L2 norm of each row, weighed per step.
+
+    A subclass that overrides how the terms are collected or weighed (``update``, ``pop_regularization_term``,
+    ``reset``) takes the general path (:func:`regularize`), which calls them.
+    """
+    cls = type(regularizer)
     return (
-        type(regularizer).forward is LpRegularizer.forward
+        all(getattr(cls, name) is getattr(LpRegularizer, name) for name in _L2_PATH_METHODS)
         and regularizer.dim == -1
         and float(regularizer.p) == 2.0
         and not regularizer.apply_only_once

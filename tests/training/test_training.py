@@ -930,3 +930,29 @@ def test_rotate_trains_steps_with_one_head_corrupted_slot_or_one_negative(
     )
     losses = loop.train(factory, num_epochs=2, batch_size=batch_size, use_tqdm=False)
     assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
+
+
+@pytest.mark.parametrize("static_step", [True, False])
+def test_an_l2_regularizer_subclass_collecting_its_terms_its_own_way_is_honoured(
+    dataset: Nations, static_step: bool
+) -> None:
+    """A subclass of PyKEEN's L2 regularizer that scales its collected term (a warm-up factor, by overriding
+    ``pop_regularization_term``) trains as PyKEEN's regularizer of the scaled weight; the fast L2 path ignored it."""
+    from pykeen.regularizers import LpRegularizer
+
+    class Tripled(LpRegularizer):
+        def pop_regularization_term(self) -> torch.Tensor:
+            return 3.0 * super().pop_regularization_term()
+
+    results = []
+    for regularizer in (Tripled(weight=0.5, p=2.0), LpRegularizer(weight=1.5, p=2.0)):
+        model = DistMult(triples_factory=dataset.training, embedding_dim=8, random_seed=0, regularizer=regularizer)
+        loop = BessTrainingLoop(
+            model=model, triples_factory=dataset.training, num_shards=2, num_threads=1, static_step=static_step,
+            automatic_memory_optimization=False, num_negs_per_pos=4, optimizer="sgd", optimizer_kwargs=dict(lr=0.1),
+        )  # fmt: skip
+        losses = loop.train(dataset.training, num_epochs=2, batch_size=256, use_tqdm=False)
+        results.append((losses, model.entity_representations[0](indices=None).detach()))
+    (tripled_losses, tripled), (losses, weights) = results
+    assert tripled_losses == pytest.approx(losses, rel=1e-6)
+    torch.testing.assert_close(tripled, weights, rtol=1e-5, atol=1e-6)
