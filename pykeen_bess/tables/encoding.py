@@ -12,9 +12,9 @@ process and for one part per rank:
 * :class:`SeparableScoring`: the partial scorer of an interaction (norms as power sums) and how
   the summed partial scores become scores (``-(-s)^(1/p)``); a clear error for interactions that
   are not separable;
-* :class:`ColumnNorm`, :class:`ColumnRegularizer`: constrainers / normalizers (unit or clamped L2
-  norm) and Lp / power-sum regularizers of rows whose coordinates are spread over processes, with
-  the row norms summed over the parts;
+* :class:`ColumnNorm`, :class:`~pykeen_bess.tables.column_regularizer.ColumnRegularizer`: constrainers /
+  normalizers (unit or clamped L2 norm) and Lp / power-sum regularizers of rows whose coordinates are spread
+  over processes, with the row norms summed over the parts;
 * :func:`column_embedding`: the embedding of one part of a table, initialised with the part's
   coordinates of exactly the values a whole table gets from the same seed;
 * :func:`rows_from_columns`: after training on several processes, the column parts become row
@@ -31,7 +31,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
@@ -52,12 +52,13 @@ from pykeen.nn.modules import (
     UMInteraction,
 )
 from pykeen.nn.representation import Embedding
-from pykeen.regularizers import LpRegularizer, NoRegularizer, PowerSumRegularizer, Regularizer
-from pykeen.utils import clamp_norm, complex_normalize, get_expected_norm
+from pykeen.regularizers import NoRegularizer
+from pykeen.utils import clamp_norm, complex_normalize
 
 from ..nn.interactions import InterHTInteraction, TranSInteraction
 from ..scoring import SharedCandidateScorer, Side, get_scorer
 from ..scoring.base import squared_modulus
+from .column_regularizer import ColumnRegularizer
 
 __all__ = [
     "INNER_PRODUCT_INTERACTIONS",
@@ -278,45 +279,6 @@ class ColumnNorm:
             return x / norm.clamp_min(1e-12)
         mask = (norm < self.maxnorm).to(norm.dtype)
         return mask * x + (1 - mask) * (x / norm.clamp_min(torch.finfo(norm.dtype).eps) * self.maxnorm)
-
-
-class ColumnRegularizer(Regularizer):
-    """PyKEEN's Lp / power-sum regularizer of rows whose coordinates are spread over column parts.
-
-    The per-row power sums of the parts are summed over the parts (differentiably), then the
-    regularizer's norm and normalisation by the full dimension apply, so every part computes the
-    whole term.
-    """
-
-    def __init__(self, regularizer: Regularizer, topology: Any, dim: int):
-        """Wrap ``regularizer`` (its weight and settings) for rows of ``dim`` coordinates in all.
-
-        :raises ValueError: for other regularizers
-        """
-        if type(regularizer) not in (LpRegularizer, PowerSumRegularizer) or regularizer.dim != -1:
-            raise ValueError(
-                f"partition='encoding' over several processes supports LpRegularizer and PowerSumRegularizer "
-                f"(dim=-1), not {regularizer!r}; use partition='token'."
-            )
-        super().__init__(weight=1.0, apply_only_once=regularizer.apply_only_once)
-        # the same buffers (dtype: a model made double keeps its terms in float64)
-        self.weight = regularizer.weight.detach().clone()
-        self.regularization_term = torch.zeros_like(regularizer.regularization_term)
-        self.base = regularizer
-        self.topology = topology
-        self.full_dim = dim
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
-        p = float(cast(Any, self.base).p)
-        partial = x.abs().pow(p).sum(dim=-1)
-        value = self.topology.column_sum(partial.unsqueeze(0))
-        if isinstance(self.base, LpRegularizer):
-            value = value ** (1.0 / p)
-            if self.base.normalize:
-                value = value / get_expected_norm(p=p, d=self.full_dim)
-        elif self.base.normalize:
-            value = value / self.full_dim
-        return value.mean()
 
 
 class _PartInitializer(PretrainedInitializer):

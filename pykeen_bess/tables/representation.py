@@ -44,6 +44,7 @@ __all__ = [
     "ShardedEmbedding",
     "constrain_all_rows",
     "draw_full_table",
+    "entity_row_chunks",
     "reset_in_chunks",
 ]
 
@@ -321,32 +322,12 @@ class ShardedEmbedding(ColumnPart, Representation):
     def constrain_entity_rows(self) -> None:
         """Apply the constrainer to every entity's row in place (after a dense update, as PyKEEN after every step).
 
-        Run by run of consecutive entity rows (the padding untouched), in chunks that stay in the cache on the
-        CPU: fixed shapes, no host read once the runs are known (the first call finds them).
+        Chunk by chunk of consecutive entity rows (:func:`entity_row_chunks`; the padding untouched): fixed
+        shapes, no host read once the chunks are known (the first call finds them).
         """
-        if self.constrainer is None:
-            return
         with torch.no_grad():
-            for start, stop in self._entity_chunks():
-                values = self.weight[start:stop]
-                values.copy_(self.constrain_values(values))
-
-    def _entity_chunks(self) -> list[tuple[int, int]]:
-        """Return the ``(start, stop)`` of the chunks of consecutive entity rows (kept while the rows' index is)."""
-        kept = vars(self).get("_kept_entity_chunks")
-        if kept is not None and kept[0] is self.entity_rows:
-            return kept[1]
-        rows = self.real_rows().cpu().sort().values
-        breaks = ((rows[1:] != rows[:-1] + 1).nonzero().view(-1) + 1).tolist()
-        size = rows.numel() or 1
-        if self.weight.device.type == "cpu":  # by whole rows: every column part's constraint is one collective
-            size = max(1, CONSTRAINT_CHUNK_BYTES // ((self.whole_width or self.row_width) * self.weight.element_size()))
-        chunks = []
-        for first, end in zip([0, *breaks], [*breaks, rows.numel()]):
-            start, stop = int(rows[first]), int(rows[end - 1]) + 1
-            chunks += [(position, min(position + size, stop)) for position in range(start, stop, size)]
-        vars(self)["_kept_entity_chunks"] = (self.entity_rows, chunks)
-        return chunks
+            for start, stop in entity_row_chunks(self) if self.constrainer is not None else ():
+                self.weight[start:stop].copy_(self.constrain_values(self.weight[start:stop]))
 
     def constrain_values(self, values: torch.Tensor) -> torch.Tensor:
         """Apply the constrainer to stored rows ``[U, row_width]``; returns the constrained rows."""
@@ -475,6 +456,28 @@ def reset_in_chunks(table: ShardedEmbedding, chunk_rows: int | None = None) -> N
                 values[padding] = 0
             table.weight[position * size + start : position * size + stop] = values
     table.rows_constrained = True
+
+
+def entity_row_chunks(table: ShardedEmbedding) -> list[tuple[int, int]]:
+    """Return the ``(start, stop)`` of a table's chunks of consecutive entity rows (kept while its rows' index is).
+
+    A run of consecutive rows is one chunk, except on the CPU, where chunks hold at most
+    :data:`CONSTRAINT_CHUNK_BYTES` of whole rows (the same chunks for every column part).
+    """
+    kept = vars(table).get("_kept_entity_chunks")
+    if kept is not None and kept[0] is table.entity_rows:
+        return kept[1]
+    rows = table.real_rows().cpu().sort().values
+    breaks = ((rows[1:] != rows[:-1] + 1).nonzero().view(-1) + 1).tolist()
+    size = rows.numel() or 1
+    if table.weight.device.type == "cpu":  # by whole rows: every column part's constraint is one collective
+        size = max(1, CONSTRAINT_CHUNK_BYTES // ((table.whole_width or table.row_width) * table.weight.element_size()))
+    chunks = []
+    for first, end in zip([0, *breaks], [*breaks, rows.numel()]):
+        start, stop = int(rows[first]), int(rows[end - 1]) + 1
+        chunks += [(position, min(position + size, stop)) for position in range(start, stop, size)]
+    vars(table)["_kept_entity_chunks"] = (table.entity_rows, chunks)
+    return chunks
 
 
 def constrain_all_rows(table: ShardedEmbedding, chunk_rows: int | None = None) -> None:

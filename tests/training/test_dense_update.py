@@ -169,5 +169,5 @@ def test_column_parts_of_other_widths_constrain_the_same_chunks(monkeypatch) -> 
             model.entity_representations[0], EntitySharding.create(22, 3, seed=1), [0, 1, 2]
         )
         table.hold_column_part(part, model.entity_representations[0], whole_width=7)
-        chunks.append(table._entity_chunks())
+        chunks.append(representation.entity_row_chunks(table))
     assert chunks[0] == chunks[1] and len(chunks[0]) > 3

@@ -257,6 +257,34 @@ def test_column_norms_and_regularizers_see_whole_rows() -> None:
         torch.testing.assert_close(ColumnRegularizer(regularizer, topology, 5).forward(x), regularizer.forward(x))
 
 
+def test_a_column_regularizers_weight_is_the_wrapped_regularizers() -> None:
+    """A change of the user's regularizer's weight after the loop wrapped it (a callback annealing it), or of the
+    wrapper's, counts; the state dict keeps its keys; a maximum norm (p = inf) is refused: the parts are summed.
+    """
+    from pykeen.regularizers import LpRegularizer
+
+    base = LpRegularizer(weight=0.5, p=1.0)
+    wrapper = ColumnRegularizer(base, LocalTopology(1), 4)
+    x = torch.ones(2, 4)
+    for change, expected in (
+        (lambda: base.weight.fill_(5.0), 5.0),
+        (lambda: setattr(base, "weight", torch.tensor(2.0)), 2.0),
+        (lambda: setattr(wrapper, "weight", torch.tensor(3.0)), 3.0),
+        (lambda: wrapper.weight.fill_(0.25), 0.25),
+    ):
+        change()
+        assert float(base.weight) == float(wrapper.weight) == expected
+        wrapper.update(x)
+        torch.testing.assert_close(wrapper.pop_regularization_term(), torch.tensor([4.0 * expected]))
+    state = wrapper.state_dict()
+    assert sorted(state) == ["base.regularization_term", "base.weight", "regularization_term", "weight"]
+    state["weight"] = state["base.weight"] = torch.tensor(0.75)
+    wrapper.load_state_dict(state, strict=True)
+    assert float(base.weight) == 0.75
+    with pytest.raises(ValueError, match="finite p > 0, not p=inf"):
+        ColumnRegularizer(LpRegularizer(p=float("inf")), LocalTopology(1), 4)
+
+
 def test_costs_and_auto_choice() -> None:
     # B = n^2 b positives, K negatives: 2 (n - 1) / n * B * (1 + K) values in one ring all-reduce
     assert EncodingScheme.cost(4, 32, 256, 256, 256) == 2 * 3 * 4 * 32 * 257 * 4
