@@ -50,7 +50,10 @@ class ColumnRegularizer(Regularizer):
     @property
     def weight(self) -> torch.Tensor:
         """The wrapped regularizer's weight: a change of either one's weight (in place or a new tensor) counts."""
-        return self.base.weight
+        base = self._modules.get("base")
+        if base is None:  # while Regularizer.__init__ registers a weight of its own (dropped by __init__)
+            raise AttributeError("weight")
+        return cast(torch.Tensor, base.weight)
 
     @weight.setter
     def weight(self, value: torch.Tensor) -> None:

@@ -462,7 +462,7 @@ def entity_row_chunks(table: ShardedEmbedding) -> list[tuple[int, int]]:
     """Return the ``(start, stop)`` of a table's chunks of consecutive entity rows (kept while its rows' index is).
 
     A run of consecutive rows is one chunk, except on the CPU, where chunks hold at most
-    :data:`CONSTRAINT_CHUNK_BYTES` of whole rows (the same chunks for every column part).
+    :data:`CONSTRAINT_CHUNK_BYTES` of rows; a column part's runs stay whole (its constraint is a collective).
     """
     kept = vars(table).get("_kept_entity_chunks")
     if kept is not None and kept[0] is table.entity_rows:
@@ -470,10 +470,10 @@ def entity_row_chunks(table: ShardedEmbedding) -> list[tuple[int, int]]:
     rows = table.real_rows().cpu().sort().values
     breaks = ((rows[1:] != rows[:-1] + 1).nonzero().view(-1) + 1).tolist()
     size = rows.numel() or 1
-    if table.weight.device.type == "cpu":  # by whole rows: every column part's constraint is one collective
-        size = max(1, CONSTRAINT_CHUNK_BYTES // ((table.whole_width or table.row_width) * table.weight.element_size()))
+    if table.weight.device.type == "cpu" and table.column_part is None:
+        size = max(1, CONSTRAINT_CHUNK_BYTES // (table.row_width * table.weight.element_size()))
     chunks = []
-    for first, end in zip([0, *breaks], [*breaks, rows.numel()]):
+    for first, end in zip([0, *breaks], [*breaks, rows.numel()] if rows.numel() else []):
         start, stop = int(rows[first]), int(rows[end - 1]) + 1
         chunks += [(position, min(position + size, stop)) for position in range(start, stop, size)]
     vars(table)["_kept_entity_chunks"] = (table.entity_rows, chunks)

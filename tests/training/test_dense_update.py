@@ -152,7 +152,8 @@ def test_every_entity_row_is_constrained_in_place_and_the_padding_left(monkeypat
 
 def test_column_parts_of_other_widths_constrain_the_same_chunks(monkeypatch) -> None:
     """A column part's constraint is a collective of all parts (whole rows' norms): parts of different widths
-    (7 coordinates: 4 and 3) must run it on the same chunks of rows, or the processes would wait for each other.
+    (7 coordinates: 4 and 3) must run it on the same chunks of rows, or the processes would wait for each other;
+    their runs stay whole (one collective per run, not per chunk of a large table).
     """
     from pykeen.models import DistMult
     from pykeen.triples import CoreTriplesFactory
@@ -170,4 +171,22 @@ def test_column_parts_of_other_widths_constrain_the_same_chunks(monkeypatch) -> 
         )
         table.hold_column_part(part, model.entity_representations[0], whole_width=7)
         chunks.append(representation.entity_row_chunks(table))
-    assert chunks[0] == chunks[1] and len(chunks[0]) > 3
+    assert chunks[0] == chunks[1] == [(0, 15), (16, 23)]  # shards 1 and 2 end with a padding row: two runs
+
+
+def test_a_table_holding_no_entity_has_no_chunks_to_constrain() -> None:
+    """A process may hold only empty shards (typed sharding of PyTorch-BigGraph's partitions): nothing to constrain."""
+    from pykeen.models import DistMult
+    from pykeen.triples import CoreTriplesFactory
+
+    from pykeen_bess.data.sharding import EntitySharding
+    from pykeen_bess.tables import representation
+
+    factory = CoreTriplesFactory.create(mapped_triples=torch.tensor([[0, 0, 1]]), num_entities=4, num_relations=1)
+    model = DistMult(triples_factory=factory, embedding_dim=3, random_seed=0)
+    table = representation.ShardedEmbedding(model.entity_representations[0], EntitySharding.create(4, 2, seed=1), [0])
+    table.entity_rows = torch.full_like(table.entity_rows, -1)  # (as a shard without entities)
+    before = table.weight.detach().clone()
+    assert representation.entity_row_chunks(table) == []
+    table.constrain_entity_rows()
+    torch.testing.assert_close(table.weight.detach(), before, rtol=0, atol=0)
