@@ -320,3 +320,28 @@ def test_small_odd_blocks_say_how_few_heads_ht_corrupts(block_size: int, heads: 
         assert head_slots(block_size, "ht") == heads
         assert head_slots(block_size, "h") == block_size and head_slots(block_size, "t") == 0
     assert bool([w for w in caught if "corruption='ht'" in str(w.message)]) == warned
+
+
+@pytest.mark.parametrize("sampler_class", [BessSampler, StepSharedBessSampler])
+def test_a_sharding_with_an_empty_shard_is_refused_for_uniform_negatives(sampler_class: type[BessSampler]) -> None:
+    """Every shard gives ``m`` of each block's negatives: a shard without entities (PBG partitions of a typed graph)
+    gave local id -1 (the eager and the static step then scored different rows, a process of several crashed).
+    Typed negatives check every type of every shard themselves."""
+    from pykeen_bess.data.sampling import TypedBessSampler
+    from pykeen_bess.data.sharding import TypedSharding
+
+    entity_types = torch.zeros(12, dtype=torch.long)
+    strategy = TypedSharding(
+        entity_types=entity_types, entity_partitions=torch.tensor([0] * 6 + [2] * 6), type_partitions=(3,)
+    )
+    sharding = EntitySharding.create(12, 3, strategy=strategy)
+    assert sharding.shard_counts.tolist() == [6, 0, 6]
+    generator = torch.Generator().manual_seed(0)
+    triples = torch.stack([torch.randint(12, (40,), generator=generator), torch.zeros(40, dtype=torch.long),
+                           torch.randint(12, (40,), generator=generator)], dim=1)  # fmt: skip
+    partition = ShardPairPartition.from_triples(triples, sharding)
+    with pytest.raises(ValueError, match=r"Shard\(s\) \[1\] of 3 hold no entity"):
+        sampler_class(partition, block_size=4, num_negs_per_pos=3)
+    with pytest.raises(ValueError, match="shard 1 holds none to draw negatives from"):  # (typed: its own check)
+        TypedBessSampler(partition, block_size=4, num_negs_per_pos=3, entity_types=entity_types,
+                         relation_sides=torch.zeros(1, 2, dtype=torch.long))  # fmt: skip

@@ -130,6 +130,13 @@ class BessSampler:
         self.num_head_corrupted = head_slots(self.block_size, corruption)
         self._counts = partition.pair_counts.view(-1)
         self._shard_counts = partition.sharding.shard_counts
+        empty = (self._shard_counts == 0).nonzero().view(-1).tolist()
+        if empty and not isinstance(self, TypedBessSampler):  # (typed negatives check every type of every shard)
+            raise ValueError(
+                f"Shard(s) {empty} of {self.n_shard} hold no entity (a sharding that leaves a shard empty, e.g. "
+                f"PyTorch-BigGraph partitions of a typed graph), but every shard gives num_negs_per_pos / num_shards "
+                f"of each step's negatives. Use fewer shards, or typed negatives."
+            )
 
     @property
     def n_shard(self) -> int:
