@@ -326,7 +326,7 @@ def test_small_odd_blocks_say_how_few_heads_ht_corrupts(block_size: int, heads: 
 def test_a_sharding_with_an_empty_shard_is_refused_for_uniform_negatives(sampler_class: type[BessSampler]) -> None:
     """Every shard gives ``m`` of each block's negatives: a shard without entities (PBG partitions of a typed graph)
     gave local id -1 (the eager and the static step then scored different rows, a process of several crashed).
-    Typed negatives check every type of every shard themselves."""
+    Typed negatives check every type of every shard themselves (refused as well)."""
     from pykeen_bess.data.sampling import TypedBessSampler
     from pykeen_bess.data.sharding import TypedSharding
 

@@ -135,7 +135,7 @@ class BessSampler:
             raise ValueError(
                 f"Shard(s) {empty} of {self.n_shard} hold no entity (a sharding that leaves a shard empty, e.g. "
                 f"PyTorch-BigGraph partitions of a typed graph), but every shard gives num_negs_per_pos / num_shards "
-                f"of each step's negatives. Use fewer shards, or typed negatives."
+                f"of each step's negatives. Use fewer shards."
             )
 
     @property
