@@ -27,8 +27,8 @@ def head_slots(block_size: int, corruption: str) -> int:
     if block_size % 2 and block_size < UNEVEN_BELOW:
         warnings.warn(
             f"corruption='ht' with blocks of {block_size} slots: {heads} of each full block's slots corrupt the head, "
-            f"{heads / block_size:.0%} of the positives (PyKEEN's sampler: 50%). A batch size that gives blocks of "
-            "an even size (a multiple of 2 num_shards^2) corrupts both sides equally.",
+            f"{heads / block_size:.0%} of the positives (PyKEEN's sampler: 50%). A batch size that is a multiple of "
+            "2 * num_shards**2 gives blocks of an even size, which corrupt both sides equally.",
             UserWarning,
             stacklevel=3,
         )

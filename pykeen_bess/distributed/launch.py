@@ -83,7 +83,7 @@ def join_torchrun_group() -> None:
     """
     if in_torchrun() and dist.is_available() and not dist.is_initialized():
         init_from_environment()
-        logger.warning(
+        (logger.warning if is_main_process() else logger.info)(  # once for the whole world
             "pykeen-bess joined torchrun's process group (WORLD_SIZE=%s) by itself; call "
             "pykeen_bess.distributed.init_from_environment() (or torch.distributed.init_process_group) first to "
             "choose its backend and timeout.",

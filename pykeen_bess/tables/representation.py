@@ -35,6 +35,7 @@ from torch import nn
 
 from ..data.seeds import derive_seed
 from ..data.sharding import EntitySharding
+from ..distributed.launch import is_main_process
 from ..storage import DeviceStorage, TableStorage
 from ..storage.state_dict import add_stored_table, load_stored_table
 from .other_loops import LOOP_RESETS, refuse_another_loop
@@ -322,8 +323,7 @@ class ShardedEmbedding(ColumnPart, Representation):
     def constrain_entity_rows(self) -> None:
         """Apply the constrainer to every entity's row in place (after a dense update, as PyKEEN after every step).
 
-        Chunk by chunk of consecutive entity rows (:func:`entity_row_chunks`; the padding untouched): fixed
-        shapes, no host read once the chunks are known (the first call finds them).
+        Chunk by chunk of consecutive entity rows (:func:`entity_row_chunks`; padding untouched): fixed shapes.
         """
         with torch.no_grad():
             for start, stop in entity_row_chunks(self) if self.constrainer is not None else ():
@@ -429,7 +429,7 @@ def reset_in_chunks(table: ShardedEmbedding, chunk_rows: int | None = None) -> N
     initializers whose scale depends on the table's shape (Xavier's) see the chunk's. The
     constrainer is applied to each chunk as it is written, so the pass over all rows that
     follows a reset is skipped (one pass over the table, not two). Padding rows are set to zero.
-    Shows a progress bar.
+    Shows a progress bar (on the main process).
     """
     from tqdm.auto import tqdm
 
@@ -437,7 +437,8 @@ def reset_in_chunks(table: ShardedEmbedding, chunk_rows: int | None = None) -> N
     size = table.sharding.shard_size
     chunks = [(p, s, c) for p, s in enumerate(table.local_shards) for c in range(0, size, chunk_rows)]
     with torch.no_grad():
-        for position, shard, start in tqdm(chunks, desc=f"Initialising {table.label}", unit="chunk", leave=False):
+        bar = tqdm(chunks, desc=f"Initialising {table.label}", unit="chunk", leave=False, disable=not is_main_process())
+        for position, shard, start in bar:
             stop = min(start + chunk_rows, size)
             key = (
                 table.seed,
@@ -461,8 +462,7 @@ def reset_in_chunks(table: ShardedEmbedding, chunk_rows: int | None = None) -> N
 def entity_row_chunks(table: ShardedEmbedding) -> list[tuple[int, int]]:
     """Return the ``(start, stop)`` of a table's chunks of consecutive entity rows (kept while its rows' index is).
 
-    A run of consecutive rows is one chunk, except on the CPU, where chunks hold at most
-    :data:`CONSTRAINT_CHUNK_BYTES` of rows; a column part's runs stay whole (its constraint is a collective).
+    A run of rows is a chunk, or on the CPU chunks of :data:`CONSTRAINT_CHUNK_BYTES` (not a column part's runs).
     """
     kept = vars(table).get("_kept_entity_chunks")
     if kept is not None and kept[0] is table.entity_rows:

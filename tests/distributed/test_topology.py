@@ -63,6 +63,12 @@ def test_joining_torchruns_group_unasked_is_a_warning(monkeypatch, caplog) -> No
     assert joined == [True]
     assert [r.levelno for r in caplog.records] == [logging.WARNING]
     assert "joined torchrun's process group" in caplog.text and "init_from_environment()" in caplog.text
+    # once for the world: the other ranks say it at INFO
+    caplog.clear()
+    monkeypatch.setattr(launch, "is_main_process", lambda: False)
+    with caplog.at_level(logging.INFO, logger=launch.__name__):
+        launch.join_torchrun_group()
+    assert [r.levelno for r in caplog.records] == [logging.INFO]
 
 
 def test_make_topology_without_a_group() -> None:
