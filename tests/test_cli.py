@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import logging
 import pathlib
 
@@ -642,3 +643,14 @@ def test_num_shards_under_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
         build_parser().parse_args(["train", "--num-shards", "1", "--replicas", "2"]), in_group=True
     )
     assert kwargs["training_loop_kwargs"]["replicas"] == 2
+
+
+def test_early_stopping_is_reported(capsys: pytest.CaptureFixture) -> None:
+    """Training that stops early says so at the default level (only --verbose showed PyKEEN's message)."""
+    options = ["--dim", "8", "--epochs", "6", "--batch-size", "128", "--negatives", "8", "--quiet", "--json"]
+    stopper = ["--early-stopping", "--stopper-frequency", "1", "--stopper-patience", "0"]
+    code, out, err = run(capsys, *options, *stopper, "--lr", "0")  # nothing improves after the first validation
+    assert code == 0, err
+    stopped = re.search(r"pykeen-bess: stopped early after epoch (\d+) \(best: epoch 1\)", err)
+    assert stopped is not None and int(stopped.group(1)) < 6, err
+    json.loads(out)  # the metrics alone on stdout

@@ -324,7 +324,11 @@ def train(args: argparse.Namespace) -> tuple[dict[str, float], bool]:
     if "export_pbg" in args:
         export_pbg(result, args.export_pbg)
     topology = getattr(result.training_loop, "topology", None)
-    return dict(result.metric_results.to_flat_dict()), topology is None or topology.is_main_process
+    reports = topology is None or topology.is_main_process
+    if reports and getattr(result.stopper, "stopped", False):  # (else only --verbose shows PyKEEN's message)
+        best = getattr(result.stopper, "best_epoch", None)
+        print(f"pykeen-bess: stopped early after epoch {len(result.losses)} (best: epoch {best})", file=sys.stderr)
+    return dict(result.metric_results.to_flat_dict()), reports
 
 
 def _check_output_directory(path: pathlib.Path, flag: str) -> None:
