@@ -120,6 +120,10 @@ def test_errors_are_one_message_with_exit_status_2(capsys: pytest.CaptureFixture
     assert code == 2 and "Traceback" in err
     code, _, err = run(capsys, *FAST, "--dataset", "no-such-dataset")
     assert code == 2 and "Unknown dataset 'no-such-dataset'" in err and "Traceback" not in err
+    # a path is a path: not looked up among PyKEEN's dataset names
+    for path, what in (("./no-such-dir", "no directory with"), (__file__, "a file, not a directory of")):
+        code, _, err = run(capsys, *FAST, "--dataset", path)
+        assert code == 2 and f"--dataset {path}: {what} train.txt" in err and "Valid choices" not in err, err
     code, _, err = run(capsys, *FAST, "--batch-size", "-3")
     assert code == 2 and "batch_size must be a positive integer" in err
     # a checkpoint directory without a checkpoint name would train without checkpoints

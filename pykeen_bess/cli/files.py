@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 from collections.abc import Mapping
 from typing import Any
@@ -28,6 +29,9 @@ def load_dataset(name_or_path: str) -> Any:
         for file in files.values():
             check_triple_lines(file)
         return PathDataset(training_path=files["train"], testing_path=files["test"], validation_path=files["valid"])
+    if os.sep in name_or_path or name_or_path.startswith("."):  # a path, not a name
+        what = "a file, not a directory of" if path.exists() else "no directory with"
+        raise UsageError(f"--dataset {name_or_path}: {what} train.txt, valid.txt and test.txt.")
     try:
         return get_dataset(dataset=name_or_path)
     except (KeyError, ValueError, TypeError) as error:
