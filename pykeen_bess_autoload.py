@@ -13,9 +13,12 @@ nothing of PyKEEN) therefore arranges for the plugin to register itself later, i
 2. **A lookup fallback.** The hook only sees PyKEEN modules whose import *starts* after it was
    installed; when the entry point runs inside the import of the outermost PyKEEN module (e.g.
    ``import pykeen.training`` as a program's first PyKEEN import), no module may finish loading
-   afterwards. So a failing string lookup in one of those five resolvers
-   (``training_loop_resolver.lookup("bess")``, also through ``make`` and ``pipeline()``) registers
-   the plugin and retries, once PyKEEN is not mid-import. The fallback removes itself as soon as
+   afterwards (nor when the plugin is imported first: its own import of PyKEEN's modules cannot
+   register it midway). So a failing string lookup in one of those resolvers
+   (``training_loop_resolver.lookup("bess")``, also through ``make`` and ``pipeline()``, and PyKEEN's
+   training loop making ``optimizer="rowwise_adagrad"`` through the torch optimizer resolver of
+   ``class_resolver``, which ``pykeen.optimizers`` re-exports) registers the plugin and retries, once
+   PyKEEN is not mid-import. The fallback removes itself as soon as
    the plugin is registered.
 
 Together they make every lookup of the plugin's names work, whatever PyKEEN module a program
@@ -42,6 +45,7 @@ from typing import Any
 __all__ = [
     "Nations",  # noqa: F822 - provided lazily by __getattr__
     "RESOLVERS",
+    "RESOLVER_ALIASES",
     "install_hook",
     "pykeen_idle",
     "ready",
@@ -59,6 +63,10 @@ RESOLVERS: tuple[tuple[str, str], ...] = (
     ("pykeen.losses", "loss_resolver"),
     ("pykeen.triples.weights", "loss_weighter_resolver"),
 )
+#: where else PyKEEN's code takes some of those resolvers from: its training loop makes optimizers with
+#: ``class_resolver.contrib.torch.optimizer_resolver`` (the object ``pykeen.optimizers`` re-exports), so a
+#: program may look the plugin's optimizer up before ``pykeen.optimizers`` is imported at all
+RESOLVER_ALIASES: tuple[tuple[str, str], ...] = (("class_resolver.contrib.torch", "optimizer_resolver"),)
 #: PyKEEN modules that hold the resolvers the plugin registers into
 REQUIRED_MODULES: tuple[str, ...] = tuple(sorted({module for module, _ in RESOLVERS}))
 
@@ -174,7 +182,10 @@ def _try_load(finished: str | None = None) -> bool:
 
 def _is_plugin_resolver(resolver: Any) -> bool:
     """Whether ``resolver`` is one of the PyKEEN resolvers the plugin registers into."""
-    return any(getattr(sys.modules.get(module), attribute, None) is resolver for module, attribute in RESOLVERS)
+    return any(
+        getattr(sys.modules.get(module), attribute, None) is resolver
+        for module, attribute in (*RESOLVERS, *RESOLVER_ALIASES)
+    )
 
 
 def _install_lookup_fallback() -> None:

@@ -18,7 +18,7 @@ import warnings
 from types import ModuleType
 from typing import Any
 
-from .registration import register, register_when_ready
+from .registration import is_registered, register, register_when_ready
 
 __version__ = "0.1.0"
 
@@ -161,6 +161,12 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module 'pykeen_bess' has no attribute {name!r}")
     value = getattr(importlib.import_module(f".{module}", __name__), name)
     globals()[name] = value
+    if not is_registered():
+        # the import above may be the program's first of PyKEEN: its modules finished loading while the
+        # plugin's module was still mid-import, so the post-import hook could not register it then
+        import pykeen_bess_autoload
+
+        pykeen_bess_autoload.install_hook()
     return value
 
 

@@ -185,6 +185,31 @@ assert all("training.num_negs_per_pos" in t.params for t in trials), trials[0].p
 assert all("optimizer.lr" in t.params for t in trials), trials[0].params
 """
 
+#: programs whose first import is the plugin's, then PyKEEN's training loop makes the plugin's optimizer by name
+#: (through ``class_resolver``'s torch optimizer resolver, without ``pykeen.optimizers`` imported); with the
+#: plugin's names of every other resolver
+PLUGIN_FIRST = (
+    """
+{first}
+import torch
+from pykeen.models import DistMult
+from pykeen.triples import CoreTriplesFactory
+from pykeen_bess import BessTrainingLoop
+factory = CoreTriplesFactory.create(torch.tensor([[0, 0, 1], [1, 0, 2], [2, 0, 0]]), num_entities=3, num_relations=1)
+model = DistMult(triples_factory=factory, embedding_dim=4, random_seed=0)
+loop = BessTrainingLoop(model=model, triples_factory=factory, optimizer="rowwise_adagrad")
+assert [g["rule"] for g in loop.optimizer.param_groups if "rule" in g] == ["rowwise_adagrad"], loop.optimizer
+"""
+    + CHECK_ALL
+)
+#: the plugin's imports a program may start with
+PLUGIN_FIRST_IMPORTS = (
+    "from pykeen_bess import BessTrainingLoop",
+    "import pykeen_bess.training",
+    "import pykeen_bess.evaluation",
+    "import pykeen_bess.training.steps.runner",
+)
+
 
 @pytest.fixture(scope="module")
 def programs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
@@ -198,6 +223,7 @@ def programs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
         idempotent=dict(code=IDEMPOTENT),
         pipeline=dict(code=PIPELINE_WITHOUT_IMPORT),
         hpo=dict(code=HPO_WITHOUT_IMPORT),
+        **{f"plugin first: {first}": dict(code=PLUGIN_FIRST.format(first=first)) for first in PLUGIN_FIRST_IMPORTS},
         pykeen_cli=dict(module="pykeen", argv=["experiments", "run", str(config), "-d", str(folder / "out")]),
     )
     outcomes = run_chains([[step] for step in steps.values()])
@@ -206,6 +232,13 @@ def programs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
 
 def test_registration_is_idempotent(programs: dict[str, dict]) -> None:
     assert programs["idempotent"]["status"] == 0 and "OK" in programs["idempotent"]["stdout"], programs["idempotent"]
+
+
+def test_plugin_optimizer_by_name_after_importing_the_plugin_first(programs: dict[str, dict]) -> None:
+    """``BessTrainingLoop(optimizer="rowwise_adagrad")`` in a program that imports the plugin first (it was unknown)."""
+    for first in PLUGIN_FIRST_IMPORTS:
+        outcome = programs[f"plugin first: {first}"]
+        assert outcome["status"] == 0 and "OK" in outcome["stdout"], (first, outcome["stderr"][-3000:])
 
 
 def test_pipeline_and_config_without_import(programs: dict[str, dict]) -> None:
