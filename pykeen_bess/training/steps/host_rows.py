@@ -4,7 +4,8 @@ On the CPU reading a value costs no synchronisation, so :class:`~pykeen_bess.tra
 hands the rows to :class:`HostRows` there (:attr:`~pykeen_bess.training.steps.static_update.StaticUpdate.host_rules`):
 
 * **sums**: ``torch.unique`` numbers the step's distinct rows; every table's occurrence gradients
-  ``[N, W]`` are summed into ``[U, W]`` and the rows' values read once each;
+  ``[N, W]`` are summed into ``[U, W]``, and each row's values are taken from one of its occurrences (the
+  step's looked-up values, in cache, rather than the table's rows read again);
 * **updates**: the eager step's in-place rules (:meth:`~pykeen_bess.tables.row_rules.RowRule.update_`: lazy Adam
   in PyTorch's fused kernel, one pass, where the device-tensor rule takes about ten and its gate three
   more) on those rows; a step with a non-finite loss writes nothing, and rows only padding slots looked
@@ -43,10 +44,18 @@ class HostRows:
         self.trainable = list(trainable)
         self._buffers: dict[tuple, torch.Tensor] = {}
 
-    def sums(self, rows: torch.Tensor, grads: Sequence[torch.Tensor | None], real: torch.Tensor | None) -> StepRows:
-        """Sum every table's occurrence gradients per distinct row; read the rows' values.
+    def sums(
+        self,
+        rows: torch.Tensor,
+        values: Sequence[torch.Tensor],
+        grads: Sequence[torch.Tensor | None],
+        real: torch.Tensor | None,
+    ) -> StepRows:
+        """Sum every table's occurrence gradients per distinct row; take the rows' values from their occurrences.
 
         :param rows: shape: ``[N]``, the flat local row of every occurrence
+        :param values: per trainable table, shape: ``[N, W]``, the occurrences' values as the step read them (every
+            occurrence of a row has its row's values: one of them is taken, not the table read again)
         :param grads: per trainable table, shape: ``[N, W]`` (None: no gradient)
         :param real: shape: ``[N]``, whether an occurrence belongs to a real slot or negative (None: all do)
         :returns: the distinct rows ``[U]`` (each its own first occurrence), their values and summed gradients
@@ -59,11 +68,14 @@ class HostRows:
             None if grad is None else self._buffer(("summed", i), grad, count, most).zero_().index_add_(0, group, grad)
             for i, grad in enumerate(grads)
         ]
-        old = [  # (the row rules' input; the user's optimizer updates tables in the dense groups whole)
-            table.storage.read(table.weight, distinct, out=self._buffer(("old", i), table.weight, count, most))
-            for i, table in enumerate(self.trainable)
-            if self.optimizer.sparse_groups
-        ]
+        old: list[torch.Tensor] = []
+        if self.optimizer.sparse_groups:  # (the row rules' input; the user's optimizer updates dense groups whole)
+            # an occurrence of every distinct row (the step's values are in cache; the table's rows are not)
+            occurrence = torch.empty_like(distinct).scatter_(0, group, torch.arange(most, device=rows.device))
+            old = [
+                torch.index_select(value, 0, occurrence, out=self._buffer(("old", i), value, count, most))
+                for i, value in enumerate(values)
+            ]
         first = torch.ones_like(distinct, dtype=torch.bool)
         return StepRows(rows=distinct, first=first, real=real, old=old, summed=summed, most=most)
 

@@ -166,7 +166,7 @@ class StaticUpdate:
         else:
             old = [leaf.detach() for leaf in leaves]
         if self.on_the_host:  # the distinct rows themselves, as the eager step's optimizer has them
-            return self.host_rows.sums(rows, grads, real)
+            return self.host_rows.sums(rows, old, grads, real)
         group, first = occurrence_groups(rows)
         if real is not None:  # a row is updated if any occurrence is real
             count = torch.zeros_like(rows).index_add_(0, group, real.long())
