@@ -233,12 +233,13 @@ def test_checkpoints_early_stopping_and_evaluator_options(
     ]
     code, out, err = run(capsys, *options)
     assert code == 0, err
-    assert (tmp_path / "run.pt").is_file()
+    assert (tmp_path / "run.pt").is_file() and "resumed" not in err
     first = json.loads(out)
-    # the same command again resumes the finished checkpoint: no more training, the same metrics
+    # the same command again resumes the finished checkpoint: no more training, the same metrics, and it says so
     code, out, err = run(capsys, *options)
     assert code == 0, err
     assert json.loads(out) == pytest.approx(first)
+    assert f"resumed the checkpoint {tmp_path / 'run.pt'}: trained to epoch" in err
 
 
 def test_config_file_amended_by_flags(capsys: pytest.CaptureFixture, tmp_path: pathlib.Path) -> None:
@@ -450,7 +451,7 @@ def test_pytorch_biggraph_import_train_and_export(capsys: pytest.CaptureFixture,
         "--checkpoint-name", "bess.pt", "--optimizer", "rowwise_adagrad", "--lr", "0.1",
         "--export-pbg", str(tmp_path / "export"), "--output", str(tmp_path / "out"),
     )  # fmt: skip
-    assert code == 0, err
+    assert code == 0 and "resumed" not in err, err
     assert 0 < json.loads(out)["both.realistic.inverse_harmonic_mean_rank"] <= 1
     assert pbg.files.read_version(tmp_path / "ckpt") == 2 and pbg.files.read_version(tmp_path / "export") == 2
     graph = pbg.read(data)

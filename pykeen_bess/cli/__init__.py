@@ -313,6 +313,7 @@ def train(args: argparse.Namespace) -> tuple[dict[str, float], bool]:
                 [] if callbacks is None else list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
             )
             training["callbacks"] = [*given, export_check()]
+    resumed = _checkpoint_to_resume(kwargs)
     result = pipeline(**kwargs)
     recorded = result.metadata.get("pipeline") if isinstance(result.metadata, dict) else None
     if isinstance(recorded, dict):  # the seed pipeline() used (drawn, or a resumed checkpoint's): reruns repeat it
@@ -325,10 +326,28 @@ def train(args: argparse.Namespace) -> tuple[dict[str, float], bool]:
         export_pbg(result, args.export_pbg)
     topology = getattr(result.training_loop, "topology", None)
     reports = topology is None or topology.is_main_process
+    if reports and resumed is not None:  # (else a rerun of a finished run would print its metrics as if it trained)
+        print(
+            f"pykeen-bess: resumed the checkpoint {resumed}: trained to epoch {len(result.losses)}", file=sys.stderr
+        )
     if reports and getattr(result.stopper, "stopped", False):  # (else only --verbose shows PyKEEN's message)
         best = getattr(result.stopper, "best_epoch", None)
         print(f"pykeen-bess: stopped early after epoch {len(result.losses)} (best: epoch {best})", file=sys.stderr)
     return dict(result.metric_results.to_flat_dict()), reports
+
+
+def _checkpoint_to_resume(kwargs: dict[str, Any]) -> pathlib.Path | None:
+    """Return the checkpoint the run will resume (its pointer or PyKEEN file), or None if it starts afresh."""
+    from ..pbg import files
+    from ..training.setup.assembly import checkpoint_path
+
+    path = checkpoint_path(dict(kwargs.get("training_kwargs") or {}))
+    if path is None:
+        return None
+    pbg = (kwargs.get("training_loop_kwargs") or {}).get("checkpoint_format") == "pbg"
+    if path.is_file() or (pbg and path.parent.is_dir() and files.read_version(path.parent) > 0):
+        return path
+    return None
 
 
 def _check_output_directory(path: pathlib.Path, flag: str) -> None:
