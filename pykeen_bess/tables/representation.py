@@ -428,8 +428,8 @@ def reset_in_chunks(table: ShardedEmbedding, chunk_rows: int | None = None) -> N
     :meth:`ShardedEmbedding.reset_parameters`, they do depend on the number of shards;
     initializers whose scale depends on the table's shape (Xavier's) see the chunk's. The
     constrainer is applied to each chunk as it is written, so the pass over all rows that
-    follows a reset is skipped (one pass over the table, not two). Padding rows are set to zero.
-    Shows a progress bar (on the main process).
+    follows a reset is skipped (one pass over the table, not two). Padding rows are set to zero; a
+    progress bar shows in a terminal (on the main process).
     """
     from tqdm.auto import tqdm
 
@@ -437,19 +437,13 @@ def reset_in_chunks(table: ShardedEmbedding, chunk_rows: int | None = None) -> N
     size = table.sharding.shard_size
     chunks = [(p, s, c) for p, s in enumerate(table.local_shards) for c in range(0, size, chunk_rows)]
     with torch.no_grad():
-        bar = tqdm(chunks, desc=f"Initialising {table.label}", unit="chunk", leave=False, disable=not is_main_process())
+        quiet = None if is_main_process() else True  # None: a bar only where the output is a terminal
+        bar = tqdm(chunks, desc=f"Initialising {table.label}", unit="chunk", leave=False, disable=quiet)
         for position, shard, start in bar:
             stop = min(start + chunk_rows, size)
-            key = (
-                table.seed,
-                INITIALIZATION_STREAM,
-                table.table_index,
-                table.sharding.n_shard,
-                shard,
-                start // chunk_rows,
-            )
+            key = (table.seed, INITIALIZATION_STREAM, table.table_index, table.sharding.n_shard, shard)
             with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(derive_seed(*key))
+                torch.manual_seed(derive_seed(*key, start // chunk_rows))
                 values = table.initializer(torch.empty(stop - start, *table.row_shape, dtype=table.weight.dtype))
             values = table.constrain_values(values.reshape(stop - start, table.row_width))
             padding = table.sharding.shard_entities[shard, start:stop] < 0
