@@ -659,3 +659,12 @@ def test_early_stopping_is_reported(capsys: pytest.CaptureFixture) -> None:
     stopped = re.search(r"pykeen-bess: stopped early after epoch (\d+) \(best: epoch 1\)", err)
     assert stopped is not None and int(stopped.group(1)) < 6, err
     json.loads(out)  # the metrics alone on stdout
+
+
+def test_zero_epochs_say_the_model_is_untrained(capsys: pytest.CaptureFixture) -> None:
+    """``--epochs 0`` evaluates the initial model (as PyKEEN does) and says so on stderr."""
+    code, out, err = run(capsys, *FAST, "--epochs", "0")
+    assert code == 0, err
+    assert "no epoch was trained (--epochs 0)" in err and json.loads(out)
+    code, out, err = run(capsys, *FAST)
+    assert code == 0 and "no epoch was trained" not in err, err

@@ -328,6 +328,8 @@ def train(args: argparse.Namespace) -> tuple[dict[str, float], bool]:
     reports = topology is None or topology.is_main_process
     if reports and resumed is not None:  # (else a rerun of a finished run would print its metrics as if it trained)
         print(f"pykeen-bess: resumed the checkpoint {resumed}: trained to epoch {len(result.losses)}", file=sys.stderr)
+    if reports and resumed is None and not result.losses:
+        print("pykeen-bess: no epoch was trained (--epochs 0): the metrics are the untrained model's", file=sys.stderr)
     if reports and getattr(result.stopper, "stopped", False):  # (else only --verbose shows PyKEEN's message)
         best = getattr(result.stopper, "best_epoch", None)
         print(f"pykeen-bess: stopped early after epoch {len(result.losses)} (best: epoch {best})", file=sys.stderr)
