@@ -326,7 +326,10 @@ class BessTrainingLoop(LoopParts):
             stopper_file_layout(kwargs.get("stopper"), self.tables.tables)
         try:
             with installed, self.thread_policy.applied():
-                return super().train(triples_factory, num_epochs=num_epochs, batch_size=batch_size, **kwargs)
+                losses = super().train(triples_factory, num_epochs=num_epochs, batch_size=batch_size, **kwargs)
+            if self.optimizer is None:  # clear_optimizer (pipeline()'s default): its steps held the optimizer's state
+                self.release_steps()
+            return losses
         finally:
             if own_layout:
                 pykeen_layout_stopper_file(kwargs.get("stopper"), self.tables.tables, self.model.entity_representations)

@@ -88,6 +88,11 @@ class LoopParts(PyKEENHooks):
         self.runner = runner
         self.static = static
 
+    def release_steps(self) -> None:
+        """Let go of the steps of the last training (PyKEEN's ``clear_optimizer``: they hold the optimizer's state)."""
+        self.runner = None
+        self.static = None
+
     def finish_epoch(self, epoch: int, loss: float) -> None:
         """Record a completed epoch: its number and mean step loss."""
         self.losses_per_epochs.append(loss)

@@ -882,6 +882,21 @@ def test_continue_training_after_the_optimizer_was_cleared(small_factory: CoreTr
         loop.train(small_factory, num_epochs=2, batch_size=64, use_tqdm=False, continue_training=True)
 
 
+def test_clearing_the_optimizer_frees_its_state(small_factory: CoreTriplesFactory) -> None:
+    """``clear_optimizer`` (pipeline()'s default) lets the optimizer and its state go: the loop's steps held them
+    (with Adam, twice the entity table kept alive as long as the pipeline's result)."""
+    import gc
+    import weakref
+
+    loop = make_loop(small_factory, num_shards=2, num_threads=1)
+    loop.train(small_factory, num_epochs=1, batch_size=64, use_tqdm=False, clear_optimizer=False)
+    optimizer = weakref.ref(loop.optimizer)
+    assert loop.optimizer.state and loop.static is not None
+    loop.train(small_factory, num_epochs=2, batch_size=64, use_tqdm=False, continue_training=True, clear_optimizer=True)
+    gc.collect()
+    assert loop.optimizer is None and optimizer() is None
+
+
 @pytest.mark.parametrize("num_shards", [1, 2])
 def test_a_relation_normalizer_normalizes_each_row(dataset: Nations, num_shards: int) -> None:
     """PyKEEN's "normalize" normalizer (``F.normalize``, ``dim=1``) ran on relation rows ``[L, n, b', d]``: across
