@@ -77,7 +77,8 @@ class FusedRule:
     its compiled variants on a function's code object, one per rule, hyper-parameters (Python numbers
     in the parameter group: betas, eps) and shapes, up to a limit (8 by default) beyond which the
     function runs uncompiled: one process that trains many models (an HPO study's trials, a benchmark)
-    would reach it with a shared function. A copy's variants die with its step.
+    would reach it with a shared function. A copy's variants are not looked up again once its step is gone,
+    but torch keeps the compiled code for the rest of the process (about 3 MiB per step, measured on the CPU).
     """
 
     #: compile on every device (tests compile on the CPU)

@@ -122,7 +122,7 @@ class StaticUpdate:
         self.learning_rates = [torch.zeros((), dtype=torch.float64, device=self.device) for _ in optimizer.param_groups]
         #: the step counts of the tables and the replicated parameters, on the device
         self.step_counts = StepCounts(self.device)
-        #: the gated rule, compiled for this step's rules on CUDA (its compiled variants die with the step)
+        #: the gated rule, compiled for this step's rules on CUDA (its own copy: see FusedRule)
         self.fused = FusedRule()
         #: the CPU's updates of the step's distinct rows (:attr:`on_the_host`)
         self.host_rows = HostRows(optimizer, self.trainable)
