@@ -23,6 +23,7 @@ those of the one-shard plan (tested).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from class_resolver import ClassResolver
@@ -43,6 +44,7 @@ __all__ = [
     "EncodingScheme",
     "ExchangeScheme",
     "ScoreMovingScheme",
+    "canonical_exchange",
     "choose_scheme",
     "exchange_cost",
     "query_width",
@@ -150,6 +152,21 @@ def resolve_scheme(scheme: str | type[ExchangeScheme]) -> type[ExchangeScheme]:
         raise ValueError(
             f"Unknown exchange={scheme!r}; expected one of {(*scheme_names(), AUTO)} or an ExchangeScheme subclass."
         ) from None
+
+
+def canonical_exchange(exchange: Any) -> Any:
+    """Return an ``exchange=`` value as the loop compares it: None, :data:`AUTO` or a registered scheme's name.
+
+    Names are matched as the resolver matches them (``"Auto"``, ``"Encoding"``, ``"EncodingScheme"``); a scheme
+    class stays a class.
+
+    :raises ValueError: for an unknown name
+    """
+    if not isinstance(exchange, str):
+        return exchange
+    if scheme_resolver.normalize(exchange) == AUTO:
+        return AUTO
+    return resolve_scheme(exchange).get_name()
 
 
 def choose_scheme(

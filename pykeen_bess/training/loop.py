@@ -27,7 +27,7 @@ from ..tables.optim import optimizer_hyperparameters
 from ..data.partition import ShardPairPartition
 from ..pbg.schema import schema_of
 from ..data.sampling import DEFAULT_NEGATIVES, BessSampler, Corruption
-from ..schemes import ExchangeScheme
+from ..schemes import ExchangeScheme, canonical_exchange
 from ..data.sharding import ShardingStrategy
 from ..storage import TableStorage, make_storage
 from ..runtime.threads import ThreadsHint, resolve_threads
@@ -230,6 +230,7 @@ class BessTrainingLoop(LoopParts):
         # the optimizer the base class built (or the pipeline passed) defines class and hyper-parameters
         self.optimizer_cls = type(self.optimizer)
         self.optimizer_kwargs = optimizer_hyperparameters(self.optimizer, scheduled=self.lr_scheduler is not None)
+        exchange = canonical_exchange(exchange)  # (any spelling the scheme resolver accepts: "Auto", "Encoding")
         #: the settings the partition-dependent parts are built from (again if exchange="auto" changes it)
         self.settings = LoopSettings(
             model=cast(ERModel, model),

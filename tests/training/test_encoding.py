@@ -355,6 +355,9 @@ def test_pipeline_trains_an_encoding_partition(nations: Nations) -> None:
     [
         (dict(model="RESCAL", exchange="encoding"), "column-separable interaction"),
         (dict(model="TransR", exchange="encoding"), "column-separable interaction"),
+        # any spelling the scheme resolver accepts is the same scheme (the model's error, not another one)
+        (dict(model="MuRE", exchange="Encoding"), "column-separable interaction"),
+        (dict(model="MuRE", exchange="EncodingScheme"), "column-separable interaction"),
         (dict(model="SimplE", exchange="encoding"), "ClampedInteraction"),
         (dict(partition="rows"), "Unknown partition"),
         (dict(partition="encoding", exchange="score"), "works on the 'token' partition"),

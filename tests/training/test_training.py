@@ -523,6 +523,14 @@ def test_bad_input_is_rejected_before_training(dataset: Nations, kwargs: dict, e
         BessTrainingLoop(model=model, triples_factory=dataset.training, **kwargs)
 
 
+@pytest.mark.parametrize("exchange", ["Auto", "AUTO", "Embedding", "ScoreMoving", "score_moving_scheme"])
+def test_exchange_names_are_matched_as_the_scheme_resolver_matches_them(dataset: Nations, exchange: str) -> None:
+    """``exchange="Auto"`` was refused ("Unknown exchange='Auto'") where "Embedding" or "EncodingScheme" worked."""
+    model = DistMult(triples_factory=dataset.training, embedding_dim=4, random_seed=0)
+    loop = BessTrainingLoop(model=model, triples_factory=dataset.training, num_shards=2, exchange=exchange)
+    assert loop.settings.exchange == {"auto": "auto", "embedding": "embedding"}.get(exchange.lower(), "score")
+
+
 def test_a_batch_beyond_the_training_set_is_one_step_of_its_blocks(small_factory: CoreTriplesFactory) -> None:
     """A batch larger than every shardpair's triples trains as the batch that just holds them (no huge blocks)."""
     losses = [
