@@ -219,7 +219,9 @@ class BessTrainingLoop(LoopParts):
         self.refuse_uncalled_hooks()
         # a model an earlier loop trained with tables in host memory or files: its embeddings again
         unshard_model(model)
-        num_negs_per_pos = resolve_negative_sampler(negative_sampler, negative_sampler_kwargs, num_negs_per_pos)
+        num_negs_per_pos = resolve_negative_sampler(
+            negative_sampler, negative_sampler_kwargs, num_negs_per_pos, corruption
+        )
         super().__init__(model=model, triples_factory=triples_factory, **kwargs)
         table_storage = make_storage(storage, storage_path, storage_kwargs)
         table_storage.defer_existing_files()  # files of an earlier run: kept until train() knows if it resumes

@@ -523,6 +523,42 @@ def test_bad_input_is_rejected_before_training(dataset: Nations, kwargs: dict, e
         BessTrainingLoop(model=model, triples_factory=dataset.training, **kwargs)
 
 
+@pytest.mark.parametrize(
+    ("sampler_kwargs", "loop_kwargs"),
+    [
+        (dict(filtered=False), {}),  # PyKEEN's default: no filtering
+        (dict(corruption_scheme=("head", "tail")), {}),  # PyKEEN's default: the loop's default corruption="ht"
+        (dict(corruption_scheme=["tail"]), dict(corruption="t")),
+        (dict(corruption_scheme="head"), dict(corruption="h")),
+    ],
+)
+def test_negative_sampler_kwargs_that_mean_what_the_loop_does_are_accepted(
+    dataset: Nations, sampler_kwargs: dict, loop_kwargs: dict
+) -> None:
+    model = DistMult(triples_factory=dataset.training, embedding_dim=4, random_seed=0)
+    kwargs = dict(negative_sampler_kwargs=dict(num_negs_per_pos=4, **sampler_kwargs), **loop_kwargs)
+    loop = BessTrainingLoop(model=model, triples_factory=dataset.training, num_shards=2, **kwargs)
+    assert loop.config.num_negs_per_pos == 4
+
+
+@pytest.mark.parametrize(
+    ("sampler_kwargs", "loop_kwargs"),
+    [
+        (dict(corruption_scheme=("head",)), {}),  # another side than the loop's corruption: not silently ignored
+        (dict(corruption_scheme=("head", "relation", "tail")), {}),
+        (dict(corruption_scheme=("head", "tail")), dict(corruption="t")),
+    ],
+)
+def test_a_corruption_scheme_other_than_the_loops_is_refused(
+    dataset: Nations, sampler_kwargs: dict, loop_kwargs: dict
+) -> None:
+    model = DistMult(triples_factory=dataset.training, embedding_dim=4, random_seed=0)
+    with pytest.raises(ValueError, match="corruption_scheme=.*training_loop_kwargs=dict.corruption="):
+        BessTrainingLoop(
+            model=model, triples_factory=dataset.training, negative_sampler_kwargs=sampler_kwargs, **loop_kwargs
+        )
+
+
 @pytest.mark.parametrize("exchange", ["Auto", "AUTO", "Embedding", "ScoreMoving", "score_moving_scheme"])
 def test_exchange_names_are_matched_as_the_scheme_resolver_matches_them(dataset: Nations, exchange: str) -> None:
     """``exchange="Auto"`` was refused ("Unknown exchange='Auto'") where "Embedding" or "EncodingScheme" worked."""

@@ -229,13 +229,21 @@ def check_num_negs(num_negs_per_pos: Any, n_shard: int) -> int:
     return num_negs_per_pos
 
 
+#: PyKEEN's ``corruption_scheme`` of its basic sampler as the loop's ``corruption``
+CORRUPTION_SCHEMES = {frozenset({"head", "tail"}): "ht", frozenset({"head"}): "h", frozenset({"tail"}): "t"}
+
+
 def resolve_negative_sampler(
-    negative_sampler: HintOrType[NegativeSampler], negative_sampler_kwargs: OptionalKwargs, num_negs_per_pos: int | None
+    negative_sampler: HintOrType[NegativeSampler],
+    negative_sampler_kwargs: OptionalKwargs,
+    num_negs_per_pos: int | None,
+    corruption: Any = "ht",
 ) -> int | None:
     """Accept only what is meaningful for BESS from PyKEEN's negative sampler arguments.
 
-    ``num_negs_per_pos`` is used; ``filterer=None`` (and ``filterer_kwargs=None``), PyKEEN's "no
-    filtering", is accepted; anything else is refused.
+    ``num_negs_per_pos`` is used; PyKEEN's "no filtering" (``filtered=False``, ``filterer=None``,
+    ``filterer_kwargs=None``) and a ``corruption_scheme`` that is the loop's ``corruption`` are accepted;
+    anything else is refused.
     """
     if negative_sampler is not None and negative_sampler_resolver.lookup(negative_sampler) is not BasicNegativeSampler:
         raise ValueError(
@@ -249,6 +257,16 @@ def resolve_negative_sampler(
     for key in ("filterer", "filterer_kwargs"):
         if key in kwargs and kwargs[key] is None:
             del kwargs[key]
+    if "filtered" in kwargs and kwargs["filtered"] is False:
+        del kwargs["filtered"]
+    if "corruption_scheme" in kwargs:
+        scheme = kwargs.pop("corruption_scheme")
+        sides = frozenset([scheme] if isinstance(scheme, str) else scheme or ())
+        if CORRUPTION_SCHEMES.get(sides, sides) != corruption:
+            raise ValueError(
+                f"negative_sampler_kwargs=dict(corruption_scheme={scheme!r}) is not this loop's corruption="
+                f"{corruption!r}: choose the corrupted sides with training_loop_kwargs=dict(corruption='h'|'t'|'ht')."
+            )
     if "filterer" in kwargs:
         raise ValueError(
             f"negative_sampler_kwargs=dict(filterer={kwargs['filterer']!r}) is not supported: BESS does not filter "
