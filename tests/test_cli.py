@@ -668,3 +668,29 @@ def test_zero_epochs_say_the_model_is_untrained(capsys: pytest.CaptureFixture) -
     assert "no epoch was trained (--epochs 0)" in err and json.loads(out)
     code, out, err = run(capsys, *FAST)
     assert code == 0 and "no epoch was trained" not in err, err
+
+
+def test_named_choices_are_matched_as_pykeen_matches_names() -> None:
+    """``--evaluator BESS``, ``--storage Host`` or ``--checkpoint-retrieval one-per-group`` (the Python API accepts
+    such spellings) were refused as invalid choices."""
+    parser = build_parser()
+    argv = ["train", "--evaluator", "BessEvaluator", "--exchange", "Auto", "--storage", "Host", "--corruption", "HT"]
+    argv += [
+        "--checkpoint-retrieval",
+        "one-per-group",
+        "--replica-grouping",
+        "Orthogonal",
+        "--checkpoint-format",
+        "PBG",
+    ]
+    args = parser.parse_args(argv)
+    assert (args.evaluator, args.exchange, args.storage, args.corruption) == ("bess", "auto", "host", "ht")
+    assert (args.checkpoint_retrieval, args.replica_grouping, args.checkpoint_format) == (
+        "one_per_group",
+        "orthogonal",
+        "pbg",
+    )
+    assert parser.parse_args(["train", "--evaluator", "rank_based"]).evaluator == "rankbased"
+    assert parser.parse_args(["train", "--evaluator", "RankBasedEvaluator"]).evaluator == "rankbased"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["train", "--storage", "disk"])

@@ -72,6 +72,17 @@ def _threads(text: str) -> str | int:
     return int(text)
 
 
+def _name(text: str) -> str:
+    """Parse a named choice as PyKEEN's resolvers match names: any case, ``-`` or space for ``_`` (``Host``)."""
+    return text.strip().lower().replace("-", "_").replace(" ", "_")
+
+
+def _evaluator(text: str) -> str:
+    """Parse ``--evaluator``: also ``BESS``, ``BessEvaluator``, ``rank_based`` or ``RankBasedEvaluator``."""
+    name = _name(text).replace("_", "")
+    return name[: -len("evaluator")] if name.endswith("evaluator") and name != "evaluator" else name
+
+
 def _json_object(text: str) -> dict[str, Any]:
     try:
         value = json.loads(text)
@@ -137,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     bess.add_argument("--num-shards", type=int, help="entity shards (default: the world size under torchrun, else 2)")
     bess.add_argument(
         "--exchange",
+        type=_name,
         choices=["embedding", "score", "encoding", "encoding_lookup", "auto"],
         help="exchange scheme: move embeddings, move scores, sum partial scores of column parts or assemble whole "
         "rows from them (the encoding partition), or the one that moves the fewest bytes (default: embedding; "
@@ -144,11 +156,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bess.add_argument(
         "--partition",
+        type=_name,
         choices=["token", "encoding"],
         help="split the entity tables by rows (token: BESS's shards) or by columns (encoding: every part holds "
         "d / num_shards coordinates of all entities; separable interactions) (default: token)",
     )
-    bess.add_argument("--corruption", choices=["h", "t", "ht"], help="corrupted side(s) (default: ht)")
+    bess.add_argument("--corruption", type=_name, choices=["h", "t", "ht"], help="corrupted side(s) (default: ht)")
     bess.add_argument(
         "--typed-negatives",
         action="store_true",
@@ -170,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bess.add_argument(
         "--sharding",
+        type=_name,
         choices=["balanced", "random"],
         help="deal entities to shards so every shardpair holds about equally many triples (default), or randomly",
     )
@@ -180,16 +194,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bess.add_argument(
         "--replica-grouping",
+        type=_name,
         choices=["orthogonal", "consecutive", "all", "none"],
         help="how replicas are laid out over the ranks (default with replicas: orthogonal)",
     )
     bess.add_argument(
         "--checkpoint-retrieval",
+        type=_name,
         choices=["one_per_group", "all_replicas"],
         help="one checkpoint file per shard (default) or one per replica",
     )
     bess.add_argument(
         "--storage",
+        type=_name,
         choices=["device", "host", "mmap"],
         help="where the entity tables and their optimizer state live: the model's device (default), host memory, "
         "or .npy files under --storage-path",
@@ -214,6 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bess.add_argument(
         "--static-step",
+        type=_name,
         choices=["auto", "on", "off"],
         help="auto (default): the static step wherever it applies (a CUDA graph on a GPU); on: or an error; off: eager",
     )
@@ -243,6 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     training.add_argument(
         "--host-allocator",
+        type=_name,
         choices=["auto", "keep"],
         help="auto (default; on the CPU glibc keeps freed tensor memory for the next step) or keep (leave it alone, "
         "the default of the Python API)",
@@ -250,6 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     training.add_argument("--checkpoint-name", help="checkpoint file name; an existing checkpoint is resumed")
     training.add_argument(
         "--checkpoint-format",
+        type=_name,
         choices=["pykeen", "pbg"],
         help="PyKEEN's checkpoint files (default), or PyTorch-BigGraph's checkpoint layout in --checkpoint-directory "
         "(shard k is partition k of every entity type; a checkpoint PyTorch-BigGraph wrote there is continued)",
@@ -267,7 +287,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     evaluation = train.add_argument_group("evaluation and output")
     evaluation.add_argument(
-        "--evaluator", choices=["bess", "rankbased"], help="sharded (bess) or PyKEEN's evaluator (default: bess)"
+        "--evaluator",
+        type=_evaluator,
+        choices=["bess", "rankbased"],
+        help="sharded (bess) or PyKEEN's evaluator (default: bess)",
     )
     evaluation.add_argument("--eval-batch-size", type=int, help="evaluation triples per batch (default: automatic)")
     evaluation.add_argument(
