@@ -10,8 +10,10 @@ declares its classes there).
 PyKEEN itself only reads the ``pykeen.datasets`` group. This package's entry point in that group
 (:mod:`pykeen_bess_autoload`) installs a post-import hook and a lookup fallback that register the
 plugin as soon as it is safe, so ``pipeline(training_loop="bess")``, ``pipeline_from_config``,
-``hpo_pipeline``, the ``pykeen`` command line and any resolver lookup find the plugin without
+``hpo_pipeline``, ``pykeen experiments run`` and any resolver lookup find the plugin without
 ``import pykeen_bess``, whatever PyKEEN module is imported first (see :mod:`pykeen_bess_autoload`).
+``pykeen train`` does not: its options fix their choices (and its model commands) while ``pykeen.cli``
+is being imported, before the plugin can register.
 """
 
 from __future__ import annotations
