@@ -97,6 +97,7 @@ def test_resolve_allocator(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     assert not user_chose_allocator({"GLIBC_TUNABLES": "glibc.cpu.hwcaps=-AVX"})
     assert isinstance(resolve_allocator(None, "cpu"), KeepAllocator)
+    assert isinstance(resolve_allocator("keep", "cpu"), KeepAllocator)  # the command line's name, in a configuration
     assert isinstance(resolve_allocator("auto", "cuda:0"), KeepAllocator)  # the GPU's memory is torch's own
     policy = RecordingAllocator()
     assert resolve_allocator(policy, "cpu") is policy

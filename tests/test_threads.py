@@ -132,6 +132,7 @@ def test_resolve_threads(monkeypatch):
     assert isinstance(resolve_threads("auto", None), AdaptiveThreads)
     assert isinstance(resolve_threads("auto", "cuda"), KeepThreads)
     assert isinstance(resolve_threads(None, "cpu"), KeepThreads)
+    assert isinstance(resolve_threads("keep", "cpu"), KeepThreads)  # the command line's name, in a configuration
     assert resolve_threads(3, "cpu").threads_for_unit() == 3
     monkeypatch.setattr("pykeen_bess.runtime.threads.threads_per_process", lambda: 1)
     assert isinstance(resolve_threads("auto", "cpu"), KeepThreads)

@@ -130,10 +130,10 @@ class BessEvaluator(RankBasedEvaluator):
             default group); unused in one process
         :param num_threads: intra-op CPU threads of the score blocks (:mod:`pykeen_bess.runtime.threads`):
             ``"auto"`` (default: measure 1 thread against all of the process's; torch's setting is restored
-            afterwards), None (torch's setting, left alone), or an integer
+            afterwards), None or ``"keep"`` (torch's setting, left alone), or an integer
         :param host_allocator: how glibc's allocator serves the score blocks (:mod:`pykeen_bess.runtime.allocator`):
-            None (default: leave it alone) or ``"auto"`` (on the CPU: freed blocks stay in the heap for the
-            next, a process-wide setting that stays; what the command line uses)
+            None or ``"keep"`` (default: leave it alone) or ``"auto"`` (on the CPU: freed blocks stay in the heap
+            for the next, a process-wide setting that stays; what the command line uses)
         :param tie_tolerance: the half width of the band around each true score, in units of
             ``eps * (|t| + ||q|| max ||c||)``, whose candidates are compared by PyKEEN's own scores
             (:mod:`~pykeen_bess.evaluation.counting`); 0: compare the products' scores only (faster,

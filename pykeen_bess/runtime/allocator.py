@@ -150,17 +150,17 @@ AllocatorHint = str | HostAllocator | None
 def resolve_allocator(host_allocator: AllocatorHint, device: torch.device | str | None) -> HostAllocator:
     """Return the allocator policy of a ``host_allocator`` argument (see the module docstring).
 
-    :param host_allocator: ``"auto"``, None or a policy
+    :param host_allocator: ``"auto"``, None (or ``"keep"``, as the command line names it) or a policy
     :param device: the device the work computes on (``"auto"`` leaves the allocator alone on a GPU)
     :returns: the policy
     :raises ValueError: for any other value
     """
     if isinstance(host_allocator, HostAllocator):
         return host_allocator
-    if host_allocator is None:
+    if host_allocator is None or host_allocator == "keep":
         return KeepAllocator()
     if host_allocator != "auto":
-        raise ValueError(f"host_allocator must be 'auto', None or a HostAllocator, but is {host_allocator!r}.")
+        raise ValueError(f"host_allocator must be 'auto', None ('keep') or a HostAllocator, but is {host_allocator!r}.")
     if device is not None and torch.device(device).type != "cpu":
         return KeepAllocator()
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc" or user_chose_allocator():

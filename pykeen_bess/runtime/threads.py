@@ -320,14 +320,15 @@ ThreadsHint = str | int | ThreadPolicy | None
 def resolve_threads(num_threads: ThreadsHint, device: torch.device | str | None) -> ThreadPolicy:
     """Return the thread policy of a ``num_threads`` argument (see the module docstring).
 
-    :param num_threads: ``"auto"``, a positive integer, None or a policy
+    :param num_threads: ``"auto"``, a positive integer, None (or ``"keep"``, as the command line names it) or a
+        policy
     :param device: the device the work runs on (``"auto"`` keeps torch's setting on a GPU)
     :returns: the policy
     :raises ValueError: for any other value
     """
     if isinstance(num_threads, ThreadPolicy):
         return num_threads
-    if num_threads is None:
+    if num_threads is None or num_threads == "keep":
         return KeepThreads()
     if num_threads == "auto":
         if device is not None and torch.device(device).type != "cpu":
@@ -335,5 +336,5 @@ def resolve_threads(num_threads: ThreadsHint, device: torch.device | str | None)
         most = threads_per_process()
         return AdaptiveThreads(most) if most > 1 else KeepThreads()
     if isinstance(num_threads, str):
-        raise ValueError(f"num_threads must be 'auto', a positive integer or None, but is {num_threads!r}.")
+        raise ValueError(f"num_threads must be 'auto', a positive integer or None ('keep'), but is {num_threads!r}.")
     return FixedThreads(num_threads)

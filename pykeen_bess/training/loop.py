@@ -174,9 +174,10 @@ class BessTrainingLoop(LoopParts):
             "no filtering", is accepted)
         :param num_threads: intra-op CPU threads while training (:mod:`pykeen_bess.runtime.threads`): ``"auto"``
             (default: measure 1 thread against all of the process's, so a busy neighbour on a shared CPU is
-            noticed; torch's setting is restored afterwards), None (torch's setting, left alone), or an integer
-        :param host_allocator: None (default: leave the C library's allocator alone) or ``"auto"`` (on the
-            CPU: glibc keeps freed blocks for the next step, a process-wide setting that stays;
+            noticed; torch's setting is restored afterwards), None or ``"keep"`` (torch's setting, left alone),
+            or an integer
+        :param host_allocator: None or ``"keep"`` (default: leave the C library's allocator alone) or ``"auto"``
+            (on the CPU: glibc keeps freed blocks for the next step, a process-wide setting that stays;
             :mod:`pykeen_bess.runtime.allocator`; what the command line uses)
         :param negatives: ``"step"`` (default: ``num_negs_per_pos`` entities drawn equally from every
             shard, one set shared by all blocks of a step, gathered, moved and scored once), ``"block"``
