@@ -45,6 +45,7 @@ import time
 import numpy as np
 import torch
 from pykeen.datasets import dataset_resolver
+from pykeen.evaluation import Evaluator, RankBasedEvaluator
 from pykeen.pipeline import pipeline
 from pykeen.training import TrainingLoop
 from pykeen.triples import TriplesFactory
@@ -82,7 +83,8 @@ def run(
 
     ``num_shards=None`` runs stock PyKEEN instead: the configuration with PyKEEN's sLCWA loop (its
     basic negative sampler, ``num_negs_per_pos`` unshared negatives per positive) and rank-based
-    evaluator; of the ``training_loop_kwargs`` it keeps those PyKEEN's loop takes (a loss weighter).
+    evaluator; of the ``training_loop_kwargs`` and ``evaluator_kwargs`` it keeps those PyKEEN's loop and
+    evaluator take (a loss weighter; not BESS's thread and allocator settings).
 
     With ``checkpoints`` (a directory) training writes a checkpoint there every 10 minutes and at
     the end, and a run of the same configuration, shard count and seed resumes from it; the time is
@@ -101,6 +103,15 @@ def run(
             evaluator="rankbased",
             training_loop_kwargs={key: value for key, value in loop_kwargs.items() if key in stock_parameters},
         )
+        # and of the evaluator's, those PyKEEN's takes (not BESS's num_threads and host_allocator)
+        evaluator_parameters = {
+            *inspect.signature(RankBasedEvaluator.__init__).parameters,
+            *inspect.signature(Evaluator.__init__).parameters,
+        }
+        evaluator_kwargs = kwargs.pop("evaluator_kwargs", None) or {}
+        kwargs["evaluator_kwargs"] = {
+            key: value for key, value in evaluator_kwargs.items() if key in evaluator_parameters
+        }
     else:
         kwargs["training_loop_kwargs"] = {**kwargs.get("training_loop_kwargs", {}), "num_shards": num_shards}
     name = "stock" if num_shards is None else f"n{num_shards}"
