@@ -26,14 +26,18 @@ from ..runtime.allocator import AllocatorHint, resolve_allocator
 from ..tables.optim import optimizer_hyperparameters
 from ..data.partition import ShardPairPartition
 from ..pbg.schema import schema_of
-from ..data.sampling import DEFAULT_NEGATIVES, BessSampler, Corruption
+from ..data.sampling import CORRUPTIONS, DEFAULT_NEGATIVES, NEGATIVES, BessSampler, Corruption
 from ..schemes import ExchangeScheme, canonical_exchange
-from ..data.sharding import ShardingStrategy
+from ..data.sharding import SHARDINGS, ShardingStrategy
+from ..distributed.groups import GROUPINGS
+from ..names import canonical_choice
 from ..storage import TableStorage, make_storage
 from ..runtime.threads import ThreadsHint, resolve_threads
 from .checkpoints.pbg import PbgCheckpointStore, prepare_pbg_checkpoint
+from .checkpoints.stores import CHECKPOINT_FORMATS, CHECKPOINT_RETRIEVALS
 from .checkpoints.stopper_weights import pykeen_layout_stopper_file, stopper_file_layout
 from .setup.config import (
+    PARTITIONS,
     check_train_arguments,
     check_model,
     check_model_dtype,
@@ -218,6 +222,14 @@ class BessTrainingLoop(LoopParts):
         if kwargs.get("mode") is not None:
             raise NotImplementedError("BessTrainingLoop supports transductive training only (mode=None).")
         self.refuse_uncalled_hooks()
+        # the named options as PyKEEN matches names ("Token", "HT", "one-per-group"): canonical from here on
+        partition = canonical_choice(partition, PARTITIONS)
+        corruption = canonical_choice(corruption, CORRUPTIONS)
+        replica_grouping = canonical_choice(replica_grouping, GROUPINGS)
+        checkpoint_retrieval = canonical_choice(checkpoint_retrieval, CHECKPOINT_RETRIEVALS)
+        negatives = canonical_choice(negatives, NEGATIVES)
+        checkpoint_format = canonical_choice(checkpoint_format, CHECKPOINT_FORMATS)
+        sharding = canonical_choice(sharding, SHARDINGS)
         # a model an earlier loop trained with tables in host memory or files: its embeddings again
         unshard_model(model)
         num_negs_per_pos = resolve_negative_sampler(

@@ -567,6 +567,31 @@ def test_exchange_names_are_matched_as_the_scheme_resolver_matches_them(dataset:
     assert loop.settings.exchange == {"auto": "auto", "embedding": "embedding"}.get(exchange.lower(), "score")
 
 
+def test_named_options_are_matched_as_pykeen_matches_names(dataset: Nations) -> None:
+    """``partition="Token"``, ``corruption="HT"``, ``negatives="Step"`` or ``checkpoint_retrieval="one-per-group"``
+    were refused ("Unknown partition='Token'") where ``storage="Host"`` and ``exchange="Auto"`` were accepted."""
+    spelled = dict(
+        partition="Token",
+        corruption="HT",
+        negatives="Step",
+        sharding="Balanced",
+        checkpoint_retrieval="One-Per-Group",
+        checkpoint_format="PyKEEN",
+        replica_grouping="None",
+    )
+    losses = []
+    for options in (spelled, {key: value.lower().replace("-", "_") for key, value in spelled.items()}):
+        model = DistMult(triples_factory=dataset.training, embedding_dim=4, random_seed=0)
+        loop = BessTrainingLoop(model=model, triples_factory=dataset.training, num_shards=2, **options)
+        assert {key: getattr(loop.settings, key) for key in spelled} == {
+            key: value.lower().replace("-", "_") for key, value in spelled.items()
+        }
+        losses.append(loop.train(dataset.training, num_epochs=2, batch_size=256, use_tqdm=False))
+    assert losses[0] == losses[1]
+    with pytest.raises(ValueError, match="Unknown partition='tokens'"):
+        BessTrainingLoop(model=model, triples_factory=dataset.training, partition="tokens")
+
+
 def test_a_batch_beyond_the_training_set_is_one_step_of_its_blocks(small_factory: CoreTriplesFactory) -> None:
     """A batch larger than every shardpair's triples trains as the batch that just holds them (no huge blocks)."""
     losses = [
