@@ -112,6 +112,7 @@ def regularize(
     """
     flat_weights = weights.reshape(-1)
     rows_all = x.reshape(-1, *x.shape[weights.ndim :])
+    promote_term(regularizer, x)
     for value in torch.unique(flat_weights[flat_weights > 0]).tolist():
         selected = flat_weights == value
         if bool(selected.all()):
@@ -120,6 +121,24 @@ def regularize(
             rows = rows_all.index_select(0, copies.index(selected, x.device))
         regularizer.update(rows)
         accumulator.add(regularizer.pop_regularization_term() * (rows.shape[0] * value))
+
+
+def promote_term(regularizer: Any, rows: torch.Tensor) -> None:
+    """Keep the regularizer's term in the rows' real dtype where that is wider (float64 rows: a float64 term).
+
+    PyKEEN registers ``regularization_term`` as a float32 buffer whatever the default dtype, and ``update`` adds
+    each ``forward(rows)`` to it, which type promotion keeps float32: a float64 model built under
+    ``torch.set_default_dtype(torch.float64)`` would get its terms and their gradients' coefficients rounded to
+    float32, differently as processes group their rows differently (``.double()`` converts the buffer). The buffer
+    is converted once, as ``.double()`` would; narrower rows (bfloat16) leave it as it is.
+
+    :param rows: the rows the regularizer is about to see
+    """
+    term = regularizer.regularization_term
+    real = rows.real.dtype if rows.is_complex() else rows.dtype
+    wider = torch.promote_types(term.dtype, real)
+    if wider != term.dtype:
+        regularizer.regularization_term = term.to(wider)
 
 
 def is_plain_l2(regularizer: Any, rows: torch.Tensor) -> bool:

@@ -440,3 +440,31 @@ def test_an_l2_term_is_deferred_only_for_rows_viewing_their_target_whole() -> No
     (gradient,) = accumulator.gradients
     assert gradient.target is leaf and gradient.values.shape == leaf.shape
     torch.testing.assert_close(accumulator.value, leaf.detach().norm(dim=-1).sum().reshape(1))
+
+
+def test_a_general_regularizer_sums_float64_rows_in_float64() -> None:
+    """A regularizer built under ``torch.set_default_dtype(torch.float64)`` keeps PyKEEN's float32 term buffer:
+    its terms on float64 rows were rounded to float32 (gloo ranks and logical shards, grouping their rows
+    differently, then differed by 1e-10 in the parameters where float64 rounding is promised)."""
+    from pykeen.regularizers import LpRegularizer
+
+    from pykeen_bess.schemes.regularization import Accumulator, regularize
+
+    generator = torch.Generator().manual_seed(0)
+    rows = torch.randn(2, 7, 5, dtype=torch.float64, generator=generator)
+    weights = torch.tensor([[1.0, 1.0, 0.5, 0.5, 0.0, 1.0, 0.25]] * 2, dtype=torch.float64)
+    regularizer = LpRegularizer(weight=0.3, p=3.0)  # not plain L2: PyKEEN's own forward per group
+    assert regularizer.regularization_term.dtype == torch.float32  # as under a float64 default dtype
+    accumulator = Accumulator(None)
+    regularize(regularizer, rows, weights, accumulator)
+    reference = Accumulator(None)
+    regularize(LpRegularizer(weight=0.3, p=3.0).double(), rows, weights, reference)  # .double() converts the buffer
+    per_row = torch.linalg.vector_norm(rows, ord=3, dim=-1)  # p = 3: each row's norm
+    assert accumulator.value.dtype == torch.float64
+    assert torch.equal(accumulator.value, reference.value)
+    expected = regularizer.weight.double() * (weights * per_row).sum()  # (the weight buffer: 0.3 in float32 here)
+    torch.testing.assert_close(accumulator.value.sum(), expected, rtol=1e-14, atol=0.0)
+    assert regularizer.regularization_term.dtype == torch.float64
+    bf16 = LpRegularizer(weight=0.3, p=3.0)
+    regularize(bf16, rows.to(torch.bfloat16), weights, Accumulator(None))
+    assert bf16.regularization_term.dtype == torch.float32  # narrower rows leave the term as it is
