@@ -38,6 +38,7 @@ from .checkpoints.stores import CHECKPOINT_FORMATS, CHECKPOINT_RETRIEVALS
 from .checkpoints.stopper_weights import pykeen_layout_stopper_file, stopper_file_layout
 from .setup.config import (
     PARTITIONS,
+    check_loop_arguments,
     check_train_arguments,
     check_model,
     check_model_dtype,
@@ -221,6 +222,7 @@ class BessTrainingLoop(LoopParts):
         """
         if kwargs.get("mode") is not None:
             raise NotImplementedError("BessTrainingLoop supports transductive training only (mode=None).")
+        check_loop_arguments(type(self), kwargs)
         self.refuse_uncalled_hooks()
         # the named options as PyKEEN matches names ("Token", "HT", "one-per-group"): canonical from here on
         partition = canonical_choice(partition, PARTITIONS)

@@ -592,6 +592,17 @@ def test_named_options_are_matched_as_pykeen_matches_names(dataset: Nations) -> 
         BessTrainingLoop(model=model, triples_factory=dataset.training, partition="tokens")
 
 
+def test_a_misspelt_option_names_the_loop_and_the_option_meant(dataset: Nations) -> None:
+    """``num_shard=2`` was refused as "TrainingLoop.__init__() got an unexpected keyword argument" (PyKEEN's base)."""
+    model = DistMult(triples_factory=dataset.training, embedding_dim=4, random_seed=0)
+    with pytest.raises(TypeError, match="BessTrainingLoop got an unexpected keyword argument 'num_shard'; did you mean "
+                       "'num_shards'"):  # fmt: skip
+        BessTrainingLoop(model=model, triples_factory=dataset.training, num_shard=2)
+    with pytest.raises(TypeError, match="'xyzzy'; its options: .*num_shards"):
+        BessTrainingLoop(model=model, triples_factory=dataset.training, xyzzy=2)
+    BessTrainingLoop(model=model, triples_factory=dataset.training, automatic_memory_optimization=False)  # PyKEEN's
+
+
 def test_a_batch_beyond_the_training_set_is_one_step_of_its_blocks(small_factory: CoreTriplesFactory) -> None:
     """A batch larger than every shardpair's triples trains as the batch that just holds them (no huge blocks)."""
     losses = [
