@@ -74,6 +74,7 @@ from pykeen.models import ERModel, Model
 from pykeen.typing import LABEL_HEAD, LABEL_TAIL, Target
 from tqdm.autonotebook import tqdm
 
+from ..names import check_keyword_arguments
 from ..runtime.allocator import AllocatorHint, resolve_allocator
 from ..distributed import ProbeTopology, ProcessGroupHint, join_torchrun_group
 from ..runtime.threads import ThreadPolicy, ThreadsHint, resolve_threads
@@ -138,9 +139,9 @@ class BessEvaluator(RankBasedEvaluator):
             ``eps * (|t| + ||q|| max ||c||)``, whose candidates are compared by PyKEEN's own scores
             (:mod:`~pykeen_bess.evaluation.counting`); 0: compare the products' scores only (faster,
             but a near-tie may then be ranked otherwise than PyKEEN ranks it)
-        :param kwargs: passed to :class:`pykeen.evaluation.RankBasedEvaluator` (``metrics``,
-            ``metrics_kwargs``, ``add_defaults``, ``clear_on_finalize``, ``mode``)
+        :param kwargs: :class:`~pykeen.evaluation.RankBasedEvaluator`'s (``metrics``, ``add_defaults``, ...)
         """
+        check_keyword_arguments(type(self), RankBasedEvaluator, kwargs)
         if kwargs.get("mode") is not None:
             raise NotImplementedError("BessEvaluator supports transductive evaluation only (mode=None).")
         _check_flag("filtered", filtered)  # not "no", which would filter

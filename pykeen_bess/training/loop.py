@@ -19,6 +19,7 @@ import torch
 from class_resolver import HintOrType, OptionalKwargs
 from pykeen.models import ERModel, Model
 from pykeen.sampling import NegativeSampler
+from pykeen.training import SLCWATrainingLoop
 from pykeen.triples import CoreTriplesFactory
 
 from ..distributed import ProcessGroupHint
@@ -30,7 +31,7 @@ from ..data.sampling import CORRUPTIONS, DEFAULT_NEGATIVES, NEGATIVES, BessSampl
 from ..schemes import ExchangeScheme, canonical_exchange
 from ..data.sharding import SHARDINGS, ShardingStrategy
 from ..distributed.groups import GROUPINGS
-from ..names import canonical_choice
+from ..names import canonical_choice, check_keyword_arguments
 from ..storage import TableStorage, make_storage
 from ..runtime.threads import ThreadsHint, resolve_threads
 from .checkpoints.pbg import PbgCheckpointStore, prepare_pbg_checkpoint
@@ -38,7 +39,6 @@ from .checkpoints.stores import CHECKPOINT_FORMATS, CHECKPOINT_RETRIEVALS
 from .checkpoints.stopper_weights import pykeen_layout_stopper_file, stopper_file_layout
 from .setup.config import (
     PARTITIONS,
-    check_loop_arguments,
     check_train_arguments,
     check_model,
     check_model_dtype,
@@ -222,7 +222,7 @@ class BessTrainingLoop(LoopParts):
         """
         if kwargs.get("mode") is not None:
             raise NotImplementedError("BessTrainingLoop supports transductive training only (mode=None).")
-        check_loop_arguments(type(self), kwargs)
+        check_keyword_arguments(type(self), SLCWATrainingLoop, kwargs)
         self.refuse_uncalled_hooks()
         # the named options as PyKEEN matches names ("Token", "HT", "one-per-group"): canonical from here on
         partition = canonical_choice(partition, PARTITIONS)

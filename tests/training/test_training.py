@@ -19,6 +19,7 @@ from pykeen.triples import CoreTriplesFactory
 from pykeen_bess.data.partition import ShardPairPartition
 from pykeen_bess.data.sampling import NEGATIVES
 from pykeen_bess.data.sharding import EntitySharding
+from pykeen_bess.evaluation import BessEvaluator
 from pykeen_bess.training import BessTrainingLoop
 
 from reference import reference_scores
@@ -601,6 +602,10 @@ def test_a_misspelt_option_names_the_loop_and_the_option_meant(dataset: Nations)
     with pytest.raises(TypeError, match="'xyzzy'; its options: .*num_shards"):
         BessTrainingLoop(model=model, triples_factory=dataset.training, xyzzy=2)
     BessTrainingLoop(model=model, triples_factory=dataset.training, automatic_memory_optimization=False)  # PyKEEN's
+    with pytest.raises(TypeError, match="BessEvaluator got an unexpected keyword argument 'num_shard'; did you mean "
+                       "'num_shards'"):  # fmt: skip
+        BessEvaluator(num_shard=4)
+    BessEvaluator(clear_on_finalize=False, add_defaults=True)  # PyKEEN's
 
 
 def test_a_batch_beyond_the_training_set_is_one_step_of_its_blocks(small_factory: CoreTriplesFactory) -> None:

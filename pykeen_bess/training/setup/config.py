@@ -9,8 +9,6 @@ training (:func:`verify_same_configuration`).
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import inspect
 import logging
 import math
 import numbers
@@ -29,7 +27,6 @@ from pykeen.regularizers import (
     Regularizer,
 )
 from pykeen.sampling import BasicNegativeSampler, NegativeSampler, negative_sampler_resolver
-from pykeen.training import TrainingLoop
 from pykeen.triples import CoreTriplesFactory
 from pykeen.utils import get_batchnorm_modules
 
@@ -51,7 +48,6 @@ __all__ = [
     "BessConfig",
     "UnsupportedModelError",
     "check_integer",
-    "check_loop_arguments",
     "check_positive",
     "check_train_arguments",
     "check_model",
@@ -186,30 +182,6 @@ def resolve_partition(partition: Any, exchange: Any) -> tuple[str, Any]:
             f"'score' or 'auto'."
         )
     return partition, exchange
-
-
-def check_loop_arguments(loop_class: type, kwargs: Mapping[str, Any]) -> None:
-    """Refuse keyword arguments that neither the loop nor PyKEEN's ``TrainingLoop`` takes, naming the closest one.
-
-    (Passed on to PyKEEN, a misspelt ``num_shard=2`` was refused as ``TrainingLoop.__init__() got an unexpected
-    keyword argument``, naming neither this loop nor what was meant.)
-
-    :param loop_class: the loop's class (its own parameters are the suggestions besides PyKEEN's)
-    :param kwargs: the keyword arguments the loop passes on to PyKEEN's ``TrainingLoop``
-    :raises TypeError: for an argument PyKEEN's loop does not take
-    """
-    pykeen = {name for name in inspect.signature(TrainingLoop.__init__).parameters if name not in ("self", "kwargs")}
-    for name in kwargs:
-        if name in pykeen:
-            continue
-        known = pykeen | {
-            parameter.name
-            for parameter in inspect.signature(loop_class).parameters.values()
-            if parameter.kind is parameter.KEYWORD_ONLY
-        }
-        close = difflib.get_close_matches(name, sorted(known), n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else f"; its options: {', '.join(sorted(known))}."
-        raise TypeError(f"{loop_class.__name__} got an unexpected keyword argument {name!r}{hint}")
 
 
 def check_integer(name: str, value: Any, minimum: int, hint: str = "") -> int:
