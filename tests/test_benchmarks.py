@@ -188,7 +188,7 @@ def benchmark_runs(results: pathlib.Path, tmp_path_factory: pytest.TempPathFacto
         pbg=(
             "training",
             *("--pbg-workload", "--pbg-entities", "400", "--pbg-triples", "3000", "--pbg-skewed", "300:2000"),
-            *("--pbg-dim", "4", "--epochs", "2", "--repeats", "1", "--device", "cpu"),
+            *("--pbg-dim", "4", "--epochs", "2", "--ratio-epochs", "2", "--repeats", "1", "--device", "cpu"),
             *("--output", str(results / "training-pbg-workload-cpu.json")),
         ),
         distributed=(
