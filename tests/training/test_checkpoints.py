@@ -498,7 +498,29 @@ def test_an_early_stopped_run_resumed_after_its_best_epoch_restores_the_best_wei
     assert resumed.metric_results.to_flat_dict() == uninterrupted.metric_results.to_flat_dict()
     for (name, actual), expected in zip(resumed.model.state_dict().items(), uninterrupted.model.state_dict().values()):
         torch.testing.assert_close(actual, expected, rtol=0, atol=0, msg=name)
-    assert sorted(p.name for p in checkpoints.iterdir()) == ["run.pt", "run.pt.best-weights-epoch2.2-shards.pt"]
+    # the stopped run's last checkpoint holds the best weights: the copy is gone (a stopped run trains no further)
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["run.pt"]
+
+
+def test_a_new_run_never_takes_an_earlier_runs_best_weights_under_the_same_checkpoint_name(
+    tmp_path: pathlib.Path,
+) -> None:
+    """A copy of the same best epoch left by an earlier run (its checkpoint deleted) was taken for the new run's.
+
+    The new run, killed after its best epoch and resumed, then stopped with the earlier run's weights (no error;
+    its losses equal, its model not).
+    """
+    uninterrupted = _early_stopped_run(tmp_path / "uninterrupted", "best.pt")
+    checkpoints = tmp_path / "killed" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    earlier = {key: torch.zeros_like(value) for key, value in uninterrupted.model.state_dict().items()}
+    torch.save(earlier, checkpoints / "run.pt.best-weights-epoch2.2-shards.pt")  # an earlier run's, same epoch
+    with pytest.raises(_Interrupted):  # after epoch 3: the checkpoint of epoch 2 holds best epoch 2
+        _early_stopped_run(tmp_path / "killed", "best-of-the-killed-run.pt", die_at=3)
+    resumed = _early_stopped_run(tmp_path / "killed", "best-of-the-resumed-run.pt")
+    assert resumed.stopper.stopped and resumed.stopper.best_epoch == 2
+    for (name, actual), expected in zip(resumed.model.state_dict().items(), uninterrupted.model.state_dict().values()):
+        torch.testing.assert_close(actual, expected, rtol=0, atol=0, msg=name)
 
 
 @pytest.mark.parametrize("num_shards", [1, 4])
@@ -531,10 +553,7 @@ def test_a_run_resumed_on_other_shards_restores_the_best_weights_resharded(
     assert resumed.stopper.stopped and resumed.stopper.best_epoch == 2
     actual = resumed.model.entity_representations[0](indices=None).detach()
     torch.testing.assert_close(actual, expected, rtol=0, atol=0)
-    assert sorted(p.name for p in checkpoints.iterdir()) == [
-        "run.pt",
-        f"run.pt.best-weights-epoch2.{num_shards}-shards.pt",
-    ]
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["run.pt"]  # stopped: every layout's copies go
 
 
 def test_a_resumed_run_without_the_best_weights_keeps_its_training(
@@ -636,8 +655,17 @@ def test_the_stopper_weights_beside_a_checkpoint_follow_its_best_epoch(
     replica = Stopper(tmp_path / "replica.pt", best_epoch=4)
     restore_stopper_weights(checkpoint, replica, _Layout(3, 4, True, 2, (1,), 1, 2))
     assert torch.equal(torch.load(replica.best_model_path)["w"], torch.full((2,), 4.0))
-    restore_stopper_weights(checkpoint, Stopper(tmp_path / "fresh.pt"), ranks)  # nothing to restore
+    # a new run (no best epoch): the copies beside its checkpoint's name are an earlier run's, and go
+    restore_stopper_weights(checkpoint, Stopper(tmp_path / "fresh.pt"), ranks)
     assert not (tmp_path / "fresh.pt").exists()
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("run")]
+    # a stopped run's last checkpoint holds the best weights: its copies go
+    (tmp_path / "run.pt.best-weights-epoch4.shard1-of-2.pt").write_bytes(b"this rank's")
+    (tmp_path / "run.pt.best-weights-epoch4.shard0-of-2.pt").write_bytes(b"the other rank's")
+    stopped = Stopper(tmp_path / "stopped.pt", best_epoch=4)
+    stopped.stopped = True  # type: ignore[attr-defined]
+    prune_stopper_weights(checkpoint, stopped, suffix, layout)
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("run")]
     with caplog.at_level(logging.WARNING):
         restore_stopper_weights(checkpoint, Stopper(tmp_path / "missing.pt", best_epoch=6), ranks)
     assert "best epoch (6)" in caplog.text and "run.pt.best-weights-epoch6.shard1-of-2.pt" in caplog.text

@@ -20,7 +20,9 @@ own to its stopper's file before the first epoch (:func:`restore_stopper_weights
 another layout (another number of shards, or ranks instead of one process), whose checkpoint was
 resharded, builds its shards' rows from the copies of the checkpoint's layout as the checkpoint's own
 rows are (:func:`reshard_stopper_weights`), never taking a copy of other shards for its own. The copy is
-one state dict of the model (the stopper's file), written once per new best epoch.
+one state dict of the model (the stopper's file), written once per new best epoch. A new run removes the
+copies an earlier run left under the same checkpoint name, and a stopped run's last checkpoint (which holds
+the best weights) removes its own.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ __all__ = [
     "layout_suffixes",
     "process_suffix",
     "prune_stopper_weights",
+    "remove_copies",
     "reshard_stopper_weights",
     "restore_stopper_weights",
     "pykeen_layout_stopper_file",
@@ -123,17 +126,27 @@ def prune_stopper_weights(checkpoint: pathlib.Path, stopper: Any, suffix: str, l
 
     Those of other epochs than the stopper's best, and those of other layouts (a resharded run's past, or
     earlier versions' names), whichever process wrote them: under a process group every process has
-    written its copy before the checkpoint is complete.
+    written its copy before the checkpoint is complete. Once the stopper stopped, all of them: the
+    checkpoint holds the best weights it restored, and a stopped run trains no further.
 
     :param suffix: this process' (:func:`copy_suffix`)
     :param layout: the suffixes of every process of the layout (:func:`layout_suffixes`)
     """
+    if getattr(stopper, "stopped", False):
+        remove_copies(checkpoint)
+        return
     best = _best(stopper)
     if best is None or not stopper_weights_file(checkpoint, best[1], suffix).is_file():
         return
     for file, epoch, file_suffix in _copies(checkpoint):
         if epoch != best[1] or file_suffix not in layout:
             file.unlink(missing_ok=True)
+
+
+def remove_copies(checkpoint: pathlib.Path) -> None:
+    """Remove every copy beside ``checkpoint``."""
+    for file, _, _ in _copies(checkpoint):
+        file.unlink(missing_ok=True)
 
 
 def _copies(checkpoint: pathlib.Path) -> list[tuple[pathlib.Path, int, str]]:
@@ -161,7 +174,10 @@ def restore_stopper_weights(
     (:func:`reshard_stopper_weights`), replacing a file at the stopper's path (a path the user gave, written by
     the other layout), which is removed where nothing can be built. A warning says when none is there:
     unless the resumed run finds a better epoch, the model then keeps the last epoch's weights when the
-    stopper stops (:class:`~pykeen_bess.training.training_run.RowShardStopperCallback`).
+    stopper stops (:class:`~pykeen_bess.training.training_run.RowShardStopperCallback`). A run whose stopper has
+    no best epoch yet (a new run, or one resumed before its first evaluation) removes the copies beside the
+    checkpoint's name instead: they are an earlier run's under that name (a copy of the same epoch was taken for
+    the new run's, and restored when it was resumed).
 
     :param topology: this run's process topology
     :param resharded: for a checkpoint read from another layout of shards, builds the stopper's file (its
@@ -169,7 +185,10 @@ def restore_stopper_weights(
         checkpoint was read as written
     """
     best = _best(stopper)
-    if best is None or (best[0].is_file() and resharded is None):  # (a file of this layout: the run's own)
+    if best is None:  # no best epoch yet: copies beside the checkpoint's name are an earlier run's, never this one's
+        remove_copies(checkpoint)  # (the first copy of this run is written after an evaluation: by then all ranks ran)
+        return
+    if best[0].is_file() and resharded is None:  # (a file of this layout: the run's own)
         return
     path, epoch = best
     path.parent.mkdir(parents=True, exist_ok=True)
