@@ -468,3 +468,25 @@ def test_a_general_regularizer_sums_float64_rows_in_float64() -> None:
     bf16 = LpRegularizer(weight=0.3, p=3.0)
     regularize(bf16, rows.to(torch.bfloat16), weights, Accumulator(None))
     assert bf16.regularization_term.dtype == torch.float32  # narrower rows leave the term as it is
+
+
+def test_an_integer_regularizer_weight_keeps_float64_l2_gradients_in_float64() -> None:
+    """RESCAL's default regularizer has ``weight=10`` (an integer buffer): ``weight * scale`` was a float32 tensor,
+    so the L2 term's gradient on float64 rows was rounded to float32 (parameters 2e-8 from PyKEEN's after one
+    step, 5e-6 after an epoch)."""
+    from pykeen.regularizers import LpRegularizer
+
+    from pykeen_bess.schemes.regularization import l2_term
+
+    generator = torch.Generator().manual_seed(0)
+    values = torch.randn(6, 5, dtype=torch.float64, generator=generator)
+    row_weights = torch.rand(6, dtype=torch.float64, generator=generator)
+    gradients = []
+    for weight in (10, 10.0):
+        regularizer = LpRegularizer(weight=weight, p=2.0, normalize=True).double()  # (an integer weight stays one)
+        rows = values.clone().requires_grad_(True)
+        _, term = l2_term(regularizer, rows, row_weights)
+        (grad,) = torch.autograd.grad(term.sum(), rows)
+        gradients.append(grad)
+    assert gradients[0].dtype == torch.float64
+    assert torch.equal(gradients[0], gradients[1])
