@@ -64,8 +64,10 @@ class EncodingScheme(ExchangeScheme):
         super().__init__(model, tables, scorer, topology)
         #: the partial scorer and how summed partial scores become scores
         self.separable = SeparableScoring(model)
-        #: the coordinates of every column part (relations are replicated: their shape is the whole row's)
-        self.split = ColumnSplit(model.relation_representations[0].shape[0], topology.n_column)
+        #: the coordinates of every column part (relations are replicated: their shape is the whole row's; a model
+        #: without relation representations, UM, by its entities')
+        rows = model.relation_representations or model.entity_representations
+        self.split = ColumnSplit(rows[0].shape[0], topology.n_column)
         #: the weight of terms every process computes in full (``Lc / c``)
         self.replicated_share = len(topology.local_columns) / topology.n_column
         #: per local part: its coordinates in the whole row and in the stored (local) rows

@@ -199,6 +199,14 @@ class TableStorage(ABC):
         """Keep an index tensor of a table beside the table (a plain attribute: ``model.to`` leaves both)."""
         setattr(module, name, index)
 
+    def anchor_device(self, module: nn.Module, device: torch.device) -> None:
+        """Give a table's module an empty buffer on ``device`` (not in its state dict).
+
+        PyKEEN infers a model's device from its parameters and buffers (``train()`` moves the model there): a
+        model whose only parameters are entity tables of this tier (UM, without a regularizer) had none.
+        """
+        module.register_buffer("device_anchor", torch.empty(0, device=device), persistent=False)
+
     def table_device(self, table: HeldTable) -> torch.device:
         """Return the device a table's rows are read to and scored on."""
         return self.compute_device

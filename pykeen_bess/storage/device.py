@@ -33,6 +33,9 @@ class DeviceStorage(TableStorage):
         """Keep an index tensor as a buffer of the module: ``model.to`` moves it with the table."""
         module.register_buffer(name, index, persistent=False)
 
+    def anchor_device(self, module: nn.Module, device: torch.device) -> None:
+        """Nothing: the table is a parameter of the model."""
+
     def table_device(self, table: HeldTable) -> torch.device:  # noqa: D102
         return table.weight.device
 

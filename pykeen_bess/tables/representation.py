@@ -188,6 +188,7 @@ class ShardedEmbedding(ColumnPart, Representation):
             torch.full_like(local_position, -1),
         )
         storage.attach_index(self, "entity_rows", rows)  # where the table is: a buffer of a parameter's module
+        storage.anchor_device(self, template.device)  # (a model whose tables are all outside it has a device)
         #: while a checkpoint is written: the directory its copies of a table's files go to; while one is
         #: read: the checkpoint's folder (set by the checkpoint store)
         self.snapshot_directory: pathlib.Path | None = None

@@ -105,6 +105,7 @@ MODELS = [
     ("PairRE", {}),
     ("TripleRE", {}),
     ("InterHT", {}),
+    ("UM", {}),  # no relation representations (an IndexError in the scheme)
 ]
 
 

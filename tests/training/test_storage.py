@@ -120,6 +120,24 @@ def test_tiers_train_bitwise_alike(nations, tmp_path, num_shards, exchange, opti
         assert torch.equal(relations, device_relations)
 
 
+def test_a_model_whose_only_parameters_are_stored_tables_trains_on_every_tier(nations, tmp_path) -> None:
+    """UM (no relation representations) with tables in host memory or files had neither parameters nor buffers:
+    PyKEEN's ``train()`` failed to infer its device (``DeviceResolutionError``), and so did its evaluation."""
+    from pykeen.models import UM
+    from pykeen.utils import get_preferred_device
+
+    factory = factory_of(nations)
+    results = {}
+    for tier in TIERS:
+        loop = make_loop(factory, tier, tmp_path, model_cls=UM)
+        results[tier] = (train(loop, factory), table_state(loop)["weight"])
+        assert get_preferred_device(loop.model) == torch.device("cpu")
+        assert "device_anchor" not in loop.model.state_dict()
+    for tier in ("host", "mmap"):
+        assert results[tier][0] == results["device"][0], tier  # bitwise
+        assert torch.equal(results[tier][1], results["device"][1]), tier
+
+
 def test_stored_tables_are_not_reachable_from_the_model_or_the_optimizer(nations, tmp_path) -> None:
     factory = factory_of(nations)
     for tier in ("host", "mmap"):
