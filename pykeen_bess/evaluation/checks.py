@@ -125,6 +125,8 @@ def check_targets(targets: Collection[str]) -> tuple[str, ...]:
         raise ValueError(f"Unknown evaluation targets {unknown}; expected a subset of {ENTITY_TARGETS}.")
     if not targets:
         raise ValueError("No evaluation targets given; expected a subset of ('head', 'tail').")
+    if len(set(targets)) < len(targets):  # PyKEEN would count such a side's ranks twice in the "both" metrics
+        raise ValueError(f"The evaluation targets {list(targets)} repeat a side; give each side once.")
     return targets
 
 

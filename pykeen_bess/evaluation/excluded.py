@@ -22,7 +22,7 @@ from typing import cast
 
 import torch
 
-from ..storage.digests import crc32_of_array
+from ..storage.digests import sha256_of_array
 from .candidates import DeviceTables
 from .filtering import FilterIndex, FilterSide
 from .sharded import ShardedScoring
@@ -186,10 +186,11 @@ class ExcludedPairsCache:
     every target's pairs here and builds nothing. The pairs depend on the filter index (the same
     object: :class:`~pykeen_bess.evaluation.filtering.FilterIndexCache` keeps it), the evaluation
     triples and the batch size, and on where each entity is a candidate (the local shards' columns);
-    the key holds CRC-32 digests of the triples and of those id tables, so a tensor changed in place
-    builds new pairs. The id tables' digests are computed once per tables object (an evaluator's
-    evaluations share theirs, :class:`~pykeen_bess.evaluation.candidates.ScoringLayouts`, and nothing
-    writes into them): on a GPU a digest is a copy to the host.
+    the key holds SHA-256 digests of the triples and of those id tables, so other triples (even of the same
+    CRC-32, which the key held before) or a tensor changed in place build new pairs. The id tables' digests
+    are computed once per tables object (an evaluator's evaluations share theirs,
+    :class:`~pykeen_bess.evaluation.candidates.ScoringLayouts`, and nothing writes into them): on a GPU a
+    digest is a copy to the host.
     """
 
     def __init__(self) -> None:
@@ -198,12 +199,13 @@ class ExcludedPairsCache:
         self._key: tuple | None = None
         self._pairs: dict[str, ExcludedPairs] = {}
         #: the last digested id tables, with the digests of their entity columns and positions
-        self._tables_digest: tuple[DeviceTables, tuple[int, int]] | None = None
+        self._tables_digest: tuple[DeviceTables, tuple[bytes, bytes]] | None = None
 
-    def _table_digests(self, tables: DeviceTables) -> tuple[int, int]:
-        """Return the CRC-32s of the tables' entity columns and positions (once per tables object)."""
+    def _table_digests(self, tables: DeviceTables) -> tuple[bytes, bytes]:
+        """Return the SHA-256s of the tables' entity columns and positions (once per tables object)."""
         if self._tables_digest is None or self._tables_digest[0] is not tables:
-            self._tables_digest = tables, (crc32_of_array(tables.entity_column), crc32_of_array(tables.entity_position))
+            digests = (sha256_of_array(tables.entity_column), sha256_of_array(tables.entity_position))
+            self._tables_digest = tables, digests
         return self._tables_digest[1]
 
     def get(
@@ -216,7 +218,7 @@ class ExcludedPairsCache:
     ) -> ExcludedPairs:
         """Return the pairs of ``target`` for the evaluation triples ``[Q, 3]`` (see :meth:`ExcludedPairs.build`)."""
         tables = self._table_digests(scoring.device_tables(triples.device))
-        key = (str(triples.device), tuple(triples.shape), crc32_of_array(triples), batch_size, *tables)
+        key = (str(triples.device), tuple(triples.shape), sha256_of_array(triples), batch_size, *tables)
         if key != self._key or index is not self._index:
             self._index, self._key, self._pairs = index, key, {}
         pairs = self._pairs.get(target)

@@ -40,7 +40,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from ..storage.digests import crc32_of_array
+from ..storage.digests import sha256_of_array
 
 __all__ = [
     "BYTES_PER_TRIPLE",
@@ -242,8 +242,9 @@ class FilterIndexCache:
     """The filter index of the last evaluation, built again only for other known triples, sizes or device.
 
     Early stopping evaluates the same validation triples every few epochs: the second evaluation
-    builds nothing. The key holds a CRC-32 of every known-triples tensor's values (a few
-    milliseconds for millions of triples), so a tensor changed in place builds a new index.
+    builds nothing. The key holds a SHA-256 of every known-triples tensor's values (a few
+    milliseconds for a million triples), so other triples, or a tensor changed in place, build a new index
+    (a CRC-32 could be matched by other triples, which then got the old index).
     """
 
     def __init__(self) -> None:
@@ -258,7 +259,7 @@ class FilterIndexCache:
             num_entities,
             num_relations,
             str(device),
-            tuple((tuple(triples.shape), str(triples.dtype), crc32_of_array(triples)) for triples in known),
+            tuple((tuple(triples.shape), str(triples.dtype), sha256_of_array(triples)) for triples in known),
         )
         if self._entry is None or self._entry[0] != key:
             self._entry = None  # release the old index before building the new one

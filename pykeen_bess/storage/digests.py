@@ -23,6 +23,7 @@ digests are computed from memory at about 4 GB/s.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pathlib
 import struct
@@ -41,6 +42,7 @@ __all__ = [
     "add_record_digests",
     "crc32_of_array",
     "crc32_of_file",
+    "sha256_of_array",
     "verify_array",
     "verify_torch_file",
     "write_with_digests",
@@ -75,6 +77,21 @@ def crc32_of_array(array: np.ndarray | torch.Tensor) -> int:
     for chunk in _chunks(np.asarray(array)):
         digest = zlib.crc32(chunk.view(np.uint8).data, digest)
     return digest
+
+
+def sha256_of_array(array: np.ndarray | torch.Tensor) -> bytes:
+    """Return the SHA-256 of an array's values in C order: an identity of its content (caches key on it).
+
+    A CRC-32 detects corruption but not a different content made to match it (it is linear: flipping chosen
+    bits keeps it), so a cache keyed on it could hand back the result of other values. SHA-256 takes about
+    2.5x a CRC-32's time (0.27 s for 400 MB on a 2-core machine).
+    """
+    if torch.is_tensor(array):
+        array = array.detach().cpu().contiguous().numpy()
+    digest = hashlib.sha256()
+    for chunk in _chunks(np.asarray(array)):
+        digest.update(chunk.view(np.uint8).data)
+    return digest.digest()
 
 
 def crc32_of_file(path: pathlib.Path, chunk_bytes: int = 8 << 20) -> int:

@@ -157,6 +157,61 @@ def test_a_repeated_evaluation_reuses_the_filter_index_until_the_triples_change(
         assert (built.call_count, pairs.call_count) == (3, 8)
 
 
+def _same_crc32_other_heads(triples: torch.Tensor, column: int = 0) -> torch.Tensor:
+    """Return ``triples`` with bit 0 of some ids of ``column`` flipped such that their CRC-32 is unchanged.
+
+    CRC-32 is affine over GF(2): the changes of flipping one bit each are combined by Gaussian elimination.
+    """
+    import zlib
+
+    def crc(tensor: torch.Tensor) -> int:
+        return zlib.crc32(tensor.contiguous().numpy().view("uint8").data)
+
+    base = crc(triples)
+    basis: dict[int, tuple[int, set[int]]] = {}
+    for row in range(triples.shape[0]):
+        flipped = triples.clone()
+        flipped[row, column] ^= 1
+        delta, rows = crc(flipped) ^ base, {row}
+        for bit in range(31, -1, -1):
+            if not (delta >> bit) & 1:
+                continue
+            if bit not in basis:
+                basis[bit] = (delta, rows)
+                break
+            delta, rows = delta ^ basis[bit][0], rows ^ basis[bit][1]
+        if delta == 0:
+            other = triples.clone()
+            other[sorted(rows), column] ^= 1
+            assert crc(other) == base and not torch.equal(other, triples)
+            return other
+    raise AssertionError("no combination found")
+
+
+@pytest.mark.parametrize("changed", ["filter", "evaluation"])
+def test_other_triples_of_the_same_crc32_build_their_own_filter_index_and_pairs(changed: str) -> None:
+    """The caches were keyed on a CRC-32 of the triples: other triples of the same CRC-32 (easy to make, it is
+    linear) got the earlier triples' filter index or excluded pairs, and other metrics than PyKEEN's."""
+    from pykeen.datasets import Nations
+    from pykeen.evaluation import RankBasedEvaluator
+    from pykeen.models import DistMult
+
+    from pykeen_bess.evaluation import BessEvaluator
+
+    data = Nations()
+    model = DistMult(triples_factory=data.training, embedding_dim=8, random_seed=0)
+    training, testing = data.training.mapped_triples, data.testing.mapped_triples
+    evaluator = BessEvaluator()
+    evaluator.evaluate(model, testing, additional_filter_triples=[training], use_tqdm=False)
+    if changed == "filter":
+        training = _same_crc32_other_heads(training)
+    else:
+        testing = _same_crc32_other_heads(testing, column=2)
+    again = evaluator.evaluate(model, testing, additional_filter_triples=[training], use_tqdm=False)
+    expected = RankBasedEvaluator().evaluate(model, testing, additional_filter_triples=[training], use_tqdm=False)
+    assert again.to_flat_dict() == expected.to_flat_dict()
+
+
 @pytest.mark.parametrize("num_shards", [1, 3])
 def test_excluded_pairs_are_laid_out_in_block_order(num_shards: int):
     """Each batch's pairs: padding first, then by shard position and column; a block's pairs are one key range.
