@@ -1,6 +1,6 @@
 """The compute device of a benchmark: the ``--device`` flag, and what timing and memory need on it.
 
-Every benchmark that trains or evaluates takes ``--device``: ``auto`` (the default: the current
+The benchmarks that take ``--device`` (see the benchmarks page) accept ``auto`` (the default: the current
 CUDA device when torch sees one, else the CPU), ``cpu``, ``cuda`` or ``cuda:INDEX``. A CUDA device
 that torch cannot use is an error before any work starts: PyKEEN itself would fall back to the
 CPU with a warning, and the table would then report CPU figures under a GPU's name.

@@ -63,8 +63,10 @@ def check_keyword_arguments(cls: type, base: type, kwargs: Mapping[str, Any]) ->
             continue
         known = taken | {
             parameter.name
-            for parameter in inspect.signature(cls).parameters.values()
-            if parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)
+            for owner in cls.__mro__
+            if "__init__" in vars(owner) and owner is not object
+            for parameter in inspect.signature(vars(owner)["__init__"]).parameters.values()
+            if parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY) and parameter.name != "self"
         }
         close = difflib.get_close_matches(name, sorted(known), n=1)
         hint = f"; did you mean {close[0]!r}?" if close else f"; its options: {', '.join(sorted(known))}."

@@ -694,3 +694,19 @@ def test_named_choices_are_matched_as_pykeen_matches_names() -> None:
     assert parser.parse_args(["train", "--evaluator", "RankBasedEvaluator"]).evaluator == "rankbased"
     with pytest.raises(SystemExit):
         parser.parse_args(["train", "--storage", "disk"])
+
+
+@pytest.mark.parametrize("checkpoint_format", ["pbg", "PBG"])
+def test_a_pbg_checkpoint_to_resume_is_found_whatever_the_formats_spelling(
+    tmp_path: pathlib.Path, checkpoint_format: str
+) -> None:
+    """The loop accepts ``checkpoint_format="PBG"``; the command line compared the raw value, so a configuration
+    spelling it so did not say it resumed an existing PyTorch-BigGraph checkpoint."""
+    from pykeen_bess.cli import _checkpoint_to_resume
+
+    (tmp_path / "checkpoint_version.txt").write_text("3")  # a committed PBG-layout checkpoint in the directory
+    kwargs = dict(
+        training_kwargs=dict(checkpoint_name="run.pt", checkpoint_directory=str(tmp_path)),
+        training_loop_kwargs=dict(checkpoint_format=checkpoint_format),
+    )
+    assert _checkpoint_to_resume(kwargs) == tmp_path / "run.pt"

@@ -361,13 +361,16 @@ def train(args: argparse.Namespace) -> tuple[dict[str, float], bool]:
 
 def _checkpoint_to_resume(kwargs: dict[str, Any]) -> pathlib.Path | None:
     """Return the checkpoint the run will resume (its pointer or PyKEEN file), or None if it starts afresh."""
+    from ..names import canonical_choice
     from ..pbg import files
+    from ..training.checkpoints.stores import CHECKPOINT_FORMATS
     from ..training.setup.assembly import checkpoint_path
 
     path = checkpoint_path(dict(kwargs.get("training_kwargs") or {}))
     if path is None:
         return None
-    pbg = (kwargs.get("training_loop_kwargs") or {}).get("checkpoint_format") == "pbg"
+    checkpoint_format = (kwargs.get("training_loop_kwargs") or {}).get("checkpoint_format")
+    pbg = canonical_choice(checkpoint_format, CHECKPOINT_FORMATS) == "pbg"  # (a configuration's "PBG" too)
     if path.is_file() or (pbg and path.parent.is_dir() and files.read_version(path.parent) > 0):
         return path
     return None

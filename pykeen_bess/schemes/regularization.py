@@ -197,7 +197,8 @@ def _norms_term(
     :param x: shape: ``[N, W]``, real rows
     :param w: shape: ``[N]``, the rows' weights
     """
-    weight = weight.to(x.dtype)  # an integer weight (RESCAL's default 10) times a float rounds to the default dtype
+    if not weight.is_floating_point():  # an integer weight (RESCAL's default 10) times a float gave the default dtype
+        weight = weight.to(torch.promote_types(x.dtype, torch.get_default_dtype()))
     norm = torch.linalg.vector_norm(x, ord=2, dim=-1)
     coefficient = (w * (weight * scale) / norm).masked_fill_(norm == 0, 0)
     return (weight * (torch.dot(norm, w) * scale)).reshape(1), coefficient

@@ -490,3 +490,7 @@ def test_an_integer_regularizer_weight_keeps_float64_l2_gradients_in_float64() -
         gradients.append(grad)
     assert gradients[0].dtype == torch.float64
     assert torch.equal(gradients[0], gradients[1])
+    # narrower rows keep the float32 weight and term (PyKEEN's term buffer): a bfloat16 weight 0.01 is 0.01001
+    regularizer = LpRegularizer(weight=0.01, p=2.0, normalize=True)
+    _, term = l2_term(regularizer, values.to(torch.bfloat16), row_weights.to(torch.bfloat16))
+    assert term.dtype == torch.float32

@@ -647,10 +647,13 @@ def test_the_stopper_weights_beside_a_checkpoint_follow_its_best_epoch(
         "run.pt.best-weights-epoch4.shard0-of-2.pt",
         "run.pt.best-weights-epoch4.shard1-of-2.pt",
     ]
-    # a resumed run's stopper: a file of its own, which does not exist
+    # a resumed run's stopper: a file of its own, which does not exist; a later best of an attempt killed before
+    # its checkpoint was written goes (the resumed run would take it for its own if it reached that epoch again)
+    (tmp_path / "run.pt.best-weights-epoch5.shard1-of-2.pt").write_bytes(b"a killed attempt's")
     resumed = Stopper(tmp_path / "new" / "stopper.pt", best_epoch=4)
     restore_stopper_weights(checkpoint, resumed, ranks)
     assert torch.equal(torch.load(resumed.best_model_path)["w"], torch.full((2,), 4.0))
+    assert not (tmp_path / "run.pt.best-weights-epoch5.shard1-of-2.pt").exists()
     # the same shard under replicas: any replica's copy
     replica = Stopper(tmp_path / "replica.pt", best_epoch=4)
     restore_stopper_weights(checkpoint, replica, _Layout(3, 4, True, 2, (1,), 1, 2))

@@ -601,6 +601,13 @@ def test_a_misspelt_option_names_the_loop_and_the_option_meant(dataset: Nations)
         BessTrainingLoop(model=model, triples_factory=dataset.training, num_shard=2)
     with pytest.raises(TypeError, match="'xyzzy'; its options: .*num_shards"):
         BessTrainingLoop(model=model, triples_factory=dataset.training, xyzzy=2)
+
+    class Subclass(BessTrainingLoop):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+
+    with pytest.raises(TypeError, match="Subclass got an unexpected keyword argument 'num_shard'; did you mean 'num"):
+        Subclass(model=model, triples_factory=dataset.training, num_shard=2)  # the base classes' options suggested
     BessTrainingLoop(model=model, triples_factory=dataset.training, automatic_memory_optimization=False)  # PyKEEN's
     with pytest.raises(TypeError, match="BessEvaluator got an unexpected keyword argument 'num_shard'; did you mean "
                        "'num_shards'"):  # fmt: skip

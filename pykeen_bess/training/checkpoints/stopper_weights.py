@@ -177,7 +177,8 @@ def restore_stopper_weights(
     stopper stops (:class:`~pykeen_bess.training.training_run.RowShardStopperCallback`). A run whose stopper has
     no best epoch yet (a new run, or one resumed before its first evaluation) removes the copies beside the
     checkpoint's name instead: they are an earlier run's under that name (a copy of the same epoch was taken for
-    the new run's, and restored when it was resumed).
+    the new run's, and restored when it was resumed). Copies of other epochs than the checkpoint's best go too
+    (a later best of an attempt killed before its checkpoint was written would be taken for the resumed run's).
 
     :param topology: this run's process topology
     :param resharded: for a checkpoint read from another layout of shards, builds the stopper's file (its
@@ -188,6 +189,9 @@ def restore_stopper_weights(
     if best is None:  # no best epoch yet: copies beside the checkpoint's name are an earlier run's, never this one's
         remove_copies(checkpoint)  # (the first copy of this run is written after an evaluation: by then all ranks ran)
         return
+    for file, epoch, _ in _copies(checkpoint):  # another epoch's: a killed attempt's later best, never the checkpoint's
+        if epoch != best[1]:
+            file.unlink(missing_ok=True)
     if best[0].is_file() and resharded is None:  # (a file of this layout: the run's own)
         return
     path, epoch = best
