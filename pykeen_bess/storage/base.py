@@ -317,6 +317,9 @@ class TableStorage(ABC):
         :param checkpoint: the checkpoint the run writes (None: none)
         """
 
+    def checkpoint_written(self, checkpoint: pathlib.Path) -> None:  # noqa: B027
+        """Note a checkpoint the run wrote (tiers with files: resuming it takes the run's files over)."""
+
 
 def open_source(file: pathlib.Path, tensor: torch.Tensor) -> np.ndarray:
     """Memory-map a checkpoint's ``.npy`` copy of a tensor, checking its shape and dtype."""

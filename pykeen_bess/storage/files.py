@@ -18,7 +18,7 @@ import shutil
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -46,6 +46,9 @@ class MmapStorage(TableStorage):
     #: the checkpoint of the run whose files these are (set when training starts; None: none; a class
     #: default, which tiers pickled earlier also read)
     owner: str | None = None
+    #: the other checkpoints the run wrote (failure checkpoints) or resumed: resuming any of them takes the
+    #: files over (a class default, as :attr:`owner`)
+    history: tuple[str, ...] = ()
 
     def __init__(self, storage_path: str | os.PathLike | None = None, overwrite: bool = False) -> None:
         """Keep the tables under ``storage_path``.
@@ -106,7 +109,7 @@ class MmapStorage(TableStorage):
                 array[start : start + step] = fill
         if file == target:
             hold_for_this_process(target, self, in_place=True)  # (a file truncated in place keeps its lock)
-            _mark(target, self.owner)  # (optimizer state placed anew once training started)
+            _mark(target, self.owner, self.history)  # (optimizer state placed anew once training started)
         mapped_by(target, array, self)  # (the existing file's lock, for a file placed beside it)
         tensor = torch.from_numpy(array)
         self.files[_key(tensor)] = file
@@ -138,19 +141,23 @@ class MmapStorage(TableStorage):
     def claim_existing(self, resuming: bool, checkpoint: pathlib.Path | None = None) -> None:
         """Decide about the existing files the tensors were placed beside (see :attr:`defer_existing`).
 
-        A run that writes a checkpoint marks its files as that checkpoint's (``FILE.checkpoint`` beside
-        each, naming it), so that the same command run again after a crash before its first checkpoint
-        takes them over (else they would be an earlier run's, refused).
+        A run marks its files with the checkpoints it writes (``FILE.checkpoint`` beside each: the checkpoint
+        it writes, then the failure checkpoints it wrote and the checkpoints it resumed), so that the same
+        command run again after a crash before its first checkpoint takes them over (else they would be an
+        earlier run's, refused), and so that resuming a checkpoint replaces only its own run's files.
 
-        :param resuming: a checkpoint is being resumed: the files are its run's, and are replaced (the
-            checkpoint's copies then fill the tables); else the placed files are removed and the files
-            of the earlier run are refused as without deferring, unless all are marked as ``checkpoint``'s
-        :param checkpoint: the checkpoint this run writes (None: none)
-        :raises FileExistsError: if there are such files and no checkpoint is resumed
+        :param resuming: a checkpoint is being resumed: the files are replaced if they are its run's (the
+            checkpoint's copies then fill the tables), else refused; not resuming, the placed files are
+            removed and the files of the earlier run are refused as without deferring, unless all are marked
+            as written by a run of ``checkpoint``
+        :param checkpoint: the checkpoint this run writes or resumes (None: none)
+        :raises FileExistsError: if there are such files and they are not the resumed checkpoint's run's (or
+            no checkpoint is resumed)
         """
         deferred, self.deferred = self.deferred, {}
         owner = None if checkpoint is None else str(pathlib.Path(checkpoint).resolve())
-        if deferred and not resuming and owner is not None and all(_owner(t) == owner for t in deferred.values()):
+        marks = {key: _checkpoints(target) for key, target in deferred.items()}
+        if deferred and not resuming and owner is not None and all(m[:1] == [owner] for m in marks.values()):
             logger.info(
                 "storage='mmap': the files under %s are of an earlier run of checkpoint %s that wrote no "
                 "checkpoint; this run replaces them.",
@@ -158,10 +165,23 @@ class MmapStorage(TableStorage):
                 owner,
             )
             resuming = True
+        elif resuming:
+            foreign = [key for key, m in marks.items() if owner not in m]
+            if foreign:  # another run's files (a storage_path of another run): resuming would replace them
+                self._refuse(deferred, _foreign_message(deferred[foreign[0]], marks[foreign[0]], owner))
         self._claim(deferred, resuming)
         self.owner = owner
+        earlier = [c for m in marks.values() for c in m if c] if resuming else []
+        self.history = tuple(dict.fromkeys(c for c in earlier if c != owner))
         for file in self.files.values():  # this run's files now
-            _mark(file, owner)
+            _mark(file, owner, self.history)
+
+    def checkpoint_written(self, checkpoint: pathlib.Path) -> None:  # noqa: D102
+        path = str(pathlib.Path(checkpoint).resolve())
+        if path != self.owner and path not in self.history:  # a failure checkpoint: resuming it takes the files
+            self.history = (*self.history, path)
+            for file in self.files.values():
+                _mark(file, self.owner, self.history)
 
     def _claim(self, deferred: dict[int, pathlib.Path], resuming: bool) -> None:
         """Replace the existing files by the placed ones (``resuming``), else remove the placed ones and refuse."""
@@ -175,13 +195,19 @@ class MmapStorage(TableStorage):
                 mapped_by(target, self._arrays[key], self)
             logger.info("storage='mmap': resuming a checkpoint, its run's files under %s are replaced.", self.path)
             return
-        for key, target in deferred.items():
-            self.files[key].unlink(missing_ok=True)
-            _unmapped(str(target), None)  # the earlier run's file: this process does not map it
-        raise FileExistsError(
+        self._refuse(
+            deferred,
             f"{_exists_message(min(deferred.values()))} No checkpoint is being resumed (train(checkpoint_name=...) "
-            f"with an existing checkpoint would resume it and reuse the files)."
+            f"with an existing checkpoint would resume it and reuse the files).",
         )
+
+    def _refuse(self, deferred: dict[int, pathlib.Path], message: str) -> NoReturn:
+        """Remove the files placed beside the existing ones (which stay as they are) and raise ``message``."""
+        for key, target in deferred.items():
+            self.files.pop(key).unlink(missing_ok=True)
+            self._arrays.pop(key, None)
+            _unmapped(str(target), None)  # the earlier run's file: this process does not map it
+        raise FileExistsError(message)
 
     def release(self, tensor: torch.Tensor) -> None:  # noqa: D102
         file = self.files.pop(_key(tensor), None)
@@ -355,20 +381,36 @@ def _marker(file: pathlib.Path) -> pathlib.Path:
     return file.with_name(f"{file.name}.checkpoint")
 
 
-def _owner(file: pathlib.Path) -> str | None:
-    """Return the checkpoint a table file's run writes (None: no mark, a run without checkpoints)."""
+def _checkpoints(file: pathlib.Path) -> list[str]:
+    """Return the checkpoints of a table file's run: the one it writes ('' for none), then the others it wrote.
+
+    Empty if the file has no mark (a run without checkpoints, or none of its files' marks survived).
+    """
     try:
-        return _marker(file).read_text()
+        return _marker(file).read_text().splitlines()
     except OSError:
-        return None
+        return []
 
 
-def _mark(file: pathlib.Path, owner: str | None) -> None:
-    """Mark a table file as of a run that writes checkpoint ``owner`` (None: remove the mark)."""
-    if owner is None:
+def _mark(file: pathlib.Path, owner: str | None, history: Sequence[str] = ()) -> None:
+    """Mark a table file as of a run that writes checkpoint ``owner`` and wrote or resumed ``history``.
+
+    A file of a run without any checkpoint has no mark.
+    """
+    lines = [owner or "", *(c for c in history if c != owner)]
+    if lines == [""]:
         _marker(file).unlink(missing_ok=True)
-    elif _owner(file) != owner:
-        _marker(file).write_text(owner)
+    elif _checkpoints(file) != lines:
+        _marker(file).write_text("\n".join(lines))
+
+
+def _foreign_message(file: pathlib.Path, marks: list[str], checkpoint: str | None) -> str:
+    run = f"a run of checkpoint(s) {', '.join(c for c in marks if c)}" if any(marks) else "a run without checkpoints"
+    return (
+        f"{file} is of {run}, not of the run of the resumed checkpoint {checkpoint}: resuming would replace it. "
+        "Pass the storage_path of the checkpoint's run, or storage_kwargs=dict(overwrite=True) to replace these "
+        "files."
+    )
 
 
 def _exists_message(file: pathlib.Path) -> str:

@@ -107,8 +107,12 @@ class PyKEENHooks(SLCWATrainingLoop):
         best_epoch_model_checkpoint_file_path: pathlib.Path | None = None,
         triples_factory: CoreTriplesFactory | None = None,
     ) -> None:
-        """Write a checkpoint through the loop's checkpoint store (collective under a process group)."""
+        """Write a checkpoint through the loop's checkpoint store (collective under a process group).
+
+        Tables in files are marked as of the checkpoint's run (a failure checkpoint: resuming it takes them over).
+        """
         self.checkpoints.save(pathlib.Path(path), stopper, best_epoch_model_checkpoint_file_path, triples_factory)
+        self.tables.storage.checkpoint_written(pathlib.Path(path))
 
     @property
     def checksum(self) -> str:

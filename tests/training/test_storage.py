@@ -64,10 +64,11 @@ def make_loop(
     optimizer: str = "adam",
     exchange: str = "embedding",
     model_cls: type = DistMult,
+    overwrite: bool = True,
     **kwargs: Any,
 ) -> BessTrainingLoop:
     model = model_cls(triples_factory=factory, embedding_dim=8, random_seed=0)
-    storage_kwargs = dict(storage_path=path, storage_kwargs=dict(overwrite=True)) if tier == "mmap" else {}
+    storage_kwargs = dict(storage_path=path, storage_kwargs=dict(overwrite=overwrite)) if tier == "mmap" else {}
     return BessTrainingLoop(
         model=model,
         triples_factory=factory,
@@ -408,7 +409,9 @@ def test_a_copied_or_unpickled_model_of_files_gives_its_state_dict(nations, tmp_
     assert "reset_parameters_" not in vars(device.model)  # an ordinary PyKEEN model (no guard of the plugin's)
 
 
-def train_with_checkpoints(loop: BessTrainingLoop, factory: CoreTriplesFactory, epochs: int, path: pathlib.Path):
+def train_with_checkpoints(
+    loop: BessTrainingLoop, factory: CoreTriplesFactory, epochs: int, path: pathlib.Path, name: str = "run.pt"
+) -> list[float]:
     recorder = StepRecorder()
     loop.train(
         factory,
@@ -417,7 +420,7 @@ def train_with_checkpoints(loop: BessTrainingLoop, factory: CoreTriplesFactory, 
         use_tqdm=False,
         callbacks=recorder,
         checkpoint_directory=path,
-        checkpoint_name="run.pt",
+        checkpoint_name=name,
         checkpoint_frequency=0,
     )
     return recorder.losses
@@ -558,6 +561,63 @@ def test_a_checkpointed_run_killed_before_its_first_checkpoint_runs_again(nation
         with pytest.raises(FileExistsError, match="overwrite=True"):
             run(name)
         assert {p.name: p.read_bytes() for p in storage_dir.iterdir()} == before
+
+
+def test_resuming_a_checkpoint_into_another_runs_files_is_refused(nations, tmp_path) -> None:
+    """Resuming checkpoint Y with the storage_path of run X (a slip) replaced X's files, its only copy.
+
+    X trained without a checkpoint; a fresh run into its directory was refused, but resuming another run's
+    checkpoint there replaced X's files with Y's. Now refused, X's files kept; Y resumes from its own files.
+    """
+    factory = factory_of(nations)
+    ours, theirs, checkpoints = tmp_path / "x", tmp_path / "y", tmp_path / "ck"
+    for directory in (ours, theirs, checkpoints):
+        directory.mkdir()
+    train(make_loop(factory, "mmap", ours, overwrite=False), factory)  # run X: no checkpoint
+    before = {p.name: p.read_bytes() for p in ours.iterdir()}
+    train_with_checkpoints(make_loop(factory, "mmap", theirs, overwrite=False), factory, 1, checkpoints)  # run Y
+    with pytest.raises(FileExistsError, match="not of the run of the resumed checkpoint.*overwrite=True"):
+        train_with_checkpoints(make_loop(factory, "mmap", ours, overwrite=False), factory, 2, checkpoints)
+    assert {p.name: p.read_bytes() for p in ours.iterdir()} == before
+    # X's files of a run with a checkpoint of another name: refused as well
+    train_with_checkpoints(make_loop(factory, "mmap", ours, overwrite=True), factory, 1, tmp_path, name="x.pt")
+    before = {p.name: p.read_bytes() for p in ours.iterdir()}
+    with pytest.raises(FileExistsError, match="is of a run of checkpoint\\(s\\) .*x.pt, not of the run"):
+        train_with_checkpoints(make_loop(factory, "mmap", ours, overwrite=False), factory, 2, checkpoints)
+    assert {p.name: p.read_bytes() for p in ours.iterdir()} == before
+    train_with_checkpoints(make_loop(factory, "mmap", theirs, overwrite=False), factory, 2, checkpoints)
+
+
+@pytest.mark.parametrize("named", [False, True])
+def test_a_failure_checkpoint_resumes_with_its_runs_files(nations, tmp_path, named) -> None:
+    """A failure checkpoint (of a run with or without a checkpoint of its own) takes its run's files over.
+
+    Its run's files are marked with it as it is written: a run without checkpoints has no other mark.
+    """
+    from pykeen.training.callbacks import TrainingCallback
+
+    factory = factory_of(nations)
+    storage_dir, checkpoints = tmp_path / "s", tmp_path / "ck"
+    storage_dir.mkdir()
+    checkpoints.mkdir()
+
+    class Fail(TrainingCallback):
+        def post_batch(self, epoch: int, batch: Any, **kwargs: Any) -> None:
+            if epoch == 2:
+                raise RuntimeError("a failure in epoch 2")
+
+    named_kwargs = dict(checkpoint_name="run.pt", checkpoint_frequency=30) if named else {}  # (none written)
+    with pytest.raises(RuntimeError, match="a failure in epoch 2"):
+        make_loop(factory, "mmap", storage_dir, overwrite=False).train(
+            factory, num_epochs=2, batch_size=72, use_tqdm=False, callbacks=[Fail()], checkpoint_on_failure=True,
+            checkpoint_directory=checkpoints, **named_kwargs,
+        )  # fmt: skip
+    (failure,) = checkpoints.glob("PyKEEN_just_saved_my_day*.pt")
+    losses = make_loop(factory, "mmap", storage_dir, overwrite=False).train(
+        factory, num_epochs=2, batch_size=72, use_tqdm=False, checkpoint_directory=checkpoints,
+        checkpoint_name=failure.name,
+    )  # fmt: skip
+    assert losses and all(math.isfinite(loss) for loss in losses)
 
 
 def test_resuming_with_another_storage_is_refused(nations, tmp_path) -> None:
@@ -1158,11 +1218,13 @@ def test_a_resumed_file_is_locked_while_its_own_arrays_map_it(tmp_path) -> None:
     from pykeen_bess.storage import MmapStorage
     from pykeen_bess.storage import files
 
-    first = MmapStorage(tmp_path).place("t", (4, 2), torch.float32)  # kept: it maps the replaced file
+    run = MmapStorage(tmp_path)
+    first = run.place("t", (4, 2), torch.float32)  # kept: it maps the replaced file
+    run.claim_existing(resuming=False, checkpoint=tmp_path / "run.pt")  # a run of that checkpoint
     storage = MmapStorage(tmp_path)
     storage.defer_existing_files()
     second = storage.place("t", (4, 2), torch.float32)
-    storage.claim_existing(resuming=True)  # its file under the name
+    storage.claim_existing(resuming=True, checkpoint=tmp_path / "run.pt")  # its file under the name
     assert len(files._HELD[str(tmp_path / "t.npy")].arrays) == 1
     del second, storage
     gc.collect()
