@@ -237,6 +237,8 @@ class BessTrainingLoop(LoopParts):
         num_negs_per_pos = resolve_negative_sampler(
             negative_sampler, negative_sampler_kwargs, num_negs_per_pos, corruption
         )
+        #: the negatives per positive the user gave the loop (None: its default); train() warns when it replaces them
+        self.chosen_num_negs_per_pos = num_negs_per_pos
         super().__init__(model=model, triples_factory=triples_factory, **kwargs)
         table_storage = make_storage(storage, storage_path, storage_kwargs)
         table_storage.defer_existing_files()  # files of an earlier run: kept until train() knows if it resumes
@@ -321,9 +323,17 @@ class BessTrainingLoop(LoopParts):
         """
         check_train_arguments(num_epochs, batch_size, kwargs, has_optimizer=self.optimizer is not None)
         if num_negs_per_pos is not None:
-            config = dataclasses.replace(
-                self.config, num_negs_per_pos=round_num_negs(num_negs_per_pos, self.topology.n_shard)
-            )
+            rounded = round_num_negs(num_negs_per_pos, self.topology.n_shard)
+            chosen = self.chosen_num_negs_per_pos
+            if chosen is not None and rounded != self.config.num_negs_per_pos:  # (hpo_pipeline tunes it here)
+                logger.warning(
+                    "train(num_negs_per_pos=%d) replaces the loop's num_negs_per_pos=%d (hpo_pipeline tunes it as "
+                    "a training argument: pin it with training_kwargs=dict(num_negs_per_pos=%d)).",
+                    num_negs_per_pos,
+                    chosen,
+                    chosen,
+                )
+            config = dataclasses.replace(self.config, num_negs_per_pos=rounded)
             self.setup = dataclasses.replace(self.setup, config=config)
         check_triples_fit_model(triples_factory, self.model)
         check_model_dtype(self.model, {table.weight.dtype for table in self.tables})

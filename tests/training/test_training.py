@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pathlib
 from typing import Any
 
@@ -793,6 +795,23 @@ def test_tuned_num_negs_per_pos_is_rounded_to_the_shards(small_factory: CoreTrip
     loop = make_loop(small_factory, num_shards=3, num_negs_per_pos=6)
     loop.train(small_factory, num_epochs=1, batch_size=18, num_negs_per_pos=16, use_tqdm=False)
     assert loop.config.num_negs_per_pos == 18
+
+
+def test_a_chosen_num_negs_per_pos_replaced_by_train_warns(small_factory: CoreTriplesFactory, caplog) -> None:
+    """hpo_pipeline tunes num_negs_per_pos as a training argument: the value given to the loop was replaced silently."""
+    loop = make_loop(small_factory, num_shards=3, num_negs_per_pos=6)
+    with caplog.at_level(logging.WARNING, logger="pykeen_bess"):
+        loop.train(small_factory, num_epochs=1, batch_size=18, num_negs_per_pos=16, use_tqdm=False)
+    assert "train(num_negs_per_pos=16) replaces the loop's num_negs_per_pos=6" in caplog.text
+    assert "training_kwargs=dict(num_negs_per_pos=6)" in caplog.text
+    caplog.clear()
+    for loop, tuned in (
+        (make_loop(small_factory, num_shards=3), 16),
+        (make_loop(small_factory, num_shards=3, num_negs_per_pos=6), 5),
+    ):
+        with caplog.at_level(logging.WARNING, logger="pykeen_bess"):  # the loop's default, or the same rounded
+            loop.train(small_factory, num_epochs=1, batch_size=18, num_negs_per_pos=tuned, use_tqdm=False)
+    assert "replaces" not in caplog.text
 
 
 def test_hpo_with_a_shard_count_that_is_not_a_power_of_two(dataset: Nations) -> None:
