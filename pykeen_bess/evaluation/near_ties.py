@@ -11,7 +11,9 @@ compared by PyKEEN's scores, and a query with non-finite scores an element-by-el
   chunks, collecting the band's candidates (or counting exactly).
 
 Queries with non-finite scores, where this process holds the whole model, are counted by PyKEEN's own
-full score rows instead (:func:`count_by_pykeen_rows`): whether a score overflows, becomes infinite or
+full score rows instead (:func:`count_by_pykeen_rows`), and so are all queries of a model without a fast
+scorer (:func:`rank_by_pykeen_rows`: its block scores would be its interaction's broadcast, slower than
+PyKEEN's own calls, whose near-ties PyKEEN's scores would decide again): whether a score overflows, becomes infinite or
 NaN depends on how it is computed (a distance's norm expansion turns PyKEEN's ``-inf`` into
 ``inf - inf = NaN``), so only PyKEEN's scores give PyKEEN's ranks there.
 """
@@ -19,6 +21,7 @@ NaN depends on how it is computed (a distance's norm expansion turns PyKEEN's ``
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 from pykeen.typing import LABEL_TAIL
@@ -37,7 +40,14 @@ from .counting import (
 from .excluded import ExcludedPairs
 from .sharded import ShardedScoring, feature_norms
 
-__all__ = ["band_candidates", "comparison_queries", "count_by_pykeen_rows", "rank_again", "resolve_collected"]
+__all__ = [
+    "band_candidates",
+    "comparison_queries",
+    "count_by_pykeen_rows",
+    "rank_again",
+    "rank_by_pykeen_rows",
+    "resolve_collected",
+]
 
 
 def comparison_queries(device: torch.device) -> int:
@@ -218,7 +228,12 @@ def rank_again(
 
 
 def count_by_pykeen_rows(
-    scoring: ShardedScoring, triples: torch.Tensor, target: str, queries_index: torch.Tensor, pairs: ExcludedPairs
+    scoring: ShardedScoring,
+    triples: torch.Tensor,
+    target: str,
+    queries_index: torch.Tensor,
+    pairs: ExcludedPairs,
+    max_queries: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Count some queries by PyKEEN's own full score rows, element by element (whole model in this process).
 
@@ -228,6 +243,7 @@ def count_by_pykeen_rows(
 
     :param triples: shape: ``[n, 3]``, the queries' triples
     :param queries_index: shape: ``[n]``, their global query indices
+    :param max_queries: the most queries per PyKEEN call (default: as many as :data:`PYKEEN_CALL_ELEMENTS` allows)
     :returns: ``larger``, ``not_smaller``, ``finite``, ``nan`` of shape ``[4, n]`` (long) and the true scores ``[n]``
     """
     tables = scoring.device_tables(triples.device)
@@ -236,7 +252,7 @@ def count_by_pykeen_rows(
     row, position, column = pairs.of_queries(queries_index, pairs.per_query.shape[0])
     num_entities, width = scoring.model.num_entities, row_width(scoring.model)
     # within PYKEEN_CALL_ELEMENTS of PyKEEN's [b, E, d] intermediates: fewer queries, then slices of the entities
-    chunk_size = max(2, PYKEEN_CALL_ELEMENTS // max(num_entities * width, 1))
+    chunk_size = max(2, min(PYKEEN_CALL_ELEMENTS // max(num_entities * width, 1), max_queries or num_entities))
     entity_slice = pykeen_slice_size(num_entities, PYKEEN_CALL_ELEMENTS // (chunk_size * width))
     slice_size = entity_slice if entity_slice < num_entities else None
     counts = torch.zeros((4, triples.shape[0]), dtype=torch.long, device=triples.device)
@@ -264,3 +280,41 @@ def count_by_pykeen_rows(
             true_scores = true_scores.to(true.dtype)
         true_scores[begin : begin + size] = true.to(true_scores.device)
     return counts, true_scores
+
+
+def rank_by_pykeen_rows(
+    scoring: ShardedScoring,
+    triples: torch.Tensor,
+    target: str,
+    pairs: ExcludedPairs,
+    owned: torch.Tensor,
+    batch_size: int,
+    on_batch: Callable[[int], object] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank every query this process owns by PyKEEN's own full score rows (:func:`count_by_pykeen_rows`).
+
+    For models without a fast scorer, in a process holding the whole model: PyKEEN's scores decide every
+    comparison, as its evaluator's do, with no near-ties left to resolve. A call scores at most as many queries
+    as a near-tie comparison's (:func:`comparison_queries`: 32 on the CPU, PyKEEN's own evaluation batch there):
+    such an interaction's intermediates may be far wider than its representations (ConvKB's filters).
+
+    :param triples: shape: ``[Q, 3]``, the evaluation triples
+    :param owned: shape: ``[Q]``, bool: the queries this process ranks
+    :param batch_size: queries per chunk (progress is reported per chunk)
+    :param on_batch: called with the number of queries after each chunk (progress), or None
+    :returns: shape: ``[4, Q]`` long ``larger``, ``not_smaller``, ``finite``, ``nan`` (zero for the queries not
+        owned), and the true scores ``[Q]``
+    """
+    counts = torch.zeros((4, triples.shape[0]), dtype=torch.long, device=triples.device)
+    true_scores: torch.Tensor | None = None
+    for chunk in owned.nonzero().view(-1).split(max(batch_size, 1)):
+        counted, true = count_by_pykeen_rows(
+            scoring, triples[chunk], target, chunk, pairs, max_queries=comparison_queries(triples.device)
+        )
+        counts[:, chunk] = counted
+        if true_scores is None:
+            true_scores = torch.zeros(triples.shape[0], dtype=true.dtype, device=triples.device)
+        true_scores[chunk] = true.to(true_scores)
+        if on_batch is not None:
+            on_batch(chunk.shape[0])
+    return counts, torch.zeros(triples.shape[0], device=triples.device) if true_scores is None else true_scores

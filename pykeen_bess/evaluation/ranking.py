@@ -31,30 +31,28 @@
    non-finite scores by PyKEEN's full score rows (whole model here), else element by element against
    a dense mask. This stage reads sizes on the host a few times per chunk.
 
-The ranks and NaN counts (:class:`TargetRanks`, ``[5, Q]``) are returned on the device.
-:func:`rank_triples` ranks every target (replicas split the batches) and copies the ranks of all
-targets to the host in one copy (:class:`HostRanks`); there every process gets every replica's
-ranks (:meth:`HostRanks.gather_replicas`), and they are laid out as PyKEEN's
-:class:`~pykeen.evaluation.RankBasedEvaluator` collects them (:meth:`HostRanks.append_to`).
+A model without a fast scorer is ranked by PyKEEN's own score rows instead, where this process holds it
+whole (:func:`~pykeen_bess.evaluation.near_ties.rank_by_pykeen_rows`). The ranks and NaN counts
+(:class:`TargetRanks`, ``[5, Q]``) are returned on the device. :func:`rank_triples` ranks every target
+(replicas split the batches) and copies the ranks of all targets to the host in one copy
+(:class:`HostRanks`); there every process gets every replica's ranks, laid out as PyKEEN's
+:class:`~pykeen.evaluation.RankBasedEvaluator` collects them.
 
 Memory: the excluded-pair table (``3 * 8 * num_batches * P`` bytes), ``[4, Q]`` counts and ``[Q]``
-true scores per target, one ``[B, k']`` score buffer for every block (:class:`BlockBuffer`) and per
-step the block's comparisons (:mod:`~pykeen_bess.evaluation.counting`); counting again scores blocks
-of at most ``B`` flagged queries with boolean ``[B, k]`` band (and mask) tensors, and PyKEEN scores
-a few queries against their true entities and near-ties at a time (full rows within
-:data:`~pykeen_bess.evaluation.counting.PYKEEN_CALL_ELEMENTS` of its intermediates).
+true scores per target, one ``[B, k']`` score buffer for every block (:class:`BlockBuffer`) and the
+block's comparisons; counting again scores at most ``B`` flagged queries with boolean ``[B, k]`` band
+(and mask) tensors, and PyKEEN's scores stay within
+:data:`~pykeen_bess.evaluation.counting.PYKEEN_CALL_ELEMENTS` of its intermediates.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-from collections.abc import Callable, Collection, MutableMapping, Sequence
-from typing import cast
+from collections.abc import Callable, Collection, Sequence
 
 import numpy as np
 import torch
-from pykeen.typing import LABEL_TAIL, RANK_OPTIMISTIC, RANK_PESSIMISTIC, RANK_REALISTIC, RankType, Target
+from pykeen.typing import LABEL_TAIL
 
 from ..distributed import Topology
 from ..runtime.threads import ThreadPolicy
@@ -68,9 +66,10 @@ from .counting import (
     subtract_excluded,
 )
 from .excluded import ExcludedPairs, ExcludedPairsCache, PairsByBlock
-from .near_ties import band_candidates, count_by_pykeen_rows, rank_again, resolve_collected
+from .ranks import HostRanks, TargetRanks
+from .near_ties import band_candidates, count_by_pykeen_rows, rank_again, rank_by_pykeen_rows, resolve_collected
 from .filtering import FilterIndex
-from .sharded import Queries, ShardedScoring, feature_norms
+from .sharded import Queries, ShardedScoring, feature_norms, holds_whole_model
 
 __all__ = [
     "BlockBuffer",
@@ -114,62 +113,6 @@ class BlockBuffer:
         if tensor is None or tensor.dtype != like.dtype or tensor.device != like.device:
             tensor = self._tensor = torch.empty(self.shape, dtype=like.dtype, device=like.device)
         return tensor
-
-
-@dataclasses.dataclass(eq=False)
-class TargetRanks:
-    """The ranks of one target's queries (those of the batches ranked by this process)."""
-
-    #: shape: ``[5, Q]``, long, on the device: optimistic rank, pessimistic rank, number of options,
-    #: NaN candidate scores and whether the true score is NaN; zeros for the queries of other replicas
-    values: torch.Tensor
-    #: the number of queries ranked again (near-ties or non-finite scores)
-    ranked_again: int
-
-
-@dataclasses.dataclass(eq=False)
-class HostRanks:
-    """The ranks of all targets' queries on the host, batch by batch (see :func:`rank_triples`)."""
-
-    #: per batch number and target: shape ``[5, b]``, long, the batch's columns of :attr:`TargetRanks.values`
-    #: (the batches ranked by this process; after :meth:`gather_replicas` those of every replica)
-    batches: dict[int, dict[str, np.ndarray]]
-    #: per target, the number of queries this process ranked again (near-ties or non-finite scores)
-    ranked_again: dict[str, int]
-
-    def gather_replicas(self, topology: Topology) -> None:
-        """Add the batches ranked by the other replicas: every process gets every replica's ranks."""
-        if topology.replicas > 1:
-            for other in topology.all_gather_object(self.batches):
-                self.batches.update(other)
-
-    def append_to(
-        self,
-        ranks: MutableMapping[tuple[Target, RankType], list[np.ndarray]],
-        num_candidates: MutableMapping[Target, list[np.ndarray]],
-    ) -> tuple[int, int]:
-        """Append the ranks batch by batch, in order, as :class:`pykeen.evaluation.RankBasedEvaluator` collects them.
-
-        :param ranks: per ``(target, rank type)``, the arrays of shape ``[b]`` to append to (the realistic
-            rank is ``(optimistic + pessimistic) / 2`` in float32, as in PyKEEN's ``Ranks``)
-        :param num_candidates: per target, the arrays of shape ``[b]`` of the numbers of options to append to
-        :returns: the number of NaN candidate scores and the number of queries whose true score is NaN
-        """
-        nan_candidates = nan_true = 0
-        for number in sorted(self.batches):
-            for target, batch_values in self.batches[number].items():
-                optimistic, pessimistic, options, nan, nan_true_batch = batch_values
-                realistic = (optimistic + pessimistic).astype(np.float32) * np.float32(0.5)  # as PyKEEN's Ranks
-                for rank_type, values in (
-                    (RANK_OPTIMISTIC, optimistic),
-                    (RANK_REALISTIC, realistic),
-                    (RANK_PESSIMISTIC, pessimistic),
-                ):
-                    ranks[cast(Target, target), rank_type].append(values)
-                num_candidates[cast(Target, target)].append(options)
-                nan_candidates += int(nan.sum())
-                nan_true += int(nan_true_batch.sum())
-        return nan_candidates, nan_true
 
 
 def count_scored_block(
@@ -323,6 +266,7 @@ def rank_target(
     on_batch: Callable[[int], object] | None = None,
     collect_band: bool | None = None,
     pairs_cache: ExcludedPairsCache | None = None,
+    by_pykeen_rows: bool = False,
 ) -> TargetRanks:
     """Rank the true entities of all evaluation triples for one target (see the module docstring).
 
@@ -341,6 +285,7 @@ def rank_target(
         queries again (default: on the CPU, and elsewhere for blocks of at least
         ``COLLECT_BAND_MIN_BLOCK`` scores; only when near-ties are resolved)
     :param pairs_cache: where the excluded pairs of an earlier evaluation are kept (None: built here)
+    :param by_pykeen_rows: rank by PyKEEN's own score rows instead of the block loop (whole model here)
     :returns: the ranks
     """
     topology = scoring.topology
@@ -359,6 +304,14 @@ def rank_target(
     for number in batches:
         owned[number * batch_size : (number + 1) * batch_size] = True
     owned_on_device = owned.to(device)
+    if by_pykeen_rows:
+        counts, true_scores = rank_by_pykeen_rows(
+            scoring, triples, target, pairs, owned_on_device, batch_size, on_batch
+        )
+        larger, not_smaller, finite, nan = counts.unbind(0)
+        ranks = ranks_from_counts(larger, not_smaller, finite, true_scores, scoring.is_candidate(true))
+        values = torch.cat([ranks, nan.unsqueeze(0), torch.isnan(true_scores).long().unsqueeze(0)])
+        return TargetRanks(values=values * owned_on_device.long(), ranked_again=0)
     # where reading sizes costs little (the CPU, large blocks), the first pass collects the band's candidates
     if collect_band is None:
         collect_band = (
@@ -451,7 +404,8 @@ def rank_triples(
     """Rank the true entities of all evaluation triples for every target and copy the ranks to the host.
 
     Replicas split the batches: replica ``q`` of ``R`` ranks batches ``q, q + R, ...`` (the others'
-    are added by :meth:`HostRanks.gather_replicas`). Every target is ranked by :func:`rank_target`;
+    are added by :meth:`HostRanks.gather_replicas`). Every target is ranked by :func:`rank_target` (by PyKEEN's
+    own score rows for a model without a fast scorer, where this process holds the whole model);
     the ranks of all targets are then copied to the host in one copy (``[targets, 5, Q]``).
 
     :param scoring: the scoring
@@ -471,6 +425,8 @@ def rank_triples(
     # replicas split the batches: replica q ranks batches q, q + R, ...
     num_batches = -(-triples.shape[0] // batch_size)
     batches = [number for number in range(num_batches) if number % topology.replicas == topology.replica]
+    # without a fast scorer, PyKEEN's own score rows rank faster than the interaction's broadcast blocks
+    by_pykeen_rows = not scoring.scorer.fast and topology.holds_all_shards and holds_whole_model(scoring.model)
     per_target = [
         rank_target(
             scoring,
@@ -485,6 +441,7 @@ def rank_triples(
             threads=threads,
             on_batch=on_batch,
             pairs_cache=pairs_cache,
+            by_pykeen_rows=by_pykeen_rows,
         )
         for target in targets
     ]

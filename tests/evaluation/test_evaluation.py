@@ -290,6 +290,34 @@ def test_overflowing_scores_found_by_norms_as_by_row_sums(model_name: str, monke
                 )
 
 
+@pytest.mark.parametrize("model_name", ["NTN", "SE", "ConvKB"])
+@pytest.mark.parametrize("num_shards", [1, 3])
+def test_models_without_a_fast_scorer_are_ranked_by_pykeens_rows(model_name, num_shards, monkeypatch) -> None:
+    """Interactions without a fast scorer are ranked by PyKEEN's own score rows, as PyKEEN ranks them.
+
+    Their broadcast blocks recomputed the queries' work for every candidate chunk (NTN: the relation's
+    matrices), and most of their queries had candidates inside the near-tie band, compared again by
+    PyKEEN's scores: several times PyKEEN's time. No block is scored now, and no query is ranked again.
+    """
+    from pykeen.models import model_resolver
+
+    from pykeen_bess.scoring.fallback import BroadcastScorer
+
+    data = dataset("nations")
+    model = model_resolver.make(model_name, triples_factory=data.training, embedding_dim=8, random_seed=0)
+    triples = data.testing.mapped_triples
+    kwargs = dict(use_tqdm=False, additional_filter_triples=[data.training.mapped_triples])
+    expected = RankBasedEvaluator().evaluate(model, triples, batch_size=PYKEEN_BATCH_SIZE, **kwargs).to_flat_dict()
+
+    def no_blocks(*args, **kwargs):
+        raise AssertionError("a broadcast block was scored")
+
+    monkeypatch.setattr(BroadcastScorer, "score", no_blocks)
+    evaluator = BessEvaluator(num_shards=num_shards)
+    assert evaluator.evaluate(model, triples, **kwargs).to_flat_dict() == expected
+    assert evaluator.last_ranked_again == {"head": 0, "tail": 0}
+
+
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 @pytest.mark.parametrize(
     ("model_name", "value"), [("RotatE", 3e38), ("TransE", 1e20), ("TransE", float("-inf")), ("DistMult", 3e38)]
