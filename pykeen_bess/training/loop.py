@@ -323,16 +323,9 @@ class BessTrainingLoop(LoopParts):
         """
         check_train_arguments(num_epochs, batch_size, kwargs, has_optimizer=self.optimizer is not None)
         if num_negs_per_pos is not None:
-            rounded = round_num_negs(num_negs_per_pos, self.topology.n_shard)
-            chosen = self.chosen_num_negs_per_pos
-            if chosen is not None and rounded != self.config.num_negs_per_pos:  # (hpo_pipeline tunes it here)
-                logger.warning(
-                    "train(num_negs_per_pos=%d) replaces the loop's num_negs_per_pos=%d (hpo_pipeline tunes it as "
-                    "a training argument: pin it with training_kwargs=dict(num_negs_per_pos=%d)).",
-                    num_negs_per_pos,
-                    chosen,
-                    chosen,
-                )
+            rounded = round_num_negs(
+                num_negs_per_pos, self.topology.n_shard, self.chosen_num_negs_per_pos, self.config.num_negs_per_pos
+            )
             config = dataclasses.replace(self.config, num_negs_per_pos=rounded)
             self.setup = dataclasses.replace(self.setup, config=config)
         check_triples_fit_model(triples_factory, self.model)
