@@ -107,12 +107,15 @@ class PyKEENHooks(SLCWATrainingLoop):
         best_epoch_model_checkpoint_file_path: pathlib.Path | None = None,
         triples_factory: CoreTriplesFactory | None = None,
     ) -> None:
-        """Write a checkpoint through the loop's checkpoint store (collective under a process group).
-
-        Tables in files are marked as of the checkpoint's run (a failure checkpoint: resuming it takes them over).
-        """
+        """Write a checkpoint through the loop's checkpoint store (collective under a process group)."""
         self.checkpoints.save(pathlib.Path(path), stopper, best_epoch_model_checkpoint_file_path, triples_factory)
-        self.tables.storage.checkpoint_written(pathlib.Path(path))
+
+    def checkpoint_written(self, path: pathlib.Path) -> None:
+        """Mark the tables' files as of the run of a checkpoint it wrote (a failure checkpoint: resuming it takes them).
+
+        Not for the early stopper's temporary copies of the best epoch, which PyKEEN writes with ``_save_state``.
+        """
+        self.tables.storage.checkpoint_written(path)
 
     @property
     def checksum(self) -> str:

@@ -992,6 +992,8 @@ def test_early_stopping_restores_the_best_epoch_of_every_tier(nations, tmp_path,
     torch.testing.assert_close(models[tier], models["device"], rtol=1e-6, atol=1e-7)
     wanted, made = staged
     assert made == ([True] if wanted else [])
+    # the stopper's temporary copies are no checkpoints of the run: its files stay unmarked
+    assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".checkpoint")]
 
 
 @pytest.mark.parametrize("tier", ["device", "host", "mmap"])
