@@ -30,7 +30,7 @@ from ..schemes import ExchangeScheme
 from ..nn.loss import partition_weights
 from ..runtime.threads import ThreadPolicy
 from .epoch_steps import EpochBatches, make_static_step
-from .setup.config import verify_same_configuration
+from .setup.config import check_model_dtype, verify_same_configuration
 from .training_run import (
     TrainingRun,
     TrainingStart,
@@ -119,6 +119,7 @@ class LoopParts(PyKEENHooks):
             return
         with resets_by_the_loop():
             self.model.reset_parameters_()
+        check_model_dtype(self.model, {table.weight.dtype for table in self.tables}, after_reset=True)
         self.tables.constrain_all()  # the loop defers the tables' constraints; apply them once to all rows
         for parameter in self.tables.replicated_parameters():  # replicated: every process starts from rank 0's
             self.topology.broadcast_(parameter)

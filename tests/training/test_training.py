@@ -24,6 +24,7 @@ from pykeen_bess.data.sharding import EntitySharding
 from pykeen_bess.evaluation import BessEvaluator
 from pykeen_bess.training import BessTrainingLoop
 
+from capturable import default_dtype
 from reference import reference_scores
 
 
@@ -795,6 +796,29 @@ def test_tuned_num_negs_per_pos_is_rounded_to_the_shards(small_factory: CoreTrip
     loop = make_loop(small_factory, num_shards=3, num_negs_per_pos=6)
     loop.train(small_factory, num_epochs=1, batch_size=18, num_negs_per_pos=16, use_tqdm=False)
     assert loop.config.num_negs_per_pos == 18
+
+
+def test_a_reset_that_changes_a_parameters_dtype_is_refused(dataset: Nations) -> None:
+    """QuatE converted with .double(): PyKEEN's re-initialisation draws its relations in float32 again.
+
+    BESS trained it in mixed precision, silently (PyKEEN's own loop fails on it); refused before any step,
+    and the model created under the default dtype trains in float64 throughout.
+    """
+    from pykeen.models import QuatE
+
+    model = QuatE(triples_factory=dataset.training, embedding_dim=4, random_seed=0).double()
+    loop = BessTrainingLoop(model=model, triples_factory=dataset.training, automatic_memory_optimization=False)
+    with pytest.raises(ValueError, match="re-initialisation .* drew relation_representations.0.* as torch.float32"):
+        loop.train(dataset.training, num_epochs=1, batch_size=64, use_tqdm=False)
+    from pykeen.nn import quaternion
+
+    with default_dtype(torch.float64):
+        quaternion.multiplication_table.cache_clear()  # (PyKEEN caches QuatE's table in the first model's dtype)
+        model = QuatE(triples_factory=dataset.training, embedding_dim=4, random_seed=0)
+        loop = BessTrainingLoop(model=model, triples_factory=dataset.training, automatic_memory_optimization=False)
+        loop.train(dataset.training, num_epochs=1, batch_size=64, use_tqdm=False)
+    quaternion.multiplication_table.cache_clear()
+    assert {p.dtype for p in model.parameters()} == {torch.float64}
 
 
 def test_a_chosen_num_negs_per_pos_replaced_by_train_warns(small_factory: CoreTriplesFactory, caplog) -> None:

@@ -391,16 +391,27 @@ def check_triples_fit_model(triples_factory: CoreTriplesFactory, model: Model) -
         )
 
 
-def check_model_dtype(model: Model, table_dtypes: set[torch.dtype]) -> None:
+def check_model_dtype(model: Model, table_dtypes: set[torch.dtype], after_reset: bool = False) -> None:
     """Check that the model's parameters still have the shard tables' (real) dtype.
 
     The loop copies the entity tables when it is built: a model converted afterwards (``model.double()``)
-    would meet float32 tables inside the first step.
+    would meet float32 tables inside the first step. PyKEEN's re-initialisation of a fresh training may
+    draw a parameter in the default dtype again (QuatE's relations after ``model.double()``), which would
+    train in mixed precision (PyKEEN's own loop fails on it).
 
+    :param after_reset: the check follows the model's re-initialisation (the message says so)
     :raises ValueError: naming both dtypes
     """
     model_dtypes = {p.dtype.to_real() for p in model.parameters() if p.is_floating_point() or p.is_complex()}
     changed = sorted(str(dtype) for dtype in model_dtypes - table_dtypes)
+    if changed and after_reset:
+        names = [name for name, p in model.named_parameters() if str(p.dtype.to_real()) in changed]
+        raise ValueError(
+            f"The model's re-initialisation (reset_parameters_, at the start of a fresh training) drew "
+            f"{', '.join(names)} as {', '.join(changed)}, but the loop's entity tables are "
+            f"{', '.join(sorted(map(str, table_dtypes)))}. Create and train the model under "
+            f"torch.set_default_dtype(...) of the tables' dtype instead of converting it."
+        )
     if changed:
         raise ValueError(
             f"The model's parameters are {', '.join(changed)}, but the loop's entity tables "
