@@ -282,6 +282,10 @@ def count_by_pykeen_rows(
     return counts, true_scores
 
 
+#: the most queries per PyKEEN call of :func:`rank_by_pykeen_rows` (PyKEEN's evaluation batch on the CPU)
+PYKEEN_ROW_QUERIES = 32
+
+
 def rank_by_pykeen_rows(
     scoring: ShardedScoring,
     triples: torch.Tensor,
@@ -294,9 +298,10 @@ def rank_by_pykeen_rows(
     """Rank every query this process owns by PyKEEN's own full score rows (:func:`count_by_pykeen_rows`).
 
     For models without a fast scorer, in a process holding the whole model: PyKEEN's scores decide every
-    comparison, as its evaluator's do, with no near-ties left to resolve. A call scores at most as many queries
-    as a near-tie comparison's (:func:`comparison_queries`: 32 on the CPU, PyKEEN's own evaluation batch there):
-    such an interaction's intermediates may be far wider than its representations (ConvKB's filters).
+    comparison, as its evaluator's do, with no near-ties left to resolve. A call scores at most
+    :data:`PYKEEN_ROW_QUERIES` queries on every device (PyKEEN's own evaluation batch on the CPU): such an
+    interaction's intermediates may be far wider than its representations (ConvKB's ``[b, E, filters, d]``), and
+    the evaluator's ``memory_budget`` does not see them.
 
     :param triples: shape: ``[Q, 3]``, the evaluation triples
     :param owned: shape: ``[Q]``, bool: the queries this process ranks
@@ -309,7 +314,7 @@ def rank_by_pykeen_rows(
     true_scores: torch.Tensor | None = None
     for chunk in owned.nonzero().view(-1).split(max(batch_size, 1)):
         counted, true = count_by_pykeen_rows(
-            scoring, triples[chunk], target, chunk, pairs, max_queries=comparison_queries(triples.device)
+            scoring, triples[chunk], target, chunk, pairs, max_queries=PYKEEN_ROW_QUERIES
         )
         counts[:, chunk] = counted
         if true_scores is None:

@@ -202,11 +202,22 @@ class MmapStorage(TableStorage):
         )
 
     def _refuse(self, deferred: dict[int, pathlib.Path], message: str) -> NoReturn:
-        """Remove the files placed beside the existing ones (which stay as they are) and raise ``message``."""
-        for key, target in deferred.items():
-            self.files.pop(key).unlink(missing_ok=True)
+        """Remove every file this run placed (the existing ones stay as they are) and raise ``message``.
+
+        Those beside existing files, and those placed under names no file had (an optimizer state the earlier
+        run did not keep): left there, a later run would take them for the earlier run's.
+        """
+        for key in list(self.files):
+            file = self.files.pop(key)
             self._arrays.pop(key, None)
-            _unmapped(str(target), None)  # the earlier run's file: this process does not map it
+            if key in deferred:
+                _unmapped(str(deferred[key]), None)  # the earlier run's file: this process does not map it
+            else:
+                lock = _HELD.pop(str(file), None)
+                if lock is not None:
+                    os.close(lock.descriptor)
+                _marker(file).unlink(missing_ok=True)
+            file.unlink(missing_ok=True)
         raise FileExistsError(message)
 
     def release(self, tensor: torch.Tensor) -> None:  # noqa: D102

@@ -323,9 +323,7 @@ class BessTrainingLoop(LoopParts):
         """
         check_train_arguments(num_epochs, batch_size, kwargs, has_optimizer=self.optimizer is not None)
         if num_negs_per_pos is not None:
-            rounded = round_num_negs(
-                num_negs_per_pos, self.topology.n_shard, self.chosen_num_negs_per_pos, self.config.num_negs_per_pos
-            )
+            rounded = round_num_negs(num_negs_per_pos, self.topology.n_shard, self.chosen_num_negs_per_pos)
             config = dataclasses.replace(self.config, num_negs_per_pos=rounded)
             self.setup = dataclasses.replace(self.setup, config=config)
         check_triples_fit_model(triples_factory, self.model)

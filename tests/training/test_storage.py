@@ -567,13 +567,14 @@ def test_resuming_a_checkpoint_into_another_runs_files_is_refused(nations, tmp_p
     """Resuming checkpoint Y with the storage_path of run X (a slip) replaced X's files, its only copy.
 
     X trained without a checkpoint; a fresh run into its directory was refused, but resuming another run's
-    checkpoint there replaced X's files with Y's. Now refused, X's files kept; Y resumes from its own files.
+    checkpoint there replaced X's files with Y's. Now refused, X's files kept (and none of Y's left beside them:
+    X's SGD keeps no state, Y's Adam does); Y resumes from its own files.
     """
     factory = factory_of(nations)
     ours, theirs, checkpoints = tmp_path / "x", tmp_path / "y", tmp_path / "ck"
     for directory in (ours, theirs, checkpoints):
         directory.mkdir()
-    train(make_loop(factory, "mmap", ours, overwrite=False), factory)  # run X: no checkpoint
+    train(make_loop(factory, "mmap", ours, optimizer="sgd", overwrite=False), factory)  # run X: no checkpoint
     before = {p.name: p.read_bytes() for p in ours.iterdir()}
     train_with_checkpoints(make_loop(factory, "mmap", theirs, overwrite=False), factory, 1, checkpoints)  # run Y
     with pytest.raises(FileExistsError, match="not of the run of the resumed checkpoint.*overwrite=True"):

@@ -829,6 +829,9 @@ def test_a_chosen_num_negs_per_pos_replaced_by_train_warns(small_factory: CoreTr
     assert "train(num_negs_per_pos=16) replaces the loop's num_negs_per_pos=6" in caplog.text
     assert "training_kwargs=dict(num_negs_per_pos=6)" in caplog.text
     caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="pykeen_bess"):  # back to the chosen value: nothing replaced
+        loop.train(small_factory, num_epochs=1, batch_size=18, num_negs_per_pos=6, use_tqdm=False)
+    assert "replaces" not in caplog.text
     for loop, tuned in (
         (make_loop(small_factory, num_shards=3), 16),
         (make_loop(small_factory, num_shards=3, num_negs_per_pos=6), 5),

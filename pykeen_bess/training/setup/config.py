@@ -201,12 +201,11 @@ def check_positive(name: str, value: Any, allow_inf: bool = False) -> float:
     return number
 
 
-def round_num_negs(num_negs_per_pos: Any, n_shard: int, chosen: int | None = None, current: int | None = None) -> int:
+def round_num_negs(num_negs_per_pos: Any, n_shard: int, chosen: int | None = None) -> int:
     """Round a tuned ``num_negs_per_pos`` (``train()``, HPO) up to a multiple of the number of shards.
 
     :param chosen: the value the user gave the loop (None: its default); replacing it by another is logged as a
         warning (``hpo_pipeline`` tunes it as a training argument, over a value given in ``training_loop_kwargs``)
-    :param current: the loop's value now
     """
     value = check_integer("num_negs_per_pos", num_negs_per_pos, minimum=1)
     rounded = n_shard * math.ceil(value / n_shard)
@@ -217,7 +216,7 @@ def round_num_negs(num_negs_per_pos: Any, n_shard: int, chosen: int | None = Non
             rounded,
             n_shard,
         )
-    if chosen is not None and rounded != current:
+    if chosen is not None and rounded != chosen:
         logger.warning(
             "train(num_negs_per_pos=%d) replaces the loop's num_negs_per_pos=%d (hpo_pipeline tunes it as a "
             "training argument: pin it with training_kwargs=dict(num_negs_per_pos=%d)).",
