@@ -142,9 +142,6 @@ class EpochLoop(Protocol):
     def _load_state(self, path: Any) -> Any:
         """Load a checkpoint (PyKEEN's hook)."""
 
-    def checkpoint_written(self, path: pathlib.Path) -> None:
-        """Mark the tables' files as of the run of a checkpoint written (the failure checkpoint)."""
-
 
 def run_epochs(
     loop: EpochLoop,
@@ -306,7 +303,7 @@ def _checkpoint(
     suffix = copy_suffix(loop.topology)
     keep_stopper_weights(path, stopper, suffix)
     loop._save_state(path, stopper, best, triples_factory)
-    loop.checkpoint_written(path)
+    loop.checkpoints.mark_written(path)  # (the failure checkpoint: resuming it takes the run's files)
     prune_stopper_weights(path, stopper, suffix, layout_suffixes(loop.topology))
 
 

@@ -110,13 +110,6 @@ class PyKEENHooks(SLCWATrainingLoop):
         """Write a checkpoint through the loop's checkpoint store (collective under a process group)."""
         self.checkpoints.save(pathlib.Path(path), stopper, best_epoch_model_checkpoint_file_path, triples_factory)
 
-    def checkpoint_written(self, path: pathlib.Path) -> None:
-        """Mark the tables' files as of the run of a checkpoint it wrote (a failure checkpoint: resuming it takes them).
-
-        Not for the early stopper's temporary copies of the best epoch, which PyKEEN writes with ``_save_state``.
-        """
-        self.tables.storage.checkpoint_written(path)
-
     @property
     def checksum(self) -> str:
         """PyKEEN's checksum of the model and the optimizer (at its initial learning rates), and of the scheduler.

@@ -295,6 +295,13 @@ class CheckpointStore(ABC):
     def load(self, path: pathlib.Path, triples_factory: CoreTriplesFactory | None = None) -> Any:
         """Load the checkpoint at ``path``; returns what PyKEEN's ``_load_state`` returns."""
 
+    def mark_written(self, path: pathlib.Path) -> None:
+        """Mark the tables' files as of the run of a checkpoint it wrote (a failure checkpoint: resuming it takes them).
+
+        Not for the early stopper's temporary copies of the best epoch, which PyKEEN writes with ``_save_state``.
+        """
+        self.loop.tables.storage.checkpoint_written(path)
+
 
 class FileCheckpointStore(CheckpointStore):
     """PyKEEN's single checkpoint file, replaced atomically."""
