@@ -326,6 +326,7 @@ class BessTrainingLoop(LoopParts):
             rounded = round_num_negs(num_negs_per_pos, self.topology.n_shard, self.chosen_num_negs_per_pos)
             config = dataclasses.replace(self.config, num_negs_per_pos=rounded)
             self.setup = dataclasses.replace(self.setup, config=config)
+            self.settings = dataclasses.replace(self.settings, num_negs_per_pos=rounded)  # (a setup assembled again)
         check_triples_fit_model(triples_factory, self.model)
         check_model_dtype(self.model, {table.weight.dtype for table in self.tables})
         if asks_evaluation_loss(kwargs.get("callbacks")):

@@ -798,6 +798,23 @@ def test_tuned_num_negs_per_pos_is_rounded_to_the_shards(small_factory: CoreTrip
     assert loop.config.num_negs_per_pos == 18
 
 
+def test_a_tuned_num_negs_per_pos_survives_a_setup_assembled_again(small_factory, tmp_path) -> None:
+    """Resuming a checkpoint of another derived seed assembles the setup again: it trained the constructor's value."""
+    checkpoint = dict(checkpoint_directory=tmp_path, checkpoint_name="c.pt", checkpoint_frequency=0)
+
+    def loop(random_seed: int) -> BessTrainingLoop:
+        model = DistMult(triples_factory=small_factory, embedding_dim=8, random_seed=random_seed)
+        return BessTrainingLoop(
+            model=model, triples_factory=small_factory, num_shards=3, num_negs_per_pos=6,
+            automatic_memory_optimization=False,
+        )  # fmt: skip
+
+    loop(0).train(small_factory, num_epochs=1, batch_size=18, use_tqdm=False, **checkpoint)
+    resumed = loop(1)  # another model seed: the checkpoint's derived seed is adopted
+    resumed.train(small_factory, num_epochs=2, batch_size=18, use_tqdm=False, num_negs_per_pos=12, **checkpoint)
+    assert resumed.config.seed == 0 and resumed.config.num_negs_per_pos == 12
+
+
 def test_a_reset_that_changes_a_parameters_dtype_is_refused(dataset: Nations) -> None:
     """QuatE converted with .double(): PyKEEN's re-initialisation draws its relations in float32 again.
 
