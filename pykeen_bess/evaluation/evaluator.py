@@ -84,7 +84,7 @@ from .counting import TIE_TOLERANCE
 from .coefficients import CoefficientCache
 from .excluded import ExcludedPairsCache
 from .filtering import FilterIndex, FilterIndexCache
-from .ranking import probe_step, rank_triples
+from .ranking import probe_step, rank_triples, ranks_by_pykeen_rows
 from .candidates import ScoringLayouts
 from .sharded import ShardedScoring
 from .sizes import choose_block_sizes
@@ -421,8 +421,11 @@ def _block_sizes_for(
     device: torch.device,
 ) -> tuple[int, int]:
     """Return the given sizes, or search (once per model layout, cached by the evaluator) for the missing ones."""
-    if batch_size is not None and slice_size is not None:
-        return choose_block_sizes(scoring, mapped_triples.shape[0], batch_size, slice_size, _no_probe, device)
+    if (batch_size is not None and slice_size is not None) or ranks_by_pykeen_rows(scoring):
+        # (ranked by PyKEEN's rows, the sizes only chunk the queries: a broadcast block's probe would be wasted)
+        return choose_block_sizes(
+            scoring, mapped_triples.shape[0], batch_size, slice_size, _no_probe, device, evaluator.memory_budget
+        )
     key = (
         str(device),
         scoring.sharding.n_shard,

@@ -81,6 +81,7 @@ __all__ = [
     "rank_batch",
     "rank_target",
     "rank_triples",
+    "ranks_by_pykeen_rows",
 ]
 
 
@@ -388,6 +389,16 @@ def rank_target(
     return TargetRanks(values=values * owned_on_device.long(), ranked_again=ranked_again)
 
 
+def ranks_by_pykeen_rows(scoring: ShardedScoring) -> bool:
+    """Whether every query is ranked by PyKEEN's own score rows instead of the block loop.
+
+    True for a model without a fast scorer, where this process holds the whole model: PyKEEN's own
+    score rows rank faster than the interaction's broadcast blocks (and the block sizes only chunk the
+    queries then, with nothing to probe).
+    """
+    return not scoring.scorer.fast and scoring.topology.holds_all_shards and holds_whole_model(scoring.model)
+
+
 def rank_triples(
     scoring: ShardedScoring,
     triples: torch.Tensor,
@@ -425,8 +436,7 @@ def rank_triples(
     # replicas split the batches: replica q ranks batches q, q + R, ...
     num_batches = -(-triples.shape[0] // batch_size)
     batches = [number for number in range(num_batches) if number % topology.replicas == topology.replica]
-    # without a fast scorer, PyKEEN's own score rows rank faster than the interaction's broadcast blocks
-    by_pykeen_rows = not scoring.scorer.fast and topology.holds_all_shards and holds_whole_model(scoring.model)
+    by_pykeen_rows = ranks_by_pykeen_rows(scoring)
     per_target = [
         rank_target(
             scoring,

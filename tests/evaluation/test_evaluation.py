@@ -318,6 +318,41 @@ def test_models_without_a_fast_scorer_are_ranked_by_pykeens_rows(model_name, num
     assert evaluator.last_ranked_again == {"head": 0, "tail": 0}
 
 
+def test_models_ranked_by_pykeens_rows_probe_no_block(monkeypatch) -> None:
+    """With a memory budget, the block-size search of a model ranked by PyKEEN's rows probes nothing.
+
+    The sizes only chunk the queries there; the probe was a broadcast block of the interaction
+    (seconds, and a peak far above the ranking's, for ConvKB).
+    """
+    from pykeen.models import model_resolver
+    from pykeen.triples import CoreTriplesFactory
+
+    from pykeen_bess.scoring.fallback import BroadcastScorer
+
+    generator = torch.Generator().manual_seed(0)
+    num_entities, num_triples = 3000, 2000
+    triples = torch.stack(
+        [
+            torch.randint(num_entities, (num_triples,), generator=generator),
+            torch.randint(5, (num_triples,), generator=generator),
+            torch.randint(num_entities, (num_triples,), generator=generator),
+        ],
+        dim=1,
+    )
+    factory = CoreTriplesFactory.create(mapped_triples=triples, num_entities=num_entities, num_relations=5)
+    model = model_resolver.make("SE", triples_factory=factory, embedding_dim=4, random_seed=0)
+    test = triples[:400]  # 400 x 3000 float32 scores: beyond the block used without a search
+    kwargs = dict(use_tqdm=False, additional_filter_triples=[triples], targets=["tail"])
+    expected = RankBasedEvaluator().evaluate(model, test, batch_size=PYKEEN_BATCH_SIZE, **kwargs).to_flat_dict()
+
+    def no_blocks(*args, **kwargs):
+        raise AssertionError("a broadcast block was scored")
+
+    monkeypatch.setattr(BroadcastScorer, "score", no_blocks)
+    evaluator = BessEvaluator(memory_budget=2**20)
+    assert evaluator.evaluate(model, test, **kwargs).to_flat_dict() == expected
+
+
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 @pytest.mark.parametrize(
     ("model_name", "value"), [("RotatE", 3e38), ("TransE", 1e20), ("TransE", float("-inf")), ("DistMult", 3e38)]
