@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, Protocol
 
 import numpy as np
@@ -310,11 +310,15 @@ class TableStorage(ABC):
     def defer_existing_files(self) -> None:  # noqa: B027
         """Place tensors whose file exists beside it until :meth:`claim_existing` decides (tiers with files)."""
 
-    def claim_existing(self, resuming: bool, checkpoint: pathlib.Path | None = None) -> None:  # noqa: B027
+    def claim_existing(  # noqa: B027
+        self, resuming: bool, checkpoint: pathlib.Path | None = None, agree: Callable[[bool], bool] | None = None
+    ) -> None:
         """Decide about existing files the tensors were placed beside (tiers with files).
 
         :param resuming: a checkpoint is being resumed
         :param checkpoint: the checkpoint the run writes (None: none)
+        :param agree: returns whether its argument holds on every process (a collective every process calls,
+            or None: this process decides alone)
         """
 
     def checkpoint_written(self, checkpoint: pathlib.Path) -> None:  # noqa: B027

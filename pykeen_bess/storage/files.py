@@ -17,7 +17,7 @@ import pathlib
 import shutil
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 import numpy as np
@@ -83,6 +83,9 @@ class MmapStorage(TableStorage):
         #: the file of every placed tensor, by the id of its storage
         self.files: dict[int, pathlib.Path] = {}
         self._arrays: dict[int, np.memmap] = {}
+        #: why :meth:`claim_existing` refused the files (the placed ones are removed: the tables map no file
+        #: under ``storage_path`` any more, so no later training of this storage may start), or None
+        self.refused: str | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickle without the memory maps (a pickled model holds its tables' values as plain tensors)."""
@@ -138,7 +141,9 @@ class MmapStorage(TableStorage):
             "digests": {key: digest for key, (_, digest) in copies.items()},
         }
 
-    def claim_existing(self, resuming: bool, checkpoint: pathlib.Path | None = None) -> None:
+    def claim_existing(
+        self, resuming: bool, checkpoint: pathlib.Path | None = None, agree: Callable[[bool], bool] | None = None
+    ) -> None:
         """Decide about the existing files the tensors were placed beside (see :attr:`defer_existing`).
 
         A run marks its files with the checkpoints it writes (``FILE.checkpoint`` beside each: the checkpoint
@@ -151,12 +156,22 @@ class MmapStorage(TableStorage):
             removed and the files of the earlier run are refused as without deferring, unless all are marked
             as written by a run of ``checkpoint``
         :param checkpoint: the checkpoint this run writes or resumes (None: none)
+        :param agree: returns whether its argument holds on every process (one collective, called on every
+            process): the processes refuse together, so that none replaces its files (or trains, waiting for
+            the others at a collective) while another refuses (None: this process decides alone)
         :raises FileExistsError: if there are such files and they are not the resumed checkpoint's run's (or
-            no checkpoint is resumed)
+            no checkpoint is resumed), if another process refuses its files, or if the files were refused
+            before (see :attr:`refused`)
         """
+        if self.refused is not None:
+            raise FileExistsError(
+                f"{self.refused} (This model's table files were refused by an earlier train() call and removed: "
+                "build the model and the training loop again.)"
+            )
         deferred, self.deferred = self.deferred, {}
         owner = None if checkpoint is None else str(pathlib.Path(checkpoint).resolve())
         marks = {key: _checkpoints(target) for key, target in deferred.items()}
+        refusal = None
         if deferred and not resuming and owner is not None and all(m[:1] == [owner] for m in marks.values()):
             logger.info(
                 "storage='mmap': the files under %s are of an earlier run of checkpoint %s that wrote no "
@@ -168,8 +183,20 @@ class MmapStorage(TableStorage):
         elif resuming:
             foreign = [key for key, m in marks.items() if owner not in m]
             if foreign:  # another run's files (a storage_path of another run): resuming would replace them
-                self._refuse(deferred, _foreign_message(deferred[foreign[0]], marks[foreign[0]], owner))
-        self._claim(deferred, resuming)
+                refusal = _foreign_message(deferred[foreign[0]], marks[foreign[0]], owner)
+        elif deferred:
+            refusal = (
+                f"{_exists_message(min(deferred.values()))} No checkpoint is being resumed (train(checkpoint_name="
+                "...) with an existing checkpoint would resume it and reuse the files)."
+            )
+        if agree is not None and not agree(refusal is None) and refusal is None:
+            refusal = (
+                f"Another process refused its table files (its error names them); this process' files under "
+                f"{self.path} are left as they were."
+            )
+        if refusal is not None:
+            self._refuse(deferred, refusal)
+        self._claim(deferred)
         self.owner = owner
         earlier = [c for m in marks.values() for c in m if c] if resuming else []
         self.history = tuple(dict.fromkeys(c for c in earlier if c != owner))
@@ -183,23 +210,16 @@ class MmapStorage(TableStorage):
             for file in self.files.values():
                 _mark(file, self.owner, self.history)
 
-    def _claim(self, deferred: dict[int, pathlib.Path], resuming: bool) -> None:
-        """Replace the existing files by the placed ones (``resuming``), else remove the placed ones and refuse."""
+    def _claim(self, deferred: dict[int, pathlib.Path]) -> None:
+        """Replace the existing files by the placed ones (a checkpoint of their run is resumed)."""
         if not deferred:
             return
-        if resuming:
-            for key, target in deferred.items():
-                os.replace(self.files[key], target)  # the memory map stays valid: it maps the file, not its name
-                self.files[key] = target
-                hold_for_this_process(target, self, renew=True)  # the lock of the file now under the name
-                mapped_by(target, self._arrays[key], self)
-            logger.info("storage='mmap': resuming a checkpoint, its run's files under %s are replaced.", self.path)
-            return
-        self._refuse(
-            deferred,
-            f"{_exists_message(min(deferred.values()))} No checkpoint is being resumed (train(checkpoint_name=...) "
-            f"with an existing checkpoint would resume it and reuse the files).",
-        )
+        for key, target in deferred.items():
+            os.replace(self.files[key], target)  # the memory map stays valid: it maps the file, not its name
+            self.files[key] = target
+            hold_for_this_process(target, self, renew=True)  # the lock of the file now under the name
+            mapped_by(target, self._arrays[key], self)
+        logger.info("storage='mmap': resuming a checkpoint, its run's files under %s are replaced.", self.path)
 
     def _refuse(self, deferred: dict[int, pathlib.Path], message: str) -> NoReturn:
         """Remove every file this run placed (the existing ones stay as they are) and raise ``message``.
@@ -218,6 +238,7 @@ class MmapStorage(TableStorage):
                     os.close(lock.descriptor)
                 _marker(file).unlink(missing_ok=True)
             file.unlink(missing_ok=True)
+        self.refused = message
         raise FileExistsError(message)
 
     def release(self, tensor: torch.Tensor) -> None:  # noqa: D102

@@ -333,7 +333,9 @@ class BessTrainingLoop(LoopParts):
             self.check_evaluation_loss()  # before training starts
         self.adopt_checkpoint_seed(kwargs)
         path = checkpoint_path(kwargs)
-        self.tables.storage.claim_existing(resuming=path is not None and path.is_file(), checkpoint=path)
+        self.tables.storage.claim_existing(
+            resuming=path is not None and path.is_file(), checkpoint=path, agree=self.topology.agree
+        )
         if isinstance(self.checkpoints, PbgCheckpointStore):
             self.resumed_from_pbg = False
             prepare_pbg_checkpoint(self, kwargs)

@@ -563,6 +563,59 @@ def test_a_checkpointed_run_killed_before_its_first_checkpoint_runs_again(nation
         assert {p.name: p.read_bytes() for p in storage_dir.iterdir()} == before
 
 
+def test_a_loop_whose_files_were_refused_does_not_train_again(nations, tmp_path) -> None:
+    """A refused run removes the files it placed: its tables map no file under storage_path any more.
+
+    Trained again (the error caught), it trained on unlinked memory maps: nothing of it reached the files,
+    and the earlier run's files (the ones refused) looked like its result. Now refused again, clearly.
+    """
+    factory = factory_of(nations)
+    train(make_loop(factory, "mmap", tmp_path), factory)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    loop = make_loop(factory, "mmap", tmp_path, overwrite=False)
+    with pytest.raises(FileExistsError, match="No checkpoint is being resumed"):
+        train(loop, factory)
+    for kwargs in ({}, dict(continue_training=True)):
+        with pytest.raises(FileExistsError, match="refused by an earlier train\\(\\) call"):
+            train(loop, factory, **kwargs)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_processes_refuse_their_files_together(tmp_path) -> None:
+    """Where another process refuses its files, this one refuses too: its earlier files stay as they were.
+
+    Each process decided alone: one resumed (replacing its run's files) and trained into the first collective
+    while another raised.
+    """
+    from pykeen_bess.storage import MmapStorage
+
+    run = MmapStorage(tmp_path)
+    run.place("t", (4, 2), torch.float32).fill_(1.0)
+    run.claim_existing(resuming=False, checkpoint=tmp_path / "run.pt")
+    run.flush()
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    votes: list[bool] = []
+
+    def another_refuses(ok: bool) -> bool:
+        votes.append(ok)
+        return False
+
+    storage = MmapStorage(tmp_path)
+    storage.defer_existing_files()
+    storage.place("t", (4, 2), torch.float32)
+    storage.place("state", (4,), torch.float32)  # a name no file had: removed as well
+    with pytest.raises(FileExistsError, match="Another process refused its table files"):
+        storage.claim_existing(resuming=True, checkpoint=tmp_path / "run.pt", agree=another_refuses)
+    assert votes == [True]  # this process alone would have resumed
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    # every process agreeing: resumed as before
+    storage = MmapStorage(tmp_path)
+    storage.defer_existing_files()
+    storage.place("t", (4, 2), torch.float32)
+    storage.claim_existing(resuming=True, checkpoint=tmp_path / "run.pt", agree=lambda ok: ok)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.npy", "t.npy.checkpoint"]
+
+
 def test_resuming_a_checkpoint_into_another_runs_files_is_refused(nations, tmp_path) -> None:
     """Resuming checkpoint Y with the storage_path of run X (a slip) replaced X's files, its only copy.
 
