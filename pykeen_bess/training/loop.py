@@ -120,7 +120,10 @@ class BessTrainingLoop(LoopParts):
         device: str | torch.device | None = None,
         **kwargs: Any,
     ) -> None:
-        """Create the loop; every configuration error is raised here, before training starts.
+        """Create the loop; a configuration error is raised here, or when ``train()`` starts, before any step.
+
+        (What depends on ``train()``'s arguments, such as a loss weighter's fit to the training triples and the
+        loss, is checked when ``train()`` starts.)
 
         :param model: an ``ERModel`` whose entity representations are :class:`pykeen.nn.Embedding`
         :param triples_factory: the training triples

@@ -532,6 +532,8 @@ def test_bad_input_is_rejected_before_training(dataset: Nations, kwargs: dict, e
     [
         (dict(filtered=False), {}),  # PyKEEN's default: no filtering
         (dict(corruption_scheme=("head", "tail")), {}),  # PyKEEN's default: the loop's default corruption="ht"
+        (dict(corruption_scheme=None), {}),  # PyKEEN's sampler reads None and () as its default, head and tail
+        (dict(corruption_scheme=()), {}),
         (dict(corruption_scheme=["tail"]), dict(corruption="t")),
         (dict(corruption_scheme="head"), dict(corruption="h")),
     ],
@@ -551,6 +553,7 @@ def test_negative_sampler_kwargs_that_mean_what_the_loop_does_are_accepted(
         (dict(corruption_scheme=("head",)), {}),  # another side than the loop's corruption: not silently ignored
         (dict(corruption_scheme=("head", "relation", "tail")), {}),
         (dict(corruption_scheme=("head", "tail")), dict(corruption="t")),
+        (dict(corruption_scheme=None), dict(corruption="h")),
     ],
 )
 def test_a_corruption_scheme_other_than_the_loops_is_refused(

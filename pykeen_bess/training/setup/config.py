@@ -273,7 +273,8 @@ def resolve_negative_sampler(
         del kwargs["filtered"]
     if "corruption_scheme" in kwargs:
         scheme = kwargs.pop("corruption_scheme")
-        sides = frozenset([scheme] if isinstance(scheme, str) else scheme or ())
+        # (None or empty: PyKEEN's default, head and tail)
+        sides = frozenset([scheme] if isinstance(scheme, str) else scheme or ("head", "tail"))
         if CORRUPTION_SCHEMES.get(sides, sides) != corruption:
             raise ValueError(
                 f"negative_sampler_kwargs=dict(corruption_scheme={scheme!r}) is not this loop's corruption="
