@@ -37,7 +37,8 @@ from class_resolver import ClassResolver
 
 from .base import HeldTable, StorageTraffic, TableStorage, available_host_memory, format_bytes
 from .device import DeviceStorage
-from .files import MmapStorage, fsync
+from .disk import fsync
+from .files import MmapStorage
 from .host import HostStorage
 
 __all__ = [

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import pathlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar, Protocol
 
 import numpy as np
@@ -119,6 +120,18 @@ class TableStorage(ABC):
 
     def release(self, tensor: torch.Tensor) -> None:  # noqa: B027
         """Forget a tensor placed earlier (e.g. the optimizer state of a replaced optimizer)."""
+
+    def discard(self) -> None:  # noqa: B027
+        """Remove what the tier placed for a training loop that failed to build (tiers with files)."""
+
+    @contextlib.contextmanager
+    def discarded_on_failure(self) -> Iterator[None]:
+        """Remove what the tier placed (:meth:`discard`) if the block raises, and raise again."""
+        try:
+            yield
+        except BaseException:
+            self.discard()
+            raise
 
     def check_capacity(self, num_bytes: int, device: torch.device) -> None:  # noqa: B027
         """Raise :class:`MemoryError` with advice if the tier cannot hold ``num_bytes`` more bytes.

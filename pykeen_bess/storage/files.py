@@ -1,11 +1,10 @@
-"""The file tier: the tables in ``.npy`` memory maps, with the kernel's paging advice and flushing to disk."""
+"""The file tier: the tables in ``.npy`` memory maps, their locks and their runs' marks (kernel side: :mod:`.disk`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import gc
 import logging
-import mmap
 
 try:
     import fcntl
@@ -24,9 +23,10 @@ import numpy as np
 import torch
 
 from .digests import crc32_of_file
+from .disk import advise_random, advise_will_need, fsync, reserve_blocks
 from .base import NUMPY_DTYPES, TableStorage, chunk_rows, format_bytes, open_source
 
-__all__ = ["MmapStorage", "advise_random", "advise_will_need", "fsync"]
+__all__ = ["MmapStorage"]
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,8 @@ class MmapStorage(TableStorage):
             raise FileNotFoundError(f"storage_path={str(path)!r} is not a directory; create it first.")
         if not os.access(path, os.W_OK | os.X_OK):
             raise PermissionError(f"storage_path={str(path)!r} is not writable.")
-        self.path = path
+        #: the directory, absolute: a later change of the working directory (a notebook, a tool) moves no file
+        self.path = path.absolute()
         self.overwrite = bool(overwrite)
         #: place tensors whose file exists beside it, until :meth:`claim_existing` decides (a training loop
         #: knows only when training starts whether it resumes a checkpoint, whose files these are)
@@ -105,6 +106,12 @@ class MmapStorage(TableStorage):
                 raise FileExistsError(_exists_message(file))
             file = file.with_name(f"{file.name}.new-{os.getpid()}")  # beside it; the existing file stays
         array = np.lib.format.open_memmap(file, mode="w+", dtype=NUMPY_DTYPES[dtype], shape=tuple(shape))
+        try:
+            reserve_blocks(file)
+        except MemoryError:
+            del array
+            file.unlink(missing_ok=True)
+            raise
         advise_random(array)
         if fill != 0:  # a new file reads as zeros
             step = chunk_rows(array)
@@ -227,6 +234,17 @@ class MmapStorage(TableStorage):
         Those beside existing files, and those placed under names no file had (an optimizer state the earlier
         run did not keep): left there, a later run would take them for the earlier run's.
         """
+        self._remove_placed(deferred)
+        self.refused = message
+        raise FileExistsError(message)
+
+    def discard(self) -> None:  # noqa: D102
+        deferred, self.deferred = self.deferred, {}
+        self._remove_placed(deferred)
+        self.refused = "The training loop of these tables failed to build, and their files were removed."
+
+    def _remove_placed(self, deferred: dict[int, pathlib.Path]) -> None:
+        """Remove every file this storage placed; ``deferred``: the existing files some were placed beside (kept)."""
         for key in list(self.files):
             file = self.files.pop(key)
             self._arrays.pop(key, None)
@@ -238,8 +256,6 @@ class MmapStorage(TableStorage):
                     os.close(lock.descriptor)
                 _marker(file).unlink(missing_ok=True)
             file.unlink(missing_ok=True)
-        self.refused = message
-        raise FileExistsError(message)
 
     def release(self, tensor: torch.Tensor) -> None:  # noqa: D102
         file = self.files.pop(_key(tensor), None)
@@ -450,37 +466,3 @@ def _exists_message(file: pathlib.Path) -> str:
         f"{file} exists (from an earlier run?). Remove it, use another storage_path, or pass "
         "storage_kwargs=dict(overwrite=True) (on the command line: --storage-kwargs '{\"overwrite\": true}')."
     )
-
-
-def advise_random(array: np.memmap) -> None:
-    """Tell the kernel that rows are read at random: no read-ahead around each page a step touches.
-
-    Without it every row a step reads from a table larger than the page cache faults in the
-    kernel's read-ahead window (typically 128 KiB) instead of one 4 KiB page.
-    """
-    handle = getattr(array, "_mmap", None)
-    if handle is not None and hasattr(handle, "madvise") and hasattr(mmap, "MADV_RANDOM"):
-        handle.madvise(mmap.MADV_RANDOM)
-
-
-def advise_will_need(array: np.memmap, start: int, stop: int) -> None:
-    """Ask the kernel to read rows ``start:stop`` of a memory map ahead (one request instead of a fault per page)."""
-    handle = getattr(array, "_mmap", None)
-    if handle is None or not hasattr(handle, "madvise") or not hasattr(mmap, "MADV_WILLNEED"):
-        return
-    row_bytes = array.strides[0]
-    mapped_from = array.offset - array.offset % mmap.ALLOCATIONGRANULARITY  # where numpy's map begins
-    begin = array.offset - mapped_from + start * row_bytes
-    aligned = begin - begin % mmap.PAGESIZE
-    length = min((stop - start) * row_bytes + begin - aligned, len(handle) - aligned)
-    if length > 0:
-        handle.madvise(mmap.MADV_WILLNEED, aligned, length)
-
-
-def fsync(file: pathlib.Path) -> None:
-    """Flush a file (or a directory's entries) to disk."""
-    descriptor = os.open(file, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)

@@ -120,10 +120,7 @@ class BessTrainingLoop(LoopParts):
         device: str | torch.device | None = None,
         **kwargs: Any,
     ) -> None:
-        """Create the loop; a configuration error is raised here, or when ``train()`` starts, before any step.
-
-        (What depends on ``train()``'s arguments, such as a loss weighter's fit to the training triples and the
-        loss, is checked when ``train()`` starts.)
+        """Create the loop; configuration errors are raised here (or, those of ``train()``'s arguments, as it starts).
 
         :param model: an ``ERModel`` whose entity representations are :class:`pykeen.nn.Embedding`
         :param triples_factory: the training triples
@@ -245,59 +242,64 @@ class BessTrainingLoop(LoopParts):
         super().__init__(model=model, triples_factory=triples_factory, **kwargs)
         table_storage = make_storage(storage, storage_path, storage_kwargs)
         table_storage.defer_existing_files()  # files of an earlier run: kept until train() knows if it resumes
-        if any(parameter.is_meta for parameter in model.parameters()):  # built without its full tables
-            materialize(model, table_storage, torch.device(device or "cpu"))
-        elif device is not None and not _same_device(torch.device(device), model.device):
-            raise ValueError(f"device={device!r} is for a model built on the meta device, not one on {model.device}.")
-        # the optimizer the base class built (or the pipeline passed) defines class and hyper-parameters
-        self.optimizer_cls = type(self.optimizer)
-        self.optimizer_kwargs = optimizer_hyperparameters(self.optimizer, scheduled=self.lr_scheduler is not None)
-        exchange = canonical_exchange(exchange)  # (any spelling the scheme resolver accepts: "Auto", "Encoding")
-        #: the settings the partition-dependent parts are built from (again if exchange="auto" changes it)
-        self.settings = LoopSettings(
-            model=cast(ERModel, model),
-            embeddings=check_model(model),
-            storage=table_storage,
-            num_shards=num_shards,
-            process_group=process_group,
-            replicas=replicas,
-            replica_grouping=replica_grouping,
-            exchange=exchange,
-            partition=partition,
-            corruption=corruption,
-            num_negs_per_pos=num_negs_per_pos,
-            seed=seed,
-            sparse_updates=sparse_updates,
-            memory_budget=memory_budget,
-            checkpoint_retrieval=checkpoint_retrieval,
-            schema=schema_of(triples_factory),
-            factory=triples_factory,
-            negatives=negatives,
-            checkpoint_format=checkpoint_format,
-            sharding=sharding,
-        )
-        self._partition_chosen = False
-        #: whether the last checkpoint loaded was written by PyTorch-BigGraph (no optimizer state to continue)
-        self.resumed_from_pbg = False
-        #: how many intra-op threads the steps use
-        self.thread_policy = resolve_threads(num_threads, self.device)
-        #: how the C library's allocator serves the steps' CPU tensors
-        self.host_allocator = resolve_allocator(host_allocator, self.device)
-        self.static_step = check_static_step(static_step)  # None: wherever the configuration allows
-        if self.static_step and self.overrides_process_batch:  # (train() would refuse it, see epoch_steps)
-            raise ValueError(
-                f"static_step=True: {type(self).__name__} overrides _process_batch, which only the eager step calls; "
-                f"pass static_step=False or None."
+        with (
+            table_storage.discarded_on_failure()
+        ):  # a loop failing to build leaves no files (a corrected run finds them)
+            if any(parameter.is_meta for parameter in model.parameters()):  # built without its full tables
+                materialize(model, table_storage, torch.device(device or "cpu"))
+            elif device is not None and not _same_device(torch.device(device), model.device):
+                raise ValueError(
+                    f"device={device!r} is for a model built on the meta device, not one on {model.device}."
+                )
+            # the optimizer the base class built (or the pipeline passed) defines class and hyper-parameters
+            self.optimizer_cls = type(self.optimizer)
+            self.optimizer_kwargs = optimizer_hyperparameters(self.optimizer, scheduled=self.lr_scheduler is not None)
+            exchange = canonical_exchange(exchange)  # (any spelling the scheme resolver accepts: "Auto", "Encoding")
+            #: the settings the partition-dependent parts are built from (again if exchange="auto" changes it)
+            self.settings = LoopSettings(
+                model=cast(ERModel, model),
+                embeddings=check_model(model),
+                storage=table_storage,
+                num_shards=num_shards,
+                process_group=process_group,
+                replicas=replicas,
+                replica_grouping=replica_grouping,
+                exchange=exchange,
+                partition=partition,
+                corruption=corruption,
+                num_negs_per_pos=num_negs_per_pos,
+                seed=seed,
+                sparse_updates=sparse_updates,
+                memory_budget=memory_budget,
+                checkpoint_retrieval=checkpoint_retrieval,
+                schema=schema_of(triples_factory),
+                factory=triples_factory,
+                negatives=negatives,
+                checkpoint_format=checkpoint_format,
+                sharding=sharding,
             )
-        #: the step runner of the current (or last) training
-        self.runner: StepRunner | None = None
-        #: the static step of the current (or last) training; None where the eager step trained
-        self.static: StaticStep | None = None
-        self._partition: tuple[torch.Tensor, int, ShardPairPartition] | None = None
-        #: the loss weights of the triples of the last partition a sampler was built for
-        self._loss_weights: tuple[ShardPairPartition, torch.Tensor | None] | None = None
-        self.loss_weighter = graph_loss_weighter(self.loss_weighter, self.loss, self.settings)
-        self.reassemble(resolve_partition(partition, exchange)[0])
+            self._partition_chosen = False
+            #: whether the last checkpoint loaded was written by PyTorch-BigGraph (no optimizer state to continue)
+            self.resumed_from_pbg = False
+            #: how many intra-op threads the steps use
+            self.thread_policy = resolve_threads(num_threads, self.device)
+            #: how the C library's allocator serves the steps' CPU tensors
+            self.host_allocator = resolve_allocator(host_allocator, self.device)
+            self.static_step = check_static_step(static_step)  # None: wherever the configuration allows
+            if self.static_step and self.overrides_process_batch:  # (train() would refuse it, see epoch_steps)
+                raise ValueError(
+                    f"static_step=True: {type(self).__name__} overrides _process_batch, which only the eager step "
+                    f"calls; pass static_step=False or None."
+                )
+            #: the step runner of the current (or last) training
+            self.runner: StepRunner | None = None
+            #: the static step of the current (or last) training; None where the eager step trained
+            self.static: StaticStep | None = None
+            self._partition: tuple[torch.Tensor, int, ShardPairPartition] | None = None
+            #: the loss weights of the triples of the last partition a sampler was built for
+            self._loss_weights: tuple[ShardPairPartition, torch.Tensor | None] | None = None
+            self.loss_weighter = graph_loss_weighter(self.loss_weighter, self.loss, self.settings)
+            self.reassemble(resolve_partition(partition, exchange)[0])
 
     # -- PyKEEN's training-loop interface ------------------------------------------------------
 

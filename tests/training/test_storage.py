@@ -563,6 +563,64 @@ def test_a_checkpointed_run_killed_before_its_first_checkpoint_runs_again(nation
         assert {p.name: p.read_bytes() for p in storage_dir.iterdir()} == before
 
 
+def test_a_relative_storage_path_stays_where_the_loop_was_built(nations, tmp_path, monkeypatch) -> None:
+    """A relative storage_path is the directory the loop was built in, whatever the working directory later is.
+
+    The optimizer state, placed when training starts, went under the new working directory (replacing and
+    marking another run's files there), and the checkpoint copied those instead of the run's tables.
+    """
+    factory = factory_of(nations)
+    for name in ("a/tables", "b/tables"):
+        (tmp_path / name).mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "a")
+    loop = make_loop(factory, "mmap", pathlib.Path("tables"), overwrite=False)
+    monkeypatch.chdir(tmp_path / "b")
+    train_with_checkpoints(loop, factory, 1, tmp_path / "ck")
+    assert list((tmp_path / "b/tables").iterdir()) == []
+    (copies,) = [path for path in (tmp_path / "ck").iterdir() if path.is_dir()]
+    ours = tmp_path / "a/tables"
+    assert table_files(ours) == table_files(copies)
+    assert all((ours / name).read_bytes() == (copies / name).read_bytes() for name in table_files(ours))
+
+
+def test_a_loop_that_fails_to_build_leaves_no_files(nations, tmp_path) -> None:
+    """A configuration refused by the constructor after the tables were placed left their files, refused then as
+    an earlier run's when the corrected command ran."""
+    factory = factory_of(nations)
+    with pytest.raises(ValueError, match="needs row-sparse updates"):
+        make_loop(factory, "mmap", tmp_path, overwrite=False, sparse_updates=False)
+    assert list(tmp_path.iterdir()) == []
+    train(make_loop(factory, "mmap", tmp_path, overwrite=False), factory)
+
+
+def test_table_files_reserve_their_blocks(tmp_path, monkeypatch) -> None:
+    """A table file owns its disk blocks when placed: a disk filled later (checkpoint copies) is an error there,
+    not a SIGBUS of the process writing a new page of a sparse file; a full disk is a MemoryError now."""
+    import errno
+    import os
+
+    from pykeen_bess.storage import MmapStorage
+
+    if not hasattr(os, "posix_fallocate"):
+        pytest.skip("no posix_fallocate on this system")
+    tensor = MmapStorage(tmp_path).place("t", (1024, 64), torch.float32)
+    file = tmp_path / "t.npy"
+    try:
+        os.posix_fallocate(os.open(tmp_path / "probe", os.O_RDWR | os.O_CREAT), 0, 4096)
+    except OSError:
+        pass  # a filesystem without preallocation keeps the file sparse
+    else:
+        assert file.stat().st_blocks * 512 >= tensor.numel() * 4
+
+    def full(descriptor: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(MemoryError, match="no room for u.npy"):
+        MmapStorage(tmp_path).place("u", (1024, 64), torch.float32)
+    assert not (tmp_path / "u.npy").exists()
+
+
 def test_a_loop_whose_files_were_refused_does_not_train_again(nations, tmp_path) -> None:
     """A refused run removes the files it placed: its tables map no file under storage_path any more.
 
