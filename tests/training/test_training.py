@@ -818,6 +818,20 @@ def test_a_tuned_num_negs_per_pos_survives_a_setup_assembled_again(small_factory
     assert resumed.config.seed == 0 and resumed.config.num_negs_per_pos == 12
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16])
+def test_a_model_of_mixed_dtypes_is_refused_as_such(dataset: Nations, dtype: torch.dtype) -> None:
+    """Entity tables of another dtype than the relations: refused by the constructor, naming both.
+
+    The error said the model changed its dtype after the loop was built, at train().
+    """
+    entity_kwargs = dict(dtype=dtype)
+    model = DistMult(
+        triples_factory=dataset.training, embedding_dim=4, random_seed=0, entity_representations_kwargs=entity_kwargs
+    )
+    with pytest.raises(ValueError, match=f"mixes parameter dtypes .*{dtype}: entity_representations.0"):
+        BessTrainingLoop(model=model, triples_factory=dataset.training)
+
+
 def test_a_reset_that_changes_a_parameters_dtype_is_refused(dataset: Nations) -> None:
     """QuatE converted with .double(): PyKEEN's re-initialisation draws its relations in float32 again.
 

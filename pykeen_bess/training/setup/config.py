@@ -342,12 +342,32 @@ def check_model(model: Model) -> list[Embedding]:
                 f"of a step as PyKEEN's regularizers that average one value per row (LpRegularizer and "
                 f"PowerSumRegularizer over dim=-1, and combinations of them), which this one does not."
             )
+    check_one_dtype(model)
     if get_batchnorm_modules(model):
         raise UnsupportedModelError(
             f"BESS cannot train {type(model).__name__}: it has batch normalization layers, whose statistics would "
             f"depend on how a step is split into blocks."
         )
     return embeddings  # type: ignore[return-value]
+
+
+def check_one_dtype(model: Model) -> None:
+    """Check that the model's parameters share one (real) dtype: the tables and the step compute in it.
+
+    :raises ValueError: naming the parameters of each dtype (e.g. entity tables of float64 built by
+        ``entity_representations_kwargs=dict(dtype=torch.float64)`` beside float32 relations)
+    """
+    by_dtype: dict[str, list[str]] = {}
+    for name, parameter in model.named_parameters():
+        if parameter.is_floating_point() or parameter.is_complex():
+            by_dtype.setdefault(str(parameter.dtype.to_real()), []).append(name)
+    if len(by_dtype) > 1:
+        described = "; ".join(f"{dtype}: {', '.join(names[:3])}" for dtype, names in sorted(by_dtype.items()))
+        raise ValueError(
+            f"{type(model).__name__} mixes parameter dtypes ({described}), and BESS trains a model of one dtype. "
+            f"Give every representation the same dtype, or build the model under torch.set_default_dtype(...) "
+            f"(or convert the whole model, model.to(dtype)) before building the loop."
+        )
 
 
 def _row_mean(regularizer: Regularizer) -> bool:
