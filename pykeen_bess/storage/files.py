@@ -278,10 +278,19 @@ class MmapStorage(TableStorage):
     def check_capacity(self, num_bytes: int, device: torch.device) -> None:  # noqa: D102
         free = shutil.disk_usage(self.path).free
         if num_bytes > free:
+            existing = sum(file.stat().st_size for file in self.path.glob("*.npy"))
+            beside = (
+                f" The {format_bytes(existing)} of table files already there stay until training decides whether it "
+                f"resumes them (a resumed run places its files beside them, then replaces them): another "
+                f"storage_path, or removing the files, frees that."
+                if existing
+                else ""
+            )
             raise MemoryError(
                 f"The shard tables and their optimizer state need {format_bytes(num_bytes)} of disk under "
                 f"{self.path}, which has {format_bytes(free)} free. Use a larger disk, "
                 f"optimizer='rowwise_adagrad' (one float of state per row), or spread the shards over more machines."
+                f"{beside}"
             )
 
     def read_slice(self, tensor: torch.Tensor, rows: slice) -> torch.Tensor:

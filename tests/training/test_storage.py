@@ -885,6 +885,8 @@ def test_bad_storage_settings_fail_before_training(nations, tmp_path, monkeypatc
         make_loop(factory, "mmap", tmp_path)
     # small tables in a unit that shows them (not "0.00 GiB")
     assert re.search(r"need \d+\.\d\d KiB of disk .* has 100 B free", str(error.value)), str(error.value)
+    # the files of an earlier run take room until training decides whether it resumes them: said so
+    assert "of table files already there stay until training decides" in str(error.value)
     monkeypatch.setattr(storage_base, "available_host_memory", lambda: 1000)
     with pytest.raises(MemoryError, match="host memory.*storage='mmap'") as error:
         make_loop(factory, "host", tmp_path)
