@@ -124,17 +124,21 @@ def _resolve(
     entity_path: pathlib.Path | None,
     config_entity_path: str | None,
 ) -> pathlib.Path:
-    """Find a path of a config: as given, relative to the config's directory, or moved with the entity path."""
+    """Find a path of a config: moved with the entity path, as given, or relative to the config's directory.
+
+    A path under the config's entity path is taken under the entity path read (first: a copied or moved input
+    directory keeps its config, whose absolute paths name the original, which may hold other files by now).
+    """
     path = pathlib.Path(value)
-    candidates = [path]
-    if not path.is_absolute():
-        if config_directory is not None:
-            candidates.append(config_directory / path)
-        if entity_path is not None and config_entity_path is not None:
-            try:
-                candidates.append(entity_path / path.relative_to(pathlib.Path(config_entity_path)))
-            except ValueError:
-                pass
+    candidates = []
+    if entity_path is not None and config_entity_path is not None:
+        try:
+            candidates.append(entity_path / path.relative_to(pathlib.Path(config_entity_path)))
+        except ValueError:
+            pass
+    candidates.append(path)
+    if not path.is_absolute() and config_directory is not None:
+        candidates.append(config_directory / path)
     for candidate in candidates:
         if candidate.exists():
             return candidate

@@ -116,6 +116,22 @@ def test_read_with_a_python_config_and_moved_files(tmp_path: pathlib.Path) -> No
     assert again.edge_paths["training"] == moved / "training"
 
 
+def test_a_copied_or_moved_input_directory_reads_its_own_edges(tmp_path: pathlib.Path) -> None:
+    """A written directory's config names absolute paths: a copy read the original's edges (silently another
+    graph once the original was written again), and a moved one could not be read."""
+    graph = dataset_graph("nations", 2)
+    config = dict(dimension=8, operator="diagonal", comparator="dot")
+    pbg.write(graph, tmp_path / "original", config=config)
+    shutil.copytree(tmp_path / "original", tmp_path / "copy")
+    smaller = TypedGraph.from_factories(*(DATASETS["kinships"]().training,), num_partitions=2, seed=1)
+    pbg.write(smaller, tmp_path / "original", config=config)  # the original holds another graph now
+    copy = pbg.read(tmp_path / "copy")
+    assert_same_graph(graph, copy)
+    assert copy.edge_paths["training"] == tmp_path / "copy" / "training"
+    shutil.move(tmp_path / "copy", tmp_path / "moved")
+    assert_same_graph(graph, pbg.read(tmp_path / "moved"))
+
+
 def test_names_repeated_across_types_become_qualified_labels(tmp_path: pathlib.Path) -> None:
     graph = typed_graph(repeated_names=True)
     assert "item:x0" in graph.training.entity_to_id and "tag:x0" in graph.training.entity_to_id
