@@ -28,7 +28,7 @@ def head_slots(block_size: int, corruption: str) -> int:
         warnings.warn(
             f"corruption='ht' with blocks of {block_size} slots: {heads} of each full block's slots corrupt the head, "
             f"{heads / block_size:.0%} of the positives (PyKEEN's sampler: 50%). A batch size that is a multiple of "
-            "2 * num_shards**2 gives blocks of an even size, which corrupt both sides equally ; a batch holding more "
+            "2 * num_shards**2 gives blocks of an even size, which corrupt both sides equally (a batch holding more "
             "than every shardpair's triples gets blocks of the largest shardpair's size: then choose a smaller one).",
             UserWarning,
             stacklevel=3,

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import mmap
 import os
 import pathlib
 import shutil
+from typing import Any
 
 import numpy as np
 
@@ -15,31 +17,51 @@ from .base import format_bytes
 __all__ = ["advise_random", "advise_will_need", "fsync", "reserve_blocks"]
 
 
-def reserve_blocks(file: pathlib.Path) -> None:
+def reserve_blocks(file: pathlib.Path, name: str | None = None) -> None:
     """Reserve the disk blocks of a new (sparse) file, so that a full disk is an error now, not a crash later.
 
     A memory-mapped page of a sparse file gets its block when first written: on a disk filled meanwhile (by
-    checkpoint copies, another program) that write kills the process with ``SIGBUS``, no Python error.
-    Filesystems without preallocation (and systems without ``posix_fallocate``) keep the file sparse.
+    checkpoint copies, another program) that write kills the process with ``SIGBUS``, no Python error. The
+    C library's ``fallocate`` reserves the blocks without writing them; a filesystem without it (NFSv3, older
+    ZFS, FUSE) and a system without it keep the file sparse (``posix_fallocate`` would write a byte into every
+    block instead: minutes for a large table).
 
+    :param file: the file
+    :param name: the file's name in the error (default: its own)
     :raises MemoryError: if the disk has no room for the file
     """
-    if not hasattr(os, "posix_fallocate"):
+    size = file.stat().st_size
+    if _fallocate is None or size == 0:
         return
     descriptor = os.open(file, os.O_RDWR)
     try:
-        os.posix_fallocate(descriptor, 0, os.fstat(descriptor).st_size)
-    except OSError as error:
-        if error.errno == errno.ENOSPC:
-            raise MemoryError(
-                f"storage='mmap': no room for {file.name} ({format_bytes(os.fstat(descriptor).st_size)}) on the "
-                f"disk of {file.parent} ({format_bytes(shutil.disk_usage(file.parent).free)} free). Use a larger "
-                f"disk, optimizer='rowwise_adagrad' (one float of state per row), or more shards."
-            ) from None
-        if error.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-            raise
+        failed = _fallocate(descriptor, 0, 0, size) != 0
+        error = ctypes.get_errno() if failed else 0
     finally:
         os.close(descriptor)
+    if error == errno.ENOSPC:
+        raise MemoryError(
+            f"storage='mmap': no room for {name or file.name} ({format_bytes(size)}) on the disk of {file.parent} "
+            f"({format_bytes(shutil.disk_usage(file.parent).free)} free). Use a larger disk, "
+            f"optimizer='rowwise_adagrad' (one float of state per row), or more shards."
+        )
+    if failed and error not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+        raise OSError(error, f"fallocate of {file}: {os.strerror(error)}")
+
+
+def _libc_fallocate() -> Any:
+    """Return the C library's ``fallocate(fd, mode, offset, length)`` with 64-bit offsets (Linux), or None."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        function = getattr(libc, "fallocate64", None) or libc.fallocate
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+    function.restype = ctypes.c_int
+    return function
+
+
+_fallocate = _libc_fallocate()
 
 
 def advise_random(array: np.memmap) -> None:

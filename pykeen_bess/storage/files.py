@@ -49,6 +49,10 @@ class MmapStorage(TableStorage):
     #: the other checkpoints the run wrote (failure checkpoints) or resumed: resuming any of them takes the
     #: files over (a class default, as :attr:`owner`)
     history: tuple[str, ...] = ()
+    #: why the files were refused or the loop failed to build (the placed ones are removed: the tables map no
+    #: file under ``storage_path`` any more, so no later training of this storage may start), or None (a class
+    #: default, as :attr:`owner`)
+    refused: str | None = None
 
     def __init__(self, storage_path: str | os.PathLike | None = None, overwrite: bool = False) -> None:
         """Keep the tables under ``storage_path``.
@@ -74,7 +78,7 @@ class MmapStorage(TableStorage):
         if not os.access(path, os.W_OK | os.X_OK):
             raise PermissionError(f"storage_path={str(path)!r} is not writable.")
         #: the directory, absolute: a later change of the working directory (a notebook, a tool) moves no file
-        self.path = path.absolute()
+        self.path = path.resolve()
         self.overwrite = bool(overwrite)
         #: place tensors whose file exists beside it, until :meth:`claim_existing` decides (a training loop
         #: knows only when training starts whether it resumes a checkpoint, whose files these are)
@@ -84,9 +88,9 @@ class MmapStorage(TableStorage):
         #: the file of every placed tensor, by the id of its storage
         self.files: dict[int, pathlib.Path] = {}
         self._arrays: dict[int, np.memmap] = {}
-        #: why :meth:`claim_existing` refused the files (the placed ones are removed: the tables map no file
-        #: under ``storage_path`` any more, so no later training of this storage may start), or None
-        self.refused: str | None = None
+        #: the files placed for the training loop being built or trained (since :meth:`defer_existing_files`), by
+        #: the id of their storage: a refusal or a failed build removes only these
+        self.of_this_loop: set[int] = set()
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickle without the memory maps (a pickled model holds its tables' values as plain tensors)."""
@@ -107,10 +111,11 @@ class MmapStorage(TableStorage):
             file = file.with_name(f"{file.name}.new-{os.getpid()}")  # beside it; the existing file stays
         array = np.lib.format.open_memmap(file, mode="w+", dtype=NUMPY_DTYPES[dtype], shape=tuple(shape))
         try:
-            reserve_blocks(file)
-        except MemoryError:
+            reserve_blocks(file, target.name)
+        except (OSError, MemoryError):
             del array
             file.unlink(missing_ok=True)
+            _unmapped(str(target), None)  # (the lock taken on an existing file, if nothing here maps it)
             raise
         advise_random(array)
         if fill != 0:  # a new file reads as zeros
@@ -124,12 +129,14 @@ class MmapStorage(TableStorage):
         tensor = torch.from_numpy(array)
         self.files[_key(tensor)] = file
         self._arrays[_key(tensor)] = array
+        self.of_this_loop.add(_key(tensor))
         if file != target:
             self.deferred[_key(tensor)] = target
         return tensor
 
     def defer_existing_files(self) -> None:  # noqa: D102
         self.defer_existing = True
+        self.of_this_loop = set()  # (a storage handed to another loop keeps the earlier loop's files)
 
     def _entry_values(self, tensors: dict[str, torch.Tensor], directory: pathlib.Path | None) -> dict[str, Any]:
         """Name the files' copies in ``directory`` (in a checkpoint), else hold the tensors themselves.
@@ -171,10 +178,7 @@ class MmapStorage(TableStorage):
             before (see :attr:`refused`)
         """
         if self.refused is not None:
-            raise FileExistsError(
-                f"{self.refused} (This model's table files were refused by an earlier train() call and removed: "
-                "build the model and the training loop again.)"
-            )
+            raise FileExistsError(self.refused)
         deferred, self.deferred = self.deferred, {}
         owner = None if checkpoint is None else str(pathlib.Path(checkpoint).resolve())
         marks = {key: _checkpoints(target) for key, target in deferred.items()}
@@ -235,17 +239,23 @@ class MmapStorage(TableStorage):
         run did not keep): left there, a later run would take them for the earlier run's.
         """
         self._remove_placed(deferred)
-        self.refused = message
+        self.refused = (
+            f"{message} (This model's table files were refused by an earlier train() call and removed: build the "
+            "model and the training loop again.)"
+        )
         raise FileExistsError(message)
 
     def discard(self) -> None:  # noqa: D102
         deferred, self.deferred = self.deferred, {}
         self._remove_placed(deferred)
-        self.refused = "The training loop of these tables failed to build, and their files were removed."
+        self.refused = (
+            "The training loop of these tables failed to build, and the files it placed were removed: build the "
+            "model and the training loop again."
+        )
 
     def _remove_placed(self, deferred: dict[int, pathlib.Path]) -> None:
-        """Remove every file this storage placed; ``deferred``: the existing files some were placed beside (kept)."""
-        for key in list(self.files):
+        """Remove the files placed for this loop; ``deferred``: the existing files some were placed beside (kept)."""
+        for key in [key for key in self.files if key in self.of_this_loop]:
             file = self.files.pop(key)
             self._arrays.pop(key, None)
             if key in deferred:
@@ -280,10 +290,10 @@ class MmapStorage(TableStorage):
         if num_bytes > free:
             existing = sum(file.stat().st_size for file in self.path.glob("*.npy"))
             beside = (
-                f" The {format_bytes(existing)} of table files already there stay until training decides whether it "
+                f" The {format_bytes(existing)} of .npy files already there stay until training decides whether it "
                 f"resumes them (a resumed run places its files beside them, then replaces them): another "
                 f"storage_path, or removing the files, frees that."
-                if existing
+                if existing and not self.overwrite
                 else ""
             )
             raise MemoryError(

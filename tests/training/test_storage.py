@@ -595,30 +595,58 @@ def test_a_loop_that_fails_to_build_leaves_no_files(nations, tmp_path) -> None:
 
 def test_table_files_reserve_their_blocks(tmp_path, monkeypatch) -> None:
     """A table file owns its disk blocks when placed: a disk filled later (checkpoint copies) is an error there,
-    not a SIGBUS of the process writing a new page of a sparse file; a full disk is a MemoryError now."""
+    not a SIGBUS of the process writing a new page of a sparse file; a full disk is a MemoryError now (naming the
+    table, and letting go of the lock of the existing file it was placed beside); a filesystem without
+    preallocation keeps the file sparse (posix_fallocate would write every block)."""
+    import ctypes
     import errno
-    import os
+    import gc
 
     from pykeen_bess.storage import MmapStorage
+    from pykeen_bess.storage import disk, files
 
-    if not hasattr(os, "posix_fallocate"):
-        pytest.skip("no posix_fallocate on this system")
     tensor = MmapStorage(tmp_path).place("t", (1024, 64), torch.float32)
-    file = tmp_path / "t.npy"
-    try:
-        os.posix_fallocate(os.open(tmp_path / "probe", os.O_RDWR | os.O_CREAT), 0, 4096)
-    except OSError:
-        pass  # a filesystem without preallocation keeps the file sparse
-    else:
-        assert file.stat().st_blocks * 512 >= tensor.numel() * 4
+    if disk._fallocate is not None and (tmp_path / "t.npy").stat().st_blocks * 512 < tensor.numel() * 4:
+        pytest.skip("this filesystem has no preallocation")  # (the file stays sparse: checked below)
+    calls = []
 
-    def full(descriptor: int, offset: int, length: int) -> None:
-        raise OSError(errno.ENOSPC, "No space left on device")
+    def failing(code: int):
+        def fallocate(descriptor: int, mode: int, offset: int, length: int) -> int:
+            calls.append(length)
+            ctypes.set_errno(code)
+            return -1
 
-    monkeypatch.setattr(os, "posix_fallocate", full)
+        return fallocate
+
+    MmapStorage(tmp_path, overwrite=True).place("u", (4, 2), torch.float32)  # an earlier run's file
+    storage = MmapStorage(tmp_path)
+    storage.defer_existing_files()
+    monkeypatch.setattr(disk, "_fallocate", failing(errno.ENOSPC))
     with pytest.raises(MemoryError, match="no room for u.npy"):
-        MmapStorage(tmp_path).place("u", (1024, 64), torch.float32)
-    assert not (tmp_path / "u.npy").exists()
+        storage.place("u", (1024, 64), torch.float32)  # beside the earlier run's u.npy
+    assert [p.name for p in tmp_path.glob("u.npy*")] == ["u.npy"]  # (no new file beside it)
+    gc.collect()
+    assert str(tmp_path / "u.npy") not in files._HELD  # (no array maps it: another process may take it)
+    monkeypatch.setattr(disk, "_fallocate", failing(errno.EOPNOTSUPP))
+    sparse = MmapStorage(tmp_path).place("v", (1024, 64), torch.float32)
+    size = (tmp_path / "v.npy").stat().st_size
+    assert calls[-1] == size and (tmp_path / "v.npy").stat().st_blocks * 512 < size // 4  # (the header's block)
+    assert sparse.shape == (1024, 64)
+
+
+def test_a_storage_handed_to_a_second_loop_keeps_the_first_loops_files(nations, tmp_path) -> None:
+    """A failed build (or a refusal) removes the files placed for its own loop, not those of an earlier loop
+    of the same storage object."""
+    from pykeen_bess.storage import MmapStorage
+
+    factory = factory_of(nations)
+    storage = MmapStorage(tmp_path)
+    first = make_loop(factory, storage, None)
+    train(first, factory)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    with pytest.raises(ValueError, match="needs row-sparse updates"):
+        make_loop(factory, storage, None, sparse_updates=False)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
 
 
 def test_a_loop_whose_files_were_refused_does_not_train_again(nations, tmp_path) -> None:
@@ -882,11 +910,11 @@ def test_bad_storage_settings_fail_before_training(nations, tmp_path, monkeypatc
     # not enough disk, not enough host memory: refused with advice, before a table file exists
     monkeypatch.setattr(storage_files.shutil, "disk_usage", lambda path: _Usage(100))
     with pytest.raises(MemoryError, match="of disk.*rowwise_adagrad") as error:
-        make_loop(factory, "mmap", tmp_path)
+        make_loop(factory, "mmap", tmp_path, overwrite=False)
     # small tables in a unit that shows them (not "0.00 GiB")
     assert re.search(r"need \d+\.\d\d KiB of disk .* has 100 B free", str(error.value)), str(error.value)
     # the files of an earlier run take room until training decides whether it resumes them: said so
-    assert "of table files already there stay until training decides" in str(error.value)
+    assert "of .npy files already there stay until training decides" in str(error.value)
     monkeypatch.setattr(storage_base, "available_host_memory", lambda: 1000)
     with pytest.raises(MemoryError, match="host memory.*storage='mmap'") as error:
         make_loop(factory, "host", tmp_path)

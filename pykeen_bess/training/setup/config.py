@@ -365,8 +365,7 @@ def check_one_dtype(model: Model) -> None:
         described = "; ".join(f"{dtype}: {', '.join(names[:3])}" for dtype, names in sorted(by_dtype.items()))
         raise ValueError(
             f"{type(model).__name__} mixes parameter dtypes ({described}), and BESS trains a model of one dtype. "
-            f"Give every representation the same dtype, or build the model under torch.set_default_dtype(...) "
-            f"(or convert the whole model, model.to(dtype)) before building the loop."
+            f"Give every representation the same dtype, or build the model under torch.set_default_dtype(...)."
         )
 
 
