@@ -17,7 +17,8 @@ and, for the row-sparse optimizer rules, its per-row state:
 ``"mmap"``   :class:`MmapStorage`: in ``.npy`` memory maps under ``storage_path``, one file per
              table and state tensor; the operating system pages rows in and out, so tables
              may exceed the machine's memory (resident memory is the page cache, not the
-             process' anonymous memory)
+             process' anonymous memory); the files reserve their disk blocks and take paging
+             advice (:mod:`.disk`), and are marked with the checkpoints of their run (:mod:`.marks`)
 ============ ================================================================================
 
 Every tier counts the bytes it moves (:class:`StorageTraffic`): reading a step's unique rows of a

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from .digests import crc32_of_file
+from .marks import checkpoints_of, decide, exists_message, mark, marker
 from .disk import advise_random, advise_will_need, fsync, reserve_blocks
 from .base import NUMPY_DTYPES, TableStorage, chunk_rows, format_bytes, open_source
 
@@ -107,7 +108,7 @@ class MmapStorage(TableStorage):
         if file.exists() and not self.overwrite:
             if not self.defer_existing:
                 _unmapped(str(target), None)  # (its lock, if nothing here maps it)
-                raise FileExistsError(_exists_message(file))
+                raise FileExistsError(exists_message(file))
             file = file.with_name(f"{file.name}.new-{os.getpid()}")  # beside it; the existing file stays
         array = np.lib.format.open_memmap(file, mode="w+", dtype=NUMPY_DTYPES[dtype], shape=tuple(shape))
         try:
@@ -124,7 +125,7 @@ class MmapStorage(TableStorage):
                 array[start : start + step] = fill
         if file == target:
             hold_for_this_process(target, self, in_place=True)  # (a file truncated in place keeps its lock)
-            _mark(target, self.owner, self.history)  # (optimizer state placed anew once training started)
+            mark(target, self.owner, self.history)  # (optimizer state placed anew once training started)
         mapped_by(target, array, self)  # (the existing file's lock, for a file placed beside it)
         tensor = torch.from_numpy(array)
         self.files[_key(tensor)] = file
@@ -181,25 +182,8 @@ class MmapStorage(TableStorage):
             raise FileExistsError(self.refused)
         deferred, self.deferred = self.deferred, {}
         owner = None if checkpoint is None else str(pathlib.Path(checkpoint).resolve())
-        marks = {key: _checkpoints(target) for key, target in deferred.items()}
-        refusal = None
-        if deferred and not resuming and owner is not None and all(m[:1] == [owner] for m in marks.values()):
-            logger.info(
-                "storage='mmap': the files under %s are of an earlier run of checkpoint %s that wrote no "
-                "checkpoint; this run replaces them.",
-                self.path,
-                owner,
-            )
-            resuming = True
-        elif resuming:
-            foreign = [key for key, m in marks.items() if owner not in m]
-            if foreign:  # another run's files (a storage_path of another run): resuming would replace them
-                refusal = _foreign_message(deferred[foreign[0]], marks[foreign[0]], owner)
-        elif deferred:
-            refusal = (
-                f"{_exists_message(min(deferred.values()))} No checkpoint is being resumed (train(checkpoint_name="
-                "...) with an existing checkpoint would resume it and reuse the files)."
-            )
+        marks = {key: checkpoints_of(target) for key, target in deferred.items()}
+        refusal, resuming = decide(deferred, marks, owner, resuming, self.path)
         if agree is not None and not agree(refusal is None) and refusal is None:
             refusal = (
                 f"Another process refused its table files (its error names them); this process' files under "
@@ -212,14 +196,14 @@ class MmapStorage(TableStorage):
         earlier = [c for m in marks.values() for c in m if c] if resuming else []
         self.history = tuple(dict.fromkeys(c for c in earlier if c != owner))
         for file in self.files.values():  # this run's files now
-            _mark(file, owner, self.history)
+            mark(file, owner, self.history)
 
     def checkpoint_written(self, checkpoint: pathlib.Path) -> None:  # noqa: D102
         path = str(pathlib.Path(checkpoint).resolve())
         if path != self.owner and path not in self.history:  # a failure checkpoint: resuming it takes the files
             self.history = (*self.history, path)
             for file in self.files.values():
-                _mark(file, self.owner, self.history)
+                mark(file, self.owner, self.history)
 
     def _claim(self, deferred: dict[int, pathlib.Path]) -> None:
         """Replace the existing files by the placed ones (a checkpoint of their run is resumed)."""
@@ -264,7 +248,7 @@ class MmapStorage(TableStorage):
                 lock = _HELD.pop(str(file), None)
                 if lock is not None:
                     os.close(lock.descriptor)
-                _marker(file).unlink(missing_ok=True)
+                marker(file).unlink(missing_ok=True)
             file.unlink(missing_ok=True)
 
     def release(self, tensor: torch.Tensor) -> None:  # noqa: D102
@@ -276,7 +260,7 @@ class MmapStorage(TableStorage):
             if lock is not None:  # (an open descriptor would keep the removed file's blocks)
                 os.close(lock.descriptor)
             file.unlink(missing_ok=True)
-            _marker(file).unlink(missing_ok=True)
+            marker(file).unlink(missing_ok=True)
 
     def file_of(self, tensor: torch.Tensor) -> pathlib.Path:
         """Return the file a tensor of this tier is mapped from."""
@@ -441,47 +425,3 @@ def _unmapped(key: str, array_id: int | None) -> None:
 
 def _key(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage().data_ptr()
-
-
-def _marker(file: pathlib.Path) -> pathlib.Path:
-    """Return the file beside a table file that names the checkpoint of the run that placed it."""
-    return file.with_name(f"{file.name}.checkpoint")
-
-
-def _checkpoints(file: pathlib.Path) -> list[str]:
-    """Return the checkpoints of a table file's run: the one it writes ('' for none), then the others it wrote.
-
-    Empty if the file has no mark (a run without checkpoints, or none of its files' marks survived).
-    """
-    try:
-        return _marker(file).read_text().splitlines()
-    except OSError:
-        return []
-
-
-def _mark(file: pathlib.Path, owner: str | None, history: Sequence[str] = ()) -> None:
-    """Mark a table file as of a run that writes checkpoint ``owner`` and wrote or resumed ``history``.
-
-    A file of a run without any checkpoint has no mark.
-    """
-    lines = [owner or "", *(c for c in history if c != owner)]
-    if lines == [""]:
-        _marker(file).unlink(missing_ok=True)
-    elif _checkpoints(file) != lines:
-        _marker(file).write_text("\n".join(lines))
-
-
-def _foreign_message(file: pathlib.Path, marks: list[str], checkpoint: str | None) -> str:
-    run = f"a run of checkpoint(s) {', '.join(c for c in marks if c)}" if any(marks) else "a run without checkpoints"
-    return (
-        f"{file} is of {run}, not of the run of the resumed checkpoint {checkpoint}: resuming would replace it. "
-        "Pass the storage_path of the checkpoint's run, or storage_kwargs=dict(overwrite=True) to replace these "
-        "files."
-    )
-
-
-def _exists_message(file: pathlib.Path) -> str:
-    return (
-        f"{file} exists (from an earlier run?). Remove it, use another storage_path, or pass "
-        "storage_kwargs=dict(overwrite=True) (on the command line: --storage-kwargs '{\"overwrite\": true}')."
-    )
