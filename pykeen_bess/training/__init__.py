@@ -16,7 +16,8 @@
 The table sets a run trains (shard tables, column parts) are in :mod:`pykeen_bess.tables`.
 """
 
-from .setup.config import SUPPORTED_MODEL_EXAMPLES, BessConfig, UnsupportedModelError
+from .setup.config import BessConfig
+from .setup.models import SUPPORTED_MODEL_EXAMPLES, UnsupportedModelError
 from .loop import BessTrainingLoop
 
 __all__ = [

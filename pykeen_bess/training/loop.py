@@ -37,16 +37,8 @@ from ..runtime.threads import ThreadsHint, resolve_threads
 from .checkpoints.pbg import PbgCheckpointStore, prepare_pbg_checkpoint
 from .checkpoints.stores import CHECKPOINT_FORMATS, CHECKPOINT_RETRIEVALS
 from .checkpoints.stopper_weights import pykeen_layout_stopper_file, stopper_file_layout
-from .setup.config import (
-    PARTITIONS,
-    check_train_arguments,
-    check_model,
-    check_model_dtype,
-    check_triples_fit_model,
-    resolve_negative_sampler,
-    resolve_partition,
-    round_num_negs,
-)
+from .setup.config import PARTITIONS, check_train_arguments, resolve_negative_sampler, resolve_partition, round_num_negs
+from .setup.models import check_model, check_model_dtype, check_triples_fit_model
 from .epochs import run_epochs
 from .hooks import asks_evaluation_loss
 from .parts import LoopParts

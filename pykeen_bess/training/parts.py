@@ -30,7 +30,8 @@ from ..schemes import ExchangeScheme
 from ..nn.loss import partition_weights
 from ..runtime.threads import ThreadPolicy
 from .epoch_steps import EpochBatches, make_static_step
-from .setup.config import check_model_dtype, verify_same_configuration
+from .setup.config import verify_same_configuration
+from .setup.models import check_model_dtype
 from .training_run import (
     TrainingRun,
     TrainingStart,
