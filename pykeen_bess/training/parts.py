@@ -199,10 +199,17 @@ class LoopParts(PyKEENHooks):
         """Build the learning-rate scheduler again, for the current optimizer (from its state, as PyKEEN's loops do).
 
         :raises ValueError: for a scheduler whose state does not keep its settings (``OneCycleLR``, ``CyclicLR``,
-            ``LambdaLR``, ...; PyKEEN's own loops fail on them when they rebuild it)
+            ``LambdaLR``, ...; PyKEEN's own loops fail on them when they rebuild it), and for ``ReduceLROnPlateau``
+            (PyKEEN steps schedulers without the metric it needs: its own loop fails after the first epoch)
         """
         assert self.lr_scheduler is not None
         cls = self.lr_scheduler.__class__
+        if isinstance(self.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            raise ValueError(
+                "lr_scheduler=ReduceLROnPlateau steps by a metric, which PyKEEN's scheduler step after every epoch "
+                "does not pass (PyKEEN's own loop fails after the first epoch). Use an epoch-based scheduler "
+                "(StepLR, ExponentialLR, CosineAnnealingLR, ...), or early stopping (stopper='early')."
+            )
         try:
             return cls(optimizer=self.optimizer, **_get_lr_scheduler_kwargs(self.lr_scheduler))
         except TypeError as error:

@@ -420,6 +420,15 @@ def test_a_scheduler_whose_state_lacks_its_settings_is_refused_clearly(dataset: 
         )  # fmt: skip
 
 
+def test_reduce_lr_on_plateau_is_refused_before_training(dataset: Nations) -> None:
+    """PyKEEN steps its scheduler without a metric: ReduceLROnPlateau failed with a TypeError after an epoch."""
+    with pytest.raises(ValueError, match="lr_scheduler=ReduceLROnPlateau steps by a metric"):
+        BessTrainingLoop(
+            model=DistMult(triples_factory=dataset.training, embedding_dim=8), triples_factory=dataset.training,
+            lr_scheduler="ReduceLROnPlateau",
+        )  # fmt: skip
+
+
 def test_inverse_triples_and_gradient_clipping(dataset: Nations) -> None:
     inverse = Nations(create_inverse_triples=True)
     result = pipeline(
