@@ -379,6 +379,11 @@ RENDERERS: dict[str, tuple[str, str, Callable[[Any, Path], str]]] = {
         "python benchmarks/evaluation.py --output FILE",
         evaluation_summary,
     ),
+    "evaluation-models": (
+        "evaluation-models-cpu.json",
+        "python benchmarks/evaluation_models.py --output FILE",
+        generic,
+    ),
     "evaluation-ab": (
         "evaluation-ab-cpu.json",
         "python benchmarks/evaluation_ab.py --baseline CHECKOUT --data DIR --output FILE",

@@ -241,6 +241,11 @@ def benchmark_runs(results: pathlib.Path, tmp_path_factory: pytest.TempPathFacto
             *("--pykeen-batch-sizes", "64", "--bess-shards", "1,2", "--device", "cpu"),
             *("--output", str(results / "evaluation-cpu.json")),
         ),
+        evaluation_models=(
+            "evaluation_models",
+            *("--run", "SE,NTN@120/12", "--pykeen-batch-sizes", "32", "--dim", "4"),
+            *("--output", str(results / "evaluation-models-cpu.json")),
+        ),
         scale=(
             "scale",
             *("--entities", "2000", "--relations", "10", "--triples", "20000", "--test", "50", "--dim", "8"),
@@ -415,6 +420,25 @@ def test_evaluation_benchmark_metrics_equal_pykeen(evaluation_run, results: path
     assert all(row["metrics_equal"] is True and len(row["metrics"]) == 225 for row in written["rows"])
     assert all(row["x_one_product"] > 0 and row["first_seconds"] > 0 for row in written["rows"])
     assert sum(row[1] == "one product" for row in table_rows(output)) == 2
+
+
+@pytest.fixture(scope="module")
+def evaluation_models_run(benchmark_runs: dict[str, dict]) -> tuple[str, list[list[str]]]:
+    return finished(benchmark_runs, "evaluation_models")
+
+
+@pytest.mark.slow
+def test_evaluation_of_models_without_a_fast_scorer(evaluation_models_run, results: pathlib.Path):
+    """PyKEEN's evaluator and BessEvaluator on each model; the metrics equal, the rows written."""
+    output, rows = evaluation_models_run
+    expected = [(model, evaluator) for model in ("SE", "NTN") for evaluator in (
+        "PyKEEN RankBasedEvaluator, batch_size=32", "BessEvaluator")]  # fmt: skip
+    assert [(row[1], row[2]) for row in rows] == expected
+    assert all(row[5] == "yes" for row in rows)
+    keys = ("graph", "model", "evaluator", "seconds", "peak_mib", "metrics_equal_to_pykeen", "x_pykeen")
+    written = result_file(results / "evaluation-models-cpu.json", "evaluation-models", keys)
+    assert [(row["model"], row["evaluator"]) for row in written["rows"]] == expected
+    assert all(row["metrics_equal_to_pykeen"] is True and row["seconds"] > 0 for row in written["rows"])
 
 
 #: ``evaluation_rows`` imported as another script does (a run of :func:`benchmark_runs`)
@@ -688,6 +712,7 @@ def test_the_benchmarks_page_renders_the_scripts_result_files(
     pbg_run,
     parity_run,
     evaluation_run,
+    evaluation_models_run,
     evaluation_ab_run,
     scale_run,
     quality_run,
