@@ -77,7 +77,43 @@ def materialize(model: torch.nn.Module, storage: TableStorage, device: torch.dev
         weight = embedding._embeddings.weight
         weight.data = torch.empty(0, weight.shape[1], dtype=weight.dtype, device="meta")
     model.to_empty(device=device)
+    check_reset_initialises(model, device)
     logger.info("Materialised the meta-device model on %s (its entity tables are in storage=%r).", device, storage.name)
+
+
+def check_reset_initialises(model: torch.nn.Module, device: torch.device) -> None:
+    """Check that the model's reset writes every parameter (but its entity tables) of a model off the meta device.
+
+    A value the model's constructor set without its ``reset_parameters`` (CrossE's bias: zeros) never existed on
+    the meta device: the parameter would train from uninitialised memory. The parameters are filled with NaN and
+    reset once as PyKEEN's ``reset_parameters_`` resets them (each module's ``reset_parameters``, innermost first;
+    the entity tables are placeholders here, reset when training starts), the random state restored afterwards.
+
+    :raises ValueError: naming the parameters the reset leaves as they were
+    """
+    placeholders = {id(m) for r in getattr(model, "entity_representations", []) for m in r.modules()}
+    parameters = {
+        name: parameter
+        for name, parameter in model.named_parameters()
+        if (parameter.is_floating_point() or parameter.is_complex()) and parameter.numel() > 0
+    }
+    resets = [
+        (name.count("."), module)
+        for name, module in model.named_modules()
+        if module is not model and id(module) not in placeholders and hasattr(module, "reset_parameters")
+    ]
+    with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        for parameter in parameters.values():
+            parameter.fill_(float("nan"))
+        for _, module in sorted(resets, key=lambda depth_module: -depth_module[0]):
+            module.reset_parameters()
+    untouched = [name for name, parameter in parameters.items() if bool(torch.isnan(parameter).all())]
+    if untouched:
+        raise ValueError(
+            f"The model was built on the meta device, and its reset does not initialise {untouched} (values its "
+            f"constructor set, which the meta device never held; e.g. CrossE's bias). Build this model on the CPU "
+            f"(its entity tables then start in the model, and storage='host' or 'mmap' still takes them over)."
+        )
 
 
 class ShardTables:

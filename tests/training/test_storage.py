@@ -1018,6 +1018,8 @@ def test_large_stored_tables_are_initialised_chunk_by_chunk(nations, tmp_path, m
 
 def test_a_model_built_on_the_meta_device_trains_with_stored_tables(nations, tmp_path) -> None:
     """PyKEEN's constructor allocates no full table on the meta device; host and file tiers allocate the shards."""
+    from pykeen.models import model_resolver
+
     factory = factory_of(nations)
     losses = {}
     for tier in TIERS:
@@ -1053,6 +1055,10 @@ def test_a_model_built_on_the_meta_device_trains_with_stored_tables(nations, tmp
     with torch.device("meta"):
         model = DistMult(triples_factory=factory, embedding_dim=8, random_seed=0)  # a regularizer with a weight
     with pytest.raises(ValueError, match="buffers"):
+        BessTrainingLoop(model=model, triples_factory=factory, storage="host")
+    with torch.device("meta"):  # CrossE's bias is set by its constructor only: it would train from garbage
+        model = model_resolver.make("CrossE", triples_factory=factory, embedding_dim=8, random_seed=0)
+    with pytest.raises(ValueError, match=r"reset does not initialise \['interaction.bias'\]"):
         BessTrainingLoop(model=model, triples_factory=factory, storage="host")
     built = DistMult(triples_factory=factory, embedding_dim=8, random_seed=0)  # on the CPU: computes there
     with pytest.raises(ValueError, match="meta device"):

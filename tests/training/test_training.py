@@ -947,6 +947,51 @@ def test_whole_table_weight_regularizers_are_refused(dataset: Nations) -> None:
     assert len(loop.train(dataset.training, num_epochs=1, batch_size=256, use_tqdm=False)) == 1
 
 
+def test_entity_representations_sharing_a_table_are_refused(dataset: Nations) -> None:
+    """One Embedding in two entity positions (tied roles) was trained as two tables, drawn and updated apart, and
+    written back into the one Embedding (the last won)."""
+    from pykeen.models import ERModel
+    from pykeen.nn.representation import Embedding
+
+    tied = Embedding(max_id=dataset.num_entities, shape=4)
+    model = ERModel(
+        triples_factory=dataset.training, interaction="SimplE", entity_representations=[tied, tied],
+        relation_representations_kwargs=[dict(shape=4), dict(shape=4)],
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"entity representations \[0, 1\] are one table"):
+        BessTrainingLoop(model=model, triples_factory=dataset.training)
+    shared = Embedding(max_id=max(dataset.num_entities, dataset.num_relations), shape=4)
+    model = ERModel(
+        triples_factory=dataset.training, interaction="DistMult", entity_representations=[shared],
+        relation_representations=[shared],
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="a relation representation uses an entity table"):
+        BessTrainingLoop(model=model, triples_factory=dataset.training)
+
+
+@pytest.mark.parametrize(
+    ("constrainer", "kwargs", "refused"),
+    [
+        ("clampnorm", dict(maxnorm=1.0), True),  # PyKEEN's clamp_norm without dim: the whole table's norm
+        ("clampnorm", dict(maxnorm=1.0, dim=-1), False),
+        ("normalize", dict(dim=0), True),  # across entities
+        ("normalize", None, False),
+        ("clamp", dict(min=-1.0, max=1.0), False),
+    ],
+)
+def test_constrainers_of_the_whole_table_are_refused(dataset: Nations, constrainer, kwargs, refused) -> None:
+    """A step constrains the rows it updated: PyKEEN's clamp_norm without dim clamped those rows' joint norm."""
+    model = DistMult(
+        triples_factory=dataset.training, embedding_dim=4,
+        entity_representations_kwargs=dict(constrainer=constrainer, constrainer_kwargs=kwargs),
+    )  # fmt: skip
+    if refused:
+        with pytest.raises(ValueError, match="constrains the whole table at once.*dim=-1"):
+            BessTrainingLoop(model=model, triples_factory=dataset.training)
+    else:
+        BessTrainingLoop(model=model, triples_factory=dataset.training)
+
+
 @pytest.mark.parametrize("name", __import__("pykeen_bess.training").training.SUPPORTED_MODEL_EXAMPLES)
 def test_the_models_named_as_supported_exist_and_train(dataset: Nations, name: str) -> None:
     """Every model the error message names is a registered model that BESS accepts."""

@@ -6,6 +6,8 @@ Checked when the loop is built (:func:`check_model`), when training starts (:fun
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Iterable, Sequence
 from typing import Any, cast
 
 import torch
@@ -19,7 +21,7 @@ from pykeen.regularizers import (
     Regularizer,
 )
 from pykeen.triples import CoreTriplesFactory
-from pykeen.utils import get_batchnorm_modules
+from pykeen.utils import clamp_norm, get_batchnorm_modules
 
 __all__ = [
     "SUPPORTED_MODEL_EXAMPLES",
@@ -27,6 +29,7 @@ __all__ = [
     "check_model",
     "check_model_dtype",
     "check_one_dtype",
+    "check_own_tables",
     "check_triples_fit_model",
     "describe_regularizer",
 ]
@@ -75,6 +78,7 @@ def check_model(model: Model) -> list[Embedding]:
                 f"BESS cannot shard {type(model).__name__}: its entity representation {type(representation).__name__} "
                 f"is not a plain pykeen.nn.Embedding. Supported are {supported}."
             )
+    check_own_tables(model, embeddings)
     entity_weights = {id(p) for representation in embeddings for p in representation.parameters()}
     for module in model.modules():
         if not isinstance(module, Regularizer) or isinstance(module, NoRegularizer) or not bool(module.weight):
@@ -84,6 +88,14 @@ def check_model(model: Model) -> list[Embedding]:
                 f"BESS cannot train {type(model).__name__} with its {type(module).__name__}: it regularizes the whole "
                 f"entity table every step, which is never in one place under BESS. Give it weight 0 (for TransH: "
                 f"model_kwargs=dict(regularizer='normlimit', regularizer_kwargs=dict(weight=0.0)))."
+            )
+    for position, representation in enumerate(embeddings):
+        if not _row_wise_constrainer(representation):
+            raise UnsupportedModelError(
+                f"BESS cannot apply {type(model).__name__}'s constrainer {representation.constrainer!r} of entity "
+                f"representation {position}: it constrains the whole table at once (or across entities), which is "
+                f"never in one place under BESS; a step constrains the rows it updated. Constrain each row instead "
+                f"(e.g. constrainer_kwargs=dict(maxnorm=..., dim=-1))."
             )
     for representation in [*embeddings, *model.relation_representations]:
         regularizer = getattr(representation, "regularizer", None)
@@ -106,6 +118,54 @@ def check_model(model: Model) -> list[Embedding]:
             f"depend on how a step is split into blocks."
         )
     return embeddings  # type: ignore[return-value]
+
+
+def check_own_tables(model: ERModel, embeddings: Sequence[Embedding]) -> None:
+    """Check that every entity representation has a table of its own (BESS shards one table per representation).
+
+    :raises UnsupportedModelError: naming the representations that share a table (tied roles, such as
+        ``entity_representations=[e, e]``), or an entity table a relation representation uses too
+    """
+    positions: dict[int, list[int]] = {}
+    for position, representation in enumerate(embeddings):
+        positions.setdefault(id(representation._embeddings.weight), []).append(position)
+    tied = [found for found in positions.values() if len(found) > 1]
+    relations = {id(p) for representation in model.relation_representations for p in representation.parameters()}
+    if tied or relations & set(positions):
+        what = (
+            f"its entity representations {tied[0]} are one table"
+            if tied
+            else "a relation representation uses an entity table"
+        )
+        raise UnsupportedModelError(
+            f"BESS cannot train {type(model).__name__}: {what}, and BESS trains one shard table per entity "
+            f"representation (they would be drawn and trained apart). Give each its own Embedding."
+        )
+
+
+def _row_wise_constrainer(representation: Embedding) -> bool:
+    """Whether an entity embedding's constrainer acts on each row alone (what a step's updated rows can get).
+
+    PyKEEN's ``clamp_norm`` without ``dim`` clamps the norm of the whole table; ``normalize`` or ``clamp_norm`` over
+    the entity axis mixes entities. Per-coordinate constrainers (``clamp``, ``complex_normalize``) are row-wise; a
+    function of the user's is taken as row-wise (see the limitations).
+    """
+    constrainer = representation.constrainer
+    if constrainer is None:
+        return True
+    function, kwargs = (
+        (constrainer.func, constrainer.keywords) if isinstance(constrainer, functools.partial) else (constrainer, {})
+    )
+    if function is clamp_norm:
+        dims = kwargs.get("dim")
+    elif function is torch.nn.functional.normalize:
+        dims = kwargs.get("dim", 1)
+    else:
+        return True
+    if dims is None:
+        return False
+    ndim = 1 + len(representation.shape)  # PyKEEN constrains the whole table, [num_entities, *shape]
+    return all(int(dim) % ndim != 0 for dim in (dims if isinstance(dims, Iterable) else (dims,)))
 
 
 def check_one_dtype(model: Model) -> None:
