@@ -199,7 +199,9 @@ def get_scorer(
     if name not in _WARNED_FALLBACKS:  # once per interaction and process (training and evaluation both ask)
         _WARNED_FALLBACKS.add(name)
         logger.warning(
-            "No fast shared-candidate scorer for %s; using the exact but slow chunked broadcast fallback.", name
+            "No fast shared-candidate scorer for %s: training scores with the exact but slow chunked broadcast "
+            "fallback (evaluation ranks by PyKEEN's own score rows where one process holds the whole model).",
+            name,
         )
     return BroadcastScorer(
         interaction,
