@@ -175,6 +175,13 @@ def test_former_module_names_import_the_moved_modules() -> None:
     assert old != data and pickle.loads(old) is ShardedEmbedding
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module("pykeen_bess.no_such_module")
+    # names that moved out of a module stay importable from it
+    from pykeen_bess.training.config import UnsupportedModelError, check_model  # noqa: F401
+    from pykeen_bess.training.setup import config, models
+
+    assert all(getattr(config, name) is getattr(models, name) for name in config._MOVED_TO_MODELS)
+    with pytest.raises(ImportError):
+        from pykeen_bess.training.setup.config import no_such_name  # noqa: F401
 
 
 def test_the_epochs_and_steps_see_the_loop_through_what_they_use() -> None:

@@ -91,11 +91,15 @@ def check_reset_initialises(model: torch.nn.Module, device: torch.device) -> Non
 
     :raises ValueError: naming the parameters the reset leaves as they were
     """
+    # the entity representations: placeholders, reset when training starts (or refused, if not Embeddings)
     placeholders = {id(m) for r in getattr(model, "entity_representations", []) for m in r.modules()}
+    skipped = {id(p) for r in getattr(model, "entity_representations", []) for p in r.parameters()}
     parameters = {
         name: parameter
         for name, parameter in model.named_parameters()
-        if (parameter.is_floating_point() or parameter.is_complex()) and parameter.numel() > 0
+        if (parameter.is_floating_point() or parameter.is_complex())
+        and parameter.numel() > 0
+        and id(parameter) not in skipped
     }
     resets = [
         (name.count("."), module)

@@ -1018,7 +1018,10 @@ def test_large_stored_tables_are_initialised_chunk_by_chunk(nations, tmp_path, m
 
 def test_a_model_built_on_the_meta_device_trains_with_stored_tables(nations, tmp_path) -> None:
     """PyKEEN's constructor allocates no full table on the meta device; host and file tiers allocate the shards."""
-    from pykeen.models import model_resolver
+    from pykeen.models import ERModel, model_resolver
+    from pykeen.nn.representation import LowRankRepresentation
+
+    from pykeen_bess.training import UnsupportedModelError
 
     factory = factory_of(nations)
     losses = {}
@@ -1059,6 +1062,13 @@ def test_a_model_built_on_the_meta_device_trains_with_stored_tables(nations, tmp
     with torch.device("meta"):  # CrossE's bias is set by its constructor only: it would train from garbage
         model = model_resolver.make("CrossE", triples_factory=factory, embedding_dim=8, random_seed=0)
     with pytest.raises(ValueError, match=r"reset does not initialise \['interaction.bias'\]"):
+        BessTrainingLoop(model=model, triples_factory=factory, storage="host")
+    with torch.device("meta"):  # an entity representation BESS cannot shard: refused as such (not as uninitialised)
+        model = ERModel(
+            triples_factory=factory, interaction="DistMult", entity_representations=LowRankRepresentation,
+            entity_representations_kwargs=dict(shape=4, num_bases=3), relation_representations_kwargs=dict(shape=4),
+        )  # fmt: skip
+    with pytest.raises(UnsupportedModelError, match="LowRankRepresentation is not a plain"):
         BessTrainingLoop(model=model, triples_factory=factory, storage="host")
     built = DistMult(triples_factory=factory, embedding_dim=8, random_seed=0)  # on the CPU: computes there
     with pytest.raises(ValueError, match="meta device"):

@@ -44,6 +44,27 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+#: the model checks that moved to :mod:`.models`, still importable from here (code written against earlier versions)
+_MOVED_TO_MODELS = (
+    "SUPPORTED_MODEL_EXAMPLES",
+    "UnsupportedModelError",
+    "check_model",
+    "check_model_dtype",
+    "check_one_dtype",
+    "check_triples_fit_model",
+    "describe_regularizer",
+)
+
+
+def __getattr__(name: str) -> Any:
+    """Return a model check that moved to :mod:`.models` (imported lazily: that module needs nothing of this one)."""
+    if name in _MOVED_TO_MODELS:
+        from . import models
+
+        return getattr(models, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 #: the default number of negatives per positive (rounded up to a multiple of the shard count)
 DEFAULT_NUM_NEGS_PER_POS = 64
 

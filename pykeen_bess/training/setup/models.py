@@ -78,7 +78,8 @@ def check_model(model: Model) -> list[Embedding]:
                 f"BESS cannot shard {type(model).__name__}: its entity representation {type(representation).__name__} "
                 f"is not a plain pykeen.nn.Embedding. Supported are {supported}."
             )
-    check_own_tables(model, embeddings)
+    tables = cast(list[Embedding], embeddings)  # (checked above)
+    check_own_tables(model, tables)
     entity_weights = {id(p) for representation in embeddings for p in representation.parameters()}
     for module in model.modules():
         if not isinstance(module, Regularizer) or isinstance(module, NoRegularizer) or not bool(module.weight):
@@ -89,7 +90,7 @@ def check_model(model: Model) -> list[Embedding]:
                 f"entity table every step, which is never in one place under BESS. Give it weight 0 (for TransH: "
                 f"model_kwargs=dict(regularizer='normlimit', regularizer_kwargs=dict(weight=0.0)))."
             )
-    for position, representation in enumerate(embeddings):
+    for position, representation in enumerate(tables):
         if not _row_wise_constrainer(representation):
             raise UnsupportedModelError(
                 f"BESS cannot apply {type(model).__name__}'s constrainer {representation.constrainer!r} of entity "
@@ -117,7 +118,7 @@ def check_model(model: Model) -> list[Embedding]:
             f"BESS cannot train {type(model).__name__}: it has batch normalization layers, whose statistics would "
             f"depend on how a step is split into blocks."
         )
-    return embeddings  # type: ignore[return-value]
+    return tables
 
 
 def check_own_tables(model: ERModel, embeddings: Sequence[Embedding]) -> None:
