@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import logging
@@ -710,3 +711,53 @@ def test_a_pbg_checkpoint_to_resume_is_found_whatever_the_formats_spelling(
         training_loop_kwargs=dict(checkpoint_format=checkpoint_format),
     )
     assert _checkpoint_to_resume(kwargs) == tmp_path / "run.pt"
+
+
+def test_first_hour_mistakes_are_usage_errors_before_any_work(
+    capsys: pytest.CaptureFixture, tmp_path: pathlib.Path
+) -> None:
+    """A typo accepted as an abbreviation, a zero dimension, an unknown stopper metric (refused after the epochs
+    before the first validation), a checkpoint name with a folder (refused after the first epoch), bad YAML (a
+    parser's multi-line report), a negative import dimension: one-line usage errors, nothing trained."""
+    for argv, message in (
+        (["--epoch", "2"], "unrecognized arguments: --epoch 2"),
+        (["--dim", "0"], "argument --dim: expected a positive integer, not 0"),
+        (["--early-stopping", "--stopper-metric", "foo"], "--stopper-metric 'foo' is not one of the evaluation's"),
+        (["--checkpoint-name", "sub/c.pt"], "a file name (the folder is --checkpoint-directory), not a path"),
+    ):
+        with pytest.raises(SystemExit) if argv[0] in ("--epoch", "--dim") else contextlib.nullcontext():
+            code, out, err = run(capsys, "--dataset", "nations", "--quiet", *argv)
+            assert code == 2 and out == "", err
+        assert message in (err if argv[0] not in ("--epoch", "--dim") else capsys.readouterr().err)
+    (tmp_path / "bad.yaml").write_text("a: [1\nb: 2\n")
+    code, _, err = run(capsys, "--config", str(tmp_path / "bad.yaml"))
+    assert code == 2 and "is not valid YAML (line 2)" in err and len(err.strip().splitlines()) == 1
+    with pytest.raises(SystemExit):
+        main(["pbg", "import", "x.tsv", "--output", str(tmp_path / "o"), "--dim", "-4"])
+    assert "argument --dim: expected a positive integer, not -4" in capsys.readouterr().err
+    kwargs = pipeline_kwargs(build_parser().parse_args(["train", "--early-stopping", "--stopper-metric", "hits@1"]))
+    assert kwargs["stopper_kwargs"]["metric"] == "hits@1"
+
+
+def test_a_configs_dataset_kwargs_and_progress_setting_are_kept(tmp_path: pathlib.Path) -> None:
+    """A configuration's dataset_kwargs were dropped for a dataset directory (PyKEEN ignores them for a dataset
+    object) and for --dataset, while metadata.json recorded them; its use_tqdm=False was overridden."""
+    lines = ["a\tr\tb", "b\tr\tc", "c\ts\ta"]
+    for name in ("train", "valid", "test"):
+        (tmp_path / f"{name}.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    config = tmp_path / "config.json"
+    pipeline = dict(
+        dataset=str(tmp_path), dataset_kwargs=dict(create_inverse_triples=True), model="DistMult",
+        training_kwargs=dict(use_tqdm=False),
+    )  # fmt: skip
+    config.write_text(json.dumps(dict(pipeline=pipeline)))
+    for extra in ([], ["--dataset", "nations"]):
+        kwargs = pipeline_kwargs(build_parser().parse_args(["train", "--config", str(config), *extra]))
+        assert kwargs["dataset"].training.create_inverse_triples, extra
+        assert kwargs["dataset_kwargs"] == dict(create_inverse_triples=True)
+        assert kwargs["training_kwargs"]["use_tqdm"] is False
+    kwargs = pipeline_kwargs(build_parser().parse_args(["train", "--config", str(config), "--quiet"]))
+    assert kwargs["training_kwargs"]["use_tqdm"] is False and kwargs["evaluation_kwargs"]["use_tqdm"] is False
+    config.write_text(json.dumps(dict(pipeline=dict(pipeline, dataset_kwargs=dict(no_such_option=1)))))
+    with pytest.raises(ValueError, match="dataset_kwargs .* do not fit the dataset directory"):
+        pipeline_kwargs(build_parser().parse_args(["train", "--config", str(config)]))

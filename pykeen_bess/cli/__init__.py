@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .pbg import add_pbg_command, export_check, export_pbg, run_pbg
-from .files import UsageError, load_config, load_dataset, run_metadata
+from .files import UsageError, load_config, load_dataset, positive_int, run_metadata
 from .options import DEFAULTS, pipeline_kwargs
 
 __all__ = ["DEFAULTS", "UsageError", "build_parser", "load_config", "load_dataset", "main", "pipeline_kwargs"]
@@ -95,12 +95,15 @@ def _json_object(text: str) -> dict[str, Any]:
 
 def build_parser() -> argparse.ArgumentParser:
     """Build the argument parser (options not given on the command line are absent from the namespace)."""
+    # (no abbreviations: a typo such as --epoch must not pass as --epochs)
     parser = argparse.ArgumentParser(
-        prog="pykeen-bess", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+        prog="pykeen-bess", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )  # fmt: skip
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser(
         "train",
+        allow_abbrev=False,
         help="train and evaluate a model with BESS",
         description=DESCRIPTION,
         epilog=EPILOG,
@@ -138,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="a PyKEEN model name (default: DistMult; with --pbg the config's operator and comparator, starting "
         "from its init_path's embeddings if it has one)",
     )
-    data.add_argument("--dim", type=int, help="embedding dimension (default: 64)")
+    data.add_argument("--dim", type=positive_int, help="embedding dimension (default: 64)")
     data.add_argument("--model-kwargs", type=_json_object, help="more model options as JSON, e.g. '{\"p\": 1}'")
     data.add_argument("--loss", help="a PyKEEN loss name (default: the model's default loss)")
     data.add_argument("--loss-kwargs", type=_json_object, help="loss options as JSON, e.g. '{\"margin\": 1.0}'")
@@ -401,6 +404,8 @@ def _available_device(device: Any) -> Any:
 
     if device is None:
         return "cuda" if torch.cuda.is_available() else "cpu"
+    if isinstance(device, str):
+        device = device.strip().lower()  # (CPU, Cuda: as the named choices, any case)
     if isinstance(device, str) and device.split(":")[0] in ("cuda", "gpu") and not torch.cuda.is_available():
         raise UsageError(f"--device {device}: torch sees no CUDA device on this machine; use --device cpu.")
     return device

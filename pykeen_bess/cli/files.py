@@ -9,18 +9,53 @@ import pathlib
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["UsageError", "check_triple_lines", "load_config", "load_dataset", "run_metadata"]
+__all__ = [
+    "UsageError",
+    "check_triple_lines",
+    "load_config",
+    "load_dataset",
+    "non_negative_int",
+    "positive_int",
+    "run_metadata",
+]
 
 
 class UsageError(ValueError):
     """A problem with the command line's input (printed without a traceback)."""
 
 
-def load_dataset(name_or_path: str) -> Any:
-    """Return a PyKEEN dataset from a name or a directory of label TSV files."""
+def positive_int(text: str) -> int:
+    """Parse a positive integer argument (``--dim``: 0 or a negative dimension failed inside PyKEEN)."""
+    return _int_at_least(text, 1, "a positive integer")
+
+
+def non_negative_int(text: str) -> int:
+    """Parse a non-negative integer argument (a seed)."""
+    return _int_at_least(text, 0, "a non-negative integer")
+
+
+def _int_at_least(text: str, least: int, what: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {what}, not {text!r}") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"expected {what}, not {value}")
+    return value
+
+
+def load_dataset(name_or_path: str, dataset_kwargs: Mapping[str, Any] | None = None) -> Any:
+    """Return a PyKEEN dataset from a name or a directory of label TSV files.
+
+    :param name_or_path: a PyKEEN dataset name, or a directory with ``train.txt``, ``valid.txt``, ``test.txt``
+    :param dataset_kwargs: the dataset's keyword arguments (a configuration's ``dataset_kwargs``, such as
+        ``create_inverse_triples``), also for a directory (PyKEEN ignores them for a dataset object)
+    :raises UsageError: for a missing directory or file, bad lines, an unknown name or unknown keyword arguments
+    """
     from pykeen.datasets import PathDataset, get_dataset
 
     path = pathlib.Path(name_or_path)
+    dataset_kwargs = dict(dataset_kwargs or {})
     if path.is_dir():
         files = {split: path / f"{split}.txt" for split in ("train", "valid", "test")}
         missing = [str(file) for file in files.values() if not file.is_file()]
@@ -28,12 +63,22 @@ def load_dataset(name_or_path: str) -> Any:
             raise UsageError(f"Dataset directory {path} lacks {', '.join(missing)}.")
         for file in files.values():
             check_triple_lines(file)
-        return PathDataset(training_path=files["train"], testing_path=files["test"], validation_path=files["valid"])
+        try:
+            return PathDataset(
+                training_path=files["train"],
+                testing_path=files["test"],
+                validation_path=files["valid"],
+                **dataset_kwargs,
+            )
+        except TypeError as error:
+            raise UsageError(
+                f"dataset_kwargs {dataset_kwargs} do not fit the dataset directory {path}: {error}"
+            ) from None
     if os.sep in name_or_path or name_or_path.startswith("."):  # a path, not a name
         what = "a file, not a directory of" if path.exists() else "no directory with"
         raise UsageError(f"--dataset {name_or_path}: {what} train.txt, valid.txt and test.txt.")
     try:
-        return get_dataset(dataset=name_or_path)
+        return get_dataset(dataset=name_or_path, dataset_kwargs=dataset_kwargs or None)
     except (KeyError, ValueError, TypeError) as error:
         raise UsageError(
             f"Unknown dataset {name_or_path!r}: neither a PyKEEN dataset name nor a directory ({error})."
@@ -85,7 +130,13 @@ def load_config(path: pathlib.Path) -> dict[str, Any]:
     if path.suffix.lower() in {".yaml", ".yml"}:
         import yaml
 
-        config = yaml.safe_load(text)
+        try:
+            config = yaml.safe_load(text)
+        except yaml.YAMLError as error:
+            where = getattr(error, "problem_mark", None)
+            line = f" (line {where.line + 1})" if where is not None else ""
+            problem = getattr(error, "problem", None) or type(error).__name__
+            raise UsageError(f"Configuration file {path} is not valid YAML{line}: {problem}.") from None
     else:
         try:
             config = json.loads(text)

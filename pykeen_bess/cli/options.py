@@ -109,12 +109,13 @@ def _set_dataset(settings: dict[str, Any], given: dict[str, Any], kwargs: _Pipel
         raise UsageError("--pbg-config needs --pbg.")
     elif "inverse_triples" in settings:
         raise UsageError("--inverse-triples needs --pbg (for a dataset: dataset_kwargs in a --config).")
-    elif "dataset" in settings:
-        for key in dataset_keys:
+    elif "dataset" in settings:  # (a configuration's dataset_kwargs, e.g. create_inverse_triples, stay)
+        for key in ("dataset", "training", "testing", "validation"):
             kwargs.kwargs.pop(key, None)
-        kwargs.set("dataset", load_dataset(settings["dataset"]))
+        kwargs.set("dataset", load_dataset(settings["dataset"], kwargs.kwargs.get("dataset_kwargs")))
     elif isinstance(kwargs.kwargs.get("dataset"), str) and pathlib.Path(kwargs.kwargs["dataset"]).is_dir():
-        kwargs.kwargs["dataset"] = load_dataset(kwargs.kwargs["dataset"])
+        # (PyKEEN ignores dataset_kwargs for a dataset object: they are applied here, and recorded in the metadata)
+        kwargs.kwargs["dataset"] = load_dataset(kwargs.kwargs["dataset"], kwargs.kwargs.get("dataset_kwargs"))
 
 
 def _set_model(settings: dict[str, Any], kwargs: _PipelineKwargs) -> None:
@@ -202,6 +203,9 @@ def _set_training(settings: dict[str, Any], kwargs: _PipelineKwargs) -> None:
         kwargs.set("training_kwargs", settings["epochs"], "num_epochs")
     if "batch_size" in settings:
         kwargs.set("training_kwargs", settings["batch_size"] or None, "batch_size")
+    name = settings.get("checkpoint_name")
+    if name is not None and (not name or pathlib.Path(name).name != name):
+        raise UsageError(f"--checkpoint-name {name!r}: a file name (the folder is --checkpoint-directory), not a path.")
     for flag in ("sub_batch_size", "checkpoint_name", "checkpoint_frequency", "checkpoint_directory"):
         if flag in settings:
             value = str(settings[flag]) if flag == "checkpoint_directory" else settings[flag]
@@ -213,8 +217,9 @@ def _set_training(settings: dict[str, Any], kwargs: _PipelineKwargs) -> None:
     if "export_pbg" in settings:  # the optimizer's row state goes into the exported checkpoint
         kwargs.set("clear_optimizer", False)
     quiet = bool(settings.get("quiet"))
-    kwargs.set("training_kwargs", not quiet, "use_tqdm")
-    kwargs.set("evaluation_kwargs", not quiet, "use_tqdm")
+    for target in ("training_kwargs", "evaluation_kwargs"):  # a configuration's use_tqdm stays unless --quiet
+        if quiet or "use_tqdm" not in kwargs.inner(target):
+            kwargs.set(target, not quiet, "use_tqdm")
 
 
 def _set_stopper(settings: dict[str, Any], kwargs: _PipelineKwargs) -> None:
@@ -230,6 +235,26 @@ def _set_stopper(settings: dict[str, Any], kwargs: _PipelineKwargs) -> None:
             if kwargs.kwargs.get("stopper") is None:
                 raise UsageError(f"--{flag.replace('_', '-')} needs --early-stopping.")
             kwargs.set("stopper_kwargs", settings[flag], key)
+    if "stopper_metric" in settings:  # (PyKEEN would fail at the first validation, after its epochs)
+        _check_stopper_metric(settings["stopper_metric"])
+
+
+def _check_stopper_metric(metric: str) -> None:
+    """Raise a usage error unless PyKEEN's rank-based results hold ``metric`` (e.g. ``hits@10``, ``mrr``)."""
+    from pykeen.evaluation import RankBasedEvaluator
+    from pykeen.evaluation.rank_based_evaluator import RankBasedMetricResults
+
+    try:
+        key = RankBasedMetricResults.string_or_key_to_key(metric).metric
+    except (ValueError, KeyError):
+        key = None
+    # the metrics of the evaluators' default (BessEvaluator's are PyKEEN's)
+    known = key in {metric_.key for metric_ in RankBasedEvaluator().metrics}
+    if not known:
+        raise UsageError(
+            f"--stopper-metric {metric!r} is not one of the evaluation's metrics: e.g. hits@1, hits@3, hits@5, "
+            f"hits@10, mrr, mean_rank, adjusted_arithmetic_mean_rank_index."
+        )
 
 
 def _set_host(settings: dict[str, Any], kwargs: _PipelineKwargs) -> None:

@@ -13,6 +13,8 @@ import pathlib
 from collections.abc import Mapping
 from typing import Any
 
+from .files import non_negative_int, positive_int
+
 __all__ = [
     "add_pbg_command",
     "export_pbg",
@@ -58,13 +60,16 @@ def add_pbg_command(commands: Any) -> None:
     """Add the ``pbg`` command (``import``, ``export``) to the command line's subcommands."""
     pbg = commands.add_parser(
         "pbg",
+        allow_abbrev=False,
         help="PyTorch-BigGraph's files: import TSV files, export a model",
         description=PBG_DESCRIPTION,
         epilog=PBG_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     actions = pbg.add_subparsers(dest="action", required=True)
-    importer = actions.add_parser("import", help="label TSV files -> a PyTorch-BigGraph input directory")
+    importer = actions.add_parser(
+        "import", help="label TSV files -> a PyTorch-BigGraph input directory", allow_abbrev=False
+    )
     importer.add_argument("files", nargs="+", type=pathlib.Path, help="training [validation [testing]] TSV files")
     importer.add_argument("--output", type=pathlib.Path, required=True, help="the input directory to write")
     importer.add_argument(
@@ -79,17 +84,21 @@ def add_pbg_command(commands: Any) -> None:
         help="without --config: the model whose operator and comparator the directory's config.json names "
         "(DistMult, TransE, ComplEx, RotatE, RESCAL; default: DistMult)",
     )
-    importer.add_argument("--dim", type=int, default=100, help="without --config: the embedding dimension (100)")
+    importer.add_argument(
+        "--dim", type=positive_int, default=100, help="without --config: the embedding dimension (100)"
+    )
     importer.add_argument(
         "--partitions",
         type=int,
         help="partitions of every entity type (default: the config's num_partitions, else 1); config.json gets the "
         "partitions written",
     )
-    importer.add_argument("--seed", type=int, default=0, help="seed of the partitions (default: 0)")
+    importer.add_argument("--seed", type=non_negative_int, default=0, help="seed of the partitions (default: 0)")
     importer.add_argument("--columns", default="0,1,2", help="the head, relation and tail columns (default: 0,1,2)")
     importer.add_argument("--verbose", action="store_true", help="show log messages, and tracebacks of errors")
-    exporter = actions.add_parser("export", help="a saved PyKEEN model -> a PyTorch-BigGraph checkpoint")
+    exporter = actions.add_parser(
+        "export", help="a saved PyKEEN model -> a PyTorch-BigGraph checkpoint", allow_abbrev=False
+    )
     exporter.add_argument("--model", type=pathlib.Path, required=True, help="trained_model.pkl (save_to_directory)")
     exporter.add_argument(
         "--graph", type=pathlib.Path, required=True, help="the model's PyTorch-BigGraph input directory"
