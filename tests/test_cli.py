@@ -463,6 +463,18 @@ def test_pytorch_biggraph_import_train_and_export(capsys: pytest.CaptureFixture,
     capsys.readouterr()
     again = pbg.read_checkpoint(tmp_path / "again", graph)
     torch.testing.assert_close(again.entity_representations[0](None), model.entity_representations[0](None))
+    # a model of the same label files read as a dataset (PyKEEN's sorted ids, not the partitions'): refused, not
+    # exported with every vector under another entity's label
+    for name, file in zip(("train", "valid", "test"), files):
+        (tmp_path / "tsv").mkdir(exist_ok=True)
+        (tmp_path / "tsv" / f"{name}.txt").write_text(file.read_text())
+    code, _, err = run(capsys, *FAST, "--dataset", str(tmp_path / "tsv"), "--model", "ComplEx", "--epochs", "1",
+                       "--output", str(tmp_path / "as-dataset"))  # fmt: skip
+    assert code == 0, err
+    assert main(["pbg", "export", "--model", str(tmp_path / "as-dataset" / "trained_model.pkl"), "--graph",
+                 str(data), "--output", str(tmp_path / "wrong")]) == 2  # fmt: skip
+    assert "The model's entity ids are not the graph's (id 0:" in capsys.readouterr().err
+    assert not (tmp_path / "wrong").exists()
 
 
 def test_pytorch_biggraph_import_writes_the_config_of_its_partitions(

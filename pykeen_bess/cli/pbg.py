@@ -220,6 +220,46 @@ def pbg_model_settings(graph: Any, directory: pathlib.Path) -> dict[str, Any]:
     return dict(model=conversion.model, model_kwargs=conversion.model_kwargs(int(graph.config["dimension"])))
 
 
+def check_same_ids(training_triples: pathlib.Path, graph: Any) -> None:
+    """Check that a saved model's entity and relation ids are the graph's (its ``training_triples`` beside it).
+
+    A model trained on the same label files read another way (``--dataset`` instead of ``--pbg``: PyKEEN's
+    sorted labels, where a graph of several partitions numbers entities partition by partition) has as many
+    entities and relations, but each row another entity's: the checkpoint would carry every vector under
+    another label. Without the saved mapping (a model saved otherwise) this cannot be checked (logged).
+
+    :raises UsageError: naming the first entity or relation whose id differs
+    """
+    from .files import UsageError
+
+    if not (training_triples / "entity_to_id.tsv.gz").is_file():
+        logger.warning(
+            "No %s beside the model: whether its entity ids are the graph's cannot be checked (a model trained "
+            "with train --pbg on this graph has them).",
+            training_triples,
+        )
+        return
+    from pykeen.triples import TriplesFactory
+
+    factory = TriplesFactory.from_path_binary(training_triples)
+    for what, model_labels, graph_labels in (
+        ("entity", factory.entity_id_to_label, list(graph.entity_labels())),
+        ("relation", factory.relation_id_to_label, list(graph.schema.relation_names)),
+    ):
+        ids = [model_labels[index] for index in range(len(model_labels))]
+        differing = next((i for i, (a, b) in enumerate(zip(ids, graph_labels)) if a != b), None)
+        if differing is not None or len(ids) != len(graph_labels):
+            where = (
+                f" (id {differing}: {ids[differing]!r} in the model, {graph_labels[differing]!r} in the graph)"
+                if differing is not None
+                else f" ({len(ids)} in the model, {len(graph_labels)} in the graph)"
+            )
+            raise UsageError(
+                f"The model's {what} ids are not the graph's{where}: every vector would be exported under another "
+                f"label. Train the model on this graph (train --pbg GRAPH_DIRECTORY)."
+            )
+
+
 def run_pbg(args: argparse.Namespace) -> str:
     """Run ``pbg import`` or ``pbg export``; return what to print."""
     from .files import UsageError
@@ -269,5 +309,6 @@ def run_pbg(args: argparse.Namespace) -> str:
         raise UsageError(f"Model file {args.model} does not exist.")
     model = torch.load(args.model, weights_only=False)
     graph = load_pbg_graph(args.graph, args.pbg_config)
+    check_same_ids(args.model.parent / "training_triples", graph)
     write_checkpoint(model, graph, args.output, version=args.version)
     return f"wrote PyTorch-BigGraph checkpoint version {args.version} to {args.output}"
