@@ -749,6 +749,14 @@ def test_first_hour_mistakes_are_usage_errors_before_any_work(
     assert "argument --dim: expected a positive integer, not -4" in capsys.readouterr().err
     kwargs = pipeline_kwargs(build_parser().parse_args(["train", "--early-stopping", "--stopper-metric", "hits@1"]))
     assert kwargs["stopper_kwargs"]["metric"] == "hits@1"
+    code, _, err = run(capsys, "--dataset", "nations", "--checkpoint-name", "..")
+    assert code == 2 and "a file name" in err
+    # an evaluator configured with other metrics: a metric of theirs is taken
+    config = tmp_path / "config.json"
+    evaluator_kwargs = dict(metrics="hits@k", metrics_kwargs=dict(k=2))
+    config.write_text(json.dumps(dict(dataset="nations", model="DistMult", evaluator_kwargs=evaluator_kwargs)))
+    argv = ["train", "--config", str(config), "--early-stopping", "--stopper-metric", "hits@2"]
+    assert pipeline_kwargs(build_parser().parse_args(argv))["stopper_kwargs"]["metric"] == "hits@2"
 
 
 def test_a_configs_dataset_kwargs_and_progress_setting_are_kept(tmp_path: pathlib.Path) -> None:
@@ -773,3 +781,32 @@ def test_a_configs_dataset_kwargs_and_progress_setting_are_kept(tmp_path: pathli
     config.write_text(json.dumps(dict(pipeline=dict(pipeline, dataset_kwargs=dict(no_such_option=1)))))
     with pytest.raises(ValueError, match="dataset_kwargs .* do not fit the dataset directory"):
         pipeline_kwargs(build_parser().parse_args(["train", "--config", str(config)]))
+    with pytest.raises(ValueError, match="dataset_kwargs .* do not fit the dataset 'nations'"):  # (not "unknown")
+        pipeline_kwargs(build_parser().parse_args(["train", "--config", str(config), "--dataset", "nations"]))
+
+
+def test_the_export_id_check_compares_what_the_graph_names(tmp_path: pathlib.Path) -> None:
+    """A graph without entity names is compared by its relations only (its entity_labels() is None: a TypeError)."""
+    import types
+
+    from pykeen.datasets import Nations
+
+    from pykeen_bess.cli.files import UsageError
+    from pykeen_bess.cli.pbg import check_same_ids
+
+    training = Nations().training
+    training.to_path_binary(tmp_path / "training_triples")
+    relations = [training.relation_id_to_label[i] for i in range(training.num_relations)]
+    entities = [training.entity_id_to_label[i] for i in range(training.num_entities)]
+
+    def graph(entity_labels, relation_names):
+        schema = types.SimpleNamespace(relation_names=tuple(relation_names))
+        return types.SimpleNamespace(entity_labels=lambda: entity_labels, schema=schema)
+
+    check_same_ids(tmp_path / "training_triples", graph(None, relations))
+    check_same_ids(tmp_path / "training_triples", graph(entities, relations))
+    with pytest.raises(UsageError, match="entity ids are not the graph's"):
+        check_same_ids(tmp_path / "training_triples", graph(entities[::-1], relations))
+    with pytest.raises(UsageError, match="relation ids are not the graph's"):
+        check_same_ids(tmp_path / "training_triples", graph(None, relations[::-1]))
+    check_same_ids(tmp_path / "nothing", graph(None, relations))  # no saved mapping, no names: nothing to check

@@ -331,6 +331,8 @@ def train(args: argparse.Namespace) -> tuple[dict[str, float], bool]:
         if flag in args:
             _check_output_directory(getattr(args, flag), flag)
     kwargs["metadata"] = {**run_metadata(kwargs, args), **(kwargs.get("metadata") or {})}  # (the user's callbacks)
+    if not isinstance(kwargs.get("dataset"), str | None):  # applied to the dataset object (recorded above)
+        kwargs.pop("dataset_kwargs", None)  # (PyKEEN would warn they are not used)
     if "export_pbg" in args:
         training = kwargs.setdefault("training_kwargs", {})
         if "callbacks_kwargs" not in training:  # (else the model is checked when it is exported)

@@ -77,9 +77,19 @@ def load_dataset(name_or_path: str, dataset_kwargs: Mapping[str, Any] | None = N
     if os.sep in name_or_path or name_or_path.startswith("."):  # a path, not a name
         what = "a file, not a directory of" if path.exists() else "no directory with"
         raise UsageError(f"--dataset {name_or_path}: {what} train.txt, valid.txt and test.txt.")
+    from pykeen.datasets import dataset_resolver
+
+    try:
+        dataset_resolver.lookup(name_or_path)
+    except (KeyError, ValueError) as error:
+        raise UsageError(
+            f"Unknown dataset {name_or_path!r}: neither a PyKEEN dataset name nor a directory ({error})."
+        ) from None
     try:
         return get_dataset(dataset=name_or_path, dataset_kwargs=dataset_kwargs or None)
-    except (KeyError, ValueError, TypeError) as error:
+    except TypeError as error:
+        raise UsageError(f"dataset_kwargs {dataset_kwargs} do not fit the dataset {name_or_path!r}: {error}") from None
+    except (KeyError, ValueError) as error:
         raise UsageError(
             f"Unknown dataset {name_or_path!r}: neither a PyKEEN dataset name nor a directory ({error})."
         ) from None

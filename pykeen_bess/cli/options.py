@@ -204,7 +204,7 @@ def _set_training(settings: dict[str, Any], kwargs: _PipelineKwargs) -> None:
     if "batch_size" in settings:
         kwargs.set("training_kwargs", settings["batch_size"] or None, "batch_size")
     name = settings.get("checkpoint_name")
-    if name is not None and (not name or pathlib.Path(name).name != name):
+    if name is not None and (name in ("", ".", "..") or pathlib.Path(name).name != name):
         raise UsageError(f"--checkpoint-name {name!r}: a file name (the folder is --checkpoint-directory), not a path.")
     for flag in ("sub_batch_size", "checkpoint_name", "checkpoint_frequency", "checkpoint_directory"):
         if flag in settings:
@@ -236,11 +236,17 @@ def _set_stopper(settings: dict[str, Any], kwargs: _PipelineKwargs) -> None:
                 raise UsageError(f"--{flag.replace('_', '-')} needs --early-stopping.")
             kwargs.set("stopper_kwargs", settings[flag], key)
     if "stopper_metric" in settings:  # (PyKEEN would fail at the first validation, after its epochs)
-        _check_stopper_metric(settings["stopper_metric"])
+        # an evaluator given its own metrics (a configuration's hits@k with other k) may hold other ones
+        _check_stopper_metric(
+            settings["stopper_metric"], default_metrics="metrics" not in kwargs.inner("evaluator_kwargs")
+        )
 
 
-def _check_stopper_metric(metric: str) -> None:
-    """Raise a usage error unless PyKEEN's rank-based results hold ``metric`` (e.g. ``hits@10``, ``mrr``)."""
+def _check_stopper_metric(metric: str, default_metrics: bool = True) -> None:
+    """Raise a usage error unless ``metric`` names a rank-based metric (e.g. ``hits@10``, ``mrr``).
+
+    :param default_metrics: the evaluator computes its default metrics: ``metric`` must be one of them
+    """
     from pykeen.evaluation import RankBasedEvaluator
     from pykeen.evaluation.rank_based_evaluator import RankBasedMetricResults
 
@@ -249,7 +255,7 @@ def _check_stopper_metric(metric: str) -> None:
     except (ValueError, KeyError):
         key = None
     # the metrics of the evaluators' default (BessEvaluator's are PyKEEN's)
-    known = key in {metric_.key for metric_ in RankBasedEvaluator().metrics}
+    known = key is not None and (not default_metrics or key in {m.key for m in RankBasedEvaluator().metrics})
     if not known:
         raise UsageError(
             f"--stopper-metric {metric!r} is not one of the evaluation's metrics: e.g. hits@1, hits@3, hits@5, "

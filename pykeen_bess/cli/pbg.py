@@ -232,20 +232,21 @@ def check_same_ids(training_triples: pathlib.Path, graph: Any) -> None:
     """
     from .files import UsageError
 
+    entity_labels = graph.entity_labels()
     if not (training_triples / "entity_to_id.tsv.gz").is_file():
-        logger.warning(
-            "No %s beside the model: whether its entity ids are the graph's cannot be checked (a model trained "
-            "with train --pbg on this graph has them).",
-            training_triples,
-        )
+        if entity_labels is not None:  # (a graph without names, and its models, have no labels to compare)
+            logger.warning(
+                "No entity labels in %s beside the model: whether its entity ids are the graph's cannot be checked.",
+                training_triples,
+            )
         return
     from pykeen.triples import TriplesFactory
 
     factory = TriplesFactory.from_path_binary(training_triples)
-    for what, model_labels, graph_labels in (
-        ("entity", factory.entity_id_to_label, list(graph.entity_labels())),
-        ("relation", factory.relation_id_to_label, list(graph.schema.relation_names)),
-    ):
+    labelled = [("relation", factory.relation_id_to_label, list(graph.schema.relation_names))]
+    if entity_labels is not None:
+        labelled.insert(0, ("entity", factory.entity_id_to_label, list(entity_labels)))
+    for what, model_labels, graph_labels in labelled:
         ids = [model_labels[index] for index in range(len(model_labels))]
         differing = next((i for i, (a, b) in enumerate(zip(ids, graph_labels)) if a != b), None)
         if differing is not None or len(ids) != len(graph_labels):
