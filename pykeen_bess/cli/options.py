@@ -114,7 +114,7 @@ def _set_dataset(settings: dict[str, Any], given: dict[str, Any], kwargs: _Pipel
             kwargs.kwargs.pop(key, None)
         kwargs.set("dataset", load_dataset(settings["dataset"], kwargs.kwargs.get("dataset_kwargs")))
     elif isinstance(kwargs.kwargs.get("dataset"), str) and pathlib.Path(kwargs.kwargs["dataset"]).is_dir():
-        # (PyKEEN ignores dataset_kwargs for a dataset object: they are applied here, and recorded in the metadata)
+        # (PyKEEN ignores dataset_kwargs for a dataset object: they are applied here)
         kwargs.kwargs["dataset"] = load_dataset(kwargs.kwargs["dataset"], kwargs.kwargs.get("dataset_kwargs"))
 
 
