@@ -50,7 +50,7 @@ class MmapStorage(TableStorage):
     #: the other checkpoints the run wrote (failure checkpoints) or resumed: resuming any of them takes the
     #: files over (a class default, as :attr:`owner`)
     history: tuple[str, ...] = ()
-    #: why the files were refused or the loop failed to build (the placed ones are removed: the tables map no
+    #: why the files were refused (the placed ones are removed: the tables map no
     #: file under ``storage_path`` any more, so no later training of this storage may start), or None (a class
     #: default, as :attr:`owner`)
     refused: str | None = None
@@ -230,12 +230,9 @@ class MmapStorage(TableStorage):
         raise FileExistsError(message)
 
     def discard(self) -> None:  # noqa: D102
+        # (only the failed loop's files: an earlier loop handed the same storage keeps training on its own)
         deferred, self.deferred = self.deferred, {}
         self._remove_placed(deferred)
-        self.refused = (
-            "The training loop of these tables failed to build, and the files it placed were removed: build the "
-            "model and the training loop again."
-        )
 
     def _remove_placed(self, deferred: dict[int, pathlib.Path]) -> None:
         """Remove the files placed for this loop; ``deferred``: the existing files some were placed beside (kept)."""

@@ -647,6 +647,7 @@ def test_a_storage_handed_to_a_second_loop_keeps_the_first_loops_files(nations, 
     with pytest.raises(ValueError, match="needs row-sparse updates"):
         make_loop(factory, storage, None, sparse_updates=False)
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    first.train(factory, num_epochs=1, batch_size=72, use_tqdm=False, continue_training=True)  # not blocked
 
 
 def test_a_loop_whose_files_were_refused_does_not_train_again(nations, tmp_path) -> None:
